@@ -1,0 +1,32 @@
+# Everything a fresh clone needs: `make demo`, `make test`, `make bench`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench proto lint clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m bench.run_all
+
+# Regenerates ps_proto/ from proto/ps.proto; tests/proto checks the committed copy is fresh.
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Ips_proto=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/ps.proto
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

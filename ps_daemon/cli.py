@@ -1,0 +1,62 @@
+"""`ps-daemon serve --config FILE.toml [overrides]`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ps_daemon.config import ConfigError, load_config, parse_size
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="ps-offload node daemon.")
+
+
+@app.callback()
+def main() -> None:
+    """ps-offload node daemon."""
+
+
+@app.command()
+def serve(
+    config: Annotated[Optional[Path], typer.Option(help="TOML config file; flags below override it.")] = None,
+    listen: Annotated[Optional[str], typer.Option(help="host:port to listen on (port 0: any free port).")] = None,
+    state_dir: Annotated[Optional[str], typer.Option(help="Directory for the daemon's state.")] = None,
+    shard_bytes: Annotated[Optional[str], typer.Option(help="Default shard size, e.g. 64MiB.")] = None,
+    ram_bytes: Annotated[Optional[str], typer.Option(help="RAM tier budget, e.g. 8GiB.")] = None,
+    port_file: Annotated[Optional[str], typer.Option(help="Write the bound port here once listening.")] = None,
+    log_level: Annotated[Optional[str], typer.Option(help="DEBUG, INFO, WARNING, ERROR.")] = None,
+) -> None:
+    """Serve shards over gRPC until SIGTERM."""
+    try:
+        cfg = load_config(
+            config,
+            server__listen=listen,
+            server__port_file=port_file,
+            store__state_dir=state_dir,
+            store__shard_bytes=None if shard_bytes is None else parse_size(shard_bytes, key="--shard-bytes"),
+            store__ram_bytes=None if ram_bytes is None else parse_size(ram_bytes, key="--ram-bytes"),
+            log__level=log_level,
+        )
+    except ConfigError as exc:
+        typer.echo(f"ps-daemon: {exc}", err=True)
+        raise typer.Exit(2) from None
+    logging.basicConfig(
+        level=cfg.log.level.upper(),
+        stream=sys.stdout,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from ps_daemon.server import run  # imported late: torch and grpc load slowly
+
+    try:
+        code = run(cfg)
+    except OSError as exc:
+        typer.echo(f"ps-daemon: {exc}", err=True)
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)
+
+
+if __name__ == "__main__":
+    app()

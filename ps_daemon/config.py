@@ -1,0 +1,162 @@
+"""Daemon configuration: one dataclass per concern, loaded from TOML.
+
+The loader rejects unknown keys (a typo must not silently become a default) and warns on
+keys that were renamed, naming the new key. Sizes accept integers or strings with binary
+units ("64MiB").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A configuration a person must fix; the message says what and where."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = "127.0.0.1:50051"
+    """host:port of the gRPC port; port 0 picks a free one (the chosen port is logged and
+    written to `port_file` when set)."""
+    port_file: str = ""
+    """If set, the bound port is written here once the server listens (tests, demos)."""
+    max_workers: int = 32
+    """Threads serving RPCs. Pulls waiting for a version hold one each."""
+    max_message_bytes: int = 8 << 20
+    """Largest single gRPC message accepted or sent; larger ones get RESOURCE_EXHAUSTED.
+    Bulk data is streamed in chunks well below this."""
+    grace_seconds: float = 30.0
+    """On SIGTERM, in-flight RPCs get this long to finish before they are cancelled."""
+    max_pull_wait_seconds: float = 600.0
+    """Longest a Pull waits for `min_version` when the caller set no deadline."""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    state_dir: str = "/var/lib/ps-daemon"
+    """Where the daemon keeps its state."""
+    ram_bytes: int = 8 << 30
+    """Budget of the RAM tier: master values plus optimizer state of resident shards.
+    A registration that would exceed it is refused with RESOURCE_EXHAUSTED."""
+    shard_bytes: int = 64 << 20
+    """Default fp32 master bytes per shard, used when a trainer does not ask for a size.
+    Rounded down to a multiple of 4 KiB."""
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = "INFO"
+    """Python logging level name."""
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# Keys that were renamed: old dotted key -> new dotted key. The old key still works, with a
+# warning, so configs in the field keep running across an upgrade.
+RENAMED_KEYS: dict[str, str] = {}
+
+_SIZE_FIELDS = {"max_message_bytes", "ram_bytes", "shard_bytes"}
+_SECTIONS = {"server": ServerConfig, "store": StoreConfig, "log": LogConfig}
+
+
+def parse_size(value: Any, *, key: str) -> int:
+    """Parses 4096, "4096", "64MiB", "8 GiB" into bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+)\s*([KMGT]?i?B?)\s*", value, re.IGNORECASE)
+        unit = match.group(2).upper() if match else ""
+        if not match or unit not in _UNITS:
+            raise ConfigError(f"{key}: cannot read size {value!r}; write e.g. 4096 or \"64MiB\"")
+        size = int(match.group(1)) * _UNITS[unit]
+    else:
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
+    if size < 0:
+        raise ConfigError(f"{key}: size must not be negative, got {value!r}")
+    return size
+
+
+def _build(cls: type, table: dict[str, Any], prefix: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        dotted = f"{prefix}{key}"
+        if dotted in RENAMED_KEYS:
+            new = RENAMED_KEYS[dotted]
+            log.warning("config key %r was renamed to %r; please update the file", dotted, new)
+            key = new.rsplit(".", 1)[-1]
+            dotted = new
+        if key not in fields:
+            hint = difflib.get_close_matches(key, fields, n=1)
+            did_you_mean = f"; did you mean {prefix}{hint[0]!r}?" if hint else ""
+            raise ConfigError(
+                f"unknown config key {dotted!r}{did_you_mean} "
+                f"(known in [{prefix.rstrip('.') or 'top level'}]: {', '.join(sorted(fields))})"
+            )
+        kwargs[key] = _coerce(fields[key], value, dotted)
+    return cls(**kwargs)
+
+
+def _coerce(f: dataclasses.Field, value: Any, dotted: str) -> Any:
+    if dotted in _SECTIONS:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{dotted}: expected a table [{dotted}], got {value!r}")
+        return _build(_SECTIONS[dotted], value, f"{dotted}.")
+    if f.name in _SIZE_FIELDS:
+        return parse_size(value, key=dotted)
+    # Annotations are strings here (postponed evaluation): "str", "int" or "float".
+    expected = {"str": str, "int": int, "float": (int, float)}[f.type]
+    if isinstance(value, bool) or not isinstance(value, expected):
+        raise ConfigError(f"{dotted}: expected {f.type}, got {value!r}")
+    return float(value) if f.type == "float" else value
+
+
+def validate(config: DaemonConfig) -> DaemonConfig:
+    """Checks values that parse but cannot work; returns the config unchanged."""
+    if config.store.shard_bytes < 4096:
+        raise ConfigError(f"store.shard_bytes must be at least 4096, got {config.store.shard_bytes}")
+    if config.server.max_workers < 2:
+        raise ConfigError("server.max_workers must be at least 2")
+    if config.server.max_message_bytes < 64 << 10:
+        raise ConfigError("server.max_message_bytes must be at least 64KiB")
+    if logging.getLevelName(config.log.level.upper()) == f"Level {config.log.level.upper()}":
+        raise ConfigError(f"log.level: unknown level {config.log.level!r}")
+    return config
+
+
+def load_config(path: str | Path | None, **overrides: Any) -> DaemonConfig:
+    """Reads a TOML file (or defaults when `path` is None) and applies overrides given as
+    dotted keys with underscores for dots, e.g. ``server__listen="127.0.0.1:0"``."""
+    table: dict[str, Any] = {}
+    if path is not None:
+        try:
+            table = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {path} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        section, key = dotted.split("__", 1)
+        table.setdefault(section, {})[key] = value
+    return validate(_build(DaemonConfig, table, ""))

@@ -1,0 +1,129 @@
+"""Server-side optimizers over shards, equal to torch.optim.
+
+Each step runs torch's fused CPU kernel (`torch._fused_adamw_`, `torch._fused_sgd_`, the
+kernels behind `torch.optim.AdamW(fused=True)` and `SGD(fused=True)`) over one view per
+parameter piece of the shard. Same kernel, same traversal, same inputs: the daemon's
+parameters are bit-identical to an in-process torch.optim run on the same gradients.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from ps_daemon.plan import Segment
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+    state_per_param = 2  # m, v
+
+
+@dataclass(frozen=True)
+class SGDConfig:
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    @property
+    def state_per_param(self) -> int:
+        return 1 if self.momentum else 0
+
+
+OptimizerConfig = AdamWConfig | SGDConfig
+
+
+def validate_optimizer(config: OptimizerConfig) -> None:
+    """Raises ValueError with an actionable message for values torch.optim would refuse."""
+    if not config.lr >= 0:
+        raise ValueError(f"lr must be >= 0, got {config.lr}")
+    if not config.weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {config.weight_decay}")
+    if isinstance(config, AdamWConfig):
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(config, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(config, name)}")
+        if not config.eps >= 0:
+            raise ValueError(f"eps must be >= 0, got {config.eps}")
+    else:
+        if not config.momentum >= 0:
+            raise ValueError(f"momentum must be >= 0, got {config.momentum}")
+        if config.nesterov and (config.momentum <= 0 or config.dampening != 0):
+            raise ValueError("nesterov needs momentum > 0 and dampening 0")
+
+
+class ShardOptimizer:
+    """Optimizer state for one shard and the step that updates its master values.
+
+    Invariant: `state` tensors have the shard's numel; `step` counts applied updates and
+    equals the shard's version."""
+
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        numel: int,
+        segments: list[Segment],
+        weight_decays: list[float],
+    ) -> None:
+        self.config = config
+        self.state = [torch.zeros(numel, dtype=torch.float32) for _ in range(config.state_per_param)]
+        self.step = torch.zeros((), dtype=torch.float32)
+        # Segments grouped by weight decay: the fused kernels take one scalar per call.
+        groups: dict[float, list[Segment]] = defaultdict(list)
+        for segment, decay in zip(segments, weight_decays, strict=True):
+            groups[decay].append(segment)
+        self._groups = dict(groups)
+
+    @staticmethod
+    def state_bytes(config: OptimizerConfig, numel: int) -> int:
+        return 4 * numel * config.state_per_param
+
+    def apply(self, master: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+        """One optimizer step: master -= update(grad). `grad` is fp32 with the shard's numel."""
+        self.step += 1
+        config = self.config
+        for decay, segments in self._groups.items():
+            views = [slice(s.shard_start, s.shard_start + s.numel) for s in segments]
+            params = [master[v] for v in views]
+            grads = [grad[v] for v in views]
+            if isinstance(config, AdamWConfig):
+                m, v = self.state
+                torch._fused_adamw_(
+                    params,
+                    grads,
+                    [m[s] for s in views],
+                    [v[s] for s in views],
+                    [],
+                    [self.step] * len(views),
+                    lr=lr,
+                    beta1=config.beta1,
+                    beta2=config.beta2,
+                    weight_decay=decay,
+                    eps=config.eps,
+                    amsgrad=False,
+                    maximize=False,
+                )
+            else:
+                buffers = [self.state[0][s] for s in views] if config.momentum else []
+                torch._fused_sgd_(
+                    params,
+                    grads,
+                    buffers,
+                    weight_decay=decay,
+                    momentum=config.momentum,
+                    lr=lr,
+                    dampening=config.dampening,
+                    nesterov=config.nesterov,
+                    maximize=False,
+                    is_first_step=bool(self.step.item() == 1),
+                )

@@ -1,0 +1,112 @@
+"""Daemon lifecycle: build the gRPC server (data path, admin, health, reflection), listen,
+and on SIGTERM/SIGINT stop taking new calls, let in-flight ones finish within the grace
+period, and exit 0."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ps_daemon.config import DaemonConfig
+from ps_daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
+from ps_daemon.store import ShardStore
+from ps_proto import ps_pb2
+
+log = logging.getLogger(__name__)
+
+# Bulk streams move data in chunks of this size. Measured on loopback (docs/benchmarks.md):
+# 1 MiB chunks stay in cache between the copy and the socket write and beat 4-8 MiB ones.
+CHUNK_BYTES = 1 << 20
+
+SERVICE_NAMES = [ps_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("ParameterServer", "Admin")]
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Options both ends use: message limits, and no compression of already-dense floats."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class Daemon:
+    """One running daemon: `start()` binds and serves, `stop()` drains and stops."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.store = ShardStore(ram_bytes=config.store.ram_bytes, default_shard_bytes=config.store.shard_bytes)
+        self.health = health.HealthServicer()
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.server.max_workers, thread_name_prefix="rpc"),
+            options=channel_options(config.server.max_message_bytes),
+        )
+        self.server.add_generic_rpc_handlers(
+            [
+                parameter_server_handler(
+                    ParameterServerServicer(
+                        self.store, max_pull_wait=config.server.max_pull_wait_seconds, chunk_bytes=CHUNK_BYTES
+                    )
+                ),
+                admin_handler(AdminServicer(self.store)),
+            ]
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+        self.port = 0
+
+    def start(self) -> int:
+        listen = self.config.server.listen
+        try:
+            self.port = self.server.add_insecure_port(listen)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {listen}: {exc}") from exc
+        if self.port == 0:
+            raise OSError(f"cannot listen on {listen} (address in use or not local?)")
+        Path(self.config.store.state_dir).mkdir(parents=True, exist_ok=True)
+        self.server.start()
+        for name in ["", *SERVICE_NAMES]:
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.server.port_file:
+            _write_atomically(Path(self.config.server.port_file), f"{self.port}\n")
+        log.info("ps-daemon listening on %s (port %d)", listen, self.port)
+        return self.port
+
+    def stop(self) -> None:
+        grace = self.config.server.grace_seconds
+        log.info("stopping: draining in-flight calls for up to %.0fs", grace)
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        log.info("stopped")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def run(config: DaemonConfig) -> int:
+    """Serves until SIGTERM or SIGINT; returns the process exit code."""
+    daemon = Daemon(config)
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        stop_requested.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon.start()
+    stop_requested.wait()
+    daemon.stop()
+    return 0

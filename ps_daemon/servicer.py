@@ -1,0 +1,238 @@
+"""gRPC servicers: translate between protobuf and the store, nothing more.
+
+The bulk methods (Pull, Push) are registered with the hand-written chunk codec instead of
+protobuf's (de)serializers; the bytes on the wire are the same messages (ps_proto/codec.py
+says why). Every other method uses the generated message classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import grpc
+import torch
+
+from ps_daemon.errors import InvalidArgument, grpc_errors, grpc_errors_stream
+from ps_daemon.optim import AdamWConfig, SGDConfig
+from ps_daemon.store import ModelSpec, ParamSpec, RegisteredModel, ShardStore
+from ps_proto import codec, ps_pb2
+
+DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
+PUSH_KINDS = {ps_pb2.GRADIENT: "gradient", ps_pb2.PARAMETERS: "parameters"}
+
+
+def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
+    params = []
+    for p in spec.params:
+        if p.dtype not in DTYPE_NAMES:
+            raise InvalidArgument(f"parameter {p.name!r}: dtype is unspecified or unknown ({p.dtype})")
+        params.append(
+            ParamSpec(
+                name=p.name,
+                shape=tuple(p.shape),
+                dtype=DTYPE_NAMES[p.dtype],
+                weight_decay=p.weight_decay if p.HasField("weight_decay") else None,
+            )
+        )
+    which = spec.optimizer.WhichOneof("kind")
+    if which == "adamw":
+        o = spec.optimizer.adamw
+        optimizer = AdamWConfig(o.lr, o.beta1, o.beta2, o.eps, o.weight_decay)
+    elif which == "sgd":
+        o = spec.optimizer.sgd
+        optimizer = SGDConfig(o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov)
+    else:
+        raise InvalidArgument(f"model {spec.model!r}: no optimizer given (adamw or sgd)")
+    return ModelSpec(spec.model, tuple(params), optimizer, spec.shard_bytes, tuple(spec.daemons))
+
+
+def plan_to_proto(model: RegisteredModel, created: bool) -> ps_pb2.RegisterModelResponse:
+    return ps_pb2.RegisterModelResponse(
+        created=created,
+        shard_bytes=model.spec.shard_bytes,
+        shards=[
+            ps_pb2.ShardPlacement(shard_id=s.shard_id, daemon_index=s.daemon_index, offset=s.offset, numel=s.numel)
+            for s in model.plan
+        ],
+    )
+
+
+class ParameterServerServicer:
+    def __init__(self, store: ShardStore, *, max_pull_wait: float, chunk_bytes: int) -> None:
+        self.store = store
+        self.max_pull_wait = max_pull_wait
+        self.chunk_bytes = chunk_bytes
+
+    @grpc_errors
+    def RegisterModel(self, request: ps_pb2.RegisterModelRequest, context: grpc.ServicerContext):
+        model, created = self.store.register(spec_from_proto(request.spec), request.daemon_index)
+        return plan_to_proto(model, created)
+
+    @grpc_errors_stream
+    def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        remaining = context.time_remaining()
+        timeout = self.max_pull_wait if remaining is None else min(remaining, self.max_pull_wait)
+        with self.store.pull(request.model, request.shard_id, min_version=request.min_version, timeout=timeout) as (
+            shard,
+            version,
+        ):
+            header = ps_pb2.ShardHeader(
+                model=request.model,
+                shard_id=request.shard_id,
+                version=version,
+                numel=shard.slice.numel,
+                dtype=ps_pb2.FLOAT32,
+            )
+            # The read hold lasts while chunks are encoded, so a pull never sees half an update.
+            raw = memoryview(shard.master.numpy()).cast("B")
+            for start in range(0, len(raw), self.chunk_bytes):
+                yield codec.pull_chunks.encode(header if start == 0 else None, raw[start : start + self.chunk_bytes])
+
+    @grpc_errors
+    def Push(self, chunks: Iterable[codec.Chunk], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+        chunks = iter(chunks)
+        first = next(chunks, None)
+        if first is None or first.header is None:
+            raise InvalidArgument("a push stream must start with a chunk that carries the PushHeader")
+        header: ps_pb2.PushHeader = first.header
+        kind = PUSH_KINDS.get(header.kind)
+        if kind is None:
+            raise InvalidArgument(f"push kind must be GRADIENT or PARAMETERS, got {header.kind}")
+        if header.encoding != ps_pb2.RAW:
+            raise InvalidArgument(f"push encoding {header.encoding} is not supported; send RAW")
+        dtype = DTYPE_NAMES.get(header.dtype, f"unspecified ({header.dtype})")
+        ack = self.store.check_push(
+            header.model, header.shard_id, step=header.step, kind=kind, nbytes=header.nbytes, dtype=dtype
+        )
+        if ack is not None:  # applied before: answer without reading the payload
+            self.store.note_duplicate()
+            return ps_pb2.PushResponse(applied=False, version=ack.version)
+        staging = torch.empty(header.nbytes // 4, dtype=torch.float32)
+        view = memoryview(staging.numpy()).cast("B")
+        received = 0
+        for chunk in _chain_first(first, chunks):
+            if chunk.header is not None and chunk is not first:
+                raise InvalidArgument("only the first chunk of a push may carry a header")
+            n = len(chunk.data)
+            if received + n > header.nbytes:
+                raise InvalidArgument(
+                    f"push to shard {header.shard_id} sent more than the {header.nbytes} bytes its header announced"
+                )
+            view[received : received + n] = chunk.data
+            received += n
+        if received != header.nbytes:
+            raise InvalidArgument(
+                f"push to shard {header.shard_id} ended after {received} of {header.nbytes} bytes"
+            )
+        result = self.store.push(
+            header.model, header.shard_id, step=header.step, kind=kind, data=staging, lr=header.lr or None
+        )
+        return ps_pb2.PushResponse(applied=result.applied, version=result.version)
+
+    @grpc_errors
+    def Prefetch(self, request: ps_pb2.PrefetchRequest, context: grpc.ServicerContext):
+        return ps_pb2.PrefetchResponse(accepted=self.store.prefetch(request.model, list(request.shard_ids)))
+
+
+def _chain_first(first: codec.Chunk, rest: Iterator[codec.Chunk]) -> Iterator[codec.Chunk]:
+    yield first
+    yield from rest
+
+
+class AdminServicer:
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+
+    @grpc_errors
+    def ListShards(self, request: ps_pb2.ListShardsRequest, context: grpc.ServicerContext):
+        models = [self.store.model(request.model)] if request.model else self.store.models()
+        infos = [_shard_info(shard) for model in models for shard in model.shards.values()]
+        return ps_pb2.ListShardsResponse(shards=infos)
+
+    @grpc_errors
+    def GetShard(self, request: ps_pb2.GetShardRequest, context: grpc.ServicerContext):
+        shard = self.store.shard(request.model, request.shard_id)
+        info = _shard_info(shard)
+        stats = self.store.value_stats(shard)
+        info.norm, info.min, info.max, info.nan_count = stats.norm, stats.min, stats.max, stats.nan_count
+        return info
+
+    @grpc_errors
+    def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext):
+        s = self.store.stats_snapshot()
+        return ps_pb2.StatsResponse(
+            models=s.models,
+            shards=s.shards,
+            ram_bytes_used=s.ram_bytes_used,
+            bytes_pulled=s.bytes_pulled,
+            bytes_pushed=s.bytes_pushed,
+            pulls=s.pulls,
+            pushes_applied=s.pushes_applied,
+            pushes_duplicate=s.pushes_duplicate,
+            optimizer_seconds=s.optimizer_seconds,
+            uptime_seconds=s.uptime_seconds,
+            prefetch_hints=s.prefetch_hints,
+        )
+
+
+def _shard_info(shard) -> ps_pb2.ShardInfo:
+    return ps_pb2.ShardInfo(
+        model=shard.model,
+        shard_id=shard.slice.shard_id,
+        version=shard.version,
+        numel=shard.slice.numel,
+        offset=shard.slice.offset,
+        tier="ram",
+        initialized=shard.initialized,
+        params=list(shard.param_names),
+        bytes=shard.resident_bytes,
+    )
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def _handlers(service: str, methods: dict[str, grpc.RpcMethodHandler]) -> grpc.GenericRpcHandler:
+    """Checks the handlers against the service descriptor, so a method added to ps.proto
+    without a handler fails at start-up, not at the first call."""
+    descriptor = ps_pb2.DESCRIPTOR.services_by_name[service]
+    missing = {m.name for m in descriptor.methods} - set(methods)
+    if missing:
+        raise RuntimeError(f"{service}: no handler for {sorted(missing)}")
+    return grpc.method_handlers_generic_handler(descriptor.full_name, methods)
+
+
+def _unary(method, request_cls, response_cls) -> grpc.RpcMethodHandler:
+    return grpc.unary_unary_rpc_method_handler(
+        method, request_deserializer=request_cls.FromString, response_serializer=response_cls.SerializeToString
+    )
+
+
+def parameter_server_handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
+    return _handlers(
+        "ParameterServer",
+        {
+            "RegisterModel": _unary(servicer.RegisterModel, ps_pb2.RegisterModelRequest, ps_pb2.RegisterModelResponse),
+            "Pull": grpc.unary_stream_rpc_method_handler(
+                servicer.Pull, request_deserializer=ps_pb2.PullRequest.FromString, response_serializer=_identity
+            ),
+            "Push": grpc.stream_unary_rpc_method_handler(
+                servicer.Push,
+                request_deserializer=codec.push_chunks.decode,
+                response_serializer=ps_pb2.PushResponse.SerializeToString,
+            ),
+            "Prefetch": _unary(servicer.Prefetch, ps_pb2.PrefetchRequest, ps_pb2.PrefetchResponse),
+        },
+    )
+
+
+def admin_handler(servicer: AdminServicer) -> grpc.GenericRpcHandler:
+    return _handlers(
+        "Admin",
+        {
+            "ListShards": _unary(servicer.ListShards, ps_pb2.ListShardsRequest, ps_pb2.ListShardsResponse),
+            "GetShard": _unary(servicer.GetShard, ps_pb2.GetShardRequest, ps_pb2.ShardInfo),
+            "Stats": _unary(servicer.Stats, ps_pb2.StatsRequest, ps_pb2.StatsResponse),
+        },
+    )

@@ -1,0 +1,435 @@
+"""Shards held by one daemon: registration, pull, push with (shard, step) dedup, apply.
+
+No gRPC here: the servicer translates protobuf to these calls and the typed errors in
+ps_daemon.errors back to status codes.
+
+Versions: a shard's version is the number of gradient updates applied to it. A gradient
+push for `step` is applied only when step == version, then version becomes step + 1; a push
+for step < version was applied before and is acknowledged without effect (so retries are
+safe); a push for step > version is from the future and refused. Initial values are pushed
+once, before the first update, and mark the shard `initialized`; pulls wait for that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ps_daemon.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from ps_daemon.optim import OptimizerConfig, ShardOptimizer, validate_optimizer
+from ps_daemon.plan import (
+    FP32_BYTES,
+    ParamLayout,
+    PlanError,
+    ShardSlice,
+    layout_params,
+    plan_shards,
+    segments_of,
+    shard_numel_for,
+)
+
+SUPPORTED_COMPUTE_DTYPES = ("float32",)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    weight_decay: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What RegisterModel declares. Two registrations are the same iff their specs are equal."""
+
+    model: str
+    params: tuple[ParamSpec, ...]
+    optimizer: OptimizerConfig
+    shard_bytes: int
+    daemons: tuple[str, ...]
+
+
+class Shard:
+    """One shard's master values, optimizer state and version.
+
+    Invariants: `version` == number of gradient updates applied == optimizer.step;
+    `master` and every optimizer state tensor have `slice.numel` fp32 elements; `version`,
+    `initialized`, `readers` and `writing` change only under `cond`. Readers (pulls) share
+    the shard; a writer (an update) has it alone, and waiting writers go first so that a
+    stream of pulls cannot starve an update.
+    """
+
+    def __init__(self, model: str, slice_: ShardSlice, layouts: list[ParamLayout], optimizer: OptimizerConfig):
+        segments = segments_of(slice_, layouts)
+        self.model = model
+        self.slice = slice_
+        self.param_names = tuple(layouts[s.param_index].name for s in segments)
+        decays = [
+            layouts[s.param_index].weight_decay
+            if layouts[s.param_index].weight_decay is not None
+            else optimizer.weight_decay
+            for s in segments
+        ]
+        self.master = torch.zeros(slice_.numel, dtype=torch.float32)
+        self.optimizer = ShardOptimizer(optimizer, slice_.numel, segments, decays)
+        self.version = 0
+        self.initialized = False
+        self.cond = threading.Condition()
+        self.readers = 0
+        self.writing = False
+        self.writers_waiting = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.slice.numel * FP32_BYTES
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.nbytes + ShardOptimizer.state_bytes(self.optimizer.config, self.slice.numel)
+
+    @contextlib.contextmanager
+    def reading(self, min_version: int, timeout: float) -> Iterator[int]:
+        """Holds the shard for reading once it is initialized and at min_version; yields the
+        version being read."""
+        with self.cond:
+            ready = self.cond.wait_for(
+                lambda: self.initialized
+                and self.version >= min_version
+                and not self.writing
+                and not self.writers_waiting,
+                timeout=timeout,
+            )
+            if not ready:
+                state = f"at version {self.version}" if self.initialized else "without initial values"
+                raise DeadlineExceeded(
+                    f"shard {self.slice.shard_id} of model {self.model!r} is still {state} after "
+                    f"{timeout:.1f}s; waited for version {min_version}. Is a trainer pushing it?"
+                )
+            self.readers += 1
+            version = self.version
+        try:
+            yield version
+        finally:
+            with self.cond:
+                self.readers -= 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def writing_lock(self) -> Iterator[None]:
+        with self.cond:
+            self.writers_waiting += 1
+            self.cond.wait_for(lambda: not self.writing and self.readers == 0)
+            self.writers_waiting -= 1
+            self.writing = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.writing = False
+                self.cond.notify_all()
+
+
+@dataclass
+class StoreStats:
+    bytes_pulled: int = 0
+    bytes_pushed: int = 0
+    pulls: int = 0
+    pushes_applied: int = 0
+    pushes_duplicate: int = 0
+    optimizer_seconds: float = 0.0
+    prefetch_hints: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class ValueStats:
+    norm: float
+    min: float
+    max: float
+    nan_count: int
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    models: int
+    shards: int
+    ram_bytes_used: int
+    bytes_pulled: int
+    bytes_pushed: int
+    pulls: int
+    pushes_applied: int
+    pushes_duplicate: int
+    optimizer_seconds: float
+    prefetch_hints: int
+    uptime_seconds: float
+
+
+@dataclass
+class RegisteredModel:
+    spec: ModelSpec
+    daemon_index: int
+    layouts: list[ParamLayout]
+    plan: list[ShardSlice]
+    shards: dict[int, Shard]  # only the shards this daemon owns
+
+
+@dataclass(frozen=True)
+class PushResult:
+    applied: bool
+    version: int
+
+
+class ShardStore:
+    def __init__(self, *, ram_bytes: int, default_shard_bytes: int) -> None:
+        self.ram_bytes = ram_bytes
+        self.default_shard_bytes = default_shard_bytes
+        self.stats = StoreStats()
+        self._models: dict[str, RegisteredModel] = {}
+        self._lock = threading.Lock()  # guards _models and stats counters
+
+    # -- registration -------------------------------------------------------------------
+
+    def resolve_shard_bytes(self, spec: ModelSpec) -> ModelSpec:
+        """A spec with shard_bytes 0 asks for this daemon's default."""
+        if spec.shard_bytes:
+            return spec
+        return ModelSpec(spec.model, spec.params, spec.optimizer, self.default_shard_bytes, spec.daemons)
+
+    def register(self, spec: ModelSpec, daemon_index: int) -> tuple[RegisteredModel, bool]:
+        """Creates the model's shards owned by `daemon_index`; returns (model, created)."""
+        spec = self.resolve_shard_bytes(spec)
+        _validate_spec(spec, daemon_index)
+        with self._lock:
+            existing = self._models.get(spec.model)
+            if existing is not None:
+                if existing.spec != spec or existing.daemon_index != daemon_index:
+                    raise FailedPrecondition(
+                        f"model {spec.model!r} is already registered with a different spec "
+                        f"({_spec_difference(existing.spec, spec, existing.daemon_index, daemon_index)}); "
+                        "register it under a new name, or restart the daemon to drop it"
+                    )
+                return existing, False
+            layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
+            total = sum(p.numel for p in layouts)
+            plan = plan_shards(total, shard_numel_for(spec.shard_bytes), len(spec.daemons))
+            mine = [s for s in plan if s.daemon_index == daemon_index]
+            need = sum(
+                s.numel * FP32_BYTES + ShardOptimizer.state_bytes(spec.optimizer, s.numel) for s in mine
+            )
+            used = self._resident_bytes_locked()
+            if used + need > self.ram_bytes:
+                raise ResourceExhausted(
+                    f"model {spec.model!r} needs {need} bytes on this daemon (master and optimizer "
+                    f"state); the RAM tier has {self.ram_bytes - used} of {self.ram_bytes} free. "
+                    "Raise store.ram_bytes or add daemons"
+                )
+            shards = {s.shard_id: Shard(spec.model, s, layouts, spec.optimizer) for s in mine}
+            registered = RegisteredModel(spec, daemon_index, layouts, plan, shards)
+            self._models[spec.model] = registered
+            return registered, True
+
+    def _resident_bytes_locked(self) -> int:
+        return sum(s.resident_bytes for m in self._models.values() for s in m.shards.values())
+
+    # -- lookup -------------------------------------------------------------------------
+
+    def model(self, name: str) -> RegisteredModel:
+        model = self._models.get(name)
+        if model is None:
+            known = ", ".join(sorted(self._models)) or "none"
+            raise NotFound(f"model {name!r} is not registered on this daemon (registered: {known})")
+        return model
+
+    def shard(self, model_name: str, shard_id: int) -> Shard:
+        model = self.model(model_name)
+        shard = model.shards.get(shard_id)
+        if shard is None:
+            if shard_id < len(model.plan):
+                owner = model.plan[shard_id].daemon_index
+                raise NotFound(
+                    f"shard {shard_id} of model {model_name!r} lives on daemon {owner} "
+                    f"({model.spec.daemons[owner]}), not on this one (daemon {model.daemon_index})"
+                )
+            raise NotFound(
+                f"model {model_name!r} has shards 0..{len(model.plan) - 1}; there is no shard {shard_id}"
+            )
+        return shard
+
+    def models(self) -> list[RegisteredModel]:
+        with self._lock:
+            return list(self._models.values())
+
+    # -- data path ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def pull(self, model: str, shard_id: int, *, min_version: int, timeout: float) -> Iterator[tuple[Shard, int]]:
+        """Holds the shard for reading at min_version or later: yields (shard, version). The
+        caller streams `shard.master` while inside the block."""
+        shard = self.shard(model, shard_id)
+        with shard.reading(min_version, timeout) as version:
+            yield shard, version
+        with self._lock:
+            self.stats.pulls += 1
+            self.stats.bytes_pulled += shard.nbytes
+
+    def check_push(self, model: str, shard_id: int, *, step: int, kind: str, nbytes: int, dtype: str) -> PushResult | None:
+        """Validates a push header before its payload is read. Returns the acknowledgement
+        for a push that was applied before (no payload needed), else None."""
+        shard = self.shard(model, shard_id)
+        if dtype != "float32":
+            raise InvalidArgument(
+                f"push to shard {shard_id}: dtype {dtype} is not accepted for RAW pushes; send float32"
+            )
+        if nbytes != shard.nbytes:
+            raise InvalidArgument(
+                f"push to shard {shard_id}: header says {nbytes} bytes, the shard has "
+                f"{shard.slice.numel} float32 = {shard.nbytes} bytes"
+            )
+        with shard.cond:
+            return self._check_step_locked(shard, step, kind)
+
+    def _check_step_locked(self, shard: Shard, step: int, kind: str) -> PushResult | None:
+        sid = shard.slice.shard_id
+        if kind == "parameters":
+            if shard.version > 0:
+                raise FailedPrecondition(
+                    f"shard {sid} has had {shard.version} updates; initial values can only be "
+                    "pushed before the first update"
+                )
+            return None
+        if not shard.initialized:
+            raise FailedPrecondition(
+                f"shard {sid} has no values yet: push its initial parameters before gradients"
+            )
+        if step < shard.version:
+            return PushResult(applied=False, version=shard.version)
+        if step > shard.version:
+            raise FailedPrecondition(
+                f"push for step {step} to shard {sid}, which is at version {shard.version}: "
+                f"step {shard.version} must be applied first"
+            )
+        return None
+
+    def push(self, model: str, shard_id: int, *, step: int, kind: str, data: torch.Tensor, lr: float | None) -> PushResult:
+        """Applies a gradient (or writes initial values) held in `data` (fp32, shard numel)."""
+        shard = self.shard(model, shard_id)
+        if data.dtype != torch.float32 or data.numel() != shard.slice.numel:
+            raise InvalidArgument(
+                f"push to shard {shard_id}: got {data.numel()} {data.dtype}, expected "
+                f"{shard.slice.numel} float32"
+            )
+        with shard.writing_lock():
+            # Re-checked under the lock: a retry may have raced the first attempt.
+            ack = self._check_step_locked(shard, step, kind)
+            if ack is not None:
+                with self._lock:
+                    self.stats.pushes_duplicate += 1
+                return ack
+            if kind == "parameters":
+                shard.master.copy_(data)
+                shard.initialized = True
+            else:
+                started = time.perf_counter()
+                shard.optimizer.apply(shard.master, data, lr if lr else shard.optimizer.config.lr)
+                elapsed = time.perf_counter() - started
+                shard.version += 1
+                with self._lock:
+                    self.stats.optimizer_seconds += elapsed
+                    self.stats.pushes_applied += 1
+            with self._lock:
+                self.stats.bytes_pushed += shard.nbytes
+            return PushResult(applied=True, version=shard.version)
+
+    def note_duplicate(self) -> None:
+        with self._lock:
+            self.stats.pushes_duplicate += 1
+
+    def prefetch(self, model: str, shard_ids: list[int]) -> int:
+        """A hint from a trainer. Every shard is in RAM for now, so nothing moves; the hint
+        is validated and counted."""
+        for shard_id in shard_ids:
+            self.shard(model, shard_id)
+        with self._lock:
+            self.stats.prefetch_hints += len(shard_ids)
+        return len(shard_ids)
+
+    def value_stats(self, shard: Shard) -> ValueStats:
+        """Norm, min, max and NaN count of the master values, read between updates."""
+        with shard.cond:
+            shard.cond.wait_for(lambda: not shard.writing)
+            values = shard.master
+            finite = values[~torch.isnan(values)]
+            return ValueStats(
+                norm=float(torch.linalg.vector_norm(values)),
+                min=float(finite.min()) if finite.numel() else float("nan"),
+                max=float(finite.max()) if finite.numel() else float("nan"),
+                nan_count=int(values.numel() - finite.numel()),
+            )
+
+    def stats_snapshot(self) -> StatsSnapshot:
+        with self._lock:
+            s = self.stats
+            return StatsSnapshot(
+                models=len(self._models),
+                shards=sum(len(m.shards) for m in self._models.values()),
+                ram_bytes_used=self._resident_bytes_locked(),
+                bytes_pulled=s.bytes_pulled,
+                bytes_pushed=s.bytes_pushed,
+                pulls=s.pulls,
+                pushes_applied=s.pushes_applied,
+                pushes_duplicate=s.pushes_duplicate,
+                optimizer_seconds=s.optimizer_seconds,
+                prefetch_hints=s.prefetch_hints,
+                uptime_seconds=time.monotonic() - s.started,
+            )
+
+
+def _validate_spec(spec: ModelSpec, daemon_index: int) -> None:
+    if not spec.model:
+        raise InvalidArgument("the model name is empty")
+    if not spec.params:
+        raise InvalidArgument(f"model {spec.model!r} has no parameters")
+    if not spec.daemons:
+        raise InvalidArgument("the daemon list is empty")
+    if not 0 <= daemon_index < len(spec.daemons):
+        raise InvalidArgument(f"daemon_index {daemon_index} is outside the daemon list of {len(spec.daemons)}")
+    for param in spec.params:
+        if param.dtype not in SUPPORTED_COMPUTE_DTYPES:
+            raise InvalidArgument(
+                f"parameter {param.name!r}: compute dtype {param.dtype} is not supported yet "
+                f"(supported: {', '.join(SUPPORTED_COMPUTE_DTYPES)})"
+            )
+        if param.weight_decay is not None and not param.weight_decay >= 0:
+            raise InvalidArgument(f"parameter {param.name!r}: weight_decay must be >= 0")
+    try:
+        validate_optimizer(spec.optimizer)
+        shard_numel_for(spec.shard_bytes)
+        layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
+    except (ValueError, PlanError) as exc:
+        raise InvalidArgument(f"model {spec.model!r}: {exc}") from exc
+
+
+def _spec_difference(old: ModelSpec, new: ModelSpec, old_index: int, new_index: int) -> str:
+    if old_index != new_index:
+        return f"this daemon is index {old_index}, the new request says {new_index}"
+    for name in ("params", "optimizer", "shard_bytes", "daemons"):
+        if getattr(old, name) != getattr(new, name):
+            if name == "params":
+                for a, b in zip(old.params, new.params):
+                    if a != b:
+                        return f"parameter {a.name!r} was {a}, now {b}"
+                return f"{len(old.params)} parameters before, {len(new.params)} now"
+            return f"{name} was {getattr(old, name)}, now {getattr(new, name)}"
+    return "unknown difference"

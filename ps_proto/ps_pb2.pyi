@@ -1,0 +1,289 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+
+class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENCODING_UNSPECIFIED: _ClassVar[Encoding]
+    RAW: _ClassVar[Encoding]
+
+class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUSH_KIND_UNSPECIFIED: _ClassVar[PushKind]
+    GRADIENT: _ClassVar[PushKind]
+    PARAMETERS: _ClassVar[PushKind]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+BFLOAT16: DType
+FLOAT16: DType
+ENCODING_UNSPECIFIED: Encoding
+RAW: Encoding
+PUSH_KIND_UNSPECIFIED: PushKind
+GRADIENT: PushKind
+PARAMETERS: PushKind
+
+class ParamSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "weight_decay")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    weight_decay: float
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+
+class AdamWSpec(_message.Message):
+    __slots__ = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    LR_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    def __init__(self, lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+
+class SGDSpec(_message.Message):
+    __slots__ = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    DAMPENING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    momentum: float
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., weight_decay: _Optional[float] = ..., nesterov: _Optional[bool] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("adamw", "sgd")
+    ADAMW_FIELD_NUMBER: _ClassVar[int]
+    SGD_FIELD_NUMBER: _ClassVar[int]
+    adamw: AdamWSpec
+    sgd: SGDSpec
+    def __init__(self, adamw: _Optional[_Union[AdamWSpec, _Mapping]] = ..., sgd: _Optional[_Union[SGDSpec, _Mapping]] = ...) -> None: ...
+
+class ModelSpec(_message.Message):
+    __slots__ = ("model", "params", "optimizer", "shard_bytes", "daemons")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DAEMONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    params: _containers.RepeatedCompositeFieldContainer[ParamSpec]
+    optimizer: OptimizerSpec
+    shard_bytes: int
+    daemons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., shard_bytes: _Optional[int] = ..., daemons: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RegisterModelRequest(_message.Message):
+    __slots__ = ("spec", "daemon_index")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_INDEX_FIELD_NUMBER: _ClassVar[int]
+    spec: ModelSpec
+    daemon_index: int
+    def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., daemon_index: _Optional[int] = ...) -> None: ...
+
+class ShardPlacement(_message.Message):
+    __slots__ = ("shard_id", "daemon_index", "offset", "numel")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    daemon_index: int
+    offset: int
+    numel: int
+    def __init__(self, shard_id: _Optional[int] = ..., daemon_index: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class RegisterModelResponse(_message.Message):
+    __slots__ = ("shards", "created", "shard_bytes")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardPlacement]
+    created: bool
+    shard_bytes: int
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., created: _Optional[bool] = ..., shard_bytes: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("model", "shard_id", "min_version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    shard_id: int
+    min_version: int
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., min_version: _Optional[int] = ...) -> None: ...
+
+class ShardHeader(_message.Message):
+    __slots__ = ("model", "shard_id", "version", "numel", "dtype")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    shard_id: int
+    version: int
+    numel: int
+    dtype: DType
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class PullChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ShardHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ShardHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("model", "shard_id", "step", "kind", "encoding", "dtype", "nbytes", "lr")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    shard_id: int
+    step: int
+    kind: PushKind
+    encoding: Encoding
+    dtype: DType
+    nbytes: int
+    lr: float
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., lr: _Optional[float] = ...) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("applied", "version")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    version: int
+    def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("model", "shard_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    shard_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., shard_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+
+class ListShardsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("model", "shard_id", "version", "numel", "offset", "tier", "initialized", "params", "bytes", "norm", "min", "max", "nan_count")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    NAN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    shard_id: int
+    version: int
+    numel: int
+    offset: int
+    tier: str
+    initialized: bool
+    params: _containers.RepeatedScalarFieldContainer[str]
+    bytes: int
+    norm: float
+    min: float
+    max: float
+    nan_count: int
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., tier: _Optional[str] = ..., initialized: _Optional[bool] = ..., params: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., norm: _Optional[float] = ..., min: _Optional[float] = ..., max: _Optional[float] = ..., nan_count: _Optional[int] = ...) -> None: ...
+
+class ListShardsResponse(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
+
+class GetShardRequest(_message.Message):
+    __slots__ = ("model", "shard_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    shard_id: int
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    RAM_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_HINTS_FIELD_NUMBER: _ClassVar[int]
+    models: int
+    shards: int
+    ram_bytes_used: int
+    bytes_pulled: int
+    bytes_pushed: int
+    pulls: int
+    pushes_applied: int
+    pushes_duplicate: int
+    optimizer_seconds: float
+    uptime_seconds: float
+    prefetch_hints: int
+    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,163 @@
+"""Training through real daemons ends with the same parameters as torch.optim in-process.
+
+Exactness: bit-identical. The daemon runs the same fused kernel as
+torch.optim.AdamW(fused=True) / SGD(fused=True) (torch._fused_adamw_ / _fused_sgd_), on one
+view per parameter piece (so vector lanes and scalar tails fall on the same elements), with
+the same fp32 gradients (sent as raw bytes) and the same step counts. Shard boundaries that
+cut a parameter are multiples of 1024 elements, so they cannot move a tail either. Any
+difference at all is a bug, hence torch.equal rather than a tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import trainer
+from trainer.debug_models import GPTConfig, TinyGPT, mlp
+
+STEPS = 50
+
+
+def _mlp_case():
+    torch.manual_seed(0)
+    model = mlp((32, 64, 64, 10))
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(32, 10, generator=g)  # labels a linear teacher gives: learnable
+    inputs = [torch.randn(16, 32, generator=g) for _ in range(STEPS)]
+    batches = [(x, (x @ teacher).argmax(dim=1)) for x in inputs]
+
+    def loss_fn(m, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(m(x), y)
+
+    return model, batches, loss_fn
+
+
+def _gpt_case():
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=40, block_size=32, n_layer=2, n_head=4, n_embd=64))
+    g = torch.Generator().manual_seed(1)
+    # Sequences that follow a rule (next = 7 * prev + 3 mod 40): learnable, so the loss falls.
+    starts = [torch.randint(40, (4, 1), generator=g) for _ in range(STEPS)]
+    batches = []
+    for start in starts:
+        seq = [start]
+        for _ in range(32):
+            seq.append((seq[-1] * 7 + 3) % 40)
+        batches.append(torch.cat(seq, dim=1))
+
+    def loss_fn(m, batch):
+        return m(batch[:, :-1], batch[:, 1:])[1]
+
+    return model, batches, loss_fn
+
+
+def _no_decay(name, p):
+    return p.dim() < 2
+
+
+def _train_reference(model, batches, loss_fn, torch_opt):
+    for batch in batches:
+        torch_opt.zero_grad()
+        loss_fn(model, batch).backward()
+        torch_opt.step()
+    return model
+
+
+def _train_offloaded(model, batches, loss_fn, opt):
+    losses = []
+    for batch in batches:
+        opt.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    opt.synchronize()
+    return losses
+
+
+@pytest.mark.parametrize("case", [_mlp_case, _gpt_case], ids=["mlp", "transformer"])
+@pytest.mark.parametrize("n_daemons", [1, 2])
+def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, daemon_factory):
+    model, batches, loss_fn = case()
+    reference = copy.deepcopy(model)
+    decay = [p for n, p in reference.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in reference.named_parameters() if p.dim() < 2]
+    torch_opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=3e-3,
+        fused=True,
+    )
+    _train_reference(reference, batches, loss_fn, torch_opt)
+
+    daemons = [daemon_factory() for _ in range(n_daemons)]
+    # 8 KiB shards: several shards per daemon, parameters cut across shard boundaries.
+    with trainer.offload(
+        model,
+        daemons=[d.address for d in daemons],
+        optimizer=trainer.AdamW(lr=3e-3, weight_decay=0.1),
+        shard_bytes=8192,
+        no_weight_decay=_no_decay,
+    ) as opt:
+        assert len(opt.plan) >= 2 * n_daemons
+        assert {s.daemon_index for s in opt.plan} == set(range(n_daemons))
+        losses = _train_offloaded(model, batches, loss_fn, opt)
+
+    assert losses[-1] < losses[0]
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs), f"{name}: max |diff| {(ours - theirs).abs().max().item()}"
+
+
+def test_sgd_momentum_through_daemon_matches_torch_fused(daemon):
+    model, batches, loss_fn = _mlp_case()
+    reference = copy.deepcopy(model)
+    torch_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4, fused=True)
+    _train_reference(reference, batches, loss_fn, torch_opt)
+    with trainer.offload(
+        model,
+        daemons=[daemon.address],
+        optimizer=trainer.SGD(lr=0.05, momentum=0.9, weight_decay=1e-4),
+        shard_bytes=4096,
+    ) as opt:
+        _train_offloaded(model, batches, loss_fn, opt)
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_lr_schedule_is_applied_per_step(daemon):
+    """The trainer owns the schedule; the lr set before step() is the one the daemon uses."""
+    model, batches, loss_fn = _mlp_case()
+    reference = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    schedule = [1e-2 * (1 - i / STEPS) for i in range(STEPS)]
+    for lr, batch in zip(schedule, batches, strict=True):
+        torch_opt.param_groups[0]["lr"] = lr
+        torch_opt.zero_grad()
+        loss_fn(reference, batch).backward()
+        torch_opt.step()
+    with trainer.offload(
+        model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.0), shard_bytes=8192
+    ) as opt:
+        for lr, batch in zip(schedule, batches, strict=True):
+            opt.lr = lr
+            opt.zero_grad()
+            loss_fn(model, batch).backward()
+            opt.step()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_second_trainer_resumes_from_daemon_state(daemon):
+    """Registering the same spec again attaches to the daemon's current parameters."""
+    model, batches, loss_fn = _mlp_case()
+    with trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-2), shard_bytes=8192) as opt:
+        _train_offloaded(model, batches[:5], loss_fn, opt)
+        trained = [p.detach().clone() for p in model.parameters()]
+    fresh, _, _ = _mlp_case()  # different object, initial values
+    with trainer.offload(fresh, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-2), shard_bytes=8192) as opt:
+        assert opt.step_count == 5
+        for ours, theirs in zip(fresh.parameters(), trained, strict=True):
+            assert torch.equal(ours, theirs)

@@ -1,0 +1,241 @@
+"""The trainer's side of the wire: push, pull and wait, ps-lite style.
+
+`DaemonClient` talks to one daemon. `ShardedClient` holds the plan and a client per daemon
+and moves one shard at a time, with deadlines and retries. Retrying is safe: a push is
+applied at most once per (shard, step) and a pull only reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from ps_daemon.plan import ShardSlice, layout_params, plan_shards, shard_numel_for
+from ps_daemon.server import CHUNK_BYTES, channel_options
+from ps_proto import codec, ps_pb2
+from trainer.config import ClientConfig
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class DaemonError(RuntimeError):
+    """A daemon refused a call or could not be reached; the message names both ends."""
+
+    def __init__(self, address: str, what: str, error: grpc.RpcError) -> None:
+        self.address = address
+        self.code = error.code()
+        super().__init__(f"{what} on daemon {address}: {self.code.name}: {error.details()}")
+
+
+def _method(service: str, name: str) -> str:
+    return f"/{ps_pb2.DESCRIPTOR.services_by_name[service].full_name}/{name}"
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class DaemonClient:
+    """One channel to one daemon and its data-path methods."""
+
+    def __init__(self, address: str, *, max_message_bytes: int) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._register = self.channel.unary_unary(
+            _method("ParameterServer", "RegisterModel"),
+            request_serializer=ps_pb2.RegisterModelRequest.SerializeToString,
+            response_deserializer=ps_pb2.RegisterModelResponse.FromString,
+        )
+        self._pull = self.channel.unary_stream(
+            _method("ParameterServer", "Pull"),
+            request_serializer=ps_pb2.PullRequest.SerializeToString,
+            response_deserializer=codec.pull_chunks.decode,
+        )
+        self._push = self.channel.stream_unary(
+            _method("ParameterServer", "Push"),
+            request_serializer=_identity,
+            response_deserializer=ps_pb2.PushResponse.FromString,
+        )
+        self._prefetch = self.channel.unary_unary(
+            _method("ParameterServer", "Prefetch"),
+            request_serializer=ps_pb2.PrefetchRequest.SerializeToString,
+            response_deserializer=ps_pb2.PrefetchResponse.FromString,
+        )
+
+    def register(
+        self, spec: ps_pb2.ModelSpec, daemon_index: int, *, timeout: float
+    ) -> ps_pb2.RegisterModelResponse:
+        request = ps_pb2.RegisterModelRequest(spec=spec, daemon_index=daemon_index)
+        return self._register(request, timeout=timeout, wait_for_ready=True)
+
+    def pull_into(self, model: str, shard_id: int, *, min_version: int, out: memoryview, timeout: float) -> int:
+        """Streams shard `shard_id` into `out` (a byte view of exactly the shard's size);
+        returns the version received."""
+        request = ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version)
+        version, received = -1, 0
+        for chunk in self._pull(request, timeout=timeout):
+            if chunk.header is not None:
+                if chunk.header.numel * 4 != len(out):
+                    raise ValueError(
+                        f"daemon {self.address} sent shard {shard_id} with {chunk.header.numel} elements, "
+                        f"the plan says {len(out) // 4}: trainer and daemon disagree on the plan"
+                    )
+                version = chunk.header.version
+            n = len(chunk.data)
+            out[received : received + n] = chunk.data
+            received += n
+        if received != len(out) or version < 0:
+            raise ValueError(f"daemon {self.address} ended shard {shard_id} after {received} of {len(out)} bytes")
+        return version
+
+    def push(
+        self,
+        model: str,
+        shard_id: int,
+        *,
+        step: int,
+        kind: int,
+        data: memoryview,
+        lr: float,
+        timeout: float,
+    ) -> ps_pb2.PushResponse:
+        header = ps_pb2.PushHeader(
+            model=model,
+            shard_id=shard_id,
+            step=step,
+            kind=kind,
+            encoding=ps_pb2.RAW,
+            dtype=ps_pb2.FLOAT32,
+            nbytes=len(data),
+            lr=lr,
+        )
+
+        def chunks():
+            yield codec.push_chunks.encode(header, data[:CHUNK_BYTES])
+            for start in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
+                yield codec.push_chunks.encode(None, data[start : start + CHUNK_BYTES])
+
+        return self._push(chunks(), timeout=timeout)
+
+    def prefetch(self, model: str, shard_ids: list[int], *, timeout: float) -> int:
+        return self._prefetch(ps_pb2.PrefetchRequest(model=model, shard_ids=shard_ids), timeout=timeout).accepted
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class ShardedClient:
+    """A model's plan over an ordered daemon list, and shard-level push/pull with retries."""
+
+    def __init__(self, daemons: list[str], *, config: ClientConfig | None = None) -> None:
+        if not daemons:
+            raise ValueError("no daemon addresses given")
+        if len(set(daemons)) != len(daemons):
+            raise ValueError(f"daemon addresses repeat: {daemons}")
+        self.daemons = list(daemons)
+        self.config = config or ClientConfig()
+        self.clients = [DaemonClient(a, max_message_bytes=self.config.max_message_bytes) for a in daemons]
+        self.model = ""
+        self.plan: list[ShardSlice] = []
+        self.created: list[bool] = []
+
+    def register(self, spec: ps_pb2.ModelSpec) -> list[ShardSlice]:
+        """Registers on every daemon (the first resolves the shard size when the spec leaves
+        it 0), checks each daemon's plan equals the one computed here, and returns it."""
+        spec = _copy(spec)
+        del spec.daemons[:]
+        spec.daemons.extend(self.daemons)
+        self.model = spec.model
+        self.created = []
+        for index, client in enumerate(self.clients):
+            response = self._call(
+                f"RegisterModel {spec.model!r}",
+                index,
+                lambda c=client, i=index: c.register(spec, i, timeout=self.config.register_timeout_seconds),
+            )
+            if index == 0:
+                spec.shard_bytes = response.shard_bytes
+                self.plan = expected_plan(spec, response.shard_bytes)
+            got = [ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel) for s in response.shards]
+            if got != self.plan:
+                raise RuntimeError(
+                    f"daemon {self.daemons[index]} computed a different shard plan for {spec.model!r}; "
+                    "are all daemons and trainers running the same ps-offload version?"
+                )
+            self.created.append(response.created)
+        return self.plan
+
+    def _call(self, what: str, daemon_index: int, fn: Callable[[], T]) -> T:
+        """Runs fn with retries on transient errors; raises DaemonError otherwise."""
+        address = self.daemons[daemon_index]
+        delay = self.config.backoff_seconds
+        for attempt in range(1, self.config.max_attempts + 1):
+            try:
+                return fn()
+            except grpc.RpcError as error:
+                if error.code() not in RETRYABLE or attempt == self.config.max_attempts:
+                    raise DaemonError(address, what, error) from None
+                log.warning("%s on %s: %s (attempt %d), retrying", what, address, error.code().name, attempt)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        raise AssertionError("unreachable")
+
+    def push(self, shard: ShardSlice, *, step: int, kind: int, data: memoryview, lr: float) -> ps_pb2.PushResponse:
+        client = self.clients[shard.daemon_index]
+        return self._call(
+            f"push of shard {shard.shard_id} step {step}",
+            shard.daemon_index,
+            lambda: client.push(
+                self.model,
+                shard.shard_id,
+                step=step,
+                kind=kind,
+                data=data,
+                lr=lr,
+                timeout=self.config.rpc_timeout_seconds,
+            ),
+        )
+
+    def pull(self, shard: ShardSlice, *, min_version: int, out: memoryview) -> int:
+        client = self.clients[shard.daemon_index]
+        return self._call(
+            f"pull of shard {shard.shard_id} (version >= {min_version})",
+            shard.daemon_index,
+            lambda: client.pull_into(
+                self.model,
+                shard.shard_id,
+                min_version=min_version,
+                out=out,
+                timeout=self.config.rpc_timeout_seconds,
+            ),
+        )
+
+    def prefetch(self, shard_ids: list[int]) -> None:
+        """Sends each daemon the hint for its shards, in the given order."""
+        for index, client in enumerate(self.clients):
+            mine = [s for s in shard_ids if self.plan[s].daemon_index == index]
+            if mine:
+                self._call("prefetch", index, lambda c=client, m=mine: c.prefetch(self.model, m, timeout=5.0))
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+def expected_plan(spec: ps_pb2.ModelSpec, shard_bytes: int) -> list[ShardSlice]:
+    layouts = layout_params([(p.name, tuple(p.shape), None) for p in spec.params])
+    total = sum(layout.numel for layout in layouts)
+    return plan_shards(total, shard_numel_for(shard_bytes), len(spec.daemons))
+
+
+def _copy(spec: ps_pb2.ModelSpec) -> ps_pb2.ModelSpec:
+    out = ps_pb2.ModelSpec()
+    out.CopyFrom(spec)
+    return out

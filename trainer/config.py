@@ -1,0 +1,66 @@
+"""What a training script configures: the optimizer the daemons run, and how the client
+talks to them. One dataclass per concern; every field says what it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ps_proto import ps_pb2
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """AdamW as torch.optim.AdamW defines it, run on the daemons."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+    def to_proto(self) -> ps_pb2.OptimizerSpec:
+        return ps_pb2.OptimizerSpec(
+            adamw=ps_pb2.AdamWSpec(
+                lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay
+            )
+        )
+
+
+@dataclass(frozen=True)
+class SGD:
+    """SGD with momentum as torch.optim.SGD defines it, run on the daemons."""
+
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def to_proto(self) -> ps_pb2.OptimizerSpec:
+        return ps_pb2.OptimizerSpec(
+            sgd=ps_pb2.SGDSpec(
+                lr=self.lr,
+                momentum=self.momentum,
+                dampening=self.dampening,
+                weight_decay=self.weight_decay,
+                nesterov=self.nesterov,
+            )
+        )
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How the trainer talks to the daemons."""
+
+    rpc_timeout_seconds: float = 60.0
+    """Deadline of one push or pull attempt, including the wait for a version."""
+    register_timeout_seconds: float = 30.0
+    """Deadline of RegisterModel, which also covers waiting for a daemon to come up."""
+    max_attempts: int = 5
+    """Attempts per call on UNAVAILABLE or DEADLINE_EXCEEDED; retrying is safe because
+    pushes are idempotent on (shard, step) and pulls only read."""
+    backoff_seconds: float = 0.1
+    """First retry delay; doubles per attempt, capped at 2 s."""
+    streams_per_daemon: int = 2
+    """Concurrent push/pull calls per daemon."""
+    max_message_bytes: int = 8 << 20
+    """Largest gRPC message either side accepts; chunks are far smaller."""

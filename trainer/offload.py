@@ -1,0 +1,236 @@
+"""`offload(model, daemons=..., optimizer=...)`: an optimizer whose state lives on the daemons.
+
+    opt = trainer.offload(model, daemons=["127.0.0.1:50051"], optimizer=trainer.AdamW(lr=3e-4))
+    loss.backward(); opt.step(); opt.zero_grad()
+
+The model's parameters and gradients are re-pointed into two flat fp32 buffers laid out as
+the shard plan (spec order = `named_parameters()` order, which is the forward order for
+sequential models). A push sends a slice of the gradient buffer as is, and a pull writes
+straight into the parameter buffer, so neither side copies per parameter.
+
+`step()` pushes every shard's gradient and returns once the daemons have acknowledged them;
+the pulls of the new parameters run on in the background, in forward order, and each
+module's forward pre-hook waits only for the shards its own parameters live in, so the next
+forward starts while later shards are still arriving.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import torch
+from torch import nn
+
+from ps_daemon.plan import ShardSlice
+from ps_proto import ps_pb2
+from trainer.client import ShardedClient
+from trainer.config import SGD, AdamW, ClientConfig
+
+log = logging.getLogger(__name__)
+
+Optimizer = AdamW | SGD
+
+
+def offload(
+    model: nn.Module,
+    *,
+    daemons: list[str],
+    optimizer: Optimizer,
+    model_name: str = "model",
+    shard_bytes: int = 0,
+    no_weight_decay: Callable[[str, nn.Parameter], bool] | None = None,
+    config: ClientConfig | None = None,
+) -> OffloadOptimizer:
+    """Registers `model` with the daemons and returns its optimizer.
+
+    shard_bytes: fp32 bytes per shard; 0 takes the first daemon's default.
+    no_weight_decay: (name, param) -> True for parameters that get no weight decay
+        (nanoGPT's rule is `param.dim() < 2`).
+    """
+    return OffloadOptimizer(
+        model,
+        daemons=daemons,
+        optimizer=optimizer,
+        model_name=model_name,
+        shard_bytes=shard_bytes,
+        no_weight_decay=no_weight_decay,
+        config=config,
+    )
+
+
+class OffloadOptimizer:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        daemons: list[str],
+        optimizer: Optimizer,
+        model_name: str,
+        shard_bytes: int,
+        no_weight_decay: Callable[[str, nn.Parameter], bool] | None,
+        config: ClientConfig | None,
+    ) -> None:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        for name, p in named:
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                raise ValueError(
+                    f"parameter {name!r} is {p.dtype} on {p.device}; this release offloads float32 CPU "
+                    "parameters only"
+                )
+        self.optimizer = optimizer
+        self.lr = optimizer.lr  # set it between steps to follow a schedule
+        self.client = ShardedClient(daemons, config=config)
+        self._params = [p for _, p in named]
+
+        spec = ps_pb2.ModelSpec(model=model_name, optimizer=optimizer.to_proto(), shard_bytes=shard_bytes)
+        for name, p in named:
+            param = spec.params.add(name=name, shape=list(p.shape), dtype=ps_pb2.FLOAT32)
+            if no_weight_decay is not None and no_weight_decay(name, p):
+                param.weight_decay = 0.0
+        self.plan: list[ShardSlice] = self.client.register(spec)
+
+        total = sum(p.numel() for p in self._params)
+        self.flat_params = torch.empty(total, dtype=torch.float32)
+        self.flat_grads = torch.zeros(total, dtype=torch.float32)
+        self._offsets: list[int] = []
+        offset = 0
+        with torch.no_grad():
+            for p in self._params:
+                n = p.numel()
+                self.flat_params[offset : offset + n].copy_(p.reshape(-1))
+                p.data = self.flat_params[offset : offset + n].view_as(p)
+                p.grad = self.flat_grads[offset : offset + n].view_as(p)
+                self._offsets.append(offset)
+                offset += n
+        self._param_bytes = memoryview(self.flat_params.numpy()).cast("B")
+        self._grad_bytes = memoryview(self.flat_grads.numpy()).cast("B")
+
+        workers = max(2, self.client.config.streams_per_daemon * len(daemons))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ps-io")
+        self._pending_pulls: dict[int, Future] = {}
+        self._hooks = self._install_forward_hooks(model)
+        self.step_count = self._attach()
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def _attach(self) -> int:
+        """Fresh model: pushes this process's initial values. Known model: resumes from the
+        daemons' values (every shard must be at the same version)."""
+        created = self.client.created
+        if all(created):
+            self._run_all(lambda s: self.client.push(s, step=0, kind=ps_pb2.PARAMETERS, data=self._bytes(s), lr=0))
+            return 0
+        if any(created):
+            fresh = [self.client.daemons[i] for i, c in enumerate(created) if c]
+            raise RuntimeError(
+                f"daemons {fresh} did not know model {self.client.model!r} while the others did: "
+                "their state was lost (restarted without persistence?). Re-register under a new name."
+            )
+        versions = self._run_all(lambda s: self.client.pull(s, min_version=0, out=self._bytes(s)))
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"shards are at different versions {sorted(set(versions))}; cannot resume")
+        log.info("resumed model %r at step %d", self.client.model, versions[0])
+        return versions[0]
+
+    def _bytes(self, shard: ShardSlice, *, grads: bool = False) -> memoryview:
+        view = self._grad_bytes if grads else self._param_bytes
+        return view[shard.offset * 4 : shard.end * 4]
+
+    def _run_all(self, fn: Callable[[ShardSlice], object]) -> list:
+        futures = [self._pool.submit(fn, s) for s in self.plan]
+        return [f.result() for f in futures]
+
+    def _install_forward_hooks(self, model: nn.Module) -> list:
+        """A pre-hook on every module that owns parameters: wait for their shards' pulls."""
+        position = {id(p): i for i, p in enumerate(self._params)}
+        hooks = []
+        for module in model.modules():
+            owned = [position[id(p)] for p in module.parameters(recurse=False) if id(p) in position]
+            if not owned:
+                continue
+            shard_ids = sorted({s.shard_id for i in owned for s in self._shards_of(i)})
+            hooks.append(module.register_forward_pre_hook(lambda _m, _a, ids=shard_ids: self._wait_for(ids)))
+        return hooks
+
+    def _shards_of(self, param_index: int) -> list[ShardSlice]:
+        start = self._offsets[param_index]
+        end = start + self._params[param_index].numel()
+        return [s for s in self.plan if s.offset < end and start < s.end] if end > start else []
+
+    # -- the training loop ---------------------------------------------------------------
+
+    def _wait_for(self, shard_ids: list[int]) -> None:
+        for shard_id in shard_ids:
+            future = self._pending_pulls.pop(shard_id, None)
+            if future is not None:
+                future.result()
+
+    def synchronize(self) -> None:
+        """Waits until every pull of the last step has landed in the parameters. Call it
+        before reading parameters outside a forward pass (evaluation, saving)."""
+        self._wait_for(list(self._pending_pulls))
+
+    def zero_grad(self) -> None:
+        self._adopt_grads()
+        self.flat_grads.zero_()
+
+    def _adopt_grads(self) -> None:
+        """Re-points gradients that someone replaced (e.g. model.zero_grad(set_to_none=True)
+        then backward) back into the flat buffer. A missing gradient counts as zero."""
+        for p, offset in zip(self._params, self._offsets, strict=True):
+            view = self.flat_grads[offset : offset + p.numel()].view_as(p)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            else:
+                continue
+            p.grad = view
+
+    def step(self) -> None:
+        """Pushes all gradients of this step (returns when the daemons acknowledged them)
+        and starts pulling the updated parameters in forward order."""
+        self.synchronize()
+        self._adopt_grads()
+        step, lr = self.step_count, float(self.lr)
+        pushes = [
+            self._pool.submit(
+                self.client.push, s, step=step, kind=ps_pb2.GRADIENT, data=self._bytes(s, grads=True), lr=lr
+            )
+            for s in self.plan
+        ]
+        # Queued after every push, so a pull never occupies a worker its own push needs.
+        for shard, push in zip(self.plan, pushes, strict=True):
+            self._pending_pulls[shard.shard_id] = self._pool.submit(self._pull_after, shard, push, step + 1)
+        wait(pushes)
+        failed = [f for f in pushes if f.exception() is not None]
+        if failed:
+            # The step did not happen as a whole: drop its pulls (they fail with their push)
+            # so the error is raised once, here, and the caller may retry step().
+            wait(self._pending_pulls.values())
+            self._pending_pulls.clear()
+            raise failed[0].exception()
+        self.step_count = step + 1
+
+    def _pull_after(self, shard: ShardSlice, push: Future, version: int) -> int:
+        push.result()
+        return self.client.pull(shard, min_version=version, out=self._bytes(shard))
+
+    def close(self) -> None:
+        try:
+            self.synchronize()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._pool.shutdown(wait=True)
+            self.client.close()
+
+    def __enter__(self) -> OffloadOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
