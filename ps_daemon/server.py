@@ -18,6 +18,7 @@ from ps_daemon.config import DaemonConfig
 from ps_daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
 from ps_daemon.store import ShardStore
 from ps_proto import ps_pb2
+from ps_proto.memory import keep_chunk_buffers_in_heap
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
+        keep_chunk_buffers_in_heap()
         self.store = ShardStore(ram_bytes=config.store.ram_bytes, default_shard_bytes=config.store.shard_bytes)
         self.health = health.HealthServicer()
         self.server = grpc.server(

@@ -90,7 +90,7 @@ class ParameterServerServicer:
 
     @grpc_errors
     def Push(self, chunks: Iterable[codec.Chunk], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
-        chunks = iter(chunks)
+        chunks = map(_check_chunk, chunks)
         first = next(chunks, None)
         if first is None or first.header is None:
             raise InvalidArgument("a push stream must start with a chunk that carries the PushHeader")
@@ -132,6 +132,12 @@ class ParameterServerServicer:
     @grpc_errors
     def Prefetch(self, request: ps_pb2.PrefetchRequest, context: grpc.ServicerContext):
         return ps_pb2.PrefetchResponse(accepted=self.store.prefetch(request.model, list(request.shard_ids)))
+
+
+def _check_chunk(chunk: codec.Chunk | codec.CodecError) -> codec.Chunk:
+    if isinstance(chunk, codec.CodecError):
+        raise InvalidArgument(f"malformed PushChunk: {chunk}")
+    return chunk
 
 
 def _chain_first(first: codec.Chunk, rest: Iterator[codec.Chunk]) -> Iterator[codec.Chunk]:
@@ -193,6 +199,15 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
+def _decode_push_chunk(buf: bytes) -> codec.Chunk | codec.CodecError:
+    """A malformed chunk becomes a value the servicer answers with INVALID_ARGUMENT; raised
+    here, gRPC would only report an opaque deserialization failure."""
+    try:
+        return codec.push_chunks.decode(buf)
+    except codec.CodecError as exc:
+        return exc
+
+
 def _handlers(service: str, methods: dict[str, grpc.RpcMethodHandler]) -> grpc.GenericRpcHandler:
     """Checks the handlers against the service descriptor, so a method added to ps.proto
     without a handler fails at start-up, not at the first call."""
@@ -219,7 +234,7 @@ def parameter_server_handler(servicer: ParameterServerServicer) -> grpc.GenericR
             ),
             "Push": grpc.stream_unary_rpc_method_handler(
                 servicer.Push,
-                request_deserializer=codec.push_chunks.decode,
+                request_deserializer=_decode_push_chunk,
                 response_serializer=ps_pb2.PushResponse.SerializeToString,
             ),
             "Prefetch": _unary(servicer.Prefetch, ps_pb2.PrefetchRequest, ps_pb2.PrefetchResponse),

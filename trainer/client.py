@@ -17,6 +17,7 @@ import grpc
 from ps_daemon.plan import ShardSlice, layout_params, plan_shards, shard_numel_for
 from ps_daemon.server import CHUNK_BYTES, channel_options
 from ps_proto import codec, ps_pb2
+from ps_proto.memory import keep_chunk_buffers_in_heap
 from trainer.config import ClientConfig
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class DaemonClient:
 
     def __init__(self, address: str, *, max_message_bytes: int) -> None:
         self.address = address
+        keep_chunk_buffers_in_heap()
         self.channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
         self._register = self.channel.unary_unary(
             _method("ParameterServer", "RegisterModel"),

@@ -1,0 +1,181 @@
+"""Bad input, one test each, against a real daemon: a clear status and message, nothing
+applied or lost, and the daemon still serving afterwards (checked after every case)."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ps_proto import codec, ps_pb2
+from trainer.client import DaemonClient
+
+SHARD_BYTES = 4096
+NUMEL = 3000  # one parameter of 3000 fp32 -> shards 0 (1024), 1 (1024), 2 (952)
+
+
+def _spec(model="m", shape=(3000,), lr=0.1, daemons=("d0",)):
+    return ps_pb2.ModelSpec(
+        model=model,
+        params=[ps_pb2.ParamSpec(name="w", shape=list(shape), dtype=ps_pb2.FLOAT32)],
+        optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=lr)),
+        shard_bytes=SHARD_BYTES,
+        daemons=list(daemons),
+    )
+
+
+def _bytes(values: torch.Tensor) -> memoryview:
+    return memoryview(values.numpy()).cast("B")
+
+
+@pytest.fixture
+def setup(daemon):
+    """A registered, initialized model 'm' with values 1.0 and one applied step."""
+    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+    client.register(_spec(), 0, timeout=10)
+    for shard_id, n in enumerate((1024, 1024, 952)):
+        client.push("m", shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(n)), lr=0, timeout=10)
+    ack = client.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=0, timeout=10)
+    assert ack.applied and ack.version == 1
+    yield daemon, client
+    # Still serving, and shard 0 holds exactly what one SGD step gave it: 1 - 0.1 * 1.
+    health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    out = torch.empty(1024)
+    assert client.pull_into("m", 0, min_version=1, out=_bytes(out), timeout=10) == 1
+    assert torch.equal(out, torch.full((1024,), 1 - 0.1, dtype=torch.float32))
+    client.close()
+    assert daemon.process.poll() is None
+
+
+def _status(call):
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def test_unknown_shard_is_not_found(setup):
+    _, client = setup
+    code, details = _status(lambda: client.pull_into("m", 99, min_version=0, out=_bytes(torch.empty(1)), timeout=5))
+    assert code == grpc.StatusCode.NOT_FOUND and "no shard 99" in details
+    code, details = _status(
+        lambda: client.push("m", 99, step=1, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=0, timeout=5)
+    )
+    assert code == grpc.StatusCode.NOT_FOUND and "shard 99" in details
+
+
+def test_unknown_model_is_not_found(setup):
+    _, client = setup
+    code, details = _status(lambda: client.pull_into("nope", 0, min_version=0, out=_bytes(torch.empty(1)), timeout=5))
+    assert code == grpc.StatusCode.NOT_FOUND and "'nope' is not registered" in details and "registered: m" in details
+
+
+def test_wrong_byte_count_is_invalid_argument(setup):
+    _, client = setup
+    code, details = _status(
+        lambda: client.push("m", 0, step=1, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1000)), lr=0, timeout=5)
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "4000 bytes" in details and "4096" in details
+
+
+def test_payload_shorter_than_header_is_invalid_argument(setup):
+    _, client = setup
+    header = ps_pb2.PushHeader(
+        model="m", shard_id=0, step=1, kind=ps_pb2.GRADIENT, encoding=ps_pb2.RAW, dtype=ps_pb2.FLOAT32, nbytes=4096
+    )
+    chunks = [codec.push_chunks.encode(header, bytes(1000))]
+    code, details = _status(lambda: client._push(iter(chunks), timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "after 1000 of 4096 bytes" in details
+
+
+def test_wrong_dtype_is_invalid_argument(setup):
+    _, client = setup
+    header = ps_pb2.PushHeader(
+        model="m", shard_id=0, step=1, kind=ps_pb2.GRADIENT, encoding=ps_pb2.RAW, dtype=ps_pb2.BFLOAT16, nbytes=4096
+    )
+    code, details = _status(lambda: client._push(iter([codec.push_chunks.encode(header, bytes(4096))]), timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "bfloat16" in details
+
+
+def test_missing_header_and_malformed_chunk_are_invalid_argument(setup):
+    _, client = setup
+    code, details = _status(lambda: client._push(iter([codec.push_chunks.encode(None, bytes(16))]), timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "PushHeader" in details
+    code, details = _status(lambda: client._push(iter([b"\x0a\xff\xff\xff"]), timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in details
+
+
+def test_push_for_applied_step_is_acknowledged_not_reapplied(setup):
+    _, client = setup
+    # A retry of step 0 with a different gradient: must not change anything.
+    ack = client.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.full((1024,), 50.0)), lr=0, timeout=5)
+    assert not ack.applied and ack.version == 1  # the fixture's teardown checks the values
+
+
+def test_push_for_future_step_is_failed_precondition(setup):
+    _, client = setup
+    code, details = _status(
+        lambda: client.push("m", 0, step=5, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=0, timeout=5)
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "step 5" in details and "version 1" in details
+
+
+def test_initial_values_after_an_update_are_failed_precondition(setup):
+    _, client = setup
+    code, details = _status(
+        lambda: client.push("m", 0, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.zeros(1024)), lr=0, timeout=5)
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "before the first update" in details
+
+
+def test_conflicting_registration_is_failed_precondition(setup):
+    _, client = setup
+    assert client.register(_spec(), 0, timeout=5).created is False  # same spec: idempotent
+    code, details = _status(lambda: client.register(_spec(shape=(3001,)), 0, timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "different spec" in details and "'w'" in details
+    code, details = _status(lambda: client.register(_spec(lr=0.5), 0, timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "optimizer" in details
+
+
+def test_invalid_spec_is_invalid_argument(setup):
+    _, client = setup
+    bad = _spec(model="other")
+    bad.shard_bytes = 100
+    code, details = _status(lambda: client.register(bad, 0, timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "shard_bytes" in details
+    code, details = _status(lambda: client.register(_spec(model="other"), 3, timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "daemon_index 3" in details
+
+
+def test_pull_waits_for_version_under_the_deadline(setup):
+    _, client = setup
+    code, details = _status(lambda: client.pull_into("m", 0, min_version=7, out=_bytes(torch.empty(1024)), timeout=1))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_message_over_limit_is_resource_exhausted(daemon_factory, tmp_path):
+    config = tmp_path / "small.toml"
+    config.write_text('[server]\nmax_message_bytes = "64KiB"\n')
+    daemon = daemon_factory(config=config)
+    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+    client.register(_spec(shape=(100_000,), daemons=("d0",)), 0, timeout=10)
+    header = ps_pb2.PushHeader(
+        model="m", shard_id=0, step=0, kind=ps_pb2.PARAMETERS, encoding=ps_pb2.RAW, dtype=ps_pb2.FLOAT32, nbytes=4096
+    )
+    oversized = codec.push_chunks.encode(header, np.zeros(100_000, dtype=np.uint8).tobytes())
+    code, details = _status(lambda: client._push(iter([oversized]), timeout=5))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # Still serving: a well-formed push works.
+    ack = client.push("m", 0, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(1024)), lr=0, timeout=5)
+    assert ack.applied
+    client.close()
+
+
+def test_ram_budget_is_resource_exhausted(daemon_factory):
+    daemon = daemon_factory("--ram-bytes", "64KiB")
+    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+    code, details = _status(lambda: client.register(_spec(shape=(100_000,)), 0, timeout=10))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "store.ram_bytes" in details
+    client.close()

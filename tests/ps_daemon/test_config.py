@@ -1,0 +1,407 @@
+"""Unit tests for ps_daemon/config.py: TOML loading, strictness, sizes, overrides, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import pytest
+
+import ps_daemon.config as config_mod
+from ps_daemon.config import (
+    ConfigError,
+    DaemonConfig,
+    LogConfig,
+    ServerConfig,
+    StoreConfig,
+    load_config,
+    parse_size,
+    validate,
+)
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@pytest.fixture
+def write_toml(tmp_path: Path):
+    def write(text: str, name: str = "daemon.toml") -> Path:
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+
+    return write
+
+
+# -- defaults and a full file ---------------------------------------------------------------
+
+
+def test_defaults_load_without_a_file():
+    config = load_config(None)
+    assert config == DaemonConfig()
+    assert config.server == ServerConfig()
+    assert config.store == StoreConfig()
+    assert config.log == LogConfig()
+    # Spot-check a few documented defaults so a silent change of a default is noticed.
+    assert config.server.listen == "127.0.0.1:50051"
+    assert config.server.max_workers == 32
+    assert config.server.max_message_bytes == 8 * MiB
+    assert config.store.ram_bytes == 8 * GiB
+    assert config.store.shard_bytes == 64 * MiB
+    assert config.log.level == "INFO"
+
+
+def test_empty_file_gives_defaults(write_toml):
+    assert load_config(write_toml("")) == DaemonConfig()
+
+
+FULL_TOML = """
+[server]
+listen = "0.0.0.0:6000"
+port_file = "/tmp/ps.port"
+max_workers = 7
+max_message_bytes = "16MiB"
+grace_seconds = 2.5
+max_pull_wait_seconds = 12
+
+[store]
+state_dir = "/srv/ps"
+ram_bytes = "3 GiB"
+shard_bytes = 1048576
+
+[log]
+level = "DEBUG"
+"""
+
+
+def test_full_file_lands_in_the_right_dataclasses(write_toml):
+    config = load_config(write_toml(FULL_TOML))
+    assert config.server == ServerConfig(
+        listen="0.0.0.0:6000",
+        port_file="/tmp/ps.port",
+        max_workers=7,
+        max_message_bytes=16 * MiB,
+        grace_seconds=2.5,
+        max_pull_wait_seconds=12.0,
+    )
+    assert config.store == StoreConfig(state_dir="/srv/ps", ram_bytes=3 * GiB, shard_bytes=MiB)
+    assert config.log == LogConfig(level="DEBUG")
+    # An integer given for a float option becomes a float.
+    assert isinstance(config.server.max_pull_wait_seconds, float)
+
+
+def test_load_config_accepts_str_path(write_toml):
+    path = write_toml('[log]\nlevel = "WARNING"\n')
+    assert load_config(str(path)).log.level == "WARNING"
+
+
+# -- the set of options is frozen ------------------------------------------------------------
+
+
+def _dotted_keys(obj, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += _dotted_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+# Every option of DaemonConfig, as a dotted key. ADDING, REMOVING OR RENAMING AN OPTION MUST
+# UPDATE THE DOCS (the config section of docs/architecture.md) AND THIS LIST, in the same
+# change, so that options cannot drift away from their documentation silently. A rename also
+# needs an entry in ps_daemon.config.RENAMED_KEYS so existing config files keep working.
+KNOWN_OPTIONS = [
+    "server.listen",
+    "server.port_file",
+    "server.max_workers",
+    "server.max_message_bytes",
+    "server.grace_seconds",
+    "server.max_pull_wait_seconds",
+    "store.state_dir",
+    "store.ram_bytes",
+    "store.shard_bytes",
+    "log.level",
+]
+
+
+def test_option_set_is_frozen():
+    assert _dotted_keys(DaemonConfig()) == KNOWN_OPTIONS, (
+        "DaemonConfig's options changed: update the config section of docs/architecture.md "
+        "and KNOWN_OPTIONS in this test (and RENAMED_KEYS for a rename)"
+    )
+
+
+def test_every_option_can_be_set_from_a_file(write_toml):
+    """Each frozen option is reachable through the loader under its dotted key."""
+    samples = {
+        "server.listen": ('"10.0.0.1:1"', "10.0.0.1:1"),
+        "server.port_file": ('"p"', "p"),
+        "server.max_workers": ("3", 3),
+        "server.max_message_bytes": ('"1MiB"', MiB),
+        "server.grace_seconds": ("1.5", 1.5),
+        "server.max_pull_wait_seconds": ("4.0", 4.0),
+        "store.state_dir": ('"/x"', "/x"),
+        "store.ram_bytes": ('"2GiB"', 2 * GiB),
+        "store.shard_bytes": ("8192", 8192),
+        "log.level": ('"ERROR"', "ERROR"),
+    }
+    assert sorted(samples) == sorted(KNOWN_OPTIONS)
+    for dotted, (toml_value, expected) in samples.items():
+        section, key = dotted.split(".")
+        config = load_config(write_toml(f"[{section}]\n{key} = {toml_value}\n"))
+        assert getattr(getattr(config, section), key) == expected, dotted
+
+
+# -- strictness: unknown keys and sections ---------------------------------------------------
+
+
+def test_unknown_key_names_dotted_key_and_suggests_close_match(write_toml):
+    with pytest.raises(ConfigError) as info:
+        load_config(write_toml("[store]\nram_byte = 5\n"))
+    message = str(info.value)
+    assert "store.ram_byte" in message
+    assert "did you mean" in message
+    assert "ram_bytes" in message
+
+
+# PRODUCT BUG (ps_daemon/config.py, _build): the suggestion is formatted as
+# f"{prefix}{hint[0]!r}", which puts the quotes inside the dotted key:
+#     "did you mean store.'ram_bytes'?"
+# instead of "did you mean 'store.ram_bytes'?". Fix: f"{(prefix + hint[0])!r}".
+# Remove the xfail marker once fixed (strict: the test then fails until it is removed).
+@pytest.mark.xfail(strict=True, reason="config.py quotes only the key part of the suggested dotted key")
+def test_unknown_key_suggestion_is_the_quoted_dotted_key(write_toml):
+    with pytest.raises(ConfigError) as info:
+        load_config(write_toml("[store]\nram_byte = 5\n"))
+    assert "did you mean 'store.ram_bytes'?" in str(info.value)
+
+
+def test_unknown_key_without_close_match_lists_known_keys(write_toml):
+    with pytest.raises(ConfigError) as info:
+        load_config(write_toml("[server]\nzzzzzz = 1\n"))
+    message = str(info.value)
+    assert "server.zzzzzz" in message
+    assert "did you mean" not in message
+    for key in ("listen", "max_workers", "grace_seconds"):
+        assert key in message
+
+
+def test_unknown_section_rejected(write_toml):
+    with pytest.raises(ConfigError) as info:
+        load_config(write_toml("[stroe]\nram_bytes = 5\n"))
+    message = str(info.value)
+    assert "stroe" in message
+    assert "store" in message  # the close match is suggested
+
+
+def test_unknown_top_level_scalar_rejected(write_toml):
+    with pytest.raises(ConfigError, match="verbose"):
+        load_config(write_toml("verbose = true\n"))
+
+
+def test_nested_table_inside_section_rejected(write_toml):
+    with pytest.raises(ConfigError, match=r"server\.extra"):
+        load_config(write_toml("[server.extra]\nx = 1\n"))
+
+
+def test_section_given_as_scalar_rejected(write_toml):
+    with pytest.raises(ConfigError, match="store"):
+        load_config(write_toml("store = 5\n"))
+
+
+# -- types -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("toml", "dotted"),
+    [
+        ('[server]\nmax_workers = "32"\n', "server.max_workers"),  # string for int
+        ("[server]\nmax_workers = true\n", "server.max_workers"),  # bool for int
+        ("[server]\nmax_workers = 3.0\n", "server.max_workers"),  # float for int
+        ("[server]\nlisten = 50051\n", "server.listen"),  # int for str
+        ('[server]\ngrace_seconds = "30"\n', "server.grace_seconds"),  # string for float
+        ("[server]\ngrace_seconds = false\n", "server.grace_seconds"),  # bool for float
+        ("[store]\nram_bytes = true\n", "store.ram_bytes"),  # bool for size
+        ("[store]\nram_bytes = 1.5\n", "store.ram_bytes"),  # float for size
+        ("[store]\nshard_bytes = [4096]\n", "store.shard_bytes"),  # array for size
+        ("[log]\nlevel = 10\n", "log.level"),  # int for str
+    ],
+)
+def test_wrong_types_rejected(write_toml, toml, dotted):
+    with pytest.raises(ConfigError) as info:
+        load_config(write_toml(toml))
+    assert dotted in str(info.value)
+
+
+# -- sizes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (4096, 4096),
+        (0, 0),
+        ("4096", 4096),
+        ("64MiB", 64 * MiB),
+        ("8 GiB", 8 * GiB),
+        ("  2KiB ", 2048),
+        ("3 mib", 3 * MiB),  # units are case-insensitive
+        ("1TiB", 1 << 40),
+        ("512B", 512),
+    ],
+)
+def test_parse_size_accepts(value, expected):
+    assert parse_size(value, key="store.ram_bytes") == expected
+
+
+@pytest.mark.parametrize("value", ["12 parsecs", -1, "-1", "", "MiB", "1.5GiB", "64M", "64 MB", True, 1.0, None])
+def test_parse_size_rejects(value):
+    with pytest.raises(ConfigError) as info:
+        parse_size(value, key="store.ram_bytes")
+    assert "store.ram_bytes" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("toml_value", "expected"),
+    [('"64MiB"', 64 * MiB), ('"8 GiB"', 8 * GiB), ("4096", 4096), ('"4096"', 4096)],
+)
+def test_sizes_in_file(write_toml, toml_value, expected):
+    assert load_config(write_toml(f"[store]\nram_bytes = {toml_value}\n")).store.ram_bytes == expected
+
+
+@pytest.mark.parametrize("toml_value", ['"12 parsecs"', "-1"])
+def test_bad_sizes_in_file_rejected(write_toml, toml_value):
+    with pytest.raises(ConfigError, match=r"store\.ram_bytes"):
+        load_config(write_toml(f"[store]\nram_bytes = {toml_value}\n"))
+
+
+# -- overrides -------------------------------------------------------------------------------
+
+
+def test_overrides_win_over_the_file(write_toml):
+    path = write_toml(FULL_TOML)
+    config = load_config(path, server__listen="127.0.0.1:0", store__ram_bytes="1GiB", log__level="ERROR")
+    assert config.server.listen == "127.0.0.1:0"
+    assert config.store.ram_bytes == GiB
+    assert config.log.level == "ERROR"
+    # Options not overridden keep the file's values.
+    assert config.server.max_workers == 7
+    assert config.store.state_dir == "/srv/ps"
+
+
+def test_none_override_keeps_the_file_value(write_toml):
+    config = load_config(write_toml(FULL_TOML), server__listen=None, store__state_dir=None)
+    assert config.server.listen == "0.0.0.0:6000"
+    assert config.store.state_dir == "/srv/ps"
+
+
+def test_overrides_without_a_file():
+    config = load_config(None, store__state_dir="/tmp/x", server__max_workers=4)
+    assert config.store.state_dir == "/tmp/x"
+    assert config.server.max_workers == 4
+    assert config.server.listen == ServerConfig().listen
+
+
+def test_overrides_are_checked_like_the_file():
+    with pytest.raises(ConfigError, match=r"server\.max_workers"):
+        load_config(None, server__max_workers="many")
+    with pytest.raises(ConfigError, match=r"server\.lisen"):
+        load_config(None, server__lisen="127.0.0.1:0")
+
+
+# -- validate() ------------------------------------------------------------------------------
+
+
+def test_validate_returns_a_good_config_unchanged():
+    config = DaemonConfig()
+    assert validate(config) is config
+
+
+@pytest.mark.parametrize("shard_bytes", [0, 1, 4095])
+def test_validate_refuses_small_shards(shard_bytes):
+    config = DaemonConfig(store=StoreConfig(shard_bytes=shard_bytes))
+    with pytest.raises(ConfigError, match=r"store\.shard_bytes"):
+        validate(config)
+
+
+def test_validate_accepts_minimum_shard():
+    assert validate(DaemonConfig(store=StoreConfig(shard_bytes=4096))).store.shard_bytes == 4096
+
+
+def test_load_config_runs_validate(write_toml):
+    with pytest.raises(ConfigError, match=r"store\.shard_bytes"):
+        load_config(write_toml("[store]\nshard_bytes = 4095\n"))
+    with pytest.raises(ConfigError, match=r"log\.level"):
+        load_config(None, log__level="LOUD")
+
+
+@pytest.mark.parametrize("level", ["LOUD", "", "verbose"])
+def test_validate_refuses_unknown_log_level(level):
+    with pytest.raises(ConfigError, match=r"log\.level"):
+        validate(DaemonConfig(log=LogConfig(level=level)))
+
+
+@pytest.mark.parametrize("level", ["DEBUG", "info", "Warning", "ERROR", "CRITICAL"])
+def test_validate_accepts_known_log_levels(level):
+    assert validate(DaemonConfig(log=LogConfig(level=level))).log.level == level
+
+
+def test_validate_refuses_too_few_workers_and_tiny_messages():
+    with pytest.raises(ConfigError, match=r"server\.max_workers"):
+        validate(DaemonConfig(server=ServerConfig(max_workers=1)))
+    with pytest.raises(ConfigError, match=r"server\.max_message_bytes"):
+        validate(DaemonConfig(server=ServerConfig(max_message_bytes=(64 << 10) - 1)))
+    assert validate(DaemonConfig(server=ServerConfig(max_workers=2, max_message_bytes=64 << 10)))
+
+
+# -- file errors -----------------------------------------------------------------------------
+
+
+def test_missing_file_names_the_path(tmp_path: Path):
+    path = tmp_path / "nope" / "daemon.toml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_invalid_toml_names_the_path(write_toml):
+    path = write_toml("[server\nlisten = \n", name="broken.toml")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    assert "TOML" in str(info.value)
+
+
+# -- renamed keys ----------------------------------------------------------------------------
+
+
+def test_renamed_key_lands_in_new_field_with_a_warning(write_toml, monkeypatch, caplog):
+    monkeypatch.setitem(config_mod.RENAMED_KEYS, "store.ram_budget", "store.ram_bytes")
+    path = write_toml('[store]\nram_budget = "2GiB"\nshard_bytes = 8192\n')
+    with caplog.at_level(logging.WARNING, logger="ps_daemon.config"):
+        config = load_config(path)
+    assert config.store.ram_bytes == 2 * GiB  # parsed as a size under its new name
+    assert config.store.shard_bytes == 8192
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "ps_daemon.config"]
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    assert "store.ram_budget" in message
+    assert "store.ram_bytes" in message
+
+
+def test_new_key_gives_no_rename_warning(write_toml, monkeypatch, caplog):
+    monkeypatch.setitem(config_mod.RENAMED_KEYS, "store.ram_budget", "store.ram_bytes")
+    with caplog.at_level(logging.WARNING, logger="ps_daemon.config"):
+        config = load_config(write_toml('[store]\nram_bytes = "1GiB"\n'))
+    assert config.store.ram_bytes == GiB
+    assert not [r for r in caplog.records if r.name == "ps_daemon.config"]
+
+
+def test_old_key_is_unknown_without_the_rename_entry(write_toml):
+    assert "store.ram_budget" not in config_mod.RENAMED_KEYS
+    with pytest.raises(ConfigError, match=r"store\.ram_budget"):
+        load_config(write_toml('[store]\nram_budget = "2GiB"\n'))
