@@ -102,7 +102,7 @@ def short_params(names: list[str]) -> str:
 def _cell(key: str, value: Any) -> str:
     if value is None:
         return "-"
-    if key == "bytes" or key.endswith("_bytes") or key.startswith("bytes_"):
+    if "bytes" in key.split("_"):
         return human_bytes(value)
     if key.endswith("_seconds"):
         return f"{value:.3f} s"
@@ -204,7 +204,7 @@ def shards(
 
 @app.command()
 def shard(
-    shard_id: Annotated[int, typer.Argument(metavar="ID", min=0, max=2**32 - 1, help="Shard id.")],
+    shard_id: Annotated[int, typer.Argument(min=0, max=2**32 - 1, help="Shard id.")],
     model: ModelOpt = None,
     daemon: Annotated[
         Optional[str], typer.Option(envvar="PS_DAEMON", help=f"host:port. Default: $PS_DAEMON or {DEFAULT_DAEMON}.")
@@ -232,7 +232,7 @@ def shard(
     if as_json:
         _print_json(row)
         return
-    table = Table("field", "value", title=f"shard {shard_id} of model {model!r} on {address}")
+    table = Table("field", "value")
     for key, value in row.items():
         table.add_row(key, _cell(key, value))
     _console().print(table)

@@ -107,7 +107,7 @@ def _build(cls: type, table: dict[str, Any], prefix: str) -> Any:
             dotted = new
         if key not in fields:
             hint = difflib.get_close_matches(key, fields, n=1)
-            did_you_mean = f"; did you mean {prefix}{hint[0]!r}?" if hint else ""
+            did_you_mean = f"; did you mean {prefix + hint[0]!r}?" if hint else ""
             raise ConfigError(
                 f"unknown config key {dotted!r}{did_you_mean} "
                 f"(known in [{prefix.rstrip('.') or 'top level'}]: {', '.join(sorted(fields))})"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from ps_proto import ps_pb2
 
@@ -99,13 +99,18 @@ class ChunkCodec(Generic[H]):
                 value = view[pos : pos + length]
                 pos += length
                 if field == 1:
-                    header = self.header_cls.FromString(value)
+                    try:
+                        header = self.header_cls.FromString(value)
+                    except DecodeError as exc:
+                        raise CodecError(f"corrupt header: {exc}") from exc
                 elif field == 15:
                     data = value
             elif wire == 0:
                 _, pos = _read_varint(view, pos)
             elif wire in (1, 5):
                 pos += 8 if wire == 1 else 4
+                if pos > len(view):
+                    raise CodecError("truncated fixed-width field")
             else:
                 raise CodecError(f"unsupported wire type {wire}")
         return Chunk(header, data)

@@ -168,12 +168,6 @@ def test_unknown_key_names_dotted_key_and_suggests_close_match(write_toml):
     assert "ram_bytes" in message
 
 
-# PRODUCT BUG (ps_daemon/config.py, _build): the suggestion is formatted as
-# f"{prefix}{hint[0]!r}", which puts the quotes inside the dotted key:
-#     "did you mean store.'ram_bytes'?"
-# instead of "did you mean 'store.ram_bytes'?". Fix: f"{(prefix + hint[0])!r}".
-# Remove the xfail marker once fixed (strict: the test then fails until it is removed).
-@pytest.mark.xfail(strict=True, reason="config.py quotes only the key part of the suggested dotted key")
 def test_unknown_key_suggestion_is_the_quoted_dotted_key(write_toml):
     with pytest.raises(ConfigError) as info:
         load_config(write_toml("[store]\nram_byte = 5\n"))
