@@ -20,7 +20,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.run_all
 
-# Regenerates ps_proto/ from proto/ps.proto; tests/proto checks the committed copy is fresh.
+# Regenerates ps_proto/ from proto/ps.proto; tests/ps_proto checks the committed copy is fresh.
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Ips_proto=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/ps.proto
 

@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine decay")
-    p.add_argument("--shard-bytes", type=int, default=256 << 10)
+    p.add_argument("--shard-bytes", type=int, default=1 << 20)
     p.add_argument("--model-name", default="char-gpt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample", type=int, default=200, help="characters to generate at the end (0: none)")

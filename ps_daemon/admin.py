@@ -30,14 +30,9 @@ T = TypeVar("T")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect running ps-daemons.")
 
-DaemonsOpt = Annotated[
-    Optional[list[str]],
-    typer.Option(
-        "--daemon",
-        envvar="PS_DAEMON",
-        help=f"host:port of a daemon; repeat for several. Default: $PS_DAEMON or {DEFAULT_DAEMON}.",
-    ),
-]
+_DAEMON_HELP = f"host:port of a daemon. Default: $PS_DAEMON or {DEFAULT_DAEMON}."
+DaemonsOpt = Annotated[Optional[list[str]], typer.Option(envvar="PS_DAEMON", help=_DAEMON_HELP + " Repeatable.")]
+DaemonOpt = Annotated[Optional[str], typer.Option(envvar="PS_DAEMON", help=_DAEMON_HELP)]
 ModelOpt = Annotated[Optional[str], typer.Option(help="Model name (default: every model / the only one).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of a table.")]
 TimeoutOpt = Annotated[float, typer.Option(min=0.1, help="Deadline of each RPC, in seconds.")]
@@ -187,16 +182,15 @@ def shards(
     if as_json:
         _print_json(rows)
     else:
-        table = Table(title=None if len(daemons) > 1 else f"shards on {daemons[0]}")
-        columns = ["daemon"] if len(daemons) > 1 else []
-        columns += ["shard", "model", "parameters", "numel", "bytes", "tier", "version", "initialized"]
-        for name in columns:
+        multi = len(daemons) > 1  # a daemon column only where there is a choice of daemon
+        table = Table(title=None if multi else f"shards on {daemons[0]}")
+        for name in ["daemon"] * multi + ["shard", "model", "parameters", "numel", "bytes", "tier", "version"]:
             table.add_column(name, justify="right" if name in ("shard", "numel", "bytes", "version") else "left")
+        table.add_column("initialized")
         for r in rows:
-            cells = [r["daemon"]] if len(daemons) > 1 else []
-            cells += [str(r["shard_id"]), r["model"], short_params(r["params"]), str(r["numel"])]
+            cells = [str(r["shard_id"]), r["model"], short_params(r["params"]), str(r["numel"])]
             cells += [human_bytes(r["bytes"]), r["tier"], str(r["version"]), "yes" if r["initialized"] else "no"]
-            table.add_row(*cells)
+            table.add_row(*[r["daemon"]] * multi, *cells)
         _console().print(table)
     if failed:
         raise typer.Exit(1)
@@ -206,9 +200,7 @@ def shards(
 def shard(
     shard_id: Annotated[int, typer.Argument(min=0, max=2**32 - 1, help="Shard id.")],
     model: ModelOpt = None,
-    daemon: Annotated[
-        Optional[str], typer.Option(envvar="PS_DAEMON", help=f"host:port. Default: $PS_DAEMON or {DEFAULT_DAEMON}.")
-    ] = None,
+    daemon: DaemonOpt = None,
     as_json: JsonOpt = False,
     timeout: TimeoutOpt = 10.0,
 ) -> None:

@@ -154,6 +154,10 @@ def load_config(path: str | Path | None, **overrides: Any) -> DaemonConfig:
             raise ConfigError(f"config file {path} does not exist") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text: {exc}") from exc
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
     for dotted, value in overrides.items():
         if value is None:
             continue

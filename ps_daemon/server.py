@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ps_daemon.buffers import StagingPool
 from ps_daemon.config import DaemonConfig
 from ps_daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
 from ps_daemon.store import ShardStore
@@ -53,7 +54,12 @@ class Daemon:
             [
                 parameter_server_handler(
                     ParameterServerServicer(
-                        self.store, max_pull_wait=config.server.max_pull_wait_seconds, chunk_bytes=CHUNK_BYTES
+                        self.store,
+                        max_pull_wait=config.server.max_pull_wait_seconds,
+                        chunk_bytes=CHUNK_BYTES,
+                        # Idle staging kept for about as many concurrent pushes as RPC threads
+                        # would normally carry; more are allocated on demand and dropped.
+                        staging=StagingPool(max_bytes=4 * config.store.shard_bytes),
                     )
                 ),
                 admin_handler(AdminServicer(self.store)),

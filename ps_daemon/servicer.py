@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 import torch
 
+from ps_daemon.buffers import StagingPool
 from ps_daemon.errors import InvalidArgument, grpc_errors, grpc_errors_stream
 from ps_daemon.optim import AdamWConfig, SGDConfig
 from ps_daemon.store import ModelSpec, ParamSpec, RegisteredModel, ShardStore
@@ -58,8 +59,9 @@ def plan_to_proto(model: RegisteredModel, created: bool) -> ps_pb2.RegisterModel
 
 
 class ParameterServerServicer:
-    def __init__(self, store: ShardStore, *, max_pull_wait: float, chunk_bytes: int) -> None:
+    def __init__(self, store: ShardStore, *, max_pull_wait: float, chunk_bytes: int, staging: StagingPool) -> None:
         self.store = store
+        self.staging = staging
         self.max_pull_wait = max_pull_wait
         self.chunk_bytes = chunk_bytes
 
@@ -107,10 +109,21 @@ class ParameterServerServicer:
         if ack is not None:  # applied before: answer without reading the payload
             self.store.note_duplicate()
             return ps_pb2.PushResponse(applied=False, version=ack.version)
-        staging = torch.empty(header.nbytes // 4, dtype=torch.float32)
+        with self.staging.borrow(header.nbytes // 4) as staging:
+            self._receive(header, first, chunks, staging)
+            result = self.store.push(
+                header.model, header.shard_id, step=header.step, kind=kind, data=staging, lr=header.lr or None
+            )
+        return ps_pb2.PushResponse(applied=result.applied, version=result.version)
+
+    @staticmethod
+    def _receive(
+        header: ps_pb2.PushHeader, first: codec.Chunk, rest: Iterator[codec.Chunk], staging: torch.Tensor
+    ) -> None:
+        """Copies the payload of every chunk into `staging`, checking sizes and headers."""
         view = memoryview(staging.numpy()).cast("B")
         received = 0
-        for chunk in _chain_first(first, chunks):
+        for chunk in _chain_first(first, rest):
             if chunk.header is not None and chunk is not first:
                 raise InvalidArgument("only the first chunk of a push may carry a header")
             n = len(chunk.data)
@@ -124,10 +137,6 @@ class ParameterServerServicer:
             raise InvalidArgument(
                 f"push to shard {header.shard_id} ended after {received} of {header.nbytes} bytes"
             )
-        result = self.store.push(
-            header.model, header.shard_id, step=header.step, kind=kind, data=staging, lr=header.lr or None
-        )
-        return ps_pb2.PushResponse(applied=result.applied, version=result.version)
 
     @grpc_errors
     def Prefetch(self, request: ps_pb2.PrefetchRequest, context: grpc.ServicerContext):

@@ -228,7 +228,11 @@ def test_section_given_as_scalar_rejected(write_toml):
 def test_wrong_types_rejected(write_toml, toml, dotted):
     with pytest.raises(ConfigError) as info:
         load_config(write_toml(toml))
-    assert dotted in str(info.value)
+    message = str(info.value)
+    assert dotted in message
+    # Refused as a type error by the loader, not by a later range check in validate() (which
+    # would also catch `max_workers = true`, as True < 2, for the wrong reason).
+    assert "expected" in message
 
 
 # -- sizes -----------------------------------------------------------------------------------
@@ -399,3 +403,12 @@ def test_old_key_is_unknown_without_the_rename_entry(write_toml):
     assert "store.ram_budget" not in config_mod.RENAMED_KEYS
     with pytest.raises(ConfigError, match=r"store\.ram_budget"):
         load_config(write_toml('[store]\nram_budget = "2GiB"\n'))
+
+
+def test_unreadable_config_files_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path)  # a directory
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(binary)

@@ -78,12 +78,15 @@ def _package() -> str:
 @pytest.fixture(scope="module")
 def handlers() -> dict[str, grpc.GenericRpcHandler]:
     from ps_daemon import servicer
+    from ps_daemon.buffers import StagingPool
     from ps_daemon.store import ShardStore
 
     store = ShardStore(ram_bytes=1 << 20, default_shard_bytes=4096)
     return {
         "ParameterServer": servicer.parameter_server_handler(
-            servicer.ParameterServerServicer(store, max_pull_wait=1.0, chunk_bytes=1 << 16)
+            servicer.ParameterServerServicer(
+                store, max_pull_wait=1.0, chunk_bytes=1 << 16, staging=StagingPool(max_bytes=1 << 20)
+            )
         ),
         "Admin": servicer.admin_handler(servicer.AdminServicer(store)),
     }
