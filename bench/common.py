@@ -27,7 +27,9 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def interleaved(ours: Callable[[], object], peer: Callable[[], object], *, reps: int, warmup: int = 1) -> tuple[list[float], list[float]]:
+def interleaved(
+    ours: Callable[[], object], peer: Callable[[], object], *, reps: int, warmup: int = 1
+) -> tuple[list[float], list[float]]:
     """Runs ours and peer alternately, in ABBA order (so drift in the machine and whatever
     the first of a pair leaves in caches hit both alike), after warm-up."""
     for _ in range(warmup):
@@ -75,8 +77,10 @@ def record(
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{name}: ours {ours:.4g} {unit}, peer {peer:.4g} {unit}, ratio {ratio:.3f} "
-          f"(target {'>=' if higher_is_better else '<='} {target}: {'met' if met else 'NOT met'})")
+    print(
+        f"{name}: ours {ours:.4g} {unit}, peer {peer:.4g} {unit}, ratio {ratio:.3f} "
+        f"(target {'>=' if higher_is_better else '<='} {target}: {'met' if met else 'NOT met'})"
+    )
     return result
 
 
@@ -98,8 +102,21 @@ class LocalDaemon:
         tmp = Path(self._tmp.name)
         port_file = tmp / "port"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ps_daemon.cli", "serve", "--listen", "127.0.0.1:0",
-             "--state-dir", str(tmp / "state"), "--port-file", str(port_file), "--log-level", "WARNING", *extra],
+            [
+                sys.executable,
+                "-m",
+                "ps_daemon.cli",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--state-dir",
+                str(tmp / "state"),
+                "--port-file",
+                str(port_file),
+                "--log-level",
+                "WARNING",
+                *extra,
+            ],
             cwd=REPO,
         )
         deadline = time.monotonic() + 60

@@ -89,7 +89,7 @@ def main() -> list[dict]:
 
         def push_all() -> None:
             futures = [
-                pool.submit(client.push, s, step=0, kind=ps_pb2.PARAMETERS, data=raw[s.offset * 4 : s.end * 4], lr=0)
+                pool.submit(client.push, s, step=0, kind=ps_pb2.PARAMETERS, data=raw[s.offset * 4 : s.end * 4], lr=None)
                 for s in plan
             ]
             for f in futures:

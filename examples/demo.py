@@ -18,9 +18,20 @@ def start_daemon(workdir: Path) -> tuple[subprocess.Popen, str]:
     port_file = workdir / "port"
     log = open(workdir / "daemon.log", "w")  # noqa: SIM115 - lives as long as the daemon
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "ps_daemon.cli", "serve", "--listen", "127.0.0.1:0",
-         "--state-dir", str(workdir / "state"), "--port-file", str(port_file)],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "ps_daemon.cli",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(workdir / "state"),
+            "--port-file",
+            str(port_file),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 60
     while not port_file.exists():

@@ -26,8 +26,11 @@ CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--daemons", default=os.environ.get("PS_DAEMONS", "127.0.0.1:50051"),
-                   help="comma-separated daemon addresses, in plan order (env PS_DAEMONS)")
+    p.add_argument(
+        "--daemons",
+        default=os.environ.get("PS_DAEMONS", "127.0.0.1:50051"),
+        help="comma-separated daemon addresses, in plan order (env PS_DAEMONS)",
+    )
     p.add_argument("--local", action="store_true", help="in-process torch AdamW instead of the daemons")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32)
@@ -67,8 +70,9 @@ def train(args: argparse.Namespace) -> list[float]:
     if args.local:
         decay = [p for n, p in model.named_parameters() if not no_weight_decay(n, p)]
         other = [p for n, p in model.named_parameters() if no_weight_decay(n, p)]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                                lr=args.lr, fused=True)
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}], lr=args.lr, fused=True
+        )
     else:
         opt = trainer.offload(
             model,
@@ -103,8 +107,10 @@ def train(args: argparse.Namespace) -> list[float]:
     elapsed = time.perf_counter() - started
     if not args.local:
         opt.synchronize()
-    print(f"loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f} "
-          f"in {args.steps} steps, {1000 * elapsed / args.steps:.1f} ms/step")
+    print(
+        f"loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f} "
+        f"in {args.steps} steps, {1000 * elapsed / args.steps:.1f} ms/step"
+    )
     if args.sample:
         print("sample:", repr(sample(model, data, args.sample)))
     if not args.local:
@@ -118,7 +124,7 @@ def sample(model: TinyGPT, data: CharDataset, n: int) -> str:
     generator = torch.Generator().manual_seed(0)
     idx = torch.tensor([[data.stoi["T"]]])
     for _ in range(n):
-        logits = model(idx[:, -model.config.block_size:])[:, -1, :]
+        logits = model(idx[:, -model.config.block_size :])[:, -1, :]
         nxt = torch.multinomial(torch.softmax(logits / 0.8, dim=-1), 1, generator=generator)
         idx = torch.cat([idx, nxt], dim=1)
     model.train()

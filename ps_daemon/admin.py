@@ -133,8 +133,10 @@ def _rpc(daemon: str, what: str, call: Callable[[ps_pb2_grpc.AdminStub], T]) -> 
             return call(ps_pb2_grpc.AdminStub(channel))
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details()  # type: ignore[attr-defined]  # a grpc.Call too
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        if code == grpc.StatusCode.UNAVAILABLE:
             raise AdminError(f"daemon {daemon} is unreachable ({code.name}: {details})") from None
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # a busy daemon and a blackholed address look alike
+            raise AdminError(f"daemon {daemon} did not answer in time, {what} ({code.name}: {details})") from None
         raise AdminError(f"{what} on daemon {daemon}: {code.name}: {details}") from None
 
 

@@ -86,7 +86,7 @@ def parse_size(value: Any, *, key: str) -> int:
         match = re.fullmatch(r"\s*(\d+)\s*([KMGT]?i?B?)\s*", value, re.IGNORECASE)
         unit = match.group(2).upper() if match else ""
         if not match or unit not in _UNITS:
-            raise ConfigError(f"{key}: cannot read size {value!r}; write e.g. 4096 or \"64MiB\"")
+            raise ConfigError(f'{key}: cannot read size {value!r}; write e.g. 4096 or "64MiB"')
         size = int(match.group(1)) * _UNITS[unit]
     else:
         raise ConfigError(f"{key}: expected a size, got {value!r}")

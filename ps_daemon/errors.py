@@ -40,10 +40,6 @@ class DeadlineExceeded(PsError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-class Unavailable(PsError):
-    code = grpc.StatusCode.UNAVAILABLE
-
-
 def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
     if isinstance(exc, PsError):
         log.info("%s -> %s: %s", method, exc.code.name, exc)

@@ -104,9 +104,7 @@ def plan_shards(total_numel: int, shard_numel: int, num_daemons: int) -> list[Sh
     return shards
 
 
-def validate_plan(
-    shards: list[ShardSlice], *, total_numel: int, shard_numel: int, num_daemons: int
-) -> None:
+def validate_plan(shards: list[ShardSlice], *, total_numel: int, shard_numel: int, num_daemons: int) -> None:
     """Invariants of a plan:
     1. ids are 0..n-1 in order;
     2. the slices tile [0, total_numel) in order, without gaps or overlaps;
@@ -144,7 +142,5 @@ def segments_of(shard: ShardSlice, layouts: list[ParamLayout]) -> list[Segment]:
         start = max(layout.offset, shard.offset)
         end = min(layout.offset + layout.numel, shard.end)
         if start < end:
-            segments.append(
-                Segment(layout.index, start - shard.offset, start - layout.offset, end - start)
-            )
+            segments.append(Segment(layout.index, start - shard.offset, start - layout.offset, end - start))
     return segments

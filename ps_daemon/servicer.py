@@ -112,7 +112,12 @@ class ParameterServerServicer:
         with self.staging.borrow(header.nbytes // 4) as staging:
             self._receive(header, first, chunks, staging)
             result = self.store.push(
-                header.model, header.shard_id, step=header.step, kind=kind, data=staging, lr=header.lr or None
+                header.model,
+                header.shard_id,
+                step=header.step,
+                kind=kind,
+                data=staging,
+                lr=header.lr if header.HasField("lr") else None,
             )
         return ps_pb2.PushResponse(applied=result.applied, version=result.version)
 
@@ -134,9 +139,7 @@ class ParameterServerServicer:
             view[received : received + n] = chunk.data
             received += n
         if received != header.nbytes:
-            raise InvalidArgument(
-                f"push to shard {header.shard_id} ended after {received} of {header.nbytes} bytes"
-            )
+            raise InvalidArgument(f"push to shard {header.shard_id} ended after {received} of {header.nbytes} bytes")
 
     @grpc_errors
     def Prefetch(self, request: ps_pb2.PrefetchRequest, context: grpc.ServicerContext):

@@ -100,15 +100,17 @@ class Shard:
         return self.nbytes + ShardOptimizer.state_bytes(self.optimizer.config, self.slice.numel)
 
     @contextlib.contextmanager
-    def reading(self, min_version: int, timeout: float) -> Iterator[int]:
-        """Holds the shard for reading once it is initialized and at min_version; yields the
-        version being read."""
+    def reading(self, min_version: int, timeout: float, *, require_values: bool = True) -> Iterator[int]:
+        """Holds the shard for reading once it is at min_version (and initialized, unless
+        `require_values` is False); yields the version being read."""
         with self.cond:
             ready = self.cond.wait_for(
-                lambda: self.initialized
-                and self.version >= min_version
-                and not self.writing
-                and not self.writers_waiting,
+                lambda: (
+                    (self.initialized or not require_values)
+                    and self.version >= min_version
+                    and not self.writing
+                    and not self.writers_waiting
+                ),
                 timeout=timeout,
             )
             if not ready:
@@ -225,9 +227,7 @@ class ShardStore:
             total = sum(p.numel for p in layouts)
             plan = plan_shards(total, shard_numel_for(spec.shard_bytes), len(spec.daemons))
             mine = [s for s in plan if s.daemon_index == daemon_index]
-            need = sum(
-                s.numel * FP32_BYTES + ShardOptimizer.state_bytes(spec.optimizer, s.numel) for s in mine
-            )
+            need = sum(s.numel * FP32_BYTES + ShardOptimizer.state_bytes(spec.optimizer, s.numel) for s in mine)
             used = self._resident_bytes_locked()
             if used + need > self.ram_bytes:
                 raise ResourceExhausted(
@@ -262,9 +262,7 @@ class ShardStore:
                     f"shard {shard_id} of model {model_name!r} lives on daemon {owner} "
                     f"({model.spec.daemons[owner]}), not on this one (daemon {model.daemon_index})"
                 )
-            raise NotFound(
-                f"model {model_name!r} has shards 0..{len(model.plan) - 1}; there is no shard {shard_id}"
-            )
+            raise NotFound(f"model {model_name!r} has shards 0..{len(model.plan) - 1}; there is no shard {shard_id}")
         return shard
 
     def models(self) -> list[RegisteredModel]:
@@ -284,7 +282,9 @@ class ShardStore:
             self.stats.pulls += 1
             self.stats.bytes_pulled += shard.nbytes
 
-    def check_push(self, model: str, shard_id: int, *, step: int, kind: str, nbytes: int, dtype: str) -> PushResult | None:
+    def check_push(
+        self, model: str, shard_id: int, *, step: int, kind: str, nbytes: int, dtype: str
+    ) -> PushResult | None:
         """Validates a push header before its payload is read. Returns the acknowledgement
         for a push that was applied before (no payload needed), else None."""
         shard = self.shard(model, shard_id)
@@ -310,9 +310,7 @@ class ShardStore:
                 )
             return None
         if not shard.initialized:
-            raise FailedPrecondition(
-                f"shard {sid} has no values yet: push its initial parameters before gradients"
-            )
+            raise FailedPrecondition(f"shard {sid} has no values yet: push its initial parameters before gradients")
         if step < shard.version:
             return PushResult(applied=False, version=shard.version)
         if step > shard.version:
@@ -322,13 +320,14 @@ class ShardStore:
             )
         return None
 
-    def push(self, model: str, shard_id: int, *, step: int, kind: str, data: torch.Tensor, lr: float | None) -> PushResult:
+    def push(
+        self, model: str, shard_id: int, *, step: int, kind: str, data: torch.Tensor, lr: float | None
+    ) -> PushResult:
         """Applies a gradient (or writes initial values) held in `data` (fp32, shard numel)."""
         shard = self.shard(model, shard_id)
         if data.dtype != torch.float32 or data.numel() != shard.slice.numel:
             raise InvalidArgument(
-                f"push to shard {shard_id}: got {data.numel()} {data.dtype}, expected "
-                f"{shard.slice.numel} float32"
+                f"push to shard {shard_id}: got {data.numel()} {data.dtype}, expected {shard.slice.numel} float32"
             )
         with shard.writing_lock():
             # Re-checked under the lock: a retry may have raced the first attempt.
@@ -342,7 +341,7 @@ class ShardStore:
                 shard.initialized = True
             else:
                 started = time.perf_counter()
-                shard.optimizer.apply(shard.master, data, lr if lr else shard.optimizer.config.lr)
+                shard.optimizer.apply(shard.master, data, shard.optimizer.config.lr if lr is None else lr)
                 elapsed = time.perf_counter() - started
                 shard.version += 1
                 with self._lock:
@@ -365,10 +364,10 @@ class ShardStore:
             self.stats.prefetch_hints += len(shard_ids)
         return len(shard_ids)
 
-    def value_stats(self, shard: Shard) -> ValueStats:
-        """Norm, min, max and NaN count of the master values, read between updates."""
-        with shard.cond:
-            shard.cond.wait_for(lambda: not shard.writing)
+    def value_stats(self, shard: Shard, *, timeout: float = 10.0) -> ValueStats:
+        """Norm, min, max and NaN count of the master values, under a read hold (pulls go on;
+        an update waits until the statistics are done)."""
+        with shard.reading(0, timeout, require_values=False):
             values = shard.master
             finite = values[~torch.isnan(values)]
             return ValueStats(
@@ -427,7 +426,7 @@ def _spec_difference(old: ModelSpec, new: ModelSpec, old_index: int, new_index: 
     for name in ("params", "optimizer", "shard_bytes", "daemons"):
         if getattr(old, name) != getattr(new, name):
             if name == "params":
-                for a, b in zip(old.params, new.params):
+                for a, b in zip(old.params, new.params, strict=False):  # lengths may differ
                     if a != b:
                         return f"parameter {a.name!r} was {a}, now {b}"
                 return f"{len(old.params)} parameters before, {len(new.params)} now"

@@ -1,8 +1,8 @@
 """ps-offload trainer library: train a model whose optimizer lives on ps-daemons.
 
-    import trainer
-    opt = trainer.offload(model, daemons=["127.0.0.1:50051"], optimizer=trainer.AdamW(lr=3e-4))
-    loss.backward(); opt.step(); opt.zero_grad()
+import trainer
+opt = trainer.offload(model, daemons=["127.0.0.1:50051"], optimizer=trainer.AdamW(lr=3e-4))
+loss.backward(); opt.step(); opt.zero_grad()
 """
 
 from trainer.client import DaemonError, ShardedClient

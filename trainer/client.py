@@ -23,7 +23,11 @@ from trainer.config import ClientConfig
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# A push is retried when the daemon was unreachable or the attempt ran out of time: it is
+# idempotent on (shard, step). A pull is retried only when unreachable: DEADLINE_EXCEEDED
+# there usually means the version never came, and waiting again would only repeat that.
+PUSH_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+PULL_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 
 class DaemonError(RuntimeError):
@@ -71,9 +75,7 @@ class DaemonClient:
             response_deserializer=ps_pb2.PrefetchResponse.FromString,
         )
 
-    def register(
-        self, spec: ps_pb2.ModelSpec, daemon_index: int, *, timeout: float
-    ) -> ps_pb2.RegisterModelResponse:
+    def register(self, spec: ps_pb2.ModelSpec, daemon_index: int, *, timeout: float) -> ps_pb2.RegisterModelResponse:
         request = ps_pb2.RegisterModelRequest(spec=spec, daemon_index=daemon_index)
         return self._register(request, timeout=timeout, wait_for_ready=True)
 
@@ -105,9 +107,10 @@ class DaemonClient:
         step: int,
         kind: int,
         data: memoryview,
-        lr: float,
+        lr: float | None,
         timeout: float,
     ) -> ps_pb2.PushResponse:
+        """Streams one shard's payload. `lr` None keeps the registered learning rate."""
         header = ps_pb2.PushHeader(
             model=model,
             shard_id=shard_id,
@@ -116,7 +119,7 @@ class DaemonClient:
             encoding=ps_pb2.RAW,
             dtype=ps_pb2.FLOAT32,
             nbytes=len(data),
-            lr=lr,
+            lr=lr,  # None leaves the optional field unset
         )
 
         def chunks():
@@ -174,7 +177,7 @@ class ShardedClient:
             self.created.append(response.created)
         return self.plan
 
-    def _call(self, what: str, daemon_index: int, fn: Callable[[], T]) -> T:
+    def _call(self, what: str, daemon_index: int, fn: Callable[[], T], retryable: frozenset = PUSH_RETRYABLE) -> T:
         """Runs fn with retries on transient errors; raises DaemonError otherwise."""
         address = self.daemons[daemon_index]
         delay = self.config.backoff_seconds
@@ -182,14 +185,16 @@ class ShardedClient:
             try:
                 return fn()
             except grpc.RpcError as error:
-                if error.code() not in RETRYABLE or attempt == self.config.max_attempts:
+                if error.code() not in retryable or attempt == self.config.max_attempts:
                     raise DaemonError(address, what, error) from None
                 log.warning("%s on %s: %s (attempt %d), retrying", what, address, error.code().name, attempt)
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
         raise AssertionError("unreachable")
 
-    def push(self, shard: ShardSlice, *, step: int, kind: int, data: memoryview, lr: float) -> ps_pb2.PushResponse:
+    def push(
+        self, shard: ShardSlice, *, step: int, kind: int, data: memoryview, lr: float | None
+    ) -> ps_pb2.PushResponse:
         client = self.clients[shard.daemon_index]
         return self._call(
             f"push of shard {shard.shard_id} step {step}",
@@ -217,6 +222,7 @@ class ShardedClient:
                 out=out,
                 timeout=self.config.rpc_timeout_seconds,
             ),
+            PULL_RETRYABLE,
         )
 
     def prefetch(self, shard_ids: list[int]) -> None:

@@ -78,8 +78,7 @@ class OffloadOptimizer:
         for name, p in named:
             if p.dtype != torch.float32 or p.device.type != "cpu":
                 raise ValueError(
-                    f"parameter {name!r} is {p.dtype} on {p.device}; this release offloads float32 CPU "
-                    "parameters only"
+                    f"parameter {name!r} is {p.dtype} on {p.device}; this release offloads float32 CPU parameters only"
                 )
         self.optimizer = optimizer
         self.lr = optimizer.lr  # set it between steps to follow a schedule
@@ -122,7 +121,7 @@ class OffloadOptimizer:
         daemons' values (every shard must be at the same version)."""
         created = self.client.created
         if all(created):
-            self._run_all(lambda s: self.client.push(s, step=0, kind=ps_pb2.PARAMETERS, data=self._bytes(s), lr=0))
+            self._run_all(lambda s: self.client.push(s, step=0, kind=ps_pb2.PARAMETERS, data=self._bytes(s), lr=None))
             return 0
         if any(created):
             fresh = [self.client.daemons[i] for i, c in enumerate(created) if c]

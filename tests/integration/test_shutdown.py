@@ -26,10 +26,15 @@ def test_sigterm_finishes_in_flight_push_and_exits_zero(daemon):
     )
     client.register(spec, 0, timeout=10)
     values = memoryview(torch.zeros(NUMEL).numpy()).cast("B")
-    client.push("m", 0, step=0, kind=ps_pb2.PARAMETERS, data=values, lr=0, timeout=10)
+    client.push("m", 0, step=0, kind=ps_pb2.PARAMETERS, data=values, lr=None, timeout=10)
 
     header = ps_pb2.PushHeader(
-        model="m", shard_id=0, step=0, kind=ps_pb2.GRADIENT, encoding=ps_pb2.RAW, dtype=ps_pb2.FLOAT32,
+        model="m",
+        shard_id=0,
+        step=0,
+        kind=ps_pb2.GRADIENT,
+        encoding=ps_pb2.RAW,
+        dtype=ps_pb2.FLOAT32,
         nbytes=NUMEL * 4,
     )
     grad = memoryview(torch.ones(NUMEL).numpy()).cast("B")

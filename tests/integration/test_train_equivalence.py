@@ -161,3 +161,21 @@ def test_second_trainer_resumes_from_daemon_state(daemon):
         assert opt.step_count == 5
         for ours, theirs in zip(fresh.parameters(), trained, strict=True):
             assert torch.equal(ours, theirs)
+
+
+def test_lr_zero_is_honoured_not_replaced_by_the_registered_lr(daemon):
+    """lr is optional on the wire: an explicit 0 must freeze the parameters (with weight
+    decay 0), not fall back to the registered lr."""
+    model, batches, loss_fn = _mlp_case()
+    before = [p.detach().clone() for p in model.parameters()]
+    with trainer.offload(
+        model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.0), shard_bytes=8192
+    ) as opt:
+        opt.lr = 0.0
+        opt.zero_grad()
+        loss_fn(model, batches[0]).backward()
+        opt.step()
+        opt.synchronize()
+        assert opt.step_count == 1
+    for ours, theirs in zip(model.parameters(), before, strict=True):
+        assert torch.equal(ours, theirs)
