@@ -10,12 +10,12 @@ import datetime
 import json
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from ps_daemon.local import LocalDaemon
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -94,42 +94,13 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-class LocalDaemon:
-    """A ps-daemon subprocess on a free loopback port, in a temporary directory."""
+class BenchDaemon(LocalDaemon):
+    """A local daemon in a temporary directory that is removed when it stops."""
 
     def __init__(self, *extra: str) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="ps-bench-")
-        tmp = Path(self._tmp.name)
-        port_file = tmp / "port"
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ps_daemon.cli",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--state-dir",
-                str(tmp / "state"),
-                "--port-file",
-                str(port_file),
-                "--log-level",
-                "WARNING",
-                *extra,
-            ],
-            cwd=REPO,
-        )
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("ps-daemon did not start")
-            time.sleep(0.05)
-        self.address = f"127.0.0.1:{int(port_file.read_text())}"
-
-    def __enter__(self) -> LocalDaemon:
-        return self
+        super().__init__(Path(self._tmp.name), "--log-level", "WARNING", *extra)
 
     def __exit__(self, *exc: object) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=60)
+        super().__exit__(*exc)
         self._tmp.cleanup()

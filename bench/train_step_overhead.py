@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from bench.common import REPO, LocalDaemon, median, record, timed
+from bench.common import REPO, BenchDaemon, median, record, timed
 
 sys.path.insert(0, str(REPO / "examples"))
 import train_gpt  # noqa: E402
@@ -26,7 +26,7 @@ BLOCKS = 8
 
 def main() -> dict:
     args = train_gpt.parse_args([])
-    with LocalDaemon() as daemon:
+    with BenchDaemon() as daemon:
         local_model, data = train_gpt.build(args)
         remote_model, _ = train_gpt.build(args)
         decay = [p for n, p in local_model.named_parameters() if not train_gpt.no_weight_decay(n, p)]

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from bench.common import LocalDaemon, interleaved, median, record
+from bench.common import BenchDaemon, interleaved, median, record
 from ps_proto import ps_pb2
 from trainer.client import ShardedClient
 from trainer.config import ClientConfig
@@ -73,7 +73,7 @@ class TcpPeer:
 
 def main() -> list[dict]:
     peer = TcpPeer()
-    with LocalDaemon() as daemon:
+    with BenchDaemon() as daemon:
         config = ClientConfig()
         client = ShardedClient([daemon.address], config=config)
         spec = ps_pb2.ModelSpec(

@@ -7,6 +7,7 @@ says why). Every other method uses the generated message classes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 
 import grpc
@@ -177,20 +178,7 @@ class AdminServicer:
 
     @grpc_errors
     def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext):
-        s = self.store.stats_snapshot()
-        return ps_pb2.StatsResponse(
-            models=s.models,
-            shards=s.shards,
-            ram_bytes_used=s.ram_bytes_used,
-            bytes_pulled=s.bytes_pulled,
-            bytes_pushed=s.bytes_pushed,
-            pulls=s.pulls,
-            pushes_applied=s.pushes_applied,
-            pushes_duplicate=s.pushes_duplicate,
-            optimizer_seconds=s.optimizer_seconds,
-            uptime_seconds=s.uptime_seconds,
-            prefetch_hints=s.prefetch_hints,
-        )
+        return ps_pb2.StatsResponse(**dataclasses.asdict(self.store.stats_snapshot()))
 
 
 def _shard_info(shard) -> ps_pb2.ShardInfo:

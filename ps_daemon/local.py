@@ -1,0 +1,65 @@
+"""A ps-daemon as a child process on a free loopback port: what the demo, the tests and the
+benchmarks start. Production daemons run under systemd instead."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class LocalDaemon:
+    """`ps-daemon serve` on 127.0.0.1, port 0, state under `workdir`, output to
+    `workdir/daemon.log`. Construction returns once the daemon listens."""
+
+    def __init__(self, workdir: Path, *extra: str, start_timeout: float = 60.0) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.log_path = workdir / "daemon.log"
+        port_file = workdir / "port"
+        with open(self.log_path, "w") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "ps_daemon.cli", "serve", "--listen", "127.0.0.1:0",
+                 "--state-dir", str(workdir / "state"), "--port-file", str(port_file), *extra],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        deadline = time.monotonic() + start_timeout
+        while not port_file.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ps-daemon exited with {self.process.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError(f"ps-daemon did not start in {start_timeout:.0f}s:\n{self.log()}")
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.workdir / "state"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Sends `sig` (SIGTERM: drain and exit 0) and returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> LocalDaemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
