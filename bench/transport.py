@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from bench.common import BenchDaemon, interleaved, median, record
+from bench.common import BenchDaemon, interleaved, median, record, timed
 from ps_proto import ps_pb2
 from trainer.client import ShardedClient
 from trainer.config import ClientConfig
@@ -74,57 +74,74 @@ class TcpPeer:
 def main() -> list[dict]:
     peer = TcpPeer()
     with BenchDaemon() as daemon:
-        config = ClientConfig()
-        client = ShardedClient([daemon.address], config=config)
-        spec = ps_pb2.ModelSpec(
-            model="transport",
-            params=[ps_pb2.ParamSpec(name="w", shape=[NUMEL], dtype=ps_pb2.FLOAT32)],
-            optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)),
-            shard_bytes=64 << 20,
-        )
-        plan = client.register(spec)
-        flat = torch.randn(NUMEL)
-        raw = memoryview(flat.numpy()).cast("B")
-        pool = ThreadPoolExecutor(max_workers=config.streams_per_daemon)
-
-        def push_all() -> None:
-            futures = [
-                pool.submit(client.push, s, step=0, kind=ps_pb2.PARAMETERS, data=raw[s.offset * 4 : s.end * 4], lr=None)
-                for s in plan
-            ]
-            for f in futures:
-                f.result()
-
-        def pull_all() -> None:
-            futures = [pool.submit(client.pull, s, min_version=0, out=raw[s.offset * 4 : s.end * 4]) for s in plan]
-            for f in futures:
-                f.result()
-
-        push_all()
-        expected = flat.clone()
-        flat.zero_()
-        pull_all()
-        assert torch.equal(flat, expected), "pulled bytes differ from pushed bytes"
-
-        results = []
-        for name, ours, theirs in (("transport_pull", pull_all, peer.pull), ("transport_push", push_all, peer.push)):
-            ours_t, peer_t = interleaved(ours, theirs, reps=8, warmup=2)
-            results.append(
-                record(
-                    name,
-                    ours=NBYTES / median(ours_t) / 1e9,
-                    peer=NBYTES / median(peer_t) / 1e9,
-                    unit="GB/s",
-                    target=0.85,
-                    higher_is_better=True,
-                    notes="256 MiB in 4 shards, 1 MiB chunks, 2 streams; peer: raw TCP between two processes; "
-                    "median of 8 ABBA-interleaved transfers",
-                )
-            )
-        pool.shutdown()
-        client.close()
+        grpc_only = _measure(daemon.address, "grpc", reps=4)
+        ours_t, peer_t = _measure(daemon.address, "auto", reps=8, peer=peer)
     peer.close()
+    results = []
+    for name in ("transport_pull", "transport_push"):
+        results.append(
+            record(
+                name,
+                ours=NBYTES / median(ours_t[name]) / 1e9,
+                peer=NBYTES / median(peer_t[name]) / 1e9,
+                unit="GB/s",
+                target=0.85,
+                higher_is_better=True,
+                notes="256 MiB in 4 shards over the TCP data plane, 2 connections; peer: raw TCP between two "
+                "processes; median of 8 ABBA-interleaved transfers. grpc_gbps: the same over the gRPC Pull/Push "
+                "streams (1 MiB chunks), for comparison",
+                extra={"grpc_gbps": round(NBYTES / median(grpc_only[0][name]) / 1e9, 3)},
+            )
+        )
     return results
+
+
+def _measure(address: str, transport: str, *, reps: int, peer: TcpPeer | None = None):
+    """Times pull_all and push_all through ShardedClient with the given transport; with a
+    peer, interleaved with its pull and push."""
+    config = ClientConfig(transport=transport)
+    client = ShardedClient([address], config=config)
+    spec = ps_pb2.ModelSpec(
+        model="transport",
+        params=[ps_pb2.ParamSpec(name="w", shape=[NUMEL], dtype=ps_pb2.FLOAT32)],
+        optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)),
+        shard_bytes=64 << 20,
+    )
+    plan = client.register(spec)
+    flat = torch.randn(NUMEL)
+    raw = memoryview(flat.numpy()).cast("B")
+    pool = ThreadPoolExecutor(max_workers=config.streams_per_daemon)
+
+    def push_all() -> None:
+        futures = [
+            pool.submit(client.push, s, step=0, kind=ps_pb2.PARAMETERS, data=raw[s.offset * 4 : s.end * 4], lr=None)
+            for s in plan
+        ]
+        for f in futures:
+            f.result()
+
+    def pull_all() -> None:
+        futures = [pool.submit(client.pull, s, min_version=0, out=raw[s.offset * 4 : s.end * 4]) for s in plan]
+        for f in futures:
+            f.result()
+
+    push_all()
+    expected = flat.clone()
+    flat.zero_()
+    pull_all()
+    assert torch.equal(flat, expected), "pulled bytes differ from pushed bytes"
+
+    times: tuple[dict, dict] = ({}, {})
+    for name, ours, theirs in (("transport_pull", pull_all, peer and peer.pull),
+                               ("transport_push", push_all, peer and peer.push)):  # fmt: skip
+        if theirs is None:
+            ours()
+            times[0][name] = [timed(ours) for _ in range(reps)]
+        else:
+            times[0][name], times[1][name] = interleaved(ours, theirs, reps=reps, warmup=2)
+    pool.shutdown()
+    client.close()
+    return times
 
 
 if __name__ == "__main__":

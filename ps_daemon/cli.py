@@ -23,6 +23,9 @@ def main() -> None:
 def serve(
     config: Annotated[Optional[Path], typer.Option(help="TOML config file; flags below override it.")] = None,
     listen: Annotated[Optional[str], typer.Option(help="host:port to listen on (port 0: any free port).")] = None,
+    data_listen: Annotated[
+        Optional[str], typer.Option(help='TCP data plane: "auto" (listen host, free port), "off", or host:port.')
+    ] = None,
     state_dir: Annotated[Optional[str], typer.Option(help="Directory for the daemon's state.")] = None,
     shard_bytes: Annotated[Optional[str], typer.Option(help="Default shard size, e.g. 64MiB.")] = None,
     ram_bytes: Annotated[Optional[str], typer.Option(help="RAM tier budget, e.g. 8GiB.")] = None,
@@ -34,6 +37,7 @@ def serve(
         cfg = load_config(
             config,
             server__listen=listen,
+            server__data_listen=data_listen,
             server__port_file=port_file,
             store__state_dir=state_dir,
             store__shard_bytes=None if shard_bytes is None else parse_size(shard_bytes, key="--shard-bytes"),

@@ -30,6 +30,11 @@ class ServerConfig:
     listen: str = "127.0.0.1:50051"
     """host:port of the gRPC port; port 0 picks a free one (the chosen port is logged and
     written to `port_file` when set)."""
+    data_listen: str = "auto"
+    """host:port of the TCP data plane that carries pulls and pushes without gRPC's copies;
+    "auto": the host of `listen` on a free port; "off": pulls and pushes use gRPC only.
+    The port is advertised to trainers in RegisterModel. Unencrypted: turn it off where
+    the network is not trusted."""
     port_file: str = ""
     """If set, the bound port is written here once the server listens (tests, demos)."""
     max_workers: int = 32
@@ -136,6 +141,9 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"store.shard_bytes must be at least 4096, got {config.store.shard_bytes}")
     if config.server.max_workers < 2:
         raise ConfigError("server.max_workers must be at least 2")
+    data_listen = config.server.data_listen
+    if data_listen not in ("auto", "off") and not re.fullmatch(r".+:\d+", data_listen):
+        raise ConfigError(f'server.data_listen must be "auto", "off" or host:port, got {data_listen!r}')
     if config.server.max_message_bytes < 64 << 10:
         raise ConfigError("server.max_message_bytes must be at least 64KiB")
     if logging.getLevelName(config.log.level.upper()) == f"Level {config.log.level.upper()}":

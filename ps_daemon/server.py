@@ -16,9 +16,11 @@ from grpc_reflection.v1alpha import reflection
 
 from ps_daemon.buffers import StagingPool
 from ps_daemon.config import DaemonConfig
+from ps_daemon.dataplane import DataPlaneServer
 from ps_daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
 from ps_daemon.store import ShardStore
 from ps_proto import ps_pb2
+from ps_proto.frames import split_host_port
 from ps_proto.memory import keep_chunk_buffers_in_heap
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,10 @@ class Daemon:
         self.config = config
         keep_chunk_buffers_in_heap()
         self.store = ShardStore(ram_bytes=config.store.ram_bytes, default_shard_bytes=config.store.shard_bytes)
+        # Idle staging kept for about as many concurrent pushes as usually arrive; more are
+        # allocated on demand and dropped.
+        staging = StagingPool(max_bytes=4 * config.store.shard_bytes)
+        self.data_plane = _bind_data_plane(config, self.store, staging)
         self.health = health.HealthServicer()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.server.max_workers, thread_name_prefix="rpc"),
@@ -57,9 +63,8 @@ class Daemon:
                         self.store,
                         max_pull_wait=config.server.max_pull_wait_seconds,
                         chunk_bytes=CHUNK_BYTES,
-                        # Idle staging kept for about as many concurrent pushes as RPC threads
-                        # would normally carry; more are allocated on demand and dropped.
-                        staging=StagingPool(max_bytes=4 * config.store.shard_bytes),
+                        staging=staging,
+                        data_port=self.data_plane.port if self.data_plane else 0,
                     )
                 ),
                 admin_handler(AdminServicer(self.store)),
@@ -82,6 +87,9 @@ class Daemon:
             raise OSError(f"cannot listen on {listen} (address in use or not local?)")
         Path(self.config.store.state_dir).mkdir(parents=True, exist_ok=True)
         self.server.start()
+        if self.data_plane is not None:
+            self.data_plane.start()
+            log.info("data plane listening on port %d", self.data_plane.port)
         for name in ["", *SERVICE_NAMES]:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.server.port_file:
@@ -93,8 +101,26 @@ class Daemon:
         grace = self.config.server.grace_seconds
         log.info("stopping: draining in-flight calls for up to %.0fs", grace)
         self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait()
+        stopped = self.server.stop(grace)
+        if self.data_plane is not None:
+            self.data_plane.stop(grace)
+        stopped.wait()
         log.info("stopped")
+
+
+def _bind_data_plane(config: DaemonConfig, store: ShardStore, staging: StagingPool) -> DataPlaneServer | None:
+    setting = config.server.data_listen
+    if setting == "off":
+        return None
+    host, port = split_host_port(config.server.listen) if setting == "auto" else split_host_port(setting)
+    if setting == "auto":
+        port = 0
+    try:
+        return DataPlaneServer(
+            (host, port), store=store, staging=staging, max_pull_wait=config.server.max_pull_wait_seconds
+        )
+    except OSError as exc:
+        raise OSError(f"cannot listen for the data plane on {host}:{port}: {exc.strerror}") from exc
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -13,63 +13,27 @@ from collections.abc import Iterable, Iterator
 import grpc
 import torch
 
+from ps_daemon import wire
 from ps_daemon.buffers import StagingPool
 from ps_daemon.errors import InvalidArgument, grpc_errors, grpc_errors_stream
-from ps_daemon.optim import AdamWConfig, SGDConfig
-from ps_daemon.store import ModelSpec, ParamSpec, RegisteredModel, ShardStore
+from ps_daemon.store import ShardStore
 from ps_proto import codec, ps_pb2
-
-DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
-PUSH_KINDS = {ps_pb2.GRADIENT: "gradient", ps_pb2.PARAMETERS: "parameters"}
-
-
-def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
-    params = []
-    for p in spec.params:
-        if p.dtype not in DTYPE_NAMES:
-            raise InvalidArgument(f"parameter {p.name!r}: dtype is unspecified or unknown ({p.dtype})")
-        params.append(
-            ParamSpec(
-                name=p.name,
-                shape=tuple(p.shape),
-                dtype=DTYPE_NAMES[p.dtype],
-                weight_decay=p.weight_decay if p.HasField("weight_decay") else None,
-            )
-        )
-    which = spec.optimizer.WhichOneof("kind")
-    if which == "adamw":
-        o = spec.optimizer.adamw
-        optimizer = AdamWConfig(o.lr, o.beta1, o.beta2, o.eps, o.weight_decay)
-    elif which == "sgd":
-        o = spec.optimizer.sgd
-        optimizer = SGDConfig(o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov)
-    else:
-        raise InvalidArgument(f"model {spec.model!r}: no optimizer given (adamw or sgd)")
-    return ModelSpec(spec.model, tuple(params), optimizer, spec.shard_bytes, tuple(spec.daemons))
-
-
-def plan_to_proto(model: RegisteredModel, created: bool) -> ps_pb2.RegisterModelResponse:
-    return ps_pb2.RegisterModelResponse(
-        created=created,
-        shard_bytes=model.spec.shard_bytes,
-        shards=[
-            ps_pb2.ShardPlacement(shard_id=s.shard_id, daemon_index=s.daemon_index, offset=s.offset, numel=s.numel)
-            for s in model.plan
-        ],
-    )
 
 
 class ParameterServerServicer:
-    def __init__(self, store: ShardStore, *, max_pull_wait: float, chunk_bytes: int, staging: StagingPool) -> None:
+    def __init__(
+        self, store: ShardStore, *, max_pull_wait: float, chunk_bytes: int, staging: StagingPool, data_port: int = 0
+    ) -> None:
         self.store = store
         self.staging = staging
+        self.data_port = data_port  # advertised in RegisterModel; 0: no TCP data plane
         self.max_pull_wait = max_pull_wait
         self.chunk_bytes = chunk_bytes
 
     @grpc_errors
     def RegisterModel(self, request: ps_pb2.RegisterModelRequest, context: grpc.ServicerContext):
-        model, created = self.store.register(spec_from_proto(request.spec), request.daemon_index)
-        return plan_to_proto(model, created)
+        model, created = self.store.register(wire.spec_from_proto(request.spec), request.daemon_index)
+        return wire.plan_to_proto(model, created, data_port=self.data_port)
 
     @grpc_errors_stream
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -79,13 +43,7 @@ class ParameterServerServicer:
             shard,
             version,
         ):
-            header = ps_pb2.ShardHeader(
-                model=request.model,
-                shard_id=request.shard_id,
-                version=version,
-                numel=shard.slice.numel,
-                dtype=ps_pb2.FLOAT32,
-            )
+            header = wire.shard_header(request.model, request.shard_id, version, shard.slice.numel)
             # The read hold lasts while chunks are encoded, so a pull never sees half an update.
             raw = memoryview(shard.master.numpy()).cast("B")
             for start in range(0, len(raw), self.chunk_bytes):
@@ -98,29 +56,12 @@ class ParameterServerServicer:
         if first is None or first.header is None:
             raise InvalidArgument("a push stream must start with a chunk that carries the PushHeader")
         header: ps_pb2.PushHeader = first.header
-        kind = PUSH_KINDS.get(header.kind)
-        if kind is None:
-            raise InvalidArgument(f"push kind must be GRADIENT or PARAMETERS, got {header.kind}")
-        if header.encoding != ps_pb2.RAW:
-            raise InvalidArgument(f"push encoding {header.encoding} is not supported; send RAW")
-        dtype = DTYPE_NAMES.get(header.dtype, f"unspecified ({header.dtype})")
-        ack = self.store.check_push(
-            header.model, header.shard_id, step=header.step, kind=kind, nbytes=header.nbytes, dtype=dtype
-        )
-        if ack is not None:  # applied before: answer without reading the payload
-            self.store.note_duplicate()
-            return ps_pb2.PushResponse(applied=False, version=ack.version)
+        duplicate = wire.open_push(self.store, header)
+        if duplicate is not None:  # applied before: answer without reading the payload
+            return duplicate
         with self.staging.borrow(header.nbytes // 4) as staging:
             self._receive(header, first, chunks, staging)
-            result = self.store.push(
-                header.model,
-                header.shard_id,
-                step=header.step,
-                kind=kind,
-                data=staging,
-                lr=header.lr if header.HasField("lr") else None,
-            )
-        return ps_pb2.PushResponse(applied=result.applied, version=result.version)
+            return wire.apply_push(self.store, header, staging)
 
     @staticmethod
     def _receive(

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11ps_proto/ps.proto\x12\x05ps.v1\"q\n\tParamSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1b\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0c.ps.v1.DType\x12\x19\n\x0cweight_decay\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_weight_decay\"X\n\tAdamWSpec\x12\n\n\x02lr\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\"b\n\x07SGDSpec\x12\n\n\x02lr\x18\x01 \x01(\x01\x12\x10\n\x08momentum\x18\x02 \x01(\x01\x12\x11\n\tdampening\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x10\n\x08nesterov\x18\x05 \x01(\x08\"Y\n\rOptimizerSpec\x12!\n\x05\x61\x64\x61mw\x18\x01 \x01(\x0b\x32\x10.ps.v1.AdamWSpecH\x00\x12\x1d\n\x03sgd\x18\x02 \x01(\x0b\x32\x0e.ps.v1.SGDSpecH\x00\x42\x06\n\x04kind\"\x8b\x01\n\tModelSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12 \n\x06params\x18\x02 \x03(\x0b\x32\x10.ps.v1.ParamSpec\x12\'\n\toptimizer\x18\x03 \x01(\x0b\x32\x14.ps.v1.OptimizerSpec\x12\x13\n\x0bshard_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07\x64\x61\x65mons\x18\x05 \x03(\t\"L\n\x14RegisterModelRequest\x12\x1e\n\x04spec\x18\x01 \x01(\x0b\x32\x10.ps.v1.ModelSpec\x12\x14\n\x0c\x64\x61\x65mon_index\x18\x02 \x01(\r\"W\n\x0eShardPlacement\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x14\n\x0c\x64\x61\x65mon_index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\"d\n\x15RegisterModelResponse\x12%\n\x06shards\x18\x01 \x03(\x0b\x32\x15.ps.v1.ShardPlacement\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\x13\n\x0bshard_bytes\x18\x03 \x01(\x04\"C\n\x0bPullRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\r\x12\x13\n\x0bmin_version\x18\x03 \x01(\x04\"k\n\x0bShardHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x1b\n\x05\x64type\x18\x05 \x01(\x0e\x32\x0c.ps.v1.DType\"=\n\tPullChunk\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.ps.v1.ShardHeader\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"\xc2\x01\n\nPushHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x1d\n\x04kind\x18\x04 \x01(\x0e\x32\x0f.ps.v1.PushKind\x12!\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x0f.ps.v1.Encoding\x12\x1b\n\x05\x64type\x18\x06 \x01(\x0e\x32\x0c.ps.v1.DType\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12\x0f\n\x02lr\x18\x08 \x01(\x01H\x00\x88\x01\x01\x42\x05\n\x03_lr\"<\n\tPushChunk\x12!\n\x06header\x18\x01 \x01(\x0b\x32\x11.ps.v1.PushHeader\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"0\n\x0cPushResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\"3\n\x0fPrefetchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tshard_ids\x18\x02 \x03(\r\"$\n\x10PrefetchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"\"\n\x11ListShardsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xd9\x01\n\tShardInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04tier\x18\x06 \x01(\t\x12\x13\n\x0binitialized\x18\x07 \x01(\x08\x12\x0e\n\x06params\x18\x08 \x03(\t\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x0c\n\x04norm\x18\n \x01(\x01\x12\x0b\n\x03min\x18\x0b \x01(\x01\x12\x0b\n\x03max\x18\x0c \x01(\x01\x12\x11\n\tnan_count\x18\r \x01(\x04\"6\n\x12ListShardsResponse\x12 \n\x06shards\x18\x01 \x03(\x0b\x32\x10.ps.v1.ShardInfo\"2\n\x0fGetShardRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"\xff\x01\n\rStatsResponse\x12\x0e\n\x06models\x18\x01 \x01(\r\x12\x0e\n\x06shards\x18\x02 \x01(\r\x12\x16\n\x0eram_bytes_used\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_pulled\x18\x04 \x01(\x04\x12\x14\n\x0c\x62ytes_pushed\x18\x05 \x01(\x04\x12\r\n\x05pulls\x18\x06 \x01(\x04\x12\x16\n\x0epushes_applied\x18\x07 \x01(\x04\x12\x18\n\x10pushes_duplicate\x18\x08 \x01(\x04\x12\x19\n\x11optimizer_seconds\x18\t \x01(\x01\x12\x16\n\x0euptime_seconds\x18\n \x01(\x01\x12\x16\n\x0eprefetch_hints\x18\x0b \x01(\x04*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03*-\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x07\n\x03RAW\x10\x01*C\n\x08PushKind\x12\x19\n\x15PUSH_KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08GRADIENT\x10\x01\x12\x0e\n\nPARAMETERS\x10\x02\x32\xfb\x01\n\x0fParameterServer\x12J\n\rRegisterModel\x12\x1b.ps.v1.RegisterModelRequest\x1a\x1c.ps.v1.RegisterModelResponse\x12.\n\x04Pull\x12\x12.ps.v1.PullRequest\x1a\x10.ps.v1.PullChunk0\x01\x12/\n\x04Push\x12\x10.ps.v1.PushChunk\x1a\x13.ps.v1.PushResponse(\x01\x12;\n\x08Prefetch\x12\x16.ps.v1.PrefetchRequest\x1a\x17.ps.v1.PrefetchResponse2\xb4\x01\n\x05\x41\x64min\x12\x41\n\nListShards\x12\x18.ps.v1.ListShardsRequest\x1a\x19.ps.v1.ListShardsResponse\x12\x34\n\x08GetShard\x12\x16.ps.v1.GetShardRequest\x1a\x10.ps.v1.ShardInfo\x12\x32\n\x05Stats\x12\x13.ps.v1.StatsRequest\x1a\x14.ps.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11ps_proto/ps.proto\x12\x05ps.v1\"q\n\tParamSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1b\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0c.ps.v1.DType\x12\x19\n\x0cweight_decay\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_weight_decay\"X\n\tAdamWSpec\x12\n\n\x02lr\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\"b\n\x07SGDSpec\x12\n\n\x02lr\x18\x01 \x01(\x01\x12\x10\n\x08momentum\x18\x02 \x01(\x01\x12\x11\n\tdampening\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x10\n\x08nesterov\x18\x05 \x01(\x08\"Y\n\rOptimizerSpec\x12!\n\x05\x61\x64\x61mw\x18\x01 \x01(\x0b\x32\x10.ps.v1.AdamWSpecH\x00\x12\x1d\n\x03sgd\x18\x02 \x01(\x0b\x32\x0e.ps.v1.SGDSpecH\x00\x42\x06\n\x04kind\"\x8b\x01\n\tModelSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12 \n\x06params\x18\x02 \x03(\x0b\x32\x10.ps.v1.ParamSpec\x12\'\n\toptimizer\x18\x03 \x01(\x0b\x32\x14.ps.v1.OptimizerSpec\x12\x13\n\x0bshard_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07\x64\x61\x65mons\x18\x05 \x03(\t\"L\n\x14RegisterModelRequest\x12\x1e\n\x04spec\x18\x01 \x01(\x0b\x32\x10.ps.v1.ModelSpec\x12\x14\n\x0c\x64\x61\x65mon_index\x18\x02 \x01(\r\"W\n\x0eShardPlacement\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x14\n\x0c\x64\x61\x65mon_index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\"w\n\x15RegisterModelResponse\x12%\n\x06shards\x18\x01 \x03(\x0b\x32\x15.ps.v1.ShardPlacement\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\x13\n\x0bshard_bytes\x18\x03 \x01(\x04\x12\x11\n\tdata_port\x18\x04 \x01(\r\"C\n\x0bPullRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\r\x12\x13\n\x0bmin_version\x18\x03 \x01(\x04\"k\n\x0bShardHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x1b\n\x05\x64type\x18\x05 \x01(\x0e\x32\x0c.ps.v1.DType\"=\n\tPullChunk\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.ps.v1.ShardHeader\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"\xc2\x01\n\nPushHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x1d\n\x04kind\x18\x04 \x01(\x0e\x32\x0f.ps.v1.PushKind\x12!\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x0f.ps.v1.Encoding\x12\x1b\n\x05\x64type\x18\x06 \x01(\x0e\x32\x0c.ps.v1.DType\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12\x0f\n\x02lr\x18\x08 \x01(\x01H\x00\x88\x01\x01\x42\x05\n\x03_lr\"<\n\tPushChunk\x12!\n\x06header\x18\x01 \x01(\x0b\x32\x11.ps.v1.PushHeader\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"0\n\x0cPushResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\"3\n\x0fPrefetchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tshard_ids\x18\x02 \x03(\r\"$\n\x10PrefetchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"\"\n\x11ListShardsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xd9\x01\n\tShardInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04tier\x18\x06 \x01(\t\x12\x13\n\x0binitialized\x18\x07 \x01(\x08\x12\x0e\n\x06params\x18\x08 \x03(\t\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x0c\n\x04norm\x18\n \x01(\x01\x12\x0b\n\x03min\x18\x0b \x01(\x01\x12\x0b\n\x03max\x18\x0c \x01(\x01\x12\x11\n\tnan_count\x18\r \x01(\x04\"6\n\x12ListShardsResponse\x12 \n\x06shards\x18\x01 \x03(\x0b\x32\x10.ps.v1.ShardInfo\"2\n\x0fGetShardRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"\xff\x01\n\rStatsResponse\x12\x0e\n\x06models\x18\x01 \x01(\r\x12\x0e\n\x06shards\x18\x02 \x01(\r\x12\x16\n\x0eram_bytes_used\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_pulled\x18\x04 \x01(\x04\x12\x14\n\x0c\x62ytes_pushed\x18\x05 \x01(\x04\x12\r\n\x05pulls\x18\x06 \x01(\x04\x12\x16\n\x0epushes_applied\x18\x07 \x01(\x04\x12\x18\n\x10pushes_duplicate\x18\x08 \x01(\x04\x12\x19\n\x11optimizer_seconds\x18\t \x01(\x01\x12\x16\n\x0euptime_seconds\x18\n \x01(\x01\x12\x16\n\x0eprefetch_hints\x18\x0b \x01(\x04\"p\n\x0b\x44\x61taRequest\x12\"\n\x04pull\x18\x01 \x01(\x0b\x32\x12.ps.v1.PullRequestH\x00\x12!\n\x04push\x18\x02 \x01(\x0b\x32\x11.ps.v1.PushHeaderH\x00\x12\x12\n\ntimeout_ms\x18\x03 \x01(\rB\x06\n\x04kind\"\x89\x01\n\x0c\x44\x61taResponse\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12!\n\x05shard\x18\x03 \x01(\x0b\x32\x12.ps.v1.ShardHeader\x12!\n\x04push\x18\x04 \x01(\x0b\x32\x13.ps.v1.PushResponse\x12\x14\n\x0csend_payload\x18\x05 \x01(\x08*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03*-\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x07\n\x03RAW\x10\x01*C\n\x08PushKind\x12\x19\n\x15PUSH_KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08GRADIENT\x10\x01\x12\x0e\n\nPARAMETERS\x10\x02\x32\xfb\x01\n\x0fParameterServer\x12J\n\rRegisterModel\x12\x1b.ps.v1.RegisterModelRequest\x1a\x1c.ps.v1.RegisterModelResponse\x12.\n\x04Pull\x12\x12.ps.v1.PullRequest\x1a\x10.ps.v1.PullChunk0\x01\x12/\n\x04Push\x12\x10.ps.v1.PushChunk\x1a\x13.ps.v1.PushResponse(\x01\x12;\n\x08Prefetch\x12\x16.ps.v1.PrefetchRequest\x1a\x17.ps.v1.PrefetchResponse2\xb4\x01\n\x05\x41\x64min\x12\x41\n\nListShards\x12\x18.ps.v1.ListShardsRequest\x1a\x19.ps.v1.ListShardsResponse\x12\x34\n\x08GetShard\x12\x16.ps.v1.GetShardRequest\x1a\x10.ps.v1.ShardInfo\x12\x32\n\x05Stats\x12\x13.ps.v1.StatsRequest\x1a\x14.ps.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ps_proto.ps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2114
-  _globals['_DTYPE']._serialized_end=2184
-  _globals['_ENCODING']._serialized_start=2186
-  _globals['_ENCODING']._serialized_end=2231
-  _globals['_PUSHKIND']._serialized_start=2233
-  _globals['_PUSHKIND']._serialized_end=2300
+  _globals['_DTYPE']._serialized_start=2387
+  _globals['_DTYPE']._serialized_end=2457
+  _globals['_ENCODING']._serialized_start=2459
+  _globals['_ENCODING']._serialized_end=2504
+  _globals['_PUSHKIND']._serialized_start=2506
+  _globals['_PUSHKIND']._serialized_end=2573
   _globals['_PARAMSPEC']._serialized_start=28
   _globals['_PARAMSPEC']._serialized_end=141
   _globals['_ADAMWSPEC']._serialized_start=143
@@ -52,37 +52,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDPLACEMENT']._serialized_start=644
   _globals['_SHARDPLACEMENT']._serialized_end=731
   _globals['_REGISTERMODELRESPONSE']._serialized_start=733
-  _globals['_REGISTERMODELRESPONSE']._serialized_end=833
-  _globals['_PULLREQUEST']._serialized_start=835
-  _globals['_PULLREQUEST']._serialized_end=902
-  _globals['_SHARDHEADER']._serialized_start=904
-  _globals['_SHARDHEADER']._serialized_end=1011
-  _globals['_PULLCHUNK']._serialized_start=1013
-  _globals['_PULLCHUNK']._serialized_end=1074
-  _globals['_PUSHHEADER']._serialized_start=1077
-  _globals['_PUSHHEADER']._serialized_end=1271
-  _globals['_PUSHCHUNK']._serialized_start=1273
-  _globals['_PUSHCHUNK']._serialized_end=1333
-  _globals['_PUSHRESPONSE']._serialized_start=1335
-  _globals['_PUSHRESPONSE']._serialized_end=1383
-  _globals['_PREFETCHREQUEST']._serialized_start=1385
-  _globals['_PREFETCHREQUEST']._serialized_end=1436
-  _globals['_PREFETCHRESPONSE']._serialized_start=1438
-  _globals['_PREFETCHRESPONSE']._serialized_end=1474
-  _globals['_LISTSHARDSREQUEST']._serialized_start=1476
-  _globals['_LISTSHARDSREQUEST']._serialized_end=1510
-  _globals['_SHARDINFO']._serialized_start=1513
-  _globals['_SHARDINFO']._serialized_end=1730
-  _globals['_LISTSHARDSRESPONSE']._serialized_start=1732
-  _globals['_LISTSHARDSRESPONSE']._serialized_end=1786
-  _globals['_GETSHARDREQUEST']._serialized_start=1788
-  _globals['_GETSHARDREQUEST']._serialized_end=1838
-  _globals['_STATSREQUEST']._serialized_start=1840
-  _globals['_STATSREQUEST']._serialized_end=1854
-  _globals['_STATSRESPONSE']._serialized_start=1857
-  _globals['_STATSRESPONSE']._serialized_end=2112
-  _globals['_PARAMETERSERVER']._serialized_start=2303
-  _globals['_PARAMETERSERVER']._serialized_end=2554
-  _globals['_ADMIN']._serialized_start=2557
-  _globals['_ADMIN']._serialized_end=2737
+  _globals['_REGISTERMODELRESPONSE']._serialized_end=852
+  _globals['_PULLREQUEST']._serialized_start=854
+  _globals['_PULLREQUEST']._serialized_end=921
+  _globals['_SHARDHEADER']._serialized_start=923
+  _globals['_SHARDHEADER']._serialized_end=1030
+  _globals['_PULLCHUNK']._serialized_start=1032
+  _globals['_PULLCHUNK']._serialized_end=1093
+  _globals['_PUSHHEADER']._serialized_start=1096
+  _globals['_PUSHHEADER']._serialized_end=1290
+  _globals['_PUSHCHUNK']._serialized_start=1292
+  _globals['_PUSHCHUNK']._serialized_end=1352
+  _globals['_PUSHRESPONSE']._serialized_start=1354
+  _globals['_PUSHRESPONSE']._serialized_end=1402
+  _globals['_PREFETCHREQUEST']._serialized_start=1404
+  _globals['_PREFETCHREQUEST']._serialized_end=1455
+  _globals['_PREFETCHRESPONSE']._serialized_start=1457
+  _globals['_PREFETCHRESPONSE']._serialized_end=1493
+  _globals['_LISTSHARDSREQUEST']._serialized_start=1495
+  _globals['_LISTSHARDSREQUEST']._serialized_end=1529
+  _globals['_SHARDINFO']._serialized_start=1532
+  _globals['_SHARDINFO']._serialized_end=1749
+  _globals['_LISTSHARDSRESPONSE']._serialized_start=1751
+  _globals['_LISTSHARDSRESPONSE']._serialized_end=1805
+  _globals['_GETSHARDREQUEST']._serialized_start=1807
+  _globals['_GETSHARDREQUEST']._serialized_end=1857
+  _globals['_STATSREQUEST']._serialized_start=1859
+  _globals['_STATSREQUEST']._serialized_end=1873
+  _globals['_STATSRESPONSE']._serialized_start=1876
+  _globals['_STATSRESPONSE']._serialized_end=2131
+  _globals['_DATAREQUEST']._serialized_start=2133
+  _globals['_DATAREQUEST']._serialized_end=2245
+  _globals['_DATARESPONSE']._serialized_start=2248
+  _globals['_DATARESPONSE']._serialized_end=2385
+  _globals['_PARAMETERSERVER']._serialized_start=2576
+  _globals['_PARAMETERSERVER']._serialized_end=2827
+  _globals['_ADMIN']._serialized_start=2830
+  _globals['_ADMIN']._serialized_end=3010
 # @@protoc_insertion_point(module_scope)

@@ -117,14 +117,16 @@ class ShardPlacement(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., daemon_index: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
 
 class RegisterModelResponse(_message.Message):
-    __slots__ = ("shards", "created", "shard_bytes")
+    __slots__ = ("shards", "created", "shard_bytes", "data_port")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardPlacement]
     created: bool
     shard_bytes: int
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., created: _Optional[bool] = ..., shard_bytes: _Optional[int] = ...) -> None: ...
+    data_port: int
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., created: _Optional[bool] = ..., shard_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("model", "shard_id", "min_version")
@@ -287,3 +289,27 @@ class StatsResponse(_message.Message):
     uptime_seconds: float
     prefetch_hints: int
     def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ...) -> None: ...
+
+class DataRequest(_message.Message):
+    __slots__ = ("pull", "push", "timeout_ms")
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    pull: PullRequest
+    push: PushHeader
+    timeout_ms: int
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class DataResponse(_message.Message):
+    __slots__ = ("code", "message", "shard", "push", "send_payload")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    SEND_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    shard: ShardHeader
+    push: PushResponse
+    send_payload: bool
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., shard: _Optional[_Union[ShardHeader, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., send_payload: _Optional[bool] = ...) -> None: ...

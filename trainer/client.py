@@ -17,8 +17,10 @@ import grpc
 from ps_daemon.plan import ShardSlice, layout_params, plan_shards, shard_numel_for
 from ps_daemon.server import CHUNK_BYTES, channel_options
 from ps_proto import codec, ps_pb2
+from ps_proto.frames import split_host_port
 from ps_proto.memory import keep_chunk_buffers_in_heap
 from trainer.config import ClientConfig
+from trainer.dataplane import DataPlaneClient
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +152,9 @@ class ShardedClient:
         self.model = ""
         self.plan: list[ShardSlice] = []
         self.created: list[bool] = []
+        # Per daemon, what carries pulls and pushes: its data plane when it has one (and the
+        # config allows it), else the gRPC client. Both offer pull_into() and push().
+        self.transports: list[DaemonClient | DataPlaneClient] = list(self.clients)
 
     def register(self, spec: ps_pb2.ModelSpec) -> list[ShardSlice]:
         """Registers on every daemon (the first resolves the shard size when the spec leaves
@@ -175,6 +180,11 @@ class ShardedClient:
                     "are all daemons and trainers running the same ps-offload version?"
                 )
             self.created.append(response.created)
+            if response.data_port and self.config.transport == "auto":
+                host, _ = split_host_port(self.daemons[index])
+                self.transports[index] = DataPlaneClient(
+                    host, response.data_port, max_connections=self.config.streams_per_daemon
+                )
         return self.plan
 
     def _call(self, what: str, daemon_index: int, fn: Callable[[], T], retryable: frozenset = PUSH_RETRYABLE) -> T:
@@ -195,7 +205,7 @@ class ShardedClient:
     def push(
         self, shard: ShardSlice, *, step: int, kind: int, data: memoryview, lr: float | None
     ) -> ps_pb2.PushResponse:
-        client = self.clients[shard.daemon_index]
+        client = self.transports[shard.daemon_index]
         return self._call(
             f"push of shard {shard.shard_id} step {step}",
             shard.daemon_index,
@@ -211,7 +221,7 @@ class ShardedClient:
         )
 
     def pull(self, shard: ShardSlice, *, min_version: int, out: memoryview) -> int:
-        client = self.clients[shard.daemon_index]
+        client = self.transports[shard.daemon_index]
         return self._call(
             f"pull of shard {shard.shard_id} (version >= {min_version})",
             shard.daemon_index,
@@ -233,6 +243,9 @@ class ShardedClient:
                 self._call("prefetch", index, lambda c=client, m=mine: c.prefetch(self.model, m, timeout=5.0))
 
     def close(self) -> None:
+        for transport in self.transports:
+            if transport not in self.clients:
+                transport.close()
         for client in self.clients:
             client.close()
 

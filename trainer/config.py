@@ -60,7 +60,16 @@ class ClientConfig:
     pushes are idempotent on (shard, step) and pulls only read."""
     backoff_seconds: float = 0.1
     """First retry delay; doubles per attempt, capped at 2 s."""
+    transport: str = "auto"
+    """"auto": pulls and pushes go over a daemon's TCP data plane when it offers one, else
+    over gRPC; "grpc": always over gRPC (the Pull and Push RPCs)."""
     streams_per_daemon: int = 2
     """Concurrent push/pull calls per daemon."""
     max_message_bytes: int = 8 << 20
     """Largest gRPC message either side accepts; chunks are far smaller."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "grpc"):
+            raise ValueError(f'ClientConfig.transport must be "auto" or "grpc", got {self.transport!r}')
+        if self.max_attempts < 1 or self.streams_per_daemon < 1:
+            raise ValueError("ClientConfig.max_attempts and streams_per_daemon must be at least 1")

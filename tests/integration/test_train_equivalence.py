@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import trainer
+from trainer.dataplane import DataPlaneClient
 from trainer.debug_models import GPTConfig, TinyGPT, mlp
 
 STEPS = 50
@@ -81,7 +82,8 @@ def _train_offloaded(model, batches, loss_fn, opt):
 
 @pytest.mark.parametrize("case", [_mlp_case, _gpt_case], ids=["mlp", "transformer"])
 @pytest.mark.parametrize("n_daemons", [1, 2])
-def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, daemon_factory):
+@pytest.mark.parametrize("transport", ["auto", "grpc"], ids=["data-plane", "grpc"])
+def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, transport, daemon_factory):
     model, batches, loss_fn = case()
     reference = copy.deepcopy(model)
     decay = [p for n, p in reference.named_parameters() if p.dim() >= 2]
@@ -101,8 +103,11 @@ def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, daemon_facto
         optimizer=trainer.AdamW(lr=3e-3, weight_decay=0.1),
         shard_bytes=8192,
         no_weight_decay=_no_decay,
+        config=trainer.ClientConfig(transport=transport),
     ) as opt:
         assert len(opt.plan) >= 2 * n_daemons
+        uses_data_plane = [isinstance(t, DataPlaneClient) for t in opt.client.transports]
+        assert uses_data_plane == [transport == "auto"] * n_daemons
         assert {s.daemon_index for s in opt.plan} == set(range(n_daemons))
         losses = _train_offloaded(model, batches, loss_fn, opt)
 
@@ -178,4 +183,19 @@ def test_lr_zero_is_honoured_not_replaced_by_the_registered_lr(daemon):
         opt.synchronize()
         assert opt.step_count == 1
     for ours, theirs in zip(model.parameters(), before, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_daemon_without_data_plane_is_used_over_grpc(daemon_factory, tmp_path):
+    config = tmp_path / "off.toml"
+    config.write_text('[server]\ndata_listen = "off"\n')
+    daemon = daemon_factory(config=config)
+    model, batches, loss_fn = _mlp_case()
+    reference = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    _train_reference(reference, batches[:10], loss_fn, torch_opt)
+    with trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-2), shard_bytes=8192) as opt:
+        assert not any(isinstance(t, DataPlaneClient) for t in opt.client.transports)
+        _train_offloaded(model, batches[:10], loss_fn, opt)
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs)

@@ -116,6 +116,7 @@ def _dotted_keys(obj, prefix: str = "") -> list[str]:
 # needs an entry in ps_daemon.config.RENAMED_KEYS so existing config files keep working.
 KNOWN_OPTIONS = [
     "server.listen",
+    "server.data_listen",
     "server.port_file",
     "server.max_workers",
     "server.max_message_bytes",
@@ -139,6 +140,7 @@ def test_every_option_can_be_set_from_a_file(write_toml):
     """Each frozen option is reachable through the loader under its dotted key."""
     samples = {
         "server.listen": ('"10.0.0.1:1"', "10.0.0.1:1"),
+        "server.data_listen": ('"off"', "off"),
         "server.port_file": ('"p"', "p"),
         "server.max_workers": ("3", 3),
         "server.max_message_bytes": ('"1MiB"', MiB),
@@ -412,3 +414,13 @@ def test_unreadable_config_files_are_config_errors(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(binary)
+
+
+@pytest.mark.parametrize("value", ["auto", "off", "0.0.0.0:7000", "[::1]:0"])
+def test_data_listen_accepts_auto_off_and_addresses(write_toml, value):
+    assert load_config(write_toml(f'[server]\ndata_listen = "{value}"\n')).server.data_listen == value
+
+
+def test_data_listen_rejects_other_values(write_toml):
+    with pytest.raises(ConfigError, match="data_listen"):
+        load_config(write_toml('[server]\ndata_listen = "yes"\n'))

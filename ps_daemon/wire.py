@@ -1,0 +1,85 @@
+"""Protobuf <-> domain conversions shared by the two front ends of the data path (the gRPC
+servicer and the TCP data plane), so both validate and answer identically."""
+
+from __future__ import annotations
+
+import torch
+
+from ps_daemon.errors import InvalidArgument
+from ps_daemon.optim import AdamWConfig, SGDConfig
+from ps_daemon.store import ModelSpec, ParamSpec, RegisteredModel, ShardStore
+from ps_proto import ps_pb2
+
+DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
+PUSH_KINDS = {ps_pb2.GRADIENT: "gradient", ps_pb2.PARAMETERS: "parameters"}
+
+
+def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
+    params = []
+    for p in spec.params:
+        if p.dtype not in DTYPE_NAMES:
+            raise InvalidArgument(f"parameter {p.name!r}: dtype is unspecified or unknown ({p.dtype})")
+        params.append(
+            ParamSpec(
+                name=p.name,
+                shape=tuple(p.shape),
+                dtype=DTYPE_NAMES[p.dtype],
+                weight_decay=p.weight_decay if p.HasField("weight_decay") else None,
+            )
+        )
+    which = spec.optimizer.WhichOneof("kind")
+    if which == "adamw":
+        o = spec.optimizer.adamw
+        optimizer = AdamWConfig(o.lr, o.beta1, o.beta2, o.eps, o.weight_decay)
+    elif which == "sgd":
+        o = spec.optimizer.sgd
+        optimizer = SGDConfig(o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov)
+    else:
+        raise InvalidArgument(f"model {spec.model!r}: no optimizer given (adamw or sgd)")
+    return ModelSpec(spec.model, tuple(params), optimizer, spec.shard_bytes, tuple(spec.daemons))
+
+
+def plan_to_proto(model: RegisteredModel, created: bool, *, data_port: int) -> ps_pb2.RegisterModelResponse:
+    return ps_pb2.RegisterModelResponse(
+        created=created,
+        data_port=data_port,
+        shard_bytes=model.spec.shard_bytes,
+        shards=[
+            ps_pb2.ShardPlacement(shard_id=s.shard_id, daemon_index=s.daemon_index, offset=s.offset, numel=s.numel)
+            for s in model.plan
+        ],
+    )
+
+
+def open_push(store: ShardStore, header: ps_pb2.PushHeader) -> ps_pb2.PushResponse | None:
+    """Validates a push header before its payload is read. Returns the answer for a push
+    that was applied before (its payload need not be read), else None."""
+    if header.kind not in PUSH_KINDS:
+        raise InvalidArgument(f"push kind must be GRADIENT or PARAMETERS, got {header.kind}")
+    if header.encoding != ps_pb2.RAW:
+        raise InvalidArgument(f"push encoding {header.encoding} is not supported; send RAW")
+    dtype = DTYPE_NAMES.get(header.dtype, f"unspecified ({header.dtype})")
+    ack = store.check_push(
+        header.model, header.shard_id, step=header.step, kind=PUSH_KINDS[header.kind], nbytes=header.nbytes, dtype=dtype
+    )
+    if ack is None:
+        return None
+    store.note_duplicate()
+    return ps_pb2.PushResponse(applied=False, version=ack.version)
+
+
+def apply_push(store: ShardStore, header: ps_pb2.PushHeader, payload: torch.Tensor) -> ps_pb2.PushResponse:
+    """Applies a push whose whole payload is in `payload` (fp32, the shard's numel)."""
+    result = store.push(
+        header.model,
+        header.shard_id,
+        step=header.step,
+        kind=PUSH_KINDS[header.kind],
+        data=payload,
+        lr=header.lr if header.HasField("lr") else None,
+    )
+    return ps_pb2.PushResponse(applied=result.applied, version=result.version)
+
+
+def shard_header(model: str, shard_id: int, version: int, numel: int) -> ps_pb2.ShardHeader:
+    return ps_pb2.ShardHeader(model=model, shard_id=shard_id, version=version, numel=numel, dtype=ps_pb2.FLOAT32)

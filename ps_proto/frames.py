@@ -1,0 +1,57 @@
+"""Framing for the TCP data plane (see DataRequest in proto/ps.proto): a 4-byte
+little-endian length, then a serialized message; bulk payloads follow as raw bytes and are
+read with recv_into straight into their destination."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+M = TypeVar("M", bound=Message)
+
+_LENGTH = struct.Struct("<I")
+MAX_FRAME_BYTES = 64 << 10  # headers only; payloads are not framed
+
+
+class FrameError(ConnectionError):
+    """The peer sent something that is not a frame of this protocol, or hung up."""
+
+
+def send_message(sock: socket.socket, message: Message) -> None:
+    raw = message.SerializeToString()
+    sock.sendall(_LENGTH.pack(len(raw)) + raw)
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fills `view` from the socket; raises FrameError if the peer hangs up first."""
+    received, total = 0, len(view)
+    while received < total:
+        n = sock.recv_into(view[received:], total - received)
+        if n == 0:
+            raise FrameError(f"connection closed after {received} of {total} bytes")
+        received += n
+
+
+def recv_message(sock: socket.socket, cls: type[M]) -> M:
+    head = bytearray(_LENGTH.size)
+    recv_exact_into(sock, memoryview(head))
+    (length,) = _LENGTH.unpack(head)
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {length} bytes is over the {MAX_FRAME_BYTES}-byte limit: not this protocol?")
+    body = bytearray(length)
+    recv_exact_into(sock, memoryview(body))
+    try:
+        return cls.FromString(bytes(body))
+    except DecodeError as exc:
+        raise FrameError(f"malformed {cls.__name__}: {exc}") from exc
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} is not host:port")
+    return host.strip("[]"), int(port)

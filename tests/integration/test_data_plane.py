@@ -1,0 +1,137 @@
+"""The TCP data plane against a real daemon: the same answers as the gRPC path for bad
+input, nothing applied by a broken stream, garbage dropped without harm, SIGTERM drains."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import struct
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from ps_proto import ps_pb2
+from ps_proto.frames import recv_message, send_message
+from trainer.client import DaemonClient
+from trainer.dataplane import DataPlaneClient, DataPlaneError
+
+NUMEL = 1024
+
+
+def _bytes(values: torch.Tensor) -> memoryview:
+    return memoryview(values.numpy()).cast("B")
+
+
+def _register(daemon, numel=3 * NUMEL, shard_bytes=NUMEL * 4):
+    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+    spec = ps_pb2.ModelSpec(
+        model="m",
+        params=[ps_pb2.ParamSpec(name="w", shape=[numel], dtype=ps_pb2.FLOAT32)],
+        optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)),
+        shard_bytes=shard_bytes,
+        daemons=["d0"],
+    )
+    response = client.register(spec, 0, timeout=10)
+    assert response.data_port > 0
+    data = DataPlaneClient("127.0.0.1", response.data_port, max_connections=2)
+    return client, data, response
+
+
+@pytest.fixture
+def plane(daemon):
+    client, data, response = _register(daemon)
+    for shard in response.shards:
+        data.push("m", shard.shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(shard.numel)),
+                  lr=None, timeout=10)  # fmt: skip
+    ack = data.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(NUMEL)), lr=None, timeout=10)
+    assert ack.applied and ack.version == 1
+    yield daemon, data, response
+    # Still serving on both paths, and shard 0 holds exactly one SGD step: 1 - 0.1 * 1.
+    out = torch.empty(NUMEL)
+    assert data.pull_into("m", 0, min_version=1, out=_bytes(out), timeout=10) == 1
+    assert torch.equal(out, torch.full((NUMEL,), 1 - 0.1, dtype=torch.float32))
+    grpc_out = torch.empty(NUMEL)
+    assert client_pull(daemon, grpc_out) == 1 and torch.equal(grpc_out, out)
+    data.close()
+
+
+def client_pull(daemon, out):
+    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+    try:
+        return client.pull_into("m", 0, min_version=0, out=_bytes(out), timeout=10)
+    finally:
+        client.close()
+
+
+def _status(call):
+    with pytest.raises(DataPlaneError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def test_bad_input_gets_the_same_statuses_as_grpc(plane):
+    _, data, _ = plane
+    code, details = _status(lambda: data.pull_into("m", 99, min_version=0, out=_bytes(torch.empty(1)), timeout=5))
+    assert code == grpc.StatusCode.NOT_FOUND and "no shard 99" in details
+    code, details = _status(
+        lambda: data.push("m", 0, step=1, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(10)), lr=None, timeout=5)
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "40 bytes" in details
+    code, details = _status(
+        lambda: data.push("m", 0, step=4, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(NUMEL)), lr=None, timeout=5)
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "step 4" in details
+    code, _ = _status(lambda: data.pull_into("m", 0, min_version=9, out=_bytes(torch.empty(NUMEL)), timeout=0.5))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    # A retried, already applied step: acknowledged without effect (the fixture checks values).
+    ack = data.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.full((NUMEL,), 9.0)), lr=None, timeout=5)
+    assert not ack.applied and ack.version == 1
+
+
+def test_push_cut_off_mid_payload_applies_nothing(plane):
+    _, _, response = plane
+    with socket.create_connection(("127.0.0.1", response.data_port)) as sock:
+        header = ps_pb2.PushHeader(model="m", shard_id=0, step=1, kind=ps_pb2.GRADIENT, encoding=ps_pb2.RAW,
+                                   dtype=ps_pb2.FLOAT32, nbytes=NUMEL * 4)  # fmt: skip
+        send_message(sock, ps_pb2.DataRequest(push=header))
+        assert recv_message(sock, ps_pb2.DataResponse).send_payload
+        sock.sendall(bytes(NUMEL * 2))  # half the payload, then hang up
+    time.sleep(0.2)  # the fixture's teardown checks shard 0 is still at version 1
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"\xff\xff\xff\xff", struct.pack("<I", 5) + b"\xff\xff\xff\xff\xff", b"GET / HTTP/1.1\r\n\r\n"],
+    ids=["huge-frame", "malformed-message", "http"],
+)
+def test_garbage_closes_the_connection_and_harms_nothing(plane, garbage):
+    _, _, response = plane
+    with socket.create_connection(("127.0.0.1", response.data_port), timeout=5) as sock:
+        sock.sendall(garbage)
+        assert sock.recv(1) == b""  # closed by the daemon
+
+
+def test_sigterm_lets_an_in_flight_data_plane_push_finish(daemon):
+    numel = 4 << 20
+    _, data, response = _register(daemon, numel=numel, shard_bytes=numel * 4)
+    data.push("m", 0, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.zeros(numel)), lr=None, timeout=10)
+    sock = socket.create_connection(("127.0.0.1", response.data_port))
+    header = ps_pb2.PushHeader(model="m", shard_id=0, step=0, kind=ps_pb2.GRADIENT, encoding=ps_pb2.RAW,
+                               dtype=ps_pb2.FLOAT32, nbytes=numel * 4)  # fmt: skip
+    send_message(sock, ps_pb2.DataRequest(push=header))
+    assert recv_message(sock, ps_pb2.DataResponse).send_payload
+    payload = _bytes(torch.ones(numel))
+    sock.sendall(payload[: len(payload) // 2])
+    daemon.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    sender = threading.Thread(target=lambda: sock.sendall(payload[len(payload) // 2 :]))
+    sender.start()
+    answer = recv_message(sock, ps_pb2.DataResponse)
+    sender.join(10)
+    assert answer.code == 0 and answer.push.applied and answer.push.version == 1
+    sock.close()
+    assert daemon.process.wait(timeout=30) == 0
+    data.close()

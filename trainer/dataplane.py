@@ -1,0 +1,154 @@
+"""The trainer's end of a daemon's TCP data plane (ps_daemon/dataplane.py says why it
+exists). A pull `recv_into`s the shard straight into the caller's buffer (the model's flat
+parameters); a push `sendall`s straight from the gradient buffer.
+
+Failures raise DataPlaneError, which looks like a grpc.RpcError (`code()`, `details()`), so
+ShardedClient retries and reports them exactly as it does gRPC calls. A connection that
+failed mid-request is closed, never reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+from collections.abc import Iterator
+
+import grpc
+
+from ps_proto import ps_pb2
+from ps_proto.frames import FrameError, recv_exact_into, recv_message, send_message
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class DataPlaneError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class DataPlaneClient:
+    """Up to `max_connections` persistent connections to one daemon's data plane."""
+
+    def __init__(self, host: str, port: int, *, max_connections: int) -> None:
+        self.address = (host, port)
+        self._idle: queue.LifoQueue[socket.socket] = queue.LifoQueue()
+        self._max = max_connections
+
+    @contextlib.contextmanager
+    def _connection(self, timeout: float) -> Iterator[socket.socket]:
+        try:
+            sock = self._idle.get_nowait()
+        except queue.Empty:
+            sock = self._connect(timeout)
+        sock.settimeout(timeout)
+        try:
+            yield sock
+        except _StatusFromDaemon:
+            self._release(sock)  # a complete answer: the stream is still in step
+            raise
+        except (FrameError, OSError) as exc:
+            sock.close()
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, TimeoutError) else grpc.StatusCode.UNAVAILABLE
+            raise DataPlaneError(code, f"data plane {self.address[0]}:{self.address[1]}: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        self._release(sock)
+
+    def _release(self, sock: socket.socket) -> None:
+        if self._idle.qsize() < self._max:
+            self._idle.put(sock)
+        else:
+            sock.close()
+
+    def _connect(self, timeout: float) -> socket.socket:
+        try:
+            sock = socket.create_connection(self.address, timeout=timeout)
+        except OSError as exc:
+            raise DataPlaneError(
+                grpc.StatusCode.UNAVAILABLE, f"cannot reach data plane {self.address[0]}:{self.address[1]}: {exc}"
+            ) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    @staticmethod
+    def _answer(sock: socket.socket) -> ps_pb2.DataResponse:
+        response = recv_message(sock, ps_pb2.DataResponse)
+        if response.code:
+            raise _StatusFromDaemon(response.code, response.message)
+        return response
+
+    def pull_into(self, model: str, shard_id: int, *, min_version: int, out: memoryview, timeout: float) -> int:
+        request = ps_pb2.DataRequest(
+            pull=ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version),
+            timeout_ms=max(1, int(timeout * 1000)),
+        )
+        with _daemon_status(), self._connection(timeout + 5.0) as sock:
+            send_message(sock, request)
+            header = self._answer(sock).shard
+            if header.numel * 4 != len(out):
+                # Read and drop nothing: close the connection, the plan is wrong.
+                raise FrameError(
+                    f"shard {shard_id} has {header.numel} elements on the daemon, the plan says {len(out) // 4}: "
+                    "trainer and daemon disagree on the plan"
+                )
+            recv_exact_into(sock, out)
+            return header.version
+
+    def push(
+        self,
+        model: str,
+        shard_id: int,
+        *,
+        step: int,
+        kind: int,
+        data: memoryview,
+        lr: float | None,
+        timeout: float,
+    ) -> ps_pb2.PushResponse:
+        header = ps_pb2.PushHeader(
+            model=model,
+            shard_id=shard_id,
+            step=step,
+            kind=kind,
+            encoding=ps_pb2.RAW,
+            dtype=ps_pb2.FLOAT32,
+            nbytes=len(data),
+            lr=lr,
+        )
+        with _daemon_status(), self._connection(timeout) as sock:
+            send_message(sock, ps_pb2.DataRequest(push=header))
+            response = self._answer(sock)
+            if not response.send_payload:
+                return response.push  # applied before: the daemon needs no payload
+            sock.sendall(data)
+            return self._answer(sock).push
+
+    def close(self) -> None:
+        while not self._idle.empty():
+            self._idle.get_nowait().close()
+
+
+class _StatusFromDaemon(Exception):
+    """A status the daemon answered with; the connection stays usable."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+        self.message = message
+
+
+@contextlib.contextmanager
+def _daemon_status() -> Iterator[None]:
+    try:
+        yield
+    except _StatusFromDaemon as status:
+        raise DataPlaneError(status.code, status.message) from None
