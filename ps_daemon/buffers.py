@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
+STAGING_OFFSET = 768  # fp32 elements = 3 KiB
+
 
 class StagingPool:
     def __init__(self, *, max_bytes: int) -> None:
@@ -34,7 +36,9 @@ class StagingPool:
             else:
                 buffer = None
         if buffer is None:
-            buffer = torch.empty(numel, dtype=torch.float32)
+            # Starts 3 KiB into its allocation: the fourth stream of the optimizer step, apart
+            # from master, m and v modulo 4 KiB (ps_daemon.store.ARENA_STAGGER says why).
+            buffer = torch.empty(numel + STAGING_OFFSET, dtype=torch.float32)[STAGING_OFFSET:]
         try:
             yield buffer
         finally:

@@ -71,22 +71,22 @@ class ShardOptimizer:
     def __init__(
         self,
         config: OptimizerConfig,
-        numel: int,
+        state: list[torch.Tensor],
         segments: list[Segment],
         weight_decays: list[float],
     ) -> None:
+        """`state`: `config.state_per_param` zeroed fp32 tensors of the shard's numel (the
+        caller places them; see ps_daemon.store.Shard)."""
+        if len(state) != config.state_per_param:
+            raise ValueError(f"{type(config).__name__} needs {config.state_per_param} state tensors, got {len(state)}")
         self.config = config
-        self.state = [torch.zeros(numel, dtype=torch.float32) for _ in range(config.state_per_param)]
+        self.state = state
         self.step = torch.zeros((), dtype=torch.float32)
         # Segments grouped by weight decay: the fused kernels take one scalar per call.
         groups: dict[float, list[Segment]] = defaultdict(list)
         for segment, decay in zip(segments, weight_decays, strict=True):
             groups[decay].append(segment)
         self._groups = dict(groups)
-
-    @staticmethod
-    def state_bytes(config: OptimizerConfig, numel: int) -> int:
-        return 4 * numel * config.state_per_param
 
     def apply(self, master: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
         """One optimizer step: master -= update(grad). `grad` is fp32 with the shard's numel."""

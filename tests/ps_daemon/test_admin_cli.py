@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import trainer
+from ps_daemon.optim import AdamWConfig
 from ps_daemon.plan import ShardSlice
+from ps_daemon.store import shard_resident_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -95,7 +97,8 @@ def test_shards_json_lists_every_shard_of_the_plan(trained):
         assert row["version"] == STEPS
         assert row["initialized"] is True
         assert row["tier"] == "ram"
-        assert row["bytes"] == s.numel * 4 * 3  # fp32 master + AdamW's m and v
+        # fp32 master + AdamW's m and v, plus the arena's stagger between them
+        assert row["bytes"] == shard_resident_bytes(s.numel, AdamWConfig()) > s.numel * 4 * 3
     assert [r["params"] for r in rows] == [["weight"], ["weight"], ["weight", "bias"]]
 
 
@@ -118,7 +121,7 @@ def test_stats_json_counts_every_applied_push(trained):
     assert stats["shards"] == n
     assert stats["pushes_applied"] == STEPS * n
     assert stats["pushes_duplicate"] == 0
-    assert stats["ram_bytes_used"] == sum(s.numel for s in trained.plan) * 4 * 3
+    assert stats["ram_bytes_used"] == sum(shard_resident_bytes(s.numel, AdamWConfig()) for s in trained.plan)
     assert stats["uptime_seconds"] > 0
 
 
@@ -130,7 +133,7 @@ def test_tables_show_headers_and_values(trained):
     lines = shards.stdout.splitlines()
     for s in trained.plan:
         assert any(line.split("│")[1].strip() == str(s.shard_id) for line in lines if line.count("│") > 2)
-    assert "4.0 KiB" not in shards.stdout and "12.0 KiB" in shards.stdout  # human-readable bytes
+    assert "14.0 KiB" in shards.stdout and "14336" not in shards.stdout  # human-readable bytes
 
     one = run_admin("shard", "2", "--daemon", trained.address)
     assert one.returncode == 0, one.stderr
