@@ -27,6 +27,9 @@ def serve(
         Optional[str], typer.Option(help='TCP data plane: "auto" (listen host, free port), "off", or host:port.')
     ] = None,
     state_dir: Annotated[Optional[str], typer.Option(help="Directory for the daemon's state.")] = None,
+    nvme_dir: Annotated[
+        Optional[str], typer.Option(help="Persist every committed shard version here (O_DIRECT); recovered on start.")
+    ] = None,
     shard_bytes: Annotated[Optional[str], typer.Option(help="Default shard size, e.g. 64MiB.")] = None,
     ram_bytes: Annotated[Optional[str], typer.Option(help="RAM tier budget, e.g. 8GiB.")] = None,
     port_file: Annotated[Optional[str], typer.Option(help="Write the bound port here once listening.")] = None,
@@ -40,6 +43,7 @@ def serve(
             server__data_listen=data_listen,
             server__port_file=port_file,
             store__state_dir=state_dir,
+            store__nvme_dir=nvme_dir,
             store__shard_bytes=None if shard_bytes is None else parse_size(shard_bytes, key="--shard-bytes"),
             store__ram_bytes=None if ram_bytes is None else parse_size(ram_bytes, key="--ram-bytes"),
             log__level=log_level,

@@ -58,6 +58,17 @@ class StoreConfig:
     shard_bytes: int = 64 << 20
     """Default fp32 master bytes per shard, used when a trainer does not ask for a size.
     Rounded down to a multiple of 4 KiB."""
+    nvme_dir: str = ""
+    """Directory (on an NVMe drive) where every committed version of every shard is written
+    with O_DIRECT before its push is acknowledged, and recovered from after a restart.
+    Empty: RAM only, nothing survives a restart."""
+    fsync: bool = True
+    """fdatasync between a shard's bytes and its header, and after the header, so that a
+    committed version also survives a power loss (not only a crash of the daemon)."""
+    io_threads: int = 4
+    """Threads doing O_DIRECT reads and writes; a transfer is split over them."""
+    io_block_bytes: int = 8 << 20
+    """Size of one O_DIRECT read or write; rounded up to 4 KiB."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +88,7 @@ class DaemonConfig:
 # warning, so configs in the field keep running across an upgrade.
 RENAMED_KEYS: dict[str, str] = {}
 
-_SIZE_FIELDS = {"max_message_bytes", "ram_bytes", "shard_bytes"}
+_SIZE_FIELDS = {"max_message_bytes", "ram_bytes", "shard_bytes", "io_block_bytes"}
 _SECTIONS = {"server": ServerConfig, "store": StoreConfig, "log": LogConfig}
 
 
@@ -128,8 +139,12 @@ def _coerce(f: dataclasses.Field, value: Any, dotted: str) -> Any:
         return _build(_SECTIONS[dotted], value, f"{dotted}.")
     if f.name in _SIZE_FIELDS:
         return parse_size(value, key=dotted)
-    # Annotations are strings here (postponed evaluation): "str", "int" or "float".
-    expected = {"str": str, "int": int, "float": (int, float)}[f.type]
+    # Annotations are strings here (postponed evaluation): "str", "int", "float" or "bool".
+    expected = {"str": str, "int": int, "float": (int, float), "bool": bool}[f.type]
+    if f.type == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{dotted}: expected true or false, got {value!r}")
+        return value
     if isinstance(value, bool) or not isinstance(value, expected):
         raise ConfigError(f"{dotted}: expected {f.type}, got {value!r}")
     return float(value) if f.type == "float" else value
@@ -139,6 +154,8 @@ def validate(config: DaemonConfig) -> DaemonConfig:
     """Checks values that parse but cannot work; returns the config unchanged."""
     if config.store.shard_bytes < 4096:
         raise ConfigError(f"store.shard_bytes must be at least 4096, got {config.store.shard_bytes}")
+    if config.store.io_threads < 1:
+        raise ConfigError("store.io_threads must be at least 1")
     if config.server.max_workers < 2:
         raise ConfigError("server.max_workers must be at least 2")
     data_listen = config.server.data_listen

@@ -36,6 +36,16 @@ class ResourceExhausted(PsError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class DataLoss(PsError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class StorageError(PsError):
+    """The disk refused a write or read; the message says what was kept."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class DeadlineExceeded(PsError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

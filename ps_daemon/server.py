@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from ps_daemon.config import DaemonConfig
 from ps_daemon.dataplane import DataPlaneServer
 from ps_daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
 from ps_daemon.store import ShardStore
+from ps_daemon.tiers.nvme import DirectIO, NvmeFiles
 from ps_proto import ps_pb2
 from ps_proto.frames import split_host_port
 from ps_proto.memory import keep_chunk_buffers_in_heap
@@ -46,7 +48,10 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         keep_chunk_buffers_in_heap()
-        self.store = ShardStore(ram_bytes=config.store.ram_bytes, default_shard_bytes=config.store.shard_bytes)
+        self.files = _open_nvme(config)
+        self.store = ShardStore(
+            ram_bytes=config.store.ram_bytes, default_shard_bytes=config.store.shard_bytes, files=self.files
+        )
         # Idle staging kept for about as many concurrent pushes as usually arrive; more are
         # allocated on demand and dropped.
         staging = StagingPool(max_bytes=4 * config.store.shard_bytes)
@@ -78,6 +83,11 @@ class Daemon:
         self.port = 0
 
     def start(self) -> int:
+        if self.files is not None:
+            # Before the port opens: nobody may see a shard until its committed version is back.
+            started = time.monotonic()
+            recovered = self.store.recover()
+            log.info("recovered %d shards from %s in %.1fs", recovered, self.files.dir, time.monotonic() - started)
         listen = self.config.server.listen
         try:
             self.port = self.server.add_insecure_port(listen)
@@ -105,7 +115,20 @@ class Daemon:
         if self.data_plane is not None:
             self.data_plane.stop(grace)
         stopped.wait()
+        if self.files is not None:
+            self.files.close()
         log.info("stopped")
+
+
+def _open_nvme(config: DaemonConfig) -> NvmeFiles | None:
+    store = config.store
+    if not store.nvme_dir:
+        return None
+    try:
+        io = DirectIO(threads=store.io_threads, block_bytes=store.io_block_bytes)
+        return NvmeFiles(store.nvme_dir, io=io, fsync=store.fsync)
+    except OSError as exc:
+        raise OSError(f"cannot use nvme_dir {store.nvme_dir}: {exc.strerror or exc}") from exc
 
 
 def _bind_data_plane(config: DaemonConfig, store: ShardStore, staging: StagingPool) -> DataPlaneServer | None:

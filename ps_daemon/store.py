@@ -13,6 +13,8 @@ once, before the first update, and mark the shard `initialized`; pulls wait for 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -21,11 +23,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ps_daemon.errors import (
+    DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    StorageError,
 )
 from ps_daemon.optim import OptimizerConfig, ShardOptimizer, validate_optimizer
 from ps_daemon.plan import (
@@ -38,6 +42,9 @@ from ps_daemon.plan import (
     segments_of,
     shard_numel_for,
 )
+from ps_daemon.tiers.nvme import CorruptShard, NvmeFiles, arena_tensor
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_COMPUTE_DTYPES = ("float32",)
 
@@ -52,13 +59,19 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What RegisterModel declares. Two registrations are the same iff their specs are equal."""
+    """What RegisterModel declares. Two registrations are the same iff their `identity()`
+    is: the daemon addresses may change (a daemon restarted on another port, a host name
+    instead of an address) as long as there are as many, because the plan depends only on
+    their number and order."""
 
     model: str
     params: tuple[ParamSpec, ...]
     optimizer: OptimizerConfig
     shard_bytes: int
     daemons: tuple[str, ...]
+
+    def identity(self) -> tuple:
+        return (self.model, self.params, self.optimizer, self.shard_bytes, len(self.daemons))
 
 
 # Elements between the arena's tensors, so that master, m and v (and the staging buffer a
@@ -69,12 +82,19 @@ class ModelSpec:
 ARENA_STAGGER = 256
 
 
-def _shard_arena(numel: int, state_tensors: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def _shard_arena(
+    numel: int, state_tensors: int, *, aligned: bool
+) -> tuple[torch.Tensor, memoryview | None, torch.Tensor, list[torch.Tensor]]:
     """One zeroed allocation per shard: master, then each optimizer state tensor, staggered.
-    Returns (arena, master, state)."""
-    arena = torch.zeros(numel * (1 + state_tensors) + state_tensors * ARENA_STAGGER, dtype=torch.float32)
+    `aligned`: on page-aligned memory, with a whole-page view for O_DIRECT I/O.
+    Returns (arena, io_view or None, master, state)."""
+    arena_numel = numel * (1 + state_tensors) + state_tensors * ARENA_STAGGER
+    if aligned:
+        arena, io_view = arena_tensor(arena_numel, arena_numel * FP32_BYTES)
+    else:
+        arena, io_view = torch.zeros(arena_numel, dtype=torch.float32), None
     views = [arena[i * (numel + ARENA_STAGGER) : i * (numel + ARENA_STAGGER) + numel] for i in range(1 + state_tensors)]
-    return arena, views[0], views[1:]
+    return arena, io_view, views[0], views[1:]
 
 
 class Shard:
@@ -87,7 +107,15 @@ class Shard:
     stream of pulls cannot starve an update.
     """
 
-    def __init__(self, model: str, slice_: ShardSlice, layouts: list[ParamLayout], optimizer: OptimizerConfig):
+    def __init__(
+        self,
+        model: str,
+        slice_: ShardSlice,
+        layouts: list[ParamLayout],
+        optimizer: OptimizerConfig,
+        *,
+        persistent: bool,
+    ):
         segments = segments_of(slice_, layouts)
         self.model = model
         self.slice = slice_
@@ -98,7 +126,9 @@ class Shard:
             else optimizer.weight_decay
             for s in segments
         ]
-        self.arena, self.master, state = _shard_arena(slice_.numel, optimizer.state_per_param)
+        self.arena, self.io_view, self.master, state = _shard_arena(
+            slice_.numel, optimizer.state_per_param, aligned=persistent
+        )
         self.optimizer = ShardOptimizer(optimizer, state, segments, decays)
         self.version = 0
         self.initialized = False
@@ -106,6 +136,12 @@ class Shard:
         self.readers = 0
         self.writing = False
         self.writers_waiting = 0
+        self.corrupt = ""  # why the shard's bytes on disk cannot be trusted; "" when fine
+
+    def set_version(self, version: int, *, initialized: bool) -> None:
+        self.version = version
+        self.initialized = initialized
+        self.optimizer.step.fill_(version)
 
     @property
     def nbytes(self) -> int:
@@ -210,8 +246,9 @@ class PushResult:
 
 
 class ShardStore:
-    def __init__(self, *, ram_bytes: int, default_shard_bytes: int) -> None:
+    def __init__(self, *, ram_bytes: int, default_shard_bytes: int, files: NvmeFiles | None = None) -> None:
         self.ram_bytes = ram_bytes
+        self.files = files  # None: RAM only, nothing survives a restart
         self.default_shard_bytes = default_shard_bytes
         self.stats = StoreStats()
         self._models: dict[str, RegisteredModel] = {}
@@ -232,18 +269,16 @@ class ShardStore:
         with self._lock:
             existing = self._models.get(spec.model)
             if existing is not None:
-                if existing.spec != spec or existing.daemon_index != daemon_index:
+                if existing.spec.identity() != spec.identity() or existing.daemon_index != daemon_index:
                     raise FailedPrecondition(
                         f"model {spec.model!r} is already registered with a different spec "
                         f"({_spec_difference(existing.spec, spec, existing.daemon_index, daemon_index)}); "
                         "register it under a new name, or restart the daemon to drop it"
                     )
+                existing.spec = spec  # same identity; the addresses may be new
                 return existing, False
-            layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
-            total = sum(p.numel for p in layouts)
-            plan = plan_shards(total, shard_numel_for(spec.shard_bytes), len(spec.daemons))
-            mine = [s for s in plan if s.daemon_index == daemon_index]
-            need = sum(shard_resident_bytes(s.numel, spec.optimizer) for s in mine)
+            registered = self._build(spec, daemon_index)
+            need = sum(s.resident_bytes for s in registered.shards.values())
             used = self._resident_bytes_locked()
             if used + need > self.ram_bytes:
                 raise ResourceExhausted(
@@ -251,10 +286,93 @@ class ShardStore:
                     f"state); the RAM tier has {self.ram_bytes - used} of {self.ram_bytes} free. "
                     "Raise store.ram_bytes or add daemons"
                 )
-            shards = {s.shard_id: Shard(spec.model, s, layouts, spec.optimizer) for s in mine}
-            registered = RegisteredModel(spec, daemon_index, layouts, plan, shards)
+            if self.files is not None:
+                arena_bytes = {sid: shard.arena.numel() * FP32_BYTES for sid, shard in registered.shards.items()}
+                try:
+                    self.files.create_model(spec, daemon_index, arena_bytes)
+                except OSError as exc:
+                    if exc.errno == errno.ENOSPC:
+                        raise ResourceExhausted(
+                            f"model {spec.model!r}: nvme_dir {self.files.dir} has no room for its "
+                            f"{2 * sum(arena_bytes.values())} bytes (two slots per shard); free space or "
+                            "add daemons"
+                        ) from exc
+                    raise StorageError(f"model {spec.model!r}: cannot create its files: {exc}") from exc
             self._models[spec.model] = registered
             return registered, True
+
+    def _build(self, spec: ModelSpec, daemon_index: int) -> RegisteredModel:
+        layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
+        total = sum(p.numel for p in layouts)
+        plan = plan_shards(total, shard_numel_for(spec.shard_bytes), len(spec.daemons))
+        persistent = self.files is not None
+        shards = {
+            s.shard_id: Shard(spec.model, s, layouts, spec.optimizer, persistent=persistent)
+            for s in plan
+            if s.daemon_index == daemon_index
+        }
+        return RegisteredModel(spec, daemon_index, layouts, plan, shards)
+
+    def recover(self) -> int:
+        """Rebuilds every model recorded under nvme_dir, each shard at its last committed
+        version; a shard whose bytes fail their checksum is kept but refused (DATA_LOSS).
+        Returns the number of shards recovered."""
+        if self.files is None:
+            return 0
+        recovered = 0
+        for spec, daemon_index in self.files.recorded_models():
+            model = self._build(spec, daemon_index)
+            self.files.open_model(spec, {sid: sh.arena.numel() * FP32_BYTES for sid, sh in model.shards.items()})
+            for shard in model.shards.values():
+                self._load(shard)
+                recovered += not shard.corrupt
+            with self._lock:
+                self._models[spec.model] = model
+        return recovered
+
+    def _load(self, shard: Shard) -> None:
+        """Sets the shard to its last committed version on disk (zeros if none)."""
+        try:
+            header = self.files.load(shard.model, shard.slice.shard_id, shard.io_view)
+        except CorruptShard as exc:
+            shard.corrupt = (
+                f"shard {shard.slice.shard_id} of model {shard.model!r} is corrupt on disk ({exc}); "
+                "restore it from a checkpoint or re-register the model"
+            )
+            log.error("%s", shard.corrupt)
+            return
+        if header is None:
+            shard.arena.zero_()
+            shard.set_version(0, initialized=False)
+        else:
+            shard.set_version(header.version, initialized=header.initialized)
+
+    def _commit(self, shard: Shard) -> None:
+        """Persists the shard's new version before it is acknowledged. On a write error the
+        shard goes back to its last committed version and the push fails."""
+        if self.files is None:
+            return
+        try:
+            self.files.commit(
+                shard.model,
+                shard.slice.shard_id,
+                shard.io_view,
+                version=shard.version,
+                initialized=shard.initialized,
+                numel=shard.slice.numel,
+            )
+        except OSError as exc:
+            self._load(shard)
+            where = f"shard {shard.slice.shard_id} of model {shard.model!r}"
+            if exc.errno == errno.ENOSPC:
+                raise ResourceExhausted(
+                    f"{where}: nvme_dir is full; the update was not applied and the shard keeps "
+                    f"version {shard.version}. Free space, then retry the push"
+                ) from exc
+            raise StorageError(
+                f"{where}: writing the update failed ({exc}); it was not applied and the shard "
+                f"keeps version {shard.version}"
+            ) from exc
 
     def _resident_bytes_locked(self) -> int:
         return sum(s.resident_bytes for m in self._models.values() for s in m.shards.values())
@@ -269,6 +387,12 @@ class ShardStore:
         return model
 
     def shard(self, model_name: str, shard_id: int) -> Shard:
+        shard = self._find(model_name, shard_id)
+        if shard.corrupt:
+            raise DataLoss(shard.corrupt)
+        return shard
+
+    def _find(self, model_name: str, shard_id: int) -> Shard:
         model = self.model(model_name)
         shard = model.shards.get(shard_id)
         if shard is None:
@@ -355,11 +479,13 @@ class ShardStore:
             if kind == "parameters":
                 shard.master.copy_(data)
                 shard.initialized = True
+                self._commit(shard)
             else:
                 started = time.perf_counter()
                 shard.optimizer.apply(shard.master, data, shard.optimizer.config.lr if lr is None else lr)
                 elapsed = time.perf_counter() - started
                 shard.version += 1
+                self._commit(shard)
                 with self._lock:
                     self.stats.optimizer_seconds += elapsed
                     self.stats.pushes_applied += 1
@@ -445,7 +571,9 @@ def _validate_spec(spec: ModelSpec, daemon_index: int) -> None:
 def _spec_difference(old: ModelSpec, new: ModelSpec, old_index: int, new_index: int) -> str:
     if old_index != new_index:
         return f"this daemon is index {old_index}, the new request says {new_index}"
-    for name in ("params", "optimizer", "shard_bytes", "daemons"):
+    if len(old.daemons) != len(new.daemons):
+        return f"{len(old.daemons)} daemons before, {len(new.daemons)} now"
+    for name in ("params", "optimizer", "shard_bytes"):
         if getattr(old, name) != getattr(new, name):
             if name == "params":
                 for a, b in zip(old.params, new.params, strict=False):  # lengths may differ

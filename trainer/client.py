@@ -20,7 +20,7 @@ from ps_proto import codec, ps_pb2
 from ps_proto.frames import split_host_port
 from ps_proto.memory import keep_chunk_buffers_in_heap
 from trainer.config import ClientConfig
-from trainer.dataplane import DataPlaneClient
+from trainer.dataplane import DataPlaneClient, DataPlaneError
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,7 @@ class ShardedClient:
             if index == 0:
                 spec.shard_bytes = response.shard_bytes
                 self.plan = expected_plan(spec, response.shard_bytes)
+                self._spec = spec
             got = [ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel) for s in response.shards]
             if got != self.plan:
                 raise RuntimeError(
@@ -180,12 +181,29 @@ class ShardedClient:
                     "are all daemons and trainers running the same ps-offload version?"
                 )
             self.created.append(response.created)
-            if response.data_port and self.config.transport == "auto":
-                host, _ = split_host_port(self.daemons[index])
-                self.transports[index] = DataPlaneClient(
-                    host, response.data_port, max_connections=self.config.streams_per_daemon
-                )
+            self._use_data_plane(index, response.data_port)
         return self.plan
+
+    def _use_data_plane(self, index: int, data_port: int) -> None:
+        current = self.transports[index]
+        if not data_port or self.config.transport != "auto":
+            return
+        if isinstance(current, DataPlaneClient) and current.address[1] == data_port:
+            return
+        if isinstance(current, DataPlaneClient):
+            current.close()
+        host, _ = split_host_port(self.daemons[index])
+        self.transports[index] = DataPlaneClient(host, data_port, max_connections=self.config.streams_per_daemon)
+
+    def _rediscover(self, index: int) -> None:
+        """After the data plane became unreachable: ask the daemon again (RegisterModel is
+        idempotent, and a restarted daemon has recovered the model), for its data port may
+        have changed. Failures are left to the next attempt."""
+        try:
+            response = self.clients[index].register(self._spec, index, timeout=2.0)
+        except grpc.RpcError:
+            return
+        self._use_data_plane(index, response.data_port)
 
     def _call(self, what: str, daemon_index: int, fn: Callable[[], T], retryable: frozenset = PUSH_RETRYABLE) -> T:
         """Runs fn with retries on transient errors; raises DaemonError otherwise."""
@@ -198,6 +216,8 @@ class ShardedClient:
                 if error.code() not in retryable or attempt == self.config.max_attempts:
                     raise DaemonError(address, what, error) from None
                 log.warning("%s on %s: %s (attempt %d), retrying", what, address, error.code().name, attempt)
+                if isinstance(error, DataPlaneError) and error.code() == grpc.StatusCode.UNAVAILABLE and self.plan:
+                    self._rediscover(daemon_index)
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
         raise AssertionError("unreachable")
@@ -205,11 +225,10 @@ class ShardedClient:
     def push(
         self, shard: ShardSlice, *, step: int, kind: int, data: memoryview, lr: float | None
     ) -> ps_pb2.PushResponse:
-        client = self.transports[shard.daemon_index]
         return self._call(
             f"push of shard {shard.shard_id} step {step}",
             shard.daemon_index,
-            lambda: client.push(
+            lambda: self.transports[shard.daemon_index].push(
                 self.model,
                 shard.shard_id,
                 step=step,
@@ -221,11 +240,10 @@ class ShardedClient:
         )
 
     def pull(self, shard: ShardSlice, *, min_version: int, out: memoryview) -> int:
-        client = self.transports[shard.daemon_index]
         return self._call(
             f"pull of shard {shard.shard_id} (version >= {min_version})",
             shard.daemon_index,
-            lambda: client.pull_into(
+            lambda: self.transports[shard.daemon_index].pull_into(
                 self.model,
                 shard.shard_id,
                 min_version=min_version,

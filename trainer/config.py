@@ -55,9 +55,10 @@ class ClientConfig:
     """Deadline of one push or pull attempt, including the wait for a version."""
     register_timeout_seconds: float = 30.0
     """Deadline of RegisterModel, which also covers waiting for a daemon to come up."""
-    max_attempts: int = 5
-    """Attempts per call on UNAVAILABLE or DEADLINE_EXCEEDED; retrying is safe because
-    pushes are idempotent on (shard, step) and pulls only read."""
+    max_attempts: int = 8
+    """Attempts per call on transient errors (see trainer/client.py); with the backoff
+    below they span about 7 s, long enough for a daemon restarted by systemd to recover and
+    answer. Retrying is safe: pushes are idempotent on (shard, step), pulls only read."""
     backoff_seconds: float = 0.1
     """First retry delay; doubles per attempt, capped at 2 s."""
     transport: str = "auto"

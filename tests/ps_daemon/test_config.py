@@ -125,6 +125,10 @@ KNOWN_OPTIONS = [
     "store.state_dir",
     "store.ram_bytes",
     "store.shard_bytes",
+    "store.nvme_dir",
+    "store.fsync",
+    "store.io_threads",
+    "store.io_block_bytes",
     "log.level",
 ]
 
@@ -149,6 +153,10 @@ def test_every_option_can_be_set_from_a_file(write_toml):
         "store.state_dir": ('"/x"', "/x"),
         "store.ram_bytes": ('"2GiB"', 2 * GiB),
         "store.shard_bytes": ("8192", 8192),
+        "store.nvme_dir": ('"/nvme"', "/nvme"),
+        "store.fsync": ("false", False),
+        "store.io_threads": ("8", 8),
+        "store.io_block_bytes": ('"4MiB"', 4 * MiB),
         "log.level": ('"ERROR"', "ERROR"),
     }
     assert sorted(samples) == sorted(KNOWN_OPTIONS)
@@ -424,3 +432,8 @@ def test_data_listen_accepts_auto_off_and_addresses(write_toml, value):
 def test_data_listen_rejects_other_values(write_toml):
     with pytest.raises(ConfigError, match="data_listen"):
         load_config(write_toml('[server]\ndata_listen = "yes"\n'))
+
+
+def test_bool_options_take_only_booleans(write_toml):
+    with pytest.raises(ConfigError, match="store.fsync: expected true or false"):
+        load_config(write_toml('[store]\nfsync = "yes"\n'))
