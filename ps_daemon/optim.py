@@ -68,25 +68,24 @@ class ShardOptimizer:
     Invariant: `state` tensors have the shard's numel; `step` counts applied updates and
     equals the shard's version."""
 
-    def __init__(
-        self,
-        config: OptimizerConfig,
-        state: list[torch.Tensor],
-        segments: list[Segment],
-        weight_decays: list[float],
-    ) -> None:
-        """`state`: `config.state_per_param` zeroed fp32 tensors of the shard's numel (the
-        caller places them; see ps_daemon.store.Shard)."""
-        if len(state) != config.state_per_param:
-            raise ValueError(f"{type(config).__name__} needs {config.state_per_param} state tensors, got {len(state)}")
+    def __init__(self, config: OptimizerConfig, segments: list[Segment], weight_decays: list[float]) -> None:
         self.config = config
-        self.state = state
+        self.state: list[torch.Tensor] = []  # bound by the shard to its arena (bind())
         self.step = torch.zeros((), dtype=torch.float32)
         # Segments grouped by weight decay: the fused kernels take one scalar per call.
         groups: dict[float, list[Segment]] = defaultdict(list)
         for segment, decay in zip(segments, weight_decays, strict=True):
             groups[decay].append(segment)
         self._groups = dict(groups)
+
+    def bind(self, state: list[torch.Tensor]) -> None:
+        """`state`: `config.state_per_param` fp32 tensors of the shard's numel, placed by the
+        shard in its arena (ps_daemon.store.Shard); rebound whenever the arena moves."""
+        if len(state) != self.config.state_per_param:
+            raise ValueError(
+                f"{type(self.config).__name__} needs {self.config.state_per_param} state tensors, got {len(state)}"
+            )
+        self.state = state
 
     def apply(self, master: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
         """One optimizer step: master -= update(grad). `grad` is fp32 with the shard's numel."""

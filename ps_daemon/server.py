@@ -115,6 +115,7 @@ class Daemon:
         if self.data_plane is not None:
             self.data_plane.stop(grace)
         stopped.wait()
+        self.store.close()
         if self.files is not None:
             self.files.close()
         log.info("stopped")

@@ -129,7 +129,7 @@ def _shard_info(shard) -> ps_pb2.ShardInfo:
         version=shard.version,
         numel=shard.slice.numel,
         offset=shard.slice.offset,
-        tier="ram",
+        tier=shard.tier,
         initialized=shard.initialized,
         params=list(shard.param_names),
         bytes=shard.resident_bytes,

@@ -43,6 +43,7 @@ from ps_daemon.plan import (
     shard_numel_for,
 )
 from ps_daemon.tiers.nvme import CorruptShard, NvmeFiles, arena_tensor
+from ps_daemon.tiers.ram import RamTier, TierFull
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +83,13 @@ class ModelSpec:
 ARENA_STAGGER = 256
 
 
-def _shard_arena(
-    numel: int, state_tensors: int, *, aligned: bool
-) -> tuple[torch.Tensor, memoryview | None, torch.Tensor, list[torch.Tensor]]:
-    """One zeroed allocation per shard: master, then each optimizer state tensor, staggered.
-    `aligned`: on page-aligned memory, with a whole-page view for O_DIRECT I/O.
-    Returns (arena, io_view or None, master, state)."""
-    arena_numel = numel * (1 + state_tensors) + state_tensors * ARENA_STAGGER
-    if aligned:
-        arena, io_view = arena_tensor(arena_numel, arena_numel * FP32_BYTES)
-    else:
-        arena, io_view = torch.zeros(arena_numel, dtype=torch.float32), None
-    views = [arena[i * (numel + ARENA_STAGGER) : i * (numel + ARENA_STAGGER) + numel] for i in range(1 + state_tensors)]
-    return arena, io_view, views[0], views[1:]
+def arena_numel(numel: int, state_tensors: int) -> int:
+    return numel * (1 + state_tensors) + state_tensors * ARENA_STAGGER
+
+
+def allocate_arena(nbytes: int) -> tuple[torch.Tensor, memoryview]:
+    """A zeroed arena on page-aligned memory, and its whole-page view for O_DIRECT."""
+    return arena_tensor(nbytes // FP32_BYTES, nbytes)
 
 
 class Shard:
@@ -126,10 +121,19 @@ class Shard:
             else optimizer.weight_decay
             for s in segments
         ]
-        self.arena, self.io_view, self.master, state = _shard_arena(
-            slice_.numel, optimizer.state_per_param, aligned=persistent
-        )
-        self.optimizer = ShardOptimizer(optimizer, state, segments, decays)
+        self.optimizer = ShardOptimizer(optimizer, segments, decays)
+        self.arena_bytes = arena_numel(slice_.numel, optimizer.state_per_param) * FP32_BYTES
+        self.arena: torch.Tensor | None = None
+        self.io_view: memoryview | None = None
+        self.master: torch.Tensor | None = None
+        # Tier state (ps_daemon.tiers.ram, under its lock). Without an NVMe tier a shard is
+        # resident from birth to death.
+        self.resident = False
+        self.loading = False
+        self.pins = 0
+        if not persistent:
+            self.attach((torch.zeros(self.arena_bytes // FP32_BYTES, dtype=torch.float32), None))
+            self.resident = True
         self.version = 0
         self.initialized = False
         self.cond = threading.Condition()
@@ -137,6 +141,29 @@ class Shard:
         self.writing = False
         self.writers_waiting = 0
         self.corrupt = ""  # why the shard's bytes on disk cannot be trusted; "" when fine
+
+    def attach(self, buffer: tuple[torch.Tensor, memoryview | None]) -> None:
+        """Places master and optimizer state in `buffer` (arena tensor, O_DIRECT view)."""
+        self.arena, self.io_view = buffer
+        numel, step = self.slice.numel, self.slice.numel + ARENA_STAGGER
+        views = [self.arena[i * step : i * step + numel] for i in range(1 + self.optimizer.config.state_per_param)]
+        self.master = views[0]
+        self.optimizer.bind(views[1:])
+
+    def detach(self) -> tuple[torch.Tensor, memoryview | None] | None:
+        """Gives the arena back (eviction); None if there was none."""
+        if self.arena is None:
+            return None
+        buffer = (self.arena, self.io_view)
+        self.arena = self.io_view = self.master = None
+        self.optimizer.state = []
+        return buffer
+
+    @property
+    def tier(self) -> str:
+        if self.corrupt:
+            return "corrupt"
+        return "ram" if self.resident else "nvme"
 
     def set_version(self, version: int, *, initialized: bool) -> None:
         self.version = version
@@ -149,7 +176,7 @@ class Shard:
 
     @property
     def resident_bytes(self) -> int:
-        return self.arena.numel() * FP32_BYTES
+        return self.arena_bytes if self.resident else 0
 
     @contextlib.contextmanager
     def reading(self, min_version: int, timeout: float, *, require_values: bool = True) -> Iterator[int]:
@@ -228,6 +255,11 @@ class StatsSnapshot:
     optimizer_seconds: float
     prefetch_hints: int
     uptime_seconds: float
+    tier_hits: int
+    tier_misses: int
+    prefetched: int
+    evictions: int
+    nvme_bytes_read: int
 
 
 @dataclass
@@ -249,6 +281,13 @@ class ShardStore:
     def __init__(self, *, ram_bytes: int, default_shard_bytes: int, files: NvmeFiles | None = None) -> None:
         self.ram_bytes = ram_bytes
         self.files = files  # None: RAM only, nothing survives a restart
+        self.tier = (
+            RamTier(budget=ram_bytes, allocate=allocate_arena, load=self._load_into) if files is not None else None
+        )
+        # Per model: the order in which the previous step pushed its shards, and this step's
+        # so far; the next shards in that order are prefetched as each push arrives.
+        self._orders: dict[str, tuple[int, list[int], list[int]]] = {}
+        self.prefetch_depth = 2
         self.default_shard_bytes = default_shard_bytes
         self.stats = StoreStats()
         self._models: dict[str, RegisteredModel] = {}
@@ -278,16 +317,9 @@ class ShardStore:
                 existing.spec = spec  # same identity; the addresses may be new
                 return existing, False
             registered = self._build(spec, daemon_index)
-            need = sum(s.resident_bytes for s in registered.shards.values())
-            used = self._resident_bytes_locked()
-            if used + need > self.ram_bytes:
-                raise ResourceExhausted(
-                    f"model {spec.model!r} needs {need} bytes on this daemon (master and optimizer "
-                    f"state); the RAM tier has {self.ram_bytes - used} of {self.ram_bytes} free. "
-                    "Raise store.ram_bytes or add daemons"
-                )
+            self._check_ram(spec.model, registered)
             if self.files is not None:
-                arena_bytes = {sid: shard.arena.numel() * FP32_BYTES for sid, shard in registered.shards.items()}
+                arena_bytes = {sid: shard.arena_bytes for sid, shard in registered.shards.items()}
                 try:
                     self.files.create_model(spec, daemon_index, arena_bytes)
                 except OSError as exc:
@@ -300,6 +332,28 @@ class ShardStore:
                     raise StorageError(f"model {spec.model!r}: cannot create its files: {exc}") from exc
             self._models[spec.model] = registered
             return registered, True
+
+    def _check_ram(self, name: str, model: RegisteredModel) -> None:
+        """RAM only: every shard must fit. With an NVMe tier: the largest shard must (the
+        rest waits on disk)."""
+        arenas = [s.arena_bytes for s in model.shards.values()]
+        if not arenas:
+            return
+        if self.tier is not None:
+            if max(arenas) > self.ram_bytes:
+                raise ResourceExhausted(
+                    f"model {name!r} has shards of {max(arenas)} bytes in RAM (master and optimizer state), "
+                    f"more than the RAM tier's {self.ram_bytes}. Raise store.ram_bytes or use smaller shards"
+                )
+            return
+        need = sum(s.resident_bytes for s in model.shards.values())
+        used = self._resident_bytes_locked()  # the new model is not in _models yet
+        if used + need > self.ram_bytes:
+            raise ResourceExhausted(
+                f"model {name!r} needs {need} bytes on this daemon (master and optimizer "
+                f"state); the RAM tier has {self.ram_bytes - used} of {self.ram_bytes} free. "
+                "Raise store.ram_bytes, set store.nvme_dir, or add daemons"
+            )
 
     def _build(self, spec: ModelSpec, daemon_index: int) -> RegisteredModel:
         layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
@@ -322,16 +376,30 @@ class ShardStore:
         recovered = 0
         for spec, daemon_index in self.files.recorded_models():
             model = self._build(spec, daemon_index)
-            self.files.open_model(spec, {sid: sh.arena.numel() * FP32_BYTES for sid, sh in model.shards.items()})
+            self.files.open_model(spec, {sid: sh.arena_bytes for sid, sh in model.shards.items()})
             for shard in model.shards.values():
-                self._load(shard)
-                recovered += not shard.corrupt
+                # Headers only: a model may be larger than RAM. The bytes are read, and their
+                # checksum verified, when the shard is first used.
+                header = self.files.newest_header(shard.model, shard.slice.shard_id)
+                if header is not None:
+                    shard.set_version(header.version, initialized=header.initialized)
+                recovered += 1
             with self._lock:
                 self._models[spec.model] = model
         return recovered
 
+    def _load_into(self, shard: Shard, buffer: tuple[torch.Tensor, memoryview]) -> None:
+        """The RAM tier's loader: attaches `buffer` and reads the committed version into it."""
+        shard.attach(buffer)
+        try:
+            self._load(shard)
+        except BaseException:
+            shard.detach()
+            raise
+
     def _load(self, shard: Shard) -> None:
-        """Sets the shard to its last committed version on disk (zeros if none)."""
+        """Sets the shard to its last committed version on disk (zeros if none). Raises
+        DataLoss, and marks the shard, when those bytes fail their checksum."""
         try:
             header = self.files.load(shard.model, shard.slice.shard_id, shard.io_view)
         except CorruptShard as exc:
@@ -340,7 +408,7 @@ class ShardStore:
                 "restore it from a checkpoint or re-register the model"
             )
             log.error("%s", shard.corrupt)
-            return
+            raise DataLoss(shard.corrupt) from exc
         if header is None:
             shard.arena.zero_()
             shard.set_version(0, initialized=False)
@@ -362,7 +430,7 @@ class ShardStore:
                 numel=shard.slice.numel,
             )
         except OSError as exc:
-            self._load(shard)
+            self._load(shard)  # back to the last committed version
             where = f"shard {shard.slice.shard_id} of model {shard.model!r}"
             if exc.errno == errno.ENOSPC:
                 raise ResourceExhausted(
@@ -375,6 +443,9 @@ class ShardStore:
             ) from exc
 
     def _resident_bytes_locked(self) -> int:
+        """RAM held by shards: resident arenas, plus the tier's pooled buffers."""
+        if self.tier is not None:
+            return self.tier.used + self.tier.pooled
         return sum(s.resident_bytes for m in self._models.values() for s in m.shards.values())
 
     # -- lookup -------------------------------------------------------------------------
@@ -416,7 +487,7 @@ class ShardStore:
         """Holds the shard for reading at min_version or later: yields (shard, version). The
         caller streams `shard.master` while inside the block."""
         shard = self.shard(model, shard_id)
-        with shard.reading(min_version, timeout) as version:
+        with self._using(shard), shard.reading(min_version, timeout) as version:
             yield shard, version
         with self._lock:
             self.stats.pulls += 1
@@ -469,7 +540,9 @@ class ShardStore:
             raise InvalidArgument(
                 f"push to shard {shard_id}: got {data.numel()} {data.dtype}, expected {shard.slice.numel} float32"
             )
-        with shard.writing_lock():
+        if kind == "gradient":
+            self._learn_order(shard, step)
+        with self._using(shard), shard.writing_lock():
             # Re-checked under the lock: a retry may have raced the first attempt.
             ack = self._check_step_locked(shard, step, kind)
             if ack is not None:
@@ -498,18 +571,47 @@ class ShardStore:
             self.stats.pushes_duplicate += 1
 
     def prefetch(self, model: str, shard_ids: list[int]) -> int:
-        """A hint from a trainer. Every shard is in RAM for now, so nothing moves; the hint
-        is validated and counted."""
-        for shard_id in shard_ids:
-            self.shard(model, shard_id)
+        """A trainer's hint: these shards next, in this order. Queued for loading into the
+        RAM tier (bounded by its free room); returns how many were queued."""
+        shards = [self.shard(model, shard_id) for shard_id in shard_ids]
         with self._lock:
             self.stats.prefetch_hints += len(shard_ids)
-        return len(shard_ids)
+        return self.tier.prefetch(shards) if self.tier is not None else 0
+
+    def evict(self, model: str, shard_id: int) -> bool:
+        """Drops a shard from RAM (it stays committed on disk); False if it is in use."""
+        shard = self.shard(model, shard_id)
+        if self.tier is None:
+            raise FailedPrecondition("this daemon has no NVMe tier (store.nvme_dir); shards cannot leave RAM")
+        return self.tier.evict(shard)
+
+    def _using(self, shard: Shard):
+        """Pins the shard in RAM for the block (loading it if it was on NVMe)."""
+        if self.tier is None:
+            return contextlib.nullcontext()
+        return _tier_errors(self.tier.use(shard))
+
+    def _learn_order(self, shard: Shard, step: int) -> None:
+        """Records the push order of each step; prefetches what came next last step."""
+        if self.tier is None:
+            return
+        with self._lock:
+            current_step, previous, current = self._orders.get(shard.model, (step, [], []))
+            if step != current_step:
+                previous, current = current, []
+            current.append(shard.slice.shard_id)
+            self._orders[shard.model] = (step, previous, current)
+            if shard.slice.shard_id not in previous:
+                return
+            at = previous.index(shard.slice.shard_id)
+            upcoming = previous[at + 1 : at + 1 + self.prefetch_depth]
+        model = self._models[shard.model]
+        self.tier.prefetch([model.shards[i] for i in upcoming if i in model.shards])
 
     def value_stats(self, shard: Shard, *, timeout: float = 10.0) -> ValueStats:
         """Norm, min, max and NaN count of the master values, under a read hold (pulls go on;
         an update waits until the statistics are done)."""
-        with shard.reading(0, timeout, require_values=False):
+        with self._using(shard), shard.reading(0, timeout, require_values=False):
             values = shard.master
             finite = values[~torch.isnan(values)]
             return ValueStats(
@@ -518,6 +620,10 @@ class ShardStore:
                 max=float(finite.max()) if finite.numel() else float("nan"),
                 nan_count=int(values.numel() - finite.numel()),
             )
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
 
     def stats_snapshot(self) -> StatsSnapshot:
         with self._lock:
@@ -534,7 +640,30 @@ class ShardStore:
                 optimizer_seconds=s.optimizer_seconds,
                 prefetch_hints=s.prefetch_hints,
                 uptime_seconds=time.monotonic() - s.started,
+                **self._tier_counts(),
             )
+
+    def _tier_counts(self) -> dict[str, int]:
+        if self.tier is None:
+            return dict(tier_hits=0, tier_misses=0, prefetched=0, evictions=0, nvme_bytes_read=0)
+        with self.tier.cond:
+            t = self.tier.stats
+            return dict(
+                tier_hits=t.hits,
+                tier_misses=t.misses,
+                prefetched=t.prefetched,
+                evictions=t.evictions,
+                nvme_bytes_read=t.bytes_read,
+            )
+
+
+@contextlib.contextmanager
+def _tier_errors(use):
+    try:
+        with use:
+            yield
+    except TierFull as exc:
+        raise ResourceExhausted(str(exc)) from exc
 
 
 def shard_resident_bytes(numel: int, optimizer: OptimizerConfig) -> int:

@@ -265,7 +265,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints")
+    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     RAM_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +277,11 @@ class StatsResponse(_message.Message):
     OPTIMIZER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_HINTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_HITS_FIELD_NUMBER: _ClassVar[int]
+    TIER_MISSES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NVME_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     models: int
     shards: int
     ram_bytes_used: int
@@ -288,7 +293,12 @@ class StatsResponse(_message.Message):
     optimizer_seconds: float
     uptime_seconds: float
     prefetch_hints: int
-    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ...) -> None: ...
+    tier_hits: int
+    tier_misses: int
+    prefetched: int
+    evictions: int
+    nvme_bytes_read: int
+    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ...) -> None: ...
 
 class DataRequest(_message.Message):
     __slots__ = ("pull", "push", "timeout_ms")

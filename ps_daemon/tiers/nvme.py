@@ -302,9 +302,12 @@ class NvmeFiles:
             os.fdatasync(file.fd)
         slot.active = target
 
-    def load(self, model: str, shard_id: int, arena: memoryview) -> SlotHeader | None:
-        """Reads the newest committed version into `arena`; None if none was ever committed.
-        Raises CorruptShard when that version's bytes fail their checksum."""
+    def newest_header(self, model: str, shard_id: int) -> SlotHeader | None:
+        """The header of the newest committed version (None if none); remembers its slot."""
+        found = self._newest(model, shard_id)
+        return found[1] if found else None
+
+    def _newest(self, model: str, shard_id: int) -> tuple[int, SlotHeader] | None:
         file = self.files[model]
         slot = file.slots[shard_id]
         headers = []
@@ -318,12 +321,23 @@ class NvmeFiles:
             slot.active = -1
             return None
         _, index, header = max(headers)
+        slot.active = index
+        return index, header
+
+    def load(self, model: str, shard_id: int, arena: memoryview) -> SlotHeader | None:
+        """Reads the newest committed version into `arena`; None if none was ever committed.
+        Raises CorruptShard when that version's bytes fail their checksum."""
+        found = self._newest(model, shard_id)
+        if found is None:
+            return None  # never committed: the caller starts from zeros
+        index, header = found
+        file = self.files[model]
+        slot = file.slots[shard_id]
         if header.arena_bytes != len(arena):
             raise CorruptShard(f"header says {header.arena_bytes} arena bytes, the shard has {len(arena)}")
         self.io.read(file.fd, arena, slot.offset + index * slot.slot_bytes + PAGE)
         if crc32c.crc32c(arena) != header.data_crc:
             raise CorruptShard(f"checksum mismatch in slot {'AB'[index]} (version {header.version})")
-        slot.active = index
         return header
 
     def close(self) -> None:

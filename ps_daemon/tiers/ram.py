@@ -1,0 +1,225 @@
+"""The RAM tier over NVMe: which shards are resident, within a byte budget.
+
+Every committed version is already on disk (ps_daemon.tiers.nvme writes through before the
+ack), so a resident shard is always clean and evicting it is only dropping its memory. An
+access pins its shard (`use`): if the shard is not resident, room is made by evicting the
+least recently used unpinned shards and it is read from disk, outside the lock. Freed arena
+buffers are kept for reuse (O_DIRECT needs page-aligned memory, and fresh pages fault), and
+count against the budget like resident ones, so resident + pooled never exceeds it.
+
+Prefetch loads shards ahead of use into room that is free or held by shards nobody pinned
+or asked for; a prefetched shard is protected from eviction by later prefetches until it
+has been used once. Hits and misses are counted at `use`.
+
+Invariants (under `cond`): used + pooled <= budget; a shard is at most one of resident or
+loading; a pinned shard is resident or loading; `lru` holds exactly the resident shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+class TierFull(Exception):
+    """Every resident shard is pinned and the budget has no room for another."""
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    prefetched: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+
+
+class RamTier:
+    def __init__(
+        self,
+        *,
+        budget: int,
+        allocate: Callable[[int], object],
+        load: Callable[[object, object], None],
+        wait_timeout: float = 60.0,
+    ) -> None:
+        """allocate(nbytes) -> buffer; load(shard, buffer) attaches the buffer to the shard
+        and reads its committed version into it (raising on failure)."""
+        self.budget = budget
+        self._allocate = allocate
+        self._load = load
+        self.wait_timeout = wait_timeout
+        self.cond = threading.Condition()
+        self.lru: OrderedDict[object, None] = OrderedDict()
+        self.used = 0
+        self.pool: dict[int, list[object]] = {}
+        self.pooled = 0
+        self.stats = TierStats()
+        self._protected: set[object] = set()  # prefetched, not used yet
+        self._queue: deque = deque()
+        self._prefetcher = threading.Thread(target=self._prefetch_loop, name="prefetch", daemon=True)
+        self._stopping = False
+        self._prefetcher.start()
+
+    # -- access -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def use(self, shard) -> Iterator[None]:
+        """Pins `shard` resident for the block; loads it first if needed."""
+        buffer = self._pin(shard)
+        if buffer is not None:
+            self._fill(shard, buffer)
+        try:
+            yield
+        finally:
+            with self.cond:
+                shard.pins -= 1
+                self.cond.notify_all()
+
+    def _pin(self, shard) -> object | None:
+        """Pins the shard; returns a buffer to load it into when this caller must load it."""
+        with self.cond:
+            while True:
+                if shard.resident:
+                    shard.pins += 1
+                    self.lru.move_to_end(shard)
+                    self.stats.hits += 1
+                    self._protected.discard(shard)
+                    return None
+                if not shard.loading:
+                    buffer = self._take_room(shard.arena_bytes, evict_protected=True)
+                    if buffer is not None:
+                        shard.loading = True
+                        shard.pins += 1
+                        self.stats.misses += 1
+                        return buffer
+                if not self.cond.wait(self.wait_timeout):
+                    raise TierFull(
+                        f"the RAM tier ({self.budget} bytes) has had no room for a shard of "
+                        f"{shard.arena_bytes} bytes for {self.wait_timeout:.0f}s: every resident shard is in "
+                        "use. Raise store.ram_bytes or send fewer concurrent requests"
+                    )
+
+    def _fill(self, shard, buffer: object) -> None:
+        try:
+            self._load(shard, buffer)
+        except BaseException:
+            with self.cond:
+                shard.loading = False
+                shard.pins -= 1
+                self._give_back(shard.arena_bytes, buffer)
+                self.cond.notify_all()
+            raise
+        with self.cond:
+            shard.loading = False
+            shard.resident = True
+            self.lru[shard] = None
+            self.stats.bytes_read += shard.arena_bytes
+            self.cond.notify_all()
+
+    # -- room -------------------------------------------------------------------------
+
+    def _take_room(self, nbytes: int, *, evict_protected: bool) -> object | None:
+        """Under cond: a buffer of nbytes within the budget, evicting as needed; None when
+        not possible now."""
+        pooled = self.pool.get(nbytes)
+        if pooled:
+            self.pooled -= nbytes
+            self.used += nbytes
+            return pooled.pop()
+        while self.used + self.pooled + nbytes > self.budget:
+            if self.pooled:
+                self._drop_pooled()
+                continue
+            victim = next((s for s in self.lru if s.pins == 0 and (evict_protected or s not in self._protected)), None)
+            if victim is None:
+                return None
+            self._evict(victim)
+            pooled = self.pool.get(nbytes)
+            if pooled:  # the victim's buffer fits
+                self.pooled -= nbytes
+                self.used += nbytes
+                return pooled.pop()
+        self.used += nbytes
+        return self._allocate(nbytes)
+
+    def _evict(self, shard) -> None:
+        del self.lru[shard]
+        self._protected.discard(shard)
+        shard.resident = False
+        buffer = shard.detach()
+        self.stats.evictions += 1
+        self._give_back(shard.arena_bytes, buffer)
+
+    def _give_back(self, nbytes: int, buffer: object) -> None:
+        self.used -= nbytes
+        self.pool.setdefault(nbytes, []).append(buffer)
+        self.pooled += nbytes
+
+    def _drop_pooled(self) -> None:
+        for nbytes, buffers in self.pool.items():
+            if buffers:
+                buffers.pop()
+                self.pooled -= nbytes
+                return
+
+    def evict(self, shard) -> bool:
+        """Drops a resident, unpinned shard from RAM (ps-admin evict); False if pinned."""
+        with self.cond:
+            if not shard.resident:
+                return True
+            if shard.pins:
+                return False
+            self._evict(shard)
+            self.cond.notify_all()
+            return True
+
+    # -- prefetch ---------------------------------------------------------------------
+
+    def prefetch(self, shards: list) -> int:
+        """Queues shards to load ahead of use, in order; returns how many were queued."""
+        with self.cond:
+            queued = [s for s in shards if not s.resident and not s.loading and s not in self._queue]
+            self._queue.extend(queued)
+            self.cond.notify_all()
+            return len(queued)
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self._queue and not self._stopping:
+                    self.cond.wait()
+                if self._stopping:
+                    return
+                shard = self._queue.popleft()
+                if shard.resident or shard.loading or shard.corrupt:
+                    continue
+                # Never evict what an earlier prefetch brought in and nobody used yet.
+                buffer = self._take_room(shard.arena_bytes, evict_protected=False)
+                if buffer is None:
+                    self._queue.clear()  # no room: the rest would be too late anyway
+                    continue
+                shard.loading = True
+                shard.pins += 1
+            try:
+                self._fill(shard, buffer)
+            except Exception as exc:  # noqa: BLE001 - a failed prefetch is retried by the access
+                log.warning("prefetch of shard %s failed: %s", shard.slice.shard_id, exc)
+                continue
+            with self.cond:
+                shard.pins -= 1
+                self._protected.add(shard)
+                self.stats.prefetched += 1
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self._stopping = True
+            self.cond.notify_all()
+        self._prefetcher.join(5)

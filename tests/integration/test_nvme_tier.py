@@ -1,0 +1,89 @@
+"""A model whose optimizer state is several times the RAM tier trains through one daemon
+to the same parameters as torch.optim in-process, and the RAM tier stays in its budget."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+import trainer
+from ps_daemon.local import LocalDaemon
+from ps_proto import ps_pb2, ps_pb2_grpc
+
+RAM_BYTES = 16 << 20
+STEPS = 6
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _stats(address: str) -> ps_pb2.StatsResponse:
+    with grpc.insecure_channel(address) as channel:
+        return ps_pb2_grpc.AdminStub(channel).Stats(ps_pb2.StatsRequest(), timeout=10)
+
+
+@pytest.mark.slow
+def test_state_three_times_ram_trains_exactly_within_the_budget(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 1536), torch.nn.ReLU(), torch.nn.Linear(1536, 1536), torch.nn.ReLU(),
+        torch.nn.Linear(1536, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10),
+    )  # fmt: skip
+    n_params = sum(p.numel() for p in model.parameters())
+    state_bytes = 12 * n_params  # fp32 master, m, v
+    assert state_bytes >= 3 * RAM_BYTES, state_bytes
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 1024, generator=g), torch.randint(10, (8,), generator=g)) for _ in range(STEPS)]
+
+    reference = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    for x, y in batches:
+        torch_opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        torch_opt.step()
+
+    daemon = LocalDaemon(tmp_path / "d", "--nvme-dir", str(tmp_path / "nvme"), "--ram-bytes", str(RAM_BYTES))
+    try:
+        baseline_rss = _rss_bytes(daemon.process.pid)
+        samples: list[tuple[int, int]] = []
+        done = threading.Event()
+
+        def sample() -> None:  # the tier's own count and the process's memory, while training
+            while not done.is_set():
+                samples.append((_stats(daemon.address).ram_bytes_used, _rss_bytes(daemon.process.pid)))
+                time.sleep(0.05)
+
+        sampler = threading.Thread(target=sample)
+        with trainer.offload(
+            model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-3, weight_decay=0.1), shard_bytes=1 << 20
+        ) as opt:
+            assert len(opt.plan) * (3 << 20) > 3 * RAM_BYTES
+            sampler.start()
+            for x, y in batches:
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            opt.synchronize()
+        done.set()
+        sampler.join(10)
+
+        for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+            assert torch.equal(ours, theirs), name
+        assert samples and max(used for used, _ in samples) <= RAM_BYTES
+        # The process holds the tier, staging buffers and transport buffers, never the state.
+        grown = max(rss for _, rss in samples) - baseline_rss
+        assert grown < state_bytes / 2, (grown, state_bytes)
+        stats = _stats(daemon.address)
+        assert stats.tier_misses > 0 and stats.evictions > 0 and stats.nvme_bytes_read > 0
+        assert stats.tier_hits > 0  # pulls right after their push, and prefetched shards
+    finally:
+        daemon.kill()
