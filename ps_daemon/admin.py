@@ -163,12 +163,48 @@ def _each_daemon(daemons: list[str], fetch: Callable[[str], T]) -> tuple[list[tu
     return answers, failed
 
 
+def _resolve_model(address: str, model: str | None, timeout: float) -> str:
+    """The model named, or the only one the daemon holds shards of (the Admin API has no
+    ListModels; the shards will do)."""
+    if model:
+        return model
+    names = sorted({info.model for info in _list_shards(address, "", timeout)})
+    if len(names) != 1:
+        held = f"several models ({', '.join(names)})" if names else "no shards of any model"
+        raise AdminError(f"daemon {address} holds {held}; name one with --model")
+    return names[0]
+
+
+def _move(verb: str, shard_ids: list[int], model: str | None, daemon: str | None, timeout: float) -> None:
+    """evict / prefetch: one RPC per shard, one line per shard, exit 1 if any failed."""
+    address = daemon or DEFAULT_DAEMON
+    failed = False
+    try:
+        model = _resolve_model(address, model, timeout)
+    except AdminError as exc:
+        _fail(str(exc))
+        raise typer.Exit(1) from None
+    method = "Evict" if verb == "evict" else "Load"
+    for shard_id in shard_ids:
+        request = ps_pb2.GetShardRequest(model=model, shard_id=shard_id)
+        what = f"{verb} of shard {shard_id} of model {model!r}"
+        try:
+            answer = _rpc(address, what, lambda stub, r=request: getattr(stub, method)(r, timeout=timeout))
+        except AdminError as exc:
+            _fail(str(exc))
+            failed = True
+            continue
+        typer.echo(f"shard {shard_id}: {answer.tier}")
+    if failed:
+        raise typer.Exit(1)
+
+
 # -- commands ----------------------------------------------------------------------------
 
 
 @app.callback()
 def main() -> None:
-    """Inspect running ps-daemons (read-only)."""
+    """Inspect running ps-daemons; move shards between their tiers."""
 
 
 @app.command()
@@ -209,13 +245,7 @@ def shard(
     """Show one shard: metadata and value statistics of its master copy."""
     address = daemon or DEFAULT_DAEMON
     try:
-        if not model:
-            # The Admin API has no ListModels; the models this daemon holds shards of will do.
-            names = sorted({info.model for info in _list_shards(address, "", timeout)})
-            if len(names) != 1:
-                held = f"several models ({', '.join(names)})" if names else "no shards of any model"
-                raise AdminError(f"daemon {address} holds {held}; name one with --model")
-            model = names[0]
+        model = _resolve_model(address, model, timeout)
         request = ps_pb2.GetShardRequest(model=model, shard_id=shard_id)
         what = f"shard {shard_id} of model {model!r}"
         info = _rpc(address, what, lambda stub: stub.GetShard(request, timeout=timeout))
@@ -252,6 +282,21 @@ def stats(daemon: DaemonsOpt = None, as_json: JsonOpt = False, timeout: TimeoutO
         _console().print(table)
     if failed:
         raise typer.Exit(1)
+
+
+ShardIds = Annotated[list[int], typer.Argument(min=0, max=2**32 - 1, help="Shard ids.")]
+
+
+@app.command()
+def evict(shard_ids: ShardIds, model: ModelOpt = None, daemon: DaemonOpt = None, timeout: TimeoutOpt = 10.0) -> None:
+    """Drop shards from the RAM tier; they stay committed on NVMe."""
+    _move("evict", shard_ids, model, daemon, timeout)
+
+
+@app.command()
+def prefetch(shard_ids: ShardIds, model: ModelOpt = None, daemon: DaemonOpt = None, timeout: TimeoutOpt = 60.0) -> None:
+    """Read shards into the RAM tier now."""
+    _move("prefetch", shard_ids, model, daemon, timeout)
 
 
 if __name__ == "__main__":

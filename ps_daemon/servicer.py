@@ -118,6 +118,14 @@ class AdminServicer:
         return info
 
     @grpc_errors
+    def Evict(self, request: ps_pb2.GetShardRequest, context: grpc.ServicerContext):
+        return ps_pb2.TierResponse(tier=self.store.evict(request.model, request.shard_id).tier)
+
+    @grpc_errors
+    def Load(self, request: ps_pb2.GetShardRequest, context: grpc.ServicerContext):
+        return ps_pb2.TierResponse(tier=self.store.load(request.model, request.shard_id).tier)
+
+    @grpc_errors
     def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext):
         return ps_pb2.StatsResponse(**dataclasses.asdict(self.store.stats_snapshot()))
 
@@ -190,5 +198,7 @@ def admin_handler(servicer: AdminServicer) -> grpc.GenericRpcHandler:
             "ListShards": _unary(servicer.ListShards, ps_pb2.ListShardsRequest, ps_pb2.ListShardsResponse),
             "GetShard": _unary(servicer.GetShard, ps_pb2.GetShardRequest, ps_pb2.ShardInfo),
             "Stats": _unary(servicer.Stats, ps_pb2.StatsRequest, ps_pb2.StatsResponse),
+            "Evict": _unary(servicer.Evict, ps_pb2.GetShardRequest, ps_pb2.TierResponse),
+            "Load": _unary(servicer.Load, ps_pb2.GetShardRequest, ps_pb2.TierResponse),
         },
     )

@@ -578,12 +578,20 @@ class ShardStore:
             self.stats.prefetch_hints += len(shard_ids)
         return self.tier.prefetch(shards) if self.tier is not None else 0
 
-    def evict(self, model: str, shard_id: int) -> bool:
-        """Drops a shard from RAM (it stays committed on disk); False if it is in use."""
+    def evict(self, model: str, shard_id: int) -> Shard:
+        """Drops a shard from RAM; it stays committed on disk."""
         shard = self.shard(model, shard_id)
         if self.tier is None:
             raise FailedPrecondition("this daemon has no NVMe tier (store.nvme_dir); shards cannot leave RAM")
-        return self.tier.evict(shard)
+        if not self.tier.evict(shard):
+            raise FailedPrecondition(f"shard {shard_id} of model {model!r} is in use; try again")
+        return shard
+
+    def load(self, model: str, shard_id: int) -> Shard:
+        """Reads a shard into RAM now (it stays until evicted by need or by `evict`)."""
+        shard = self.shard(model, shard_id)
+        with self._using(shard):
+            return shard
 
     def _using(self, shard: Shard):
         """Pins the shard in RAM for the block (loading it if it was on NVMe)."""

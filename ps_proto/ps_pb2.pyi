@@ -260,6 +260,12 @@ class GetShardRequest(_message.Message):
     shard_id: int
     def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ...) -> None: ...
 
+class TierResponse(_message.Message):
+    __slots__ = ("tier",)
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    def __init__(self, tier: _Optional[str] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

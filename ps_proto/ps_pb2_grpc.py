@@ -262,6 +262,16 @@ class AdminStub:
                 request_serializer=ps__proto_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_ps__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/ps.v1.Admin/Evict',
+                request_serializer=ps__proto_dot_ps__pb2.GetShardRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_ps__pb2.TierResponse.FromString,
+                _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/ps.v1.Admin/Load',
+                request_serializer=ps__proto_dot_ps__pb2.GetShardRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_ps__pb2.TierResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -286,6 +296,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evict(self, request, context):
+        """Drops a shard from the RAM tier (it stays committed on NVMe). FAILED_PRECONDITION
+        while the shard is in use or when the daemon has no NVMe tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Load(self, request, context):
+        """Reads a shard into the RAM tier now, and answers when it is there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -303,6 +328,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=ps__proto_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=ps__proto_dot_ps__pb2.StatsResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=ps__proto_dot_ps__pb2.GetShardRequest.FromString,
+                    response_serializer=ps__proto_dot_ps__pb2.TierResponse.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=ps__proto_dot_ps__pb2.GetShardRequest.FromString,
+                    response_serializer=ps__proto_dot_ps__pb2.TierResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +422,60 @@ class Admin:
             '/ps.v1.Admin/Stats',
             ps__proto_dot_ps__pb2.StatsRequest.SerializeToString,
             ps__proto_dot_ps__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/Evict',
+            ps__proto_dot_ps__pb2.GetShardRequest.SerializeToString,
+            ps__proto_dot_ps__pb2.TierResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/Load',
+            ps__proto_dot_ps__pb2.GetShardRequest.SerializeToString,
+            ps__proto_dot_ps__pb2.TierResponse.FromString,
             options,
             channel_credentials,
             insecure,
