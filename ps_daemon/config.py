@@ -69,6 +69,9 @@ class StoreConfig:
     """Threads doing O_DIRECT reads and writes; a transfer is split over them."""
     io_block_bytes: int = 8 << 20
     """Size of one O_DIRECT read or write; rounded up to 4 KiB."""
+    prefetch_depth: int = 2
+    """With an NVMe tier: as each push arrives, read ahead this many shards that came next
+    in the previous step's order (0: only the trainers' Prefetch hints)."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,8 @@ def validate(config: DaemonConfig) -> DaemonConfig:
     """Checks values that parse but cannot work; returns the config unchanged."""
     if config.store.shard_bytes < 4096:
         raise ConfigError(f"store.shard_bytes must be at least 4096, got {config.store.shard_bytes}")
+    if config.store.prefetch_depth < 0:
+        raise ConfigError("store.prefetch_depth must be >= 0")
     if config.store.io_threads < 1:
         raise ConfigError("store.io_threads must be at least 1")
     if config.server.max_workers < 2:

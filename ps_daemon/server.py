@@ -50,7 +50,10 @@ class Daemon:
         keep_chunk_buffers_in_heap()
         self.files = _open_nvme(config)
         self.store = ShardStore(
-            ram_bytes=config.store.ram_bytes, default_shard_bytes=config.store.shard_bytes, files=self.files
+            ram_bytes=config.store.ram_bytes,
+            default_shard_bytes=config.store.shard_bytes,
+            files=self.files,
+            prefetch_depth=config.store.prefetch_depth,
         )
         # Idle staging kept for about as many concurrent pushes as usually arrive; more are
         # allocated on demand and dropped.

@@ -260,6 +260,7 @@ class StatsSnapshot:
     prefetched: int
     evictions: int
     nvme_bytes_read: int
+    nvme_bytes_written: int
 
 
 @dataclass
@@ -278,7 +279,9 @@ class PushResult:
 
 
 class ShardStore:
-    def __init__(self, *, ram_bytes: int, default_shard_bytes: int, files: NvmeFiles | None = None) -> None:
+    def __init__(
+        self, *, ram_bytes: int, default_shard_bytes: int, files: NvmeFiles | None = None, prefetch_depth: int = 2
+    ) -> None:
         self.ram_bytes = ram_bytes
         self.files = files  # None: RAM only, nothing survives a restart
         self.tier = (
@@ -287,7 +290,7 @@ class ShardStore:
         # Per model: the order in which the previous step pushed its shards, and this step's
         # so far; the next shards in that order are prefetched as each push arrives.
         self._orders: dict[str, tuple[int, list[int], list[int]]] = {}
-        self.prefetch_depth = 2
+        self.prefetch_depth = prefetch_depth
         self.default_shard_bytes = default_shard_bytes
         self.stats = StoreStats()
         self._models: dict[str, RegisteredModel] = {}
@@ -601,7 +604,7 @@ class ShardStore:
 
     def _learn_order(self, shard: Shard, step: int) -> None:
         """Records the push order of each step; prefetches what came next last step."""
-        if self.tier is None:
+        if self.tier is None or not self.prefetch_depth:
             return
         with self._lock:
             current_step, previous, current = self._orders.get(shard.model, (step, [], []))
@@ -653,16 +656,11 @@ class ShardStore:
 
     def _tier_counts(self) -> dict[str, int]:
         if self.tier is None:
-            return dict(tier_hits=0, tier_misses=0, prefetched=0, evictions=0, nvme_bytes_read=0)
+            return dict(tier_hits=0, tier_misses=0, prefetched=0, evictions=0, nvme_bytes_read=0, nvme_bytes_written=0)
         with self.tier.cond:
             t = self.tier.stats
-            return dict(
-                tier_hits=t.hits,
-                tier_misses=t.misses,
-                prefetched=t.prefetched,
-                evictions=t.evictions,
-                nvme_bytes_read=t.bytes_read,
-            )
+            counts = dict(tier_hits=t.hits, tier_misses=t.misses, prefetched=t.prefetched, evictions=t.evictions)
+        return {**counts, "nvme_bytes_read": self.files.bytes_read, "nvme_bytes_written": self.files.bytes_written}
 
 
 @contextlib.contextmanager

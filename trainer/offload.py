@@ -196,15 +196,13 @@ class OffloadOptimizer:
         self.synchronize()
         self._adopt_grads()
         step, lr = self.step_count, float(self.lr)
-        pushes = [
-            self._pool.submit(
-                self.client.push, s, step=step, kind=ps_pb2.GRADIENT, data=self._bytes(s, grads=True), lr=lr
-            )
-            for s in self.plan
-        ]
-        # Queued after every push, so a pull never occupies a worker its own push needs.
+        # One task per shard, in forward order: push, then pull the new version at once. On a
+        # daemon whose state exceeds its RAM the shard is still resident right after its
+        # push; pulled later, it would be read back from disk (measured: twice the state read
+        # per step instead of once).
+        pushes = [Future() for _ in self.plan]
         for shard, push in zip(self.plan, pushes, strict=True):
-            self._pending_pulls[shard.shard_id] = self._pool.submit(self._pull_after, shard, push, step + 1)
+            self._pending_pulls[shard.shard_id] = self._pool.submit(self._push_then_pull, shard, step, lr, push)
         wait(pushes)
         failed = [f for f in pushes if f.exception() is not None]
         if failed:
@@ -215,9 +213,14 @@ class OffloadOptimizer:
             raise failed[0].exception()
         self.step_count = step + 1
 
-    def _pull_after(self, shard: ShardSlice, push: Future, version: int) -> int:
-        push.result()
-        return self.client.pull(shard, min_version=version, out=self._bytes(shard))
+    def _push_then_pull(self, shard: ShardSlice, step: int, lr: float, pushed: Future) -> int:
+        try:
+            ack = self.client.push(shard, step=step, kind=ps_pb2.GRADIENT, data=self._bytes(shard, grads=True), lr=lr)
+        except BaseException as exc:
+            pushed.set_exception(exc)
+            raise
+        pushed.set_result(ack)
+        return self.client.pull(shard, min_version=step + 1, out=self._bytes(shard))
 
     def close(self) -> None:
         try:

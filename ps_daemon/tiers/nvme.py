@@ -246,6 +246,8 @@ class NvmeFiles:
         # it has a lock of its own (held for the 4 KiB read or write only).
         self._header_region, self._header = aligned_empty(PAGE)
         self._header_lock = threading.Lock()
+        self.bytes_written = 0  # shard bytes, counted once the write returned
+        self.bytes_read = 0
 
     # -- models ------------------------------------------------------------------------
 
@@ -301,6 +303,8 @@ class NvmeFiles:
         if self.fsync:
             os.fdatasync(file.fd)
         slot.active = target
+        with self._header_lock:
+            self.bytes_written += len(arena)
 
     def newest_header(self, model: str, shard_id: int) -> SlotHeader | None:
         """The header of the newest committed version (None if none); remembers its slot."""
@@ -338,6 +342,8 @@ class NvmeFiles:
         self.io.read(file.fd, arena, slot.offset + index * slot.slot_bytes + PAGE)
         if crc32c.crc32c(arena) != header.data_crc:
             raise CorruptShard(f"checksum mismatch in slot {'AB'[index]} (version {header.version})")
+        with self._header_lock:
+            self.bytes_read += len(arena)
         return header
 
     def close(self) -> None:

@@ -37,7 +37,6 @@ class TierStats:
     misses: int = 0
     prefetched: int = 0
     evictions: int = 0
-    bytes_read: int = 0
 
 
 class RamTier:
@@ -120,7 +119,6 @@ class RamTier:
             shard.loading = False
             shard.resident = True
             self.lru[shard] = None
-            self.stats.bytes_read += shard.arena_bytes
             self.cond.notify_all()
 
     # -- room -------------------------------------------------------------------------

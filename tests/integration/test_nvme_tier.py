@@ -87,3 +87,55 @@ def test_state_three_times_ram_trains_exactly_within_the_budget(tmp_path):
         assert stats.tier_hits > 0  # pulls right after their push, and prefetched shards
     finally:
         daemon.kill()
+
+
+def _admin(daemon: LocalDaemon, *args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "ps_daemon.admin", *args, "--daemon", daemon.address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_admin_evict_and_prefetch_move_shards_between_tiers(tmp_path):
+    import json
+
+    daemon = LocalDaemon(tmp_path / "d", "--nvme-dir", str(tmp_path / "nvme"), "--ram-bytes", str(RAM_BYTES))
+    try:
+        model = torch.nn.Linear(64, 64)
+        with trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(), shard_bytes=4096) as opt:
+            opt.zero_grad()
+            model(torch.randn(2, 64)).sum().backward()
+            opt.step()
+            opt.synchronize()
+            trained = torch.cat([p.detach().flatten() for p in model.parameters()])
+        tiers = {r["shard_id"]: r["tier"] for r in json.loads(_admin(daemon, "shards", "--json").stdout)}
+        assert tiers[0] == "ram"
+        result = _admin(daemon, "evict", "0", "1")
+        assert result.returncode == 0 and "shard 0: nvme" in result.stdout and "shard 1: nvme" in result.stdout
+        tiers = {r["shard_id"]: r["tier"] for r in json.loads(_admin(daemon, "shards", "--json").stdout)}
+        assert tiers[0] == tiers[1] == "nvme"
+        result = _admin(daemon, "prefetch", "0")
+        assert result.returncode == 0 and "shard 0: ram" in result.stdout
+        missing = _admin(daemon, "evict", "99")
+        assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr and "Traceback" not in missing.stderr
+        # The values survived the trip to NVMe and back: shard 0's norm is the trained one.
+        shard = json.loads(_admin(daemon, "shard", "0", "--json").stdout)
+        expected = float(torch.linalg.vector_norm(trained[: shard["numel"]]))
+        assert shard["tier"] == "ram" and abs(shard["norm"] - expected) <= 1e-5 * expected
+    finally:
+        daemon.kill()
+
+
+def test_evict_without_nvme_tier_is_failed_precondition(tmp_path):
+    daemon = LocalDaemon(tmp_path / "d")
+    try:
+        model = torch.nn.Linear(8, 8)
+        with trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(), shard_bytes=4096):
+            pass
+        result = _admin(daemon, "evict", "0")
+        assert result.returncode == 1 and "FAILED_PRECONDITION" in result.stderr and "nvme_dir" in result.stderr
+    finally:
+        daemon.kill()

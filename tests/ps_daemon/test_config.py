@@ -129,6 +129,7 @@ KNOWN_OPTIONS = [
     "store.fsync",
     "store.io_threads",
     "store.io_block_bytes",
+    "store.prefetch_depth",
     "log.level",
 ]
 
@@ -157,6 +158,7 @@ def test_every_option_can_be_set_from_a_file(write_toml):
         "store.fsync": ("false", False),
         "store.io_threads": ("8", 8),
         "store.io_block_bytes": ('"4MiB"', 4 * MiB),
+        "store.prefetch_depth": ("0", 0),
         "log.level": ('"ERROR"', "ERROR"),
     }
     assert sorted(samples) == sorted(KNOWN_OPTIONS)

@@ -1,0 +1,121 @@
+"""nvme_train_step: training steps of a model whose AdamW state (120 MB) is 4x the daemon's
+RAM tier (30 MiB), with learned-order prefetch on and off, and the same model all in RAM.
+
+Each step moves the state over the disk: every committed version is written (write-through)
+and evicted shards are read back. The figure is the bytes moved per step over the step
+time, against fio moving the same mix of reads and writes (sequential, O_DIRECT, in the same
+directory; this disk serves reads and writes concurrently, so the mix is the fair peer, not
+the sum of separate read and write times). Target >= 0.8. The step times with prefetch,
+without, and all in RAM are reported beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+import grpc
+import torch
+
+import trainer
+from bench.common import REPO, median, record, timed
+from bench.nvme_io import _fio
+from ps_daemon.local import LocalDaemon
+from ps_proto import ps_pb2, ps_pb2_grpc
+
+RAM_BYTES = 30 << 20
+SHARD_BYTES = 4 << 20
+WARMUP, STEPS = 2, 6
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
+        torch.nn.Linear(2048, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10),
+    )  # fmt: skip
+
+
+def _fio_mixed(directory: Path, nbytes: int, read_percent: int) -> float:
+    """fio's combined GB/s for a sequential O_DIRECT mix of reads and writes, as a step makes."""
+    out = subprocess.run(
+        [
+            "fio", "--name=mix", f"--filename={directory / 'fio.dat'}", "--rw=rw", f"--rwmixread={read_percent}",
+            "--bs=8M", f"--size={nbytes}", "--direct=1", "--ioengine=libaio", "--iodepth=8", "--end_fsync=1",
+            "--output-format=json",
+        ],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    job = json.loads(out)["jobs"][0]
+    return (job["read"]["bw_bytes"] + job["write"]["bw_bytes"]) / 1e9
+
+
+def _stats(address: str) -> ps_pb2.StatsResponse:
+    with grpc.insecure_channel(address) as channel:
+        return ps_pb2_grpc.AdminStub(channel).Stats(ps_pb2.StatsRequest(), timeout=10)
+
+
+def _run(workdir: Path, *flags: str) -> tuple[float, float, float]:
+    """Median step time and per-step NVMe bytes read and written, for a daemon with flags."""
+    model = _model()
+    x, y = torch.randn(16, 2048), torch.randint(10, (16,))
+    with LocalDaemon(workdir, "--log-level", "WARNING", *flags) as daemon:
+        opt = trainer.offload(
+            model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-4), shard_bytes=SHARD_BYTES
+        )
+
+        def step() -> None:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.synchronize()
+
+        for _ in range(WARMUP):
+            step()
+        before = _stats(daemon.address)
+        times = [timed(step) for _ in range(STEPS)]
+        after = _stats(daemon.address)
+        opt.close()
+    read = (after.nvme_bytes_read - before.nvme_bytes_read) / STEPS
+    written = (after.nvme_bytes_written - before.nvme_bytes_written) / STEPS
+    return median(times), read, written
+
+
+def main() -> dict:
+    n_params = sum(p.numel() for p in _model().parameters())
+    with tempfile.TemporaryDirectory(prefix="ps-bench-train-", dir=REPO) as tmp:
+        root = Path(tmp)
+        (root / "no-prefetch.toml").write_text("[store]\nprefetch_depth = 0\n")
+        nvme = ["--ram-bytes", str(RAM_BYTES), "--nvme-dir"]
+        t_pf, read, written = _run(root / "pf", *nvme, str(root / "nvme-pf"))
+        t_nopf, _, _ = _run(root / "nopf", *nvme, str(root / "nvme-nopf"), "--config", str(root / "no-prefetch.toml"))
+        t_ram, _, _ = _run(root / "ram")
+        fio_dir = root / "fio"
+        fio_dir.mkdir()
+        moved = read + written
+        probe = max(int(moved), 64 << 20)
+        _fio(fio_dir, "write", probe)  # lay the file out first
+        read_percent = round(100 * read / moved) if moved else 50
+        fio_mixed = median([_fio_mixed(fio_dir, probe, read_percent) for _ in range(3)])
+    return record(
+        "nvme_train_step",
+        ours=moved / t_pf / 1e9,
+        peer=fio_mixed,
+        unit="GB/s moved",
+        target=0.8,
+        higher_is_better=True,
+        notes=f"{n_params / 1e6:.1f}M params, {12 * n_params >> 20} MiB AdamW state, RAM tier {RAM_BYTES >> 20} MiB, "
+        f"{SHARD_BYTES >> 20} MiB shards; per step {read / 2**20:.0f} MiB read + {written / 2**20:.0f} MiB written; "
+        f"peer: fio sequential O_DIRECT with the same read/write mix ({read_percent}% reads); median of {STEPS} steps",
+        extra={
+            "step_ms_nvme_prefetch": round(1000 * t_pf, 1),
+            "step_ms_nvme_no_prefetch": round(1000 * t_nopf, 1),
+            "step_ms_all_in_ram": round(1000 * t_ram, 1),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
