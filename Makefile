@@ -17,7 +17,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# fio is the NVMe benchmarks' peer; installed from Debian when this user may.
 bench: $(STAMP)
+	command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio) || echo "fio not installed"
 	$(PY) -m bench.run_all
 
 # Regenerates ps_proto/ from proto/ps.proto; tests/ps_proto checks the committed copy is fresh.

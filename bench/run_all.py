@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
-from bench import optimizer_step, train_step_overhead, transport
+from bench import nvme_io, nvme_train_step, optimizer_step, train_step_overhead, transport
 from bench.common import REPO, RESULTS
 
 DOC = REPO / "docs" / "benchmarks.md"
@@ -38,6 +39,11 @@ def main() -> None:
     optimizer_step.main()
     transport.main()
     train_step_overhead.main()
+    if shutil.which("fio"):
+        nvme_io.main()
+        nvme_train_step.main()
+    else:
+        print("nvme_io, nvme_train_step: skipped, fio is not installed (apt-get install fio); their results were kept")
     update_doc()
     print(f"results in {RESULTS.relative_to(REPO)}/, table in {DOC.relative_to(REPO)}")
 
