@@ -20,7 +20,7 @@ from ps_proto import codec, ps_pb2
 from ps_proto.frames import split_host_port
 from ps_proto.memory import keep_chunk_buffers_in_heap
 from trainer.config import ClientConfig
-from trainer.dataplane import DataPlaneClient, DataPlaneError
+from trainer.dataplane import DataPlaneClient, DataPlaneError, raw_push_header
 
 log = logging.getLogger(__name__)
 
@@ -113,16 +113,7 @@ class DaemonClient:
         timeout: float,
     ) -> ps_pb2.PushResponse:
         """Streams one shard's payload. `lr` None keeps the registered learning rate."""
-        header = ps_pb2.PushHeader(
-            model=model,
-            shard_id=shard_id,
-            step=step,
-            kind=kind,
-            encoding=ps_pb2.RAW,
-            dtype=ps_pb2.FLOAT32,
-            nbytes=len(data),
-            lr=lr,  # None leaves the optional field unset
-        )
+        header = raw_push_header(model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr)
 
         def chunks():
             yield codec.push_chunks.encode(header, data[:CHUNK_BYTES])

@@ -115,16 +115,7 @@ class DataPlaneClient:
         lr: float | None,
         timeout: float,
     ) -> ps_pb2.PushResponse:
-        header = ps_pb2.PushHeader(
-            model=model,
-            shard_id=shard_id,
-            step=step,
-            kind=kind,
-            encoding=ps_pb2.RAW,
-            dtype=ps_pb2.FLOAT32,
-            nbytes=len(data),
-            lr=lr,
-        )
+        header = raw_push_header(model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr)
         with _daemon_status(), self._connection(timeout) as sock:
             send_message(sock, ps_pb2.DataRequest(push=header))
             response = self._answer(sock)
@@ -136,6 +127,17 @@ class DataPlaneClient:
     def close(self) -> None:
         while not self._idle.empty():
             self._idle.get_nowait().close()
+
+
+def raw_push_header(
+    model: str, shard_id: int, *, step: int, kind: int, nbytes: int, lr: float | None
+) -> ps_pb2.PushHeader:
+    """The header of a push of raw fp32 bytes; `lr` None leaves the optional field unset
+    (the daemon then uses the registered learning rate)."""
+    return ps_pb2.PushHeader(
+        model=model, shard_id=shard_id, step=step, kind=kind, encoding=ps_pb2.RAW, dtype=ps_pb2.FLOAT32,
+        nbytes=nbytes, lr=lr,
+    )  # fmt: skip
 
 
 class _StatusFromDaemon(Exception):
