@@ -674,8 +674,7 @@ def _tier_errors(use):
 
 def shard_resident_bytes(numel: int, optimizer: OptimizerConfig) -> int:
     """Bytes one shard holds in RAM: master, optimizer state and the stagger between them."""
-    k = optimizer.state_per_param
-    return (numel * (1 + k) + k * ARENA_STAGGER) * FP32_BYTES
+    return arena_numel(numel, optimizer.state_per_param) * FP32_BYTES
 
 
 def _validate_spec(spec: ModelSpec, daemon_index: int) -> None:

@@ -139,3 +139,25 @@ def test_evict_without_nvme_tier_is_failed_precondition(tmp_path):
         assert result.returncode == 1 and "FAILED_PRECONDITION" in result.stderr and "nvme_dir" in result.stderr
     finally:
         daemon.kill()
+
+
+def test_trainer_prefetch_hint_brings_evicted_shards_back(tmp_path):
+    import json
+
+    daemon = LocalDaemon(tmp_path / "d", "--nvme-dir", str(tmp_path / "nvme"), "--ram-bytes", str(RAM_BYTES))
+    try:
+        model = torch.nn.Linear(64, 64)
+        with trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(), shard_bytes=4096) as opt:
+            assert _admin(daemon, "evict", "0", "1", "2").returncode == 0
+            opt.client.prefetch([2, 0])
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                tiers = {r["shard_id"]: r["tier"] for r in json.loads(_admin(daemon, "shards", "--json").stdout)}
+                if tiers[0] == tiers[2] == "ram":
+                    break
+                time.sleep(0.1)
+            assert tiers[0] == tiers[2] == "ram" and tiers[1] == "nvme"
+        stats = _stats(daemon.address)
+        assert stats.prefetch_hints == 2 and stats.prefetched == 2
+    finally:
+        daemon.kill()
