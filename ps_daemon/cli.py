@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -63,7 +64,14 @@ def serve(
     except OSError as exc:
         typer.echo(f"ps-daemon: {exc}", err=True)
         raise typer.Exit(1) from None
-    raise typer.Exit(code)
+    # run() has drained every call and every committed version is on disk. Skip the
+    # interpreter's finalization: with gRPC's pollers, data plane handlers and the
+    # prefetcher still alive it can abort in native code (seen once as SIGABRT under load),
+    # which would turn a clean stop into a failure for systemd.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

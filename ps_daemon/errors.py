@@ -66,6 +66,10 @@ def grpc_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return handler(self, request, context)
+        except grpc.RpcError:
+            # The request stream itself failed (cancelled, or a message over the limit):
+            # gRPC has set the status already.
+            raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
             if context.code() is not None:  # already aborted by grpc itself
                 raise
