@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench proto lint clean
+.PHONY: demo test bench bench-scale proto lint clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,13 @@ test: $(STAMP)
 bench: $(STAMP)
 	command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio) || echo "fio not installed"
 	$(PY) -m bench.run_all
+
+# AdamW state twice this machine's RAM through one daemon (about 59 GB of disk; it checks
+# first and says what it needs). Minutes, not part of `make bench`.
+bench-scale: $(STAMP)
+	command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio) || echo "fio not installed"
+	$(PY) -m bench.scale
+	$(PY) -c "from bench.run_all import update_doc; update_doc()"
 
 # Regenerates ps_proto/ from proto/ps.proto; tests/ps_proto checks the committed copy is fresh.
 proto: $(STAMP)

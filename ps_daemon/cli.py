@@ -31,6 +31,9 @@ def serve(
     nvme_dir: Annotated[
         Optional[str], typer.Option(help="Persist every committed shard version here (O_DIRECT); recovered on start.")
     ] = None,
+    nvme_bytes: Annotated[
+        Optional[str], typer.Option(help="Most bytes the arena files under --nvme-dir may take, e.g. 2TiB.")
+    ] = None,
     shard_bytes: Annotated[Optional[str], typer.Option(help="Default shard size, e.g. 64MiB.")] = None,
     ram_bytes: Annotated[Optional[str], typer.Option(help="RAM tier budget, e.g. 8GiB.")] = None,
     port_file: Annotated[Optional[str], typer.Option(help="Write the bound port here once listening.")] = None,
@@ -45,6 +48,7 @@ def serve(
             server__port_file=port_file,
             store__state_dir=state_dir,
             store__nvme_dir=nvme_dir,
+            store__nvme_bytes=None if nvme_bytes is None else parse_size(nvme_bytes, key="--nvme-bytes"),
             store__shard_bytes=None if shard_bytes is None else parse_size(shard_bytes, key="--shard-bytes"),
             store__ram_bytes=None if ram_bytes is None else parse_size(ram_bytes, key="--ram-bytes"),
             log__level=log_level,

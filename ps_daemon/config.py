@@ -62,6 +62,14 @@ class StoreConfig:
     """Directory (on an NVMe drive) where every committed version of every shard is written
     with O_DIRECT before its push is acknowledged, and recovered from after a restart.
     Empty: RAM only, nothing survives a restart."""
+    nvme_bytes: int = 0
+    """Most bytes this daemon's arena files under nvme_dir may take together; a registration
+    past it is refused with RESOURCE_EXHAUSTED. 0: as much as the disk has. A model takes
+    (shards + spare slots) x (its largest shard's master and optimizer state + 4 KiB)."""
+    nvme_spare_slots: int = 8
+    """Slots per model beyond one per shard, holding versions while they are written (at
+    most one per shard is used). More lets more commits run at once; each costs one shard's
+    state on disk."""
     fsync: bool = True
     """fdatasync between a shard's bytes and its header, and after the header, so that a
     committed version also survives a power loss (not only a crash of the daemon)."""
@@ -91,7 +99,7 @@ class DaemonConfig:
 # warning, so configs in the field keep running across an upgrade.
 RENAMED_KEYS: dict[str, str] = {}
 
-_SIZE_FIELDS = {"max_message_bytes", "ram_bytes", "shard_bytes", "io_block_bytes"}
+_SIZE_FIELDS = {"max_message_bytes", "ram_bytes", "shard_bytes", "io_block_bytes", "nvme_bytes"}
 _SECTIONS = {"server": ServerConfig, "store": StoreConfig, "log": LogConfig}
 
 
@@ -159,6 +167,8 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"store.shard_bytes must be at least 4096, got {config.store.shard_bytes}")
     if config.store.prefetch_depth < 0:
         raise ConfigError("store.prefetch_depth must be >= 0")
+    if config.store.nvme_spare_slots < 1:
+        raise ConfigError("store.nvme_spare_slots must be at least 1 (a new version needs a free slot)")
     if config.store.io_threads < 1:
         raise ConfigError("store.io_threads must be at least 1")
     if config.server.max_workers < 2:

@@ -42,7 +42,7 @@ from ps_daemon.plan import (
     segments_of,
     shard_numel_for,
 )
-from ps_daemon.tiers.nvme import CorruptShard, NvmeFiles, arena_tensor
+from ps_daemon.tiers.nvme import CorruptShard, NoCapacity, NoFreeSlot, NvmeFiles, arena_tensor
 from ps_daemon.tiers.ram import RamTier, TierFull
 
 log = logging.getLogger(__name__)
@@ -322,19 +322,25 @@ class ShardStore:
             registered = self._build(spec, daemon_index)
             self._check_ram(spec.model, registered)
             if self.files is not None:
-                arena_bytes = {sid: shard.arena_bytes for sid, shard in registered.shards.items()}
-                try:
-                    self.files.create_model(spec, daemon_index, arena_bytes)
-                except OSError as exc:
-                    if exc.errno == errno.ENOSPC:
-                        raise ResourceExhausted(
-                            f"model {spec.model!r}: nvme_dir {self.files.dir} has no room for its "
-                            f"{2 * sum(arena_bytes.values())} bytes (two slots per shard); free space or "
-                            "add daemons"
-                        ) from exc
-                    raise StorageError(f"model {spec.model!r}: cannot create its files: {exc}") from exc
+                self._create_files(spec, daemon_index, registered)
             self._models[spec.model] = registered
             return registered, True
+
+    def _create_files(self, spec: ModelSpec, daemon_index: int, model: RegisteredModel) -> None:
+        arena_bytes = {sid: shard.arena_bytes for sid, shard in model.shards.items()}
+        layout = self.files.layout_for(arena_bytes)
+        where = f"model {spec.model!r} on this daemon"
+        try:
+            self.files.create_model(spec, daemon_index, arena_bytes)
+        except NoCapacity as exc:
+            raise ResourceExhausted(f"{where}: {exc}. Raise store.nvme_bytes or add daemons") from exc
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise ResourceExhausted(
+                    f"{where}: nvme_dir {self.files.dir} has no room for its {layout.size} bytes "
+                    f"({layout.slots} slots of {layout.slot_bytes}); free space or add daemons"
+                ) from exc
+            raise StorageError(f"{where}: cannot create its files: {exc}") from exc
 
     def _check_ram(self, name: str, model: RegisteredModel) -> None:
         """RAM only: every shard must fit. With an NVMe tier: the largest shard must (the
@@ -377,13 +383,13 @@ class ShardStore:
         if self.files is None:
             return 0
         recovered = 0
-        for spec, daemon_index in self.files.recorded_models():
+        for spec, daemon_index, layout in self.files.recorded_models():
             model = self._build(spec, daemon_index)
-            self.files.open_model(spec, {sid: sh.arena_bytes for sid, sh in model.shards.items()})
-            for shard in model.shards.values():
-                # Headers only: a model may be larger than RAM. The bytes are read, and their
-                # checksum verified, when the shard is first used.
-                header = self.files.newest_header(shard.model, shard.slice.shard_id)
+            # Headers only: a model may be larger than RAM. The bytes are read, and their
+            # checksum verified, when the shard is first used.
+            headers = self.files.open_model(spec, layout, set(model.shards))
+            for shard_id, shard in model.shards.items():
+                header = headers.get(shard_id)
                 if header is not None:
                     shard.set_version(header.version, initialized=header.initialized)
                 recovered += 1
@@ -432,6 +438,12 @@ class ShardStore:
                 initialized=shard.initialized,
                 numel=shard.slice.numel,
             )
+        except NoFreeSlot as exc:
+            self._load(shard)
+            raise StorageError(
+                f"shard {shard.slice.shard_id} of model {shard.model!r}: {exc} (failed writes take slots "
+                f"out of use until restart); the update was not applied, the shard keeps version {shard.version}"
+            ) from exc
         except OSError as exc:
             self._load(shard)  # back to the last committed version
             where = f"shard {shard.slice.shard_id} of model {shard.model!r}"
@@ -615,9 +627,9 @@ class ShardStore:
             if shard.slice.shard_id not in previous:
                 return
             at = previous.index(shard.slice.shard_id)
-            upcoming = previous[at + 1 : at + 1 + self.prefetch_depth]
+            upcoming = previous[at + 1 :]
         model = self._models[shard.model]
-        self.tier.prefetch([model.shards[i] for i in upcoming if i in model.shards])
+        self.tier.prefetch([model.shards[i] for i in upcoming if i in model.shards], limit=self.prefetch_depth)
 
     def value_stats(self, shard: Shard, *, timeout: float = 10.0) -> ValueStats:
         """Norm, min, max and NaN count of the master values, under a read hold (pulls go on;

@@ -251,6 +251,18 @@ class ShardedClient:
             if mine:
                 self._call("prefetch", index, lambda c=client, m=mine: c.prefetch(self.model, m, timeout=5.0))
 
+    def hint(self, shard_ids: list[int]) -> None:
+        """Like prefetch, but once and without raising: a lost hint costs only its speed-up,
+        and a daemon that is down is for the next push to find (and retry)."""
+        for index, client in enumerate(self.clients):
+            mine = [s for s in shard_ids if self.plan[s].daemon_index == index]
+            if not mine:
+                continue
+            try:
+                client.prefetch(self.model, mine, timeout=5.0)
+            except grpc.RpcError as error:
+                log.debug("prefetch hint to %s failed: %s", self.daemons[index], error.code().name)
+
     def close(self) -> None:
         for transport in self.transports:
             if transport not in self.clients:

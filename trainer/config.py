@@ -66,6 +66,11 @@ class ClientConfig:
     over gRPC; "grpc": always over gRPC (the Pull and Push RPCs)."""
     streams_per_daemon: int = 2
     """Concurrent push/pull calls per daemon."""
+    prefetch_hints: bool = True
+    """After each step's pulls, tell every daemon which of its shards the next step pushes
+    first (all of them, in push order; the daemon loads as many as its RAM tier has room
+    for), so that a daemon whose state exceeds RAM reads them during the forward and
+    backward passes instead of when the pushes arrive."""
     max_message_bytes: int = 8 << 20
     """Largest gRPC message either side accepts; chunks are far smaller."""
 

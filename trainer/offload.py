@@ -11,7 +11,9 @@ straight into the parameter buffer, so neither side copies per parameter.
 `step()` pushes every shard's gradient and returns once the daemons have acknowledged them;
 the pulls of the new parameters run on in the background, in forward order, and each
 module's forward pre-hook waits only for the shards its own parameters live in, so the next
-forward starts while later shards are still arriving.
+forward starts while later shards are still arriving. When the pulls are in, each daemon is
+told which of its shards the next step pushes first (`ClientConfig.prefetch_hints`), so a
+daemon whose state exceeds its RAM reads them back while the trainer computes.
 """
 
 from __future__ import annotations
@@ -212,6 +214,17 @@ class OffloadOptimizer:
             self._pending_pulls.clear()
             raise failed[0].exception()
         self.step_count = step + 1
+        if self.client.config.prefetch_hints:
+            # Submitted after the pulls, so they have all left the queue (FIFO) when this
+            # task starts waiting on them: it cannot hold up a pull it waits for.
+            self._pool.submit(self._hint_next_step, list(self._pending_pulls.values()))
+
+    def _hint_next_step(self, pulls: list[Future]) -> None:
+        """Once this step's pulls are in, the daemons are idle until the next step's
+        pushes: hint those, in push order (plan order)."""
+        wait(pulls)
+        if all(f.exception() is None for f in pulls):
+            self.client.hint([s.shard_id for s in self.plan])
 
     def _push_then_pull(self, shard: ShardSlice, step: int, lr: float, pushed: Future) -> int:
         try:

@@ -1,30 +1,38 @@
 """Shards at rest: one arena file per model under `nvme_dir`, O_DIRECT, crc32c-checked.
 
-Layout. A model's file holds two slots (A, B) per shard this daemon owns, in plan order.
-A slot is a 4 KiB header block followed by the shard's arena (master, then optimizer
-state: ps_daemon.store) rounded up to 4 KiB:
+Layout. A model's file is a row of equal slots, each a 4 KiB header block followed by room
+for the model's largest shard arena (master, then optimizer state: ps_daemon.store):
 
-    [shard 0 slot A][shard 0 slot B][shard 1 slot A][shard 1 slot B] ...
+    [slot 0][slot 1] ... [slot N-1][spare 0] ... [spare K-1]
 
-Commit protocol (what "committed" means; docs/architecture.md). Version v+1 of a shard
-goes into the slot that does not hold v: (1) the arena bytes, (2) fdatasync, (3) the header
-(version, crc32c of the bytes, its own crc32c), (4) fdatasync. Only then is the push
-acknowledged. A crash before (3) leaves that slot's old header, which names an older
-version, so recovery keeps v; a crash after (3) leaves v+1 complete. Recovery therefore
-takes the slot whose header is valid and newest, and if that slot's bytes fail their
-checksum the shard is corrupt at rest: it is refused with DATA_LOSS, never silently rolled
-back to an older version the trainer has already moved past.
+There are N + K slots for N shards: every shard's committed version holds one slot, and K
+spare slots (`store.nvme_spare_slots`, at most N) take the versions being written. So the
+disk holds the state about once (N + K over N), not twice as a fixed A/B pair per shard
+would, and K bounds how many commits run at once.
+
+Commit protocol (what "committed" means; docs/architecture.md). Version v+1 of a shard goes
+into a free slot: (1) the arena bytes, (2) fdatasync, (3) the header (shard id, version,
+crc32c of the bytes, its own crc32c), (4) fdatasync. Only then is the push acknowledged,
+and the slot that held v becomes free. A crash before (3) leaves the slot's old header,
+which names another shard or an older version, so recovery keeps v; a crash after (3)
+leaves v+1 complete. A freed slot keeps its stale header until it is reused, always older
+than its shard's newest. Recovery therefore reads every slot's header and takes, per shard,
+the valid header with the newest version; if that slot's bytes fail their checksum the
+shard is corrupt at rest and refused with DATA_LOSS, never silently rolled back to an older
+version the trainer has already moved past.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import mmap
 import os
 import struct
 import threading
 import urllib.parse
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,12 +42,14 @@ import torch
 
 from ps_daemon.optim import AdamWConfig, SGDConfig
 
+log = logging.getLogger(__name__)
+
 PAGE = 4096
 _MAGIC = b"PSOFSHD1"
 # magic, format, shard_id, version, initialized, numel, arena_bytes, data_crc; then header_crc
 _HEADER = struct.Struct("<8sIIQB3xQQI")
 _HEADER_CRC = struct.Struct("<I")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: fixed A/B slots per shard
 
 
 def round_up(n: int, to: int = PAGE) -> int:
@@ -169,11 +179,12 @@ def _optimizer_from_json(data: dict) -> AdamWConfig | SGDConfig:
     return AdamWConfig(**data) if kind == "adamw" else SGDConfig(**data)
 
 
-def spec_to_json(spec, daemon_index: int) -> str:
+def spec_to_json(spec, daemon_index: int, layout: FileLayout) -> str:
     return json.dumps(
         {
             "format": FORMAT_VERSION,
             "daemon_index": daemon_index,
+            "layout": {"slot_bytes": layout.slot_bytes, "slots": layout.slots},
             "model": spec.model,
             "params": [
                 {"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "weight_decay": p.weight_decay}
@@ -191,56 +202,104 @@ def spec_from_json(text: str):
     from ps_daemon.store import ModelSpec, ParamSpec  # the store imports this module
 
     data = json.loads(text)
+    if data.get("format") != FORMAT_VERSION:
+        raise ValueError(f"format {data.get('format')}, this daemon reads format {FORMAT_VERSION}")
     params = tuple(ParamSpec(p["name"], tuple(p["shape"]), p["dtype"], p["weight_decay"]) for p in data["params"])
     spec = ModelSpec(
         data["model"], params, _optimizer_from_json(data["optimizer"]), data["shard_bytes"], tuple(data["daemons"])
     )
-    return spec, data["daemon_index"]
+    return spec, data["daemon_index"], FileLayout(**data["layout"])
 
 
-@dataclass
-class SlotState:
-    """Where a shard's committed version lives in its model file."""
+class NoCapacity(Exception):
+    """A model's arena file would take the daemon past `store.nvme_bytes`."""
 
-    offset: int  # of slot A; slot B follows at offset + slot_bytes
+
+class NoFreeSlot(Exception):
+    """Every slot of a model file is taken for longer than a commit should last."""
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """Where a model's slots are: `slots` of `slot_bytes` each, from offset 0."""
+
     slot_bytes: int
-    active: int = -1  # index of the slot holding the last committed version; -1: none yet
+    slots: int
+
+    @classmethod
+    def for_shards(cls, arena_bytes: dict[int, int], *, spare_slots: int) -> FileLayout:
+        largest = max(arena_bytes.values(), default=0)
+        return cls(PAGE + round_up(largest), len(arena_bytes) + min(spare_slots, len(arena_bytes)))
+
+    @property
+    def size(self) -> int:
+        return self.slot_bytes * self.slots
 
 
 class ModelFile:
-    """One model's arena file and its shards' slots."""
+    """One model's arena file: which slot holds each shard's committed version, and which
+    slots are free. `active` and `free` change under `cond`."""
 
-    def __init__(self, directory: Path, model: str, arena_bytes: dict[int, int], *, create: bool) -> None:
+    def __init__(self, directory: Path, model: str, layout: FileLayout, *, create: bool) -> None:
         self.path = directory / f"{urllib.parse.quote(model, safe='')}.arena"
-        self.slots: dict[int, SlotState] = {}
-        offset = 0
-        for shard_id, nbytes in arena_bytes.items():  # plan order
-            slot = PAGE + round_up(nbytes)
-            self.slots[shard_id] = SlotState(offset, slot)
-            offset += 2 * slot
-        self.size = offset
-        flags = os.O_RDWR | os.O_DIRECT | (os.O_CREAT if create else 0)
+        self.layout = layout
+        self.active: dict[int, tuple[int, SlotHeader]] = {}  # shard -> (slot, header)
+        self.free: deque[int] = deque(range(layout.slots))
+        self.cond = threading.Condition()
+        # A new file is truncated: a stale file of the same name (a crash between creating it
+        # and recording the spec) must not lend its old headers to the new model.
+        flags = os.O_RDWR | os.O_DIRECT | (os.O_CREAT | os.O_TRUNC if create else 0)
         self.fd = os.open(self.path, flags, 0o600)
-        if create and self.size:
+        if create and layout.size:
             try:
-                os.posix_fallocate(self.fd, 0, self.size)  # ENOSPC here, not mid-training
+                os.posix_fallocate(self.fd, 0, layout.size)  # ENOSPC here, not mid-training
             except OSError:
                 os.close(self.fd)
                 self.path.unlink(missing_ok=True)
                 raise
+
+    def offset(self, slot: int) -> int:
+        return slot * self.layout.slot_bytes
+
+    def take_slot(self, timeout: float) -> int:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.free, timeout=timeout):
+                raise NoFreeSlot(f"no free slot in {self.path.name} for {timeout:.0f}s")
+            return self.free.popleft()
+
+    def committed(self, shard_id: int, slot: int, header: SlotHeader) -> None:
+        with self.cond:
+            previous = self.active.get(shard_id)
+            self.active[shard_id] = (slot, header)
+            if previous is not None:
+                self.free.append(previous[0])
+            self.cond.notify()
+
+    def give_back(self, slot: int) -> None:
+        with self.cond:
+            self.free.append(slot)
+            self.cond.notify()
 
     def close(self) -> None:
         os.close(self.fd)
 
 
 class NvmeFiles:
-    """The daemon's files under nvme_dir: model specs (JSON) and model arena files."""
+    """The daemon's files under nvme_dir: model specs (JSON) and model arena files.
 
-    def __init__(self, directory: str | Path, *, io: DirectIO, fsync: bool) -> None:
+    capacity: bytes all arena files together may take (0: as much as the disk has).
+    spare_slots: slots per model beyond one per shard, for versions being written."""
+
+    def __init__(
+        self, directory: str | Path, *, io: DirectIO, fsync: bool, capacity: int = 0, spare_slots: int = 8
+    ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.io = io
         self.fsync = fsync
+        self.capacity = capacity
+        self.spare_slots = spare_slots
+        self.slot_timeout = 120.0
         self.files: dict[str, ModelFile] = {}
         # One aligned block for header I/O; commits of different shards run concurrently, so
         # it has a lock of its own (held for the 4 KiB read or write only).
@@ -249,29 +308,73 @@ class NvmeFiles:
         self.bytes_written = 0  # shard bytes, counted once the write returned
         self.bytes_read = 0
 
+    @property
+    def bytes_allocated(self) -> int:
+        return sum(f.layout.size for f in self.files.values())
+
     # -- models ------------------------------------------------------------------------
 
     def _spec_path(self, model: str) -> Path:
         return self.dir / f"{urllib.parse.quote(model, safe='')}.json"
 
-    def create_model(self, spec, daemon_index: int, arena_bytes: dict[int, int]) -> None:
-        """Allocates the model's file and records its spec (atomically: temp, fsync, rename)."""
-        self.files[spec.model] = ModelFile(self.dir, spec.model, arena_bytes, create=True)
+    def layout_for(self, arena_bytes: dict[int, int]) -> FileLayout:
+        return FileLayout.for_shards(arena_bytes, spare_slots=self.spare_slots)
+
+    def create_model(self, spec, daemon_index: int, arena_bytes: dict[int, int]) -> FileLayout:
+        """Allocates the model's file and records its spec and layout (atomically: temp,
+        fsync, rename). Raises NoCapacity past `capacity`, OSError (ENOSPC) past the disk."""
+        layout = self.layout_for(arena_bytes)
+        if self.capacity and self.bytes_allocated + layout.size > self.capacity:
+            raise NoCapacity(
+                f"it needs {layout.size} bytes on NVMe ({layout.slots} slots of {layout.slot_bytes}: one per "
+                f"shard and {layout.slots - len(arena_bytes)} spare); store.nvme_bytes is {self.capacity} and "
+                f"{self.bytes_allocated} are taken"
+            )
+        self.files[spec.model] = ModelFile(self.dir, spec.model, layout, create=True)
         path = self._spec_path(spec.model)
         tmp = path.with_suffix(".json.tmp")
         with open(tmp, "w") as f:
-            f.write(spec_to_json(spec, daemon_index))
+            f.write(spec_to_json(spec, daemon_index, layout))
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
         self._sync_dir()
+        return layout
 
-    def recorded_models(self) -> list[tuple[object, int]]:
-        """(spec, daemon_index) of every model recorded in the directory."""
-        return [spec_from_json(p.read_text()) for p in sorted(self.dir.glob("*.json"))]
+    def recorded_models(self) -> list[tuple[object, int, FileLayout]]:
+        """(spec, daemon_index, layout) of every model recorded in the directory. Raises
+        OSError naming the file that cannot be read, so the daemon stops before it serves."""
+        models = []
+        for path in sorted(self.dir.glob("*.json")):
+            try:
+                models.append(spec_from_json(path.read_text()))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise OSError(
+                    f"{path} is not a model record this daemon can read ({exc}); move it and its .arena file "
+                    "out of nvme_dir, or run the ps-offload release that wrote it"
+                ) from exc
+        return models
 
-    def open_model(self, spec, arena_bytes: dict[int, int]) -> None:
-        self.files[spec.model] = ModelFile(self.dir, spec.model, arena_bytes, create=False)
+    def open_model(self, spec, layout: FileLayout, shard_ids: set[int]) -> dict[int, SlotHeader]:
+        """Opens a recorded model's file and finds each shard's newest committed version by
+        reading every slot's header (not the bytes: a model may be larger than RAM).
+        Returns the header of each shard that has one."""
+        file = ModelFile(self.dir, spec.model, layout, create=False)
+        newest: dict[int, tuple[int, SlotHeader]] = {}
+        for slot in range(layout.slots):
+            with self._header_lock:
+                self.io.read(file.fd, self._header, file.offset(slot))
+                header = SlotHeader.unpack(self._header)
+            if header is None or header.shard_id not in shard_ids:
+                continue
+            known = newest.get(header.shard_id)
+            if known is None or header.version > known[1].version:
+                newest[header.shard_id] = (slot, header)
+        file.active = newest
+        taken = {slot for slot, _ in newest.values()}
+        file.free = deque(s for s in range(layout.slots) if s not in taken)
+        self.files[spec.model] = file
+        return {shard_id: header for shard_id, (_, header) in newest.items()}
 
     def _sync_dir(self) -> None:
         fd = os.open(self.dir, os.O_RDONLY)
@@ -286,62 +389,51 @@ class NvmeFiles:
         self, model: str, shard_id: int, arena: memoryview, *, version: int, initialized: bool, numel: int
     ) -> None:
         """Writes a new committed version of the shard (the protocol in the module doc).
-        `arena` is page-aligned and whole pages long. Raises OSError; the previous committed
-        version is then intact on disk."""
+        `arena` is page-aligned and whole pages long. Raises OSError or NoFreeSlot; the
+        previous committed version is then intact on disk."""
         file = self.files[model]
-        slot = file.slots[shard_id]
-        target = 1 - slot.active if slot.active >= 0 else 0
-        at = slot.offset + target * slot.slot_bytes
-        self.io.write(file.fd, arena, at + PAGE)
-        if self.fsync:
-            os.fdatasync(file.fd)
-        header = SlotHeader(shard_id, version, initialized, numel, len(arena), crc32c.crc32c(arena))
-        packed = header.pack()
-        with self._header_lock:
-            self._header[:] = packed + bytes(PAGE - len(packed))
-            self.io.write(file.fd, self._header, at)
-        if self.fsync:
-            os.fdatasync(file.fd)
-        slot.active = target
+        slot = file.take_slot(self.slot_timeout)
+        at = file.offset(slot)
+        header_written = False
+        try:
+            self.io.write(file.fd, arena, at + PAGE)
+            if self.fsync:
+                os.fdatasync(file.fd)
+            header = SlotHeader(shard_id, version, initialized, numel, len(arena), crc32c.crc32c(arena))
+            packed = header.pack()
+            with self._header_lock:
+                self._header[:] = packed + bytes(PAGE - len(packed))
+                header_written = True  # from here the slot may name this version on disk
+                self.io.write(file.fd, self._header, at)
+            if self.fsync:
+                os.fdatasync(file.fd)
+        except BaseException:
+            if header_written:
+                # Its header may have reached the disk naming a version newer than the
+                # committed one; reused for another shard and torn by a crash, it would make
+                # recovery pick a corrupt "newest". Leave it out until the next restart.
+                log.error("slot %d of %s is left unused until restart after a failed commit", slot, file.path)
+            else:
+                file.give_back(slot)
+            raise
+        file.committed(shard_id, slot, header)
         with self._header_lock:
             self.bytes_written += len(arena)
 
-    def newest_header(self, model: str, shard_id: int) -> SlotHeader | None:
-        """The header of the newest committed version (None if none); remembers its slot."""
-        found = self._newest(model, shard_id)
-        return found[1] if found else None
-
-    def _newest(self, model: str, shard_id: int) -> tuple[int, SlotHeader] | None:
-        file = self.files[model]
-        slot = file.slots[shard_id]
-        headers = []
-        for index in (0, 1):
-            with self._header_lock:
-                self.io.read(file.fd, self._header, slot.offset + index * slot.slot_bytes)
-                header = SlotHeader.unpack(self._header)
-            if header is not None and header.shard_id == shard_id:
-                headers.append((header.version, index, header))
-        if not headers:
-            slot.active = -1
-            return None
-        _, index, header = max(headers)
-        slot.active = index
-        return index, header
-
     def load(self, model: str, shard_id: int, arena: memoryview) -> SlotHeader | None:
-        """Reads the newest committed version into `arena`; None if none was ever committed.
-        Raises CorruptShard when that version's bytes fail their checksum."""
-        found = self._newest(model, shard_id)
+        """Reads the committed version into `arena`; None if none was ever committed.
+        Raises CorruptShard when its bytes fail their checksum."""
+        file = self.files[model]
+        with file.cond:
+            found = file.active.get(shard_id)
         if found is None:
             return None  # never committed: the caller starts from zeros
-        index, header = found
-        file = self.files[model]
-        slot = file.slots[shard_id]
+        slot, header = found
         if header.arena_bytes != len(arena):
             raise CorruptShard(f"header says {header.arena_bytes} arena bytes, the shard has {len(arena)}")
-        self.io.read(file.fd, arena, slot.offset + index * slot.slot_bytes + PAGE)
+        self.io.read(file.fd, arena, file.offset(slot) + PAGE)
         if crc32c.crc32c(arena) != header.data_crc:
-            raise CorruptShard(f"checksum mismatch in slot {'AB'[index]} (version {header.version})")
+            raise CorruptShard(f"checksum mismatch in slot {slot} (version {header.version})")
         with self._header_lock:
             self.bytes_read += len(arena)
         return header

@@ -7,9 +7,12 @@ least recently used unpinned shards and it is read from disk, outside the lock. 
 buffers are kept for reuse (O_DIRECT needs page-aligned memory, and fresh pages fault), and
 count against the budget like resident ones, so resident + pooled never exceeds it.
 
-Prefetch loads shards ahead of use into room that is free or held by shards nobody pinned
-or asked for; a prefetched shard is protected from eviction by later prefetches until it
-has been used once. Hits and misses are counted at `use`.
+Prefetch takes an order of upcoming use (a trainer's hint, or the order the daemon saw last
+step) and loads the first shards of it that are not resident, as far as room allows. That
+order also chooses what to evict: first the least recently used shard that is not upcoming
+(already used this step), then the upcoming shard needed last; a prefetch never evicts a
+shard needed before the one it loads, nor one an earlier prefetch brought in that nobody
+has used yet. Using a shard takes it out of the order. Hits and misses are counted at `use`.
 
 Invariants (under `cond`): used + pooled <= budget; a shard is at most one of resident or
 loading; a pinned shard is resident or loading; `lru` holds exactly the resident shards.
@@ -61,6 +64,7 @@ class RamTier:
         self.pooled = 0
         self.stats = TierStats()
         self._protected: set[object] = set()  # prefetched, not used yet
+        self._upcoming: dict[str, dict[object, int]] = {}  # per model: shard -> position in its order
         self._queue: deque = deque()
         self._prefetcher = threading.Thread(target=self._prefetch_loop, name="prefetch", daemon=True)
         self._stopping = False
@@ -90,6 +94,7 @@ class RamTier:
                     self.lru.move_to_end(shard)
                     self.stats.hits += 1
                     self._protected.discard(shard)
+                    self._used(shard)
                     return None
                 if not shard.loading:
                     buffer = self._take_room(shard.arena_bytes, evict_protected=True)
@@ -97,6 +102,7 @@ class RamTier:
                         shard.loading = True
                         shard.pins += 1
                         self.stats.misses += 1
+                        self._used(shard)
                         return buffer
                 if not self.cond.wait(self.wait_timeout):
                     raise TierFull(
@@ -123,7 +129,29 @@ class RamTier:
 
     # -- room -------------------------------------------------------------------------
 
-    def _take_room(self, nbytes: int, *, evict_protected: bool) -> object | None:
+    def _used(self, shard) -> None:
+        upcoming = self._upcoming.get(shard.model)
+        if upcoming:
+            upcoming.pop(shard, None)
+
+    def _victim(self, *, evict_protected: bool, before: int | None) -> object | None:
+        """Under cond: the shard to evict, or None. Unpinned shards only; the least recently
+        used one that is not upcoming, else the upcoming one needed last, but not one needed
+        at or before position `before` of its model's order (None: no such limit)."""
+        chosen, chosen_at = None, -1
+        for shard in self.lru:  # least recently used first
+            if shard.pins or (not evict_protected and shard in self._protected):
+                continue
+            at = self._upcoming.get(shard.model, {}).get(shard)
+            if at is None:
+                return shard
+            if before is not None and at <= before:
+                continue
+            if at > chosen_at:
+                chosen, chosen_at = shard, at
+        return chosen
+
+    def _take_room(self, nbytes: int, *, evict_protected: bool, before: int | None = None) -> object | None:
         """Under cond: a buffer of nbytes within the budget, evicting as needed; None when
         not possible now."""
         pooled = self.pool.get(nbytes)
@@ -135,7 +163,7 @@ class RamTier:
             if self.pooled:
                 self._drop_pooled()
                 continue
-            victim = next((s for s in self.lru if s.pins == 0 and (evict_protected or s not in self._protected)), None)
+            victim = self._victim(evict_protected=evict_protected, before=before)
             if victim is None:
                 return None
             self._evict(victim)
@@ -180,10 +208,15 @@ class RamTier:
 
     # -- prefetch ---------------------------------------------------------------------
 
-    def prefetch(self, shards: list) -> int:
-        """Queues shards to load ahead of use, in order; returns how many were queued."""
+    def prefetch(self, shards: list, *, limit: int | None = None) -> int:
+        """`shards` (of one model) will be used in this order: loads the first `limit` of
+        them that are not resident (None: as many as there is room for). Returns how many
+        were queued."""
         with self.cond:
+            if shards:
+                self._upcoming[shards[0].model] = {s: i for i, s in enumerate(shards)}
             queued = [s for s in shards if not s.resident and not s.loading and s not in self._queue]
+            queued = queued[:limit] if limit is not None else queued
             self._queue.extend(queued)
             self.cond.notify_all()
             return len(queued)
@@ -198,8 +231,10 @@ class RamTier:
                 shard = self._queue.popleft()
                 if shard.resident or shard.loading or shard.corrupt:
                     continue
-                # Never evict what an earlier prefetch brought in and nobody used yet.
-                buffer = self._take_room(shard.arena_bytes, evict_protected=False)
+                # Never evict what an earlier prefetch brought in and nobody used yet, nor
+                # what is needed before this shard.
+                at = self._upcoming.get(shard.model, {}).get(shard)
+                buffer = self._take_room(shard.arena_bytes, evict_protected=False, before=at)
                 if buffer is None:
                     self._queue.clear()  # no room: the rest would be too late anyway
                     continue

@@ -163,3 +163,63 @@ def test_trainer_prefetch_hint_brings_evicted_shards_back(tmp_path):
         assert stats.prefetch_hints == 2 and stats.prefetched == 2
     finally:
         daemon.kill()
+
+
+@pytest.mark.parametrize("hints", [True, False])
+def test_trainer_hints_bring_the_next_steps_first_shards_back_after_each_step(tmp_path, hints):
+    """With the daemon's learned prefetch off, only the trainer's end-of-step hint can bring
+    the first shards of the next step back into RAM before their pushes: LRU alone leaves
+    the last shards of the step resident. (5 shards: 4 of 1024 parameters and one of 64;
+    the tier holds three large ones and the small one.)"""
+    import json
+
+    config = tmp_path / "no-learned.toml"
+    config.write_text("[store]\nprefetch_depth = 0\n")
+    daemon = LocalDaemon(
+        tmp_path / "d", "--nvme-dir", str(tmp_path / "nvme"), "--ram-bytes", str(48 << 10), "--config", str(config)
+    )
+    try:
+        model = torch.nn.Linear(64, 64)
+        client = trainer.ClientConfig(prefetch_hints=hints)
+        with trainer.offload(
+            model, daemons=[daemon.address], optimizer=trainer.AdamW(), shard_bytes=4096, config=client
+        ) as opt:
+            for _ in range(2):
+                opt.zero_grad()
+                model(torch.randn(2, 64)).sum().backward()
+                opt.step()
+            opt.synchronize()
+            deadline = time.monotonic() + (10 if hints else 1)
+            while time.monotonic() < deadline:
+                tiers = {r["shard_id"]: r["tier"] for r in json.loads(_admin(daemon, "shards", "--json").stdout)}
+                if tiers[0] == tiers[1] == "ram" and tiers[3] == "nvme":
+                    break
+                time.sleep(0.1)
+        stats = _stats(daemon.address)
+        if hints:
+            # Shard 0 came back, and to make room the hint's order evicted the shards needed
+            # last (3, 4), not the least recently used one (1, needed right after 0).
+            assert tiers == {0: "ram", 1: "ram", 2: "ram", 3: "nvme", 4: "nvme"}
+            assert stats.prefetch_hints == 2 * 5 and stats.prefetched >= 1
+        else:  # turned off: nothing is hinted or prefetched (what LRU leaves varies with timing)
+            assert stats.prefetch_hints == 0 and stats.prefetched == 0
+    finally:
+        daemon.kill()
+
+
+def test_registration_past_nvme_bytes_is_resource_exhausted(tmp_path):
+    daemon = LocalDaemon(
+        tmp_path / "d", "--nvme-dir", str(tmp_path / "nvme"), "--ram-bytes", str(RAM_BYTES), "--nvme-bytes", "1MiB"
+    )
+    try:
+        model = torch.nn.Linear(256, 256)  # 65792 parameters: 776 KiB of AdamW state, 1.2 MiB with slots
+        with pytest.raises(trainer.DaemonError) as info:
+            trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(), shard_bytes=64 << 10)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "store.nvme_bytes is 1048576" in str(info.value) and "spare" in str(info.value)
+        assert not list((tmp_path / "nvme").glob("*.arena"))
+        # The daemon goes on serving: a model that fits registers.
+        with trainer.offload(torch.nn.Linear(16, 16), daemons=[daemon.address], optimizer=trainer.AdamW()):
+            pass
+    finally:
+        daemon.kill()

@@ -5,6 +5,7 @@ and named, a full disk fails the push and keeps the last good version."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
 import threading
@@ -17,7 +18,7 @@ import torch
 
 import trainer
 from ps_daemon.local import LocalDaemon
-from ps_daemon.tiers.nvme import FAULT_ENV, PAGE
+from ps_daemon.tiers.nvme import FAULT_ENV, PAGE, SlotHeader
 from ps_proto import ps_pb2
 from trainer.client import DaemonClient
 from trainer.debug_models import mlp
@@ -137,16 +138,24 @@ def test_flipped_byte_is_data_loss_for_that_shard_only(tmp_path):
         _train(opt, model, batches[:3])
         plan = opt.plan
     assert first.stop() == 0
-    # Flip one byte in the data of both of shard 1's slots (whichever holds the newest version).
+    # Flip one byte in the data of every slot whose header names shard 1 (the newest among them
+    # is its committed version; the file's layout is recorded beside it).
+    layout = json.loads(next(nvme.glob("*.json")).read_text())["layout"]
     arena = next(nvme.glob("*.arena"))
-    slot_bytes = PAGE + -(-(plan[0].numel * 12 + 2048) // PAGE) * PAGE
+    flipped = 0
     with open(arena, "r+b") as f:
-        for slot in (0, 1):
-            at = 2 * slot_bytes * 1 + slot * slot_bytes + PAGE + 100
+        for slot in range(layout["slots"]):
+            f.seek(slot * layout["slot_bytes"])
+            header = SlotHeader.unpack(f.read(PAGE))
+            if header is None or header.shard_id != 1:
+                continue
+            at = slot * layout["slot_bytes"] + PAGE + 100
             f.seek(at)
             byte = f.read(1)
             f.seek(at)
             f.write(bytes([byte[0] ^ 0xFF]))
+            flipped += 1
+    assert flipped >= 1
     second = _daemon(tmp_path, "b", nvme)
     try:
         # Recovery reads headers only (a model may exceed RAM); the bytes are checked on first use.

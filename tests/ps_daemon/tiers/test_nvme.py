@@ -1,0 +1,120 @@
+"""The slot allocator of the NVMe tier on a real file with O_DIRECT: versions move between
+slots, the disk holds N + K slots and no more, and recovery finds each shard's newest
+committed version even when freed slots were reused and torn by a crash."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ps_daemon.optim import SGDConfig
+from ps_daemon.store import ModelSpec, ParamSpec
+from ps_daemon.tiers.nvme import PAGE, DirectIO, FileLayout, NoCapacity, NvmeFiles, SlotHeader, aligned_empty
+
+SHARDS = 4
+ARENA = 3 * PAGE
+
+
+def _files(directory, **kwargs) -> NvmeFiles:
+    return NvmeFiles(directory, io=DirectIO(threads=2, block_bytes=PAGE), fsync=True, **kwargs)
+
+
+def _spec(name: str = "m") -> ModelSpec:
+    return ModelSpec(name, (ParamSpec("w", (SHARDS * 1024,)),), SGDConfig(lr=0.1), 4096, ("d",))
+
+
+def _arena(fill: int) -> memoryview:
+    _, view = aligned_empty(ARENA)
+    view[:] = bytes([fill]) * ARENA
+    return view
+
+
+def _commit(files: NvmeFiles, shard: int, version: int, model: str = "m") -> None:
+    files.commit(model, shard, _arena(16 * shard + version), version=version, initialized=True, numel=1024)
+
+
+def _reopen(directory) -> tuple[NvmeFiles, dict[int, SlotHeader]]:
+    files = _files(directory)
+    (spec, _, layout) = files.recorded_models()[0]
+    return files, files.open_model(spec, layout, set(range(SHARDS)))
+
+
+def _read(files: NvmeFiles, shard: int) -> bytes:
+    _, out = aligned_empty(ARENA)
+    files.load("m", shard, out)
+    return bytes(out)
+
+
+def test_file_holds_one_slot_per_shard_plus_spares(tmp_path):
+    files = _files(tmp_path, spare_slots=2)
+    layout = files.create_model(_spec(), 0, {i: ARENA for i in range(SHARDS)})
+    assert layout == FileLayout(slot_bytes=PAGE + ARENA, slots=SHARDS + 2)
+    assert (tmp_path / "m.arena").stat().st_size == layout.size
+    # Never more spares than shards: a model of 1 shard has 2 slots.
+    small = files.layout_for({0: ARENA})
+    assert small.slots == 2
+    files.close()
+
+
+def test_recovery_takes_each_shards_newest_version_after_many_commits(tmp_path):
+    files = _files(tmp_path, spare_slots=2)
+    files.create_model(_spec(), 0, {i: ARENA for i in range(SHARDS)})
+    threads = [
+        threading.Thread(target=lambda s=s: [_commit(files, s, v) for v in range(1, 8 + s)]) for s in range(SHARDS)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    files.close()
+
+    files, headers = _reopen(tmp_path)
+    assert {s: h.version for s, h in headers.items()} == {s: 7 + s for s in range(SHARDS)}
+    for s in range(SHARDS):
+        assert _read(files, s) == bytes([16 * s + 7 + s]) * ARENA
+    # Every slot not holding a committed version is free again.
+    assert len(files.files["m"].free) == 2
+    files.close()
+
+
+def test_a_freed_slot_torn_while_reused_does_not_hide_the_newest_version(tmp_path):
+    files = _files(tmp_path, spare_slots=1)
+    files.create_model(_spec(), 0, {i: ARENA for i in range(SHARDS)})
+    for s in range(SHARDS):
+        _commit(files, s, 1)
+    _commit(files, 0, 2)  # shard 0's version 1 slot is now free, its header still says (0, 1)
+    stale = files.files["m"].free[0]
+    layout = files.files["m"].layout
+    files.close()
+    # A crash while another shard's bytes were being written into that slot: data torn,
+    # header not yet written.
+    with open(tmp_path / "m.arena", "r+b") as f:
+        f.seek(stale * layout.slot_bytes)
+        assert SlotHeader.unpack(f.read(PAGE)).version == 1
+        f.write(b"\xee" * ARENA)
+
+    files, headers = _reopen(tmp_path)
+    assert headers[0].version == 2
+    assert _read(files, 0) == bytes([2]) * ARENA
+    files.close()
+
+
+def test_capacity_refuses_a_model_that_would_exceed_it(tmp_path):
+    layout = FileLayout.for_shards({i: ARENA for i in range(SHARDS)}, spare_slots=1)
+    files = _files(tmp_path, spare_slots=1, capacity=layout.size + layout.size // 2)
+    files.create_model(_spec("a"), 0, {i: ARENA for i in range(SHARDS)})
+    with pytest.raises(NoCapacity, match=f"it needs {layout.size} bytes on NVMe"):
+        files.create_model(_spec("b"), 0, {i: ARENA for i in range(SHARDS)})
+    assert not (tmp_path / "b.arena").exists()
+    files.close()
+
+
+def test_a_record_of_another_format_stops_recovery_with_its_path(tmp_path):
+    files = _files(tmp_path)
+    files.create_model(_spec(), 0, {i: ARENA for i in range(SHARDS)})
+    files.close()
+    record = tmp_path / "m.json"
+    record.write_text(record.read_text().replace('"format": 2', '"format": 1'))
+    with pytest.raises(OSError, match="m.json is not a model record this daemon can read"):
+        _files(tmp_path).recorded_models()

@@ -1,0 +1,109 @@
+"""The RAM tier's choices, in process: what a demand load and a prefetch evict, given the
+order of upcoming use."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from ps_daemon.tiers.ram import RamTier
+
+ARENA = 1000
+
+
+class FakeShard:
+    def __init__(self, shard_id: int, model: str = "m") -> None:
+        self.model = model
+        self.slice = SimpleNamespace(shard_id=shard_id)
+        self.arena_bytes = ARENA
+        self.resident = self.loading = False
+        self.pins = 0
+        self.corrupt = ""
+        self.buffer = None
+
+    def detach(self):
+        buffer, self.buffer = self.buffer, None
+        return buffer
+
+    def __repr__(self) -> str:
+        return f"shard{self.slice.shard_id}"
+
+
+def _tier(slots: int) -> RamTier:
+    def load(shard, buffer):
+        shard.buffer = buffer
+
+    return RamTier(budget=slots * ARENA, allocate=lambda n: bytearray(n), load=load)
+
+
+def _touch(tier: RamTier, *shards: FakeShard) -> None:
+    for shard in shards:
+        with tier.use(shard):
+            pass
+
+
+def _resident(tier: RamTier) -> set[int]:
+    return {s.slice.shard_id for s in tier.lru}
+
+
+def _settle(tier: RamTier) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with tier.cond:
+            if not tier._queue and not any(s.loading for s in tier.lru):
+                return
+        time.sleep(0.01)
+
+
+def test_without_an_order_the_least_recently_used_shard_goes():
+    tier = _tier(3)
+    shards = [FakeShard(i) for i in range(4)]
+    _touch(tier, shards[0], shards[1], shards[2], shards[0], shards[3])
+    assert _resident(tier) == {0, 2, 3}  # 1 was least recently used
+    assert tier.stats.misses == 4 and tier.stats.hits == 1 and tier.stats.evictions == 1
+    tier.close()
+
+
+def test_prefetch_in_hint_order_evicts_what_is_needed_last():
+    tier = _tier(3)
+    shards = [FakeShard(i) for i in range(5)]
+    _touch(tier, *shards)  # a step: 2, 3, 4 stay resident
+    assert _resident(tier) == {2, 3, 4}
+    assert tier.prefetch(shards) == 2  # next step: 0 and 1 are not resident
+    _settle(tier)
+    # 0 and 1 came back in place of 4 and 3 (needed last); 2, needed next, stayed.
+    assert _resident(tier) == {0, 1, 2}
+    assert tier.stats.prefetched == 2
+    _touch(tier, shards[0], shards[1], shards[2])
+    assert tier.stats.hits == 3
+    tier.close()
+
+
+def test_prefetch_never_evicts_a_shard_needed_before_the_one_it_loads():
+    tier = _tier(2)
+    shards = [FakeShard(i) for i in range(4)]
+    _touch(tier, shards[2], shards[1])
+    tier.prefetch([shards[1], shards[2], shards[3], shards[0]])
+    _settle(tier)
+    assert _resident(tier) == {1, 2}  # 3 and 0 would have to evict 1 or 2
+    assert tier.stats.prefetched == 0
+    tier.close()
+
+
+def test_a_shard_not_upcoming_goes_first_even_if_recently_used():
+    tier = _tier(3)
+    shards = [FakeShard(i) for i in range(4)]
+    _touch(tier, shards[1], shards[2], shards[0])
+    tier.prefetch([shards[1], shards[2], shards[3]])  # 0 is not upcoming: it goes first
+    _settle(tier)
+    assert _resident(tier) == {1, 2, 3}
+    tier.close()
+
+
+def test_prefetch_limit_loads_only_the_first_missing_shards():
+    tier = _tier(4)
+    shards = [FakeShard(i) for i in range(4)]
+    assert tier.prefetch(shards, limit=2) == 2
+    _settle(tier)
+    assert _resident(tier) == {0, 1}
+    tier.close()
