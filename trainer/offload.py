@@ -44,12 +44,16 @@ def offload(
     shard_bytes: int = 0,
     no_weight_decay: Callable[[str, nn.Parameter], bool] | None = None,
     config: ClientConfig | None = None,
+    push_share: tuple[int, int] = (0, 1),
 ) -> OffloadOptimizer:
     """Registers `model` with the daemons and returns its optimizer.
 
     shard_bytes: fp32 bytes per shard; 0 takes the first daemon's default.
     no_weight_decay: (name, param) -> True for parameters that get no weight decay
         (nanoGPT's rule is `param.dim() < 2`).
+    push_share: (i, n): this process pushes every n-th shard from the i-th, and only pulls
+        the others; n processes holding the same reduced gradients (data-parallel replicas
+        of one stage) then push each shard once between them.
     """
     return OffloadOptimizer(
         model,
@@ -59,6 +63,7 @@ def offload(
         shard_bytes=shard_bytes,
         no_weight_decay=no_weight_decay,
         config=config,
+        push_share=push_share,
     )
 
 
@@ -73,7 +78,11 @@ class OffloadOptimizer:
         shard_bytes: int,
         no_weight_decay: Callable[[str, nn.Parameter], bool] | None,
         config: ClientConfig | None,
+        push_share: tuple[int, int] = (0, 1),
     ) -> None:
+        share, of = push_share
+        if not 0 <= share < of:
+            raise ValueError(f"push_share must be (i, n) with 0 <= i < n, got {push_share}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -93,6 +102,8 @@ class OffloadOptimizer:
             if no_weight_decay is not None and no_weight_decay(name, p):
                 param.weight_decay = 0.0
         self.plan: list[ShardSlice] = self.client.register(spec)
+        self._pushes = {s.shard_id for i, s in enumerate(self.plan) if i % of == share}
+        self._hints = share == 0
 
         total = sum(p.numel() for p in self._params)
         self.flat_params = torch.empty(total, dtype=torch.float32)
@@ -202,9 +213,14 @@ class OffloadOptimizer:
         # daemon whose state exceeds its RAM the shard is still resident right after its
         # push; pulled later, it would be read back from disk (measured: twice the state read
         # per step instead of once).
-        pushes = [Future() for _ in self.plan]
-        for shard, push in zip(self.plan, pushes, strict=True):
-            self._pending_pulls[shard.shard_id] = self._pool.submit(self._push_then_pull, shard, step, lr, push)
+        pushes = []
+        for shard in self.plan:
+            if shard.shard_id in self._pushes:
+                push = Future()
+                pushes.append(push)
+                self._pending_pulls[shard.shard_id] = self._pool.submit(self._push_then_pull, shard, step, lr, push)
+            else:  # another process pushes it: wait for its new version
+                self._pending_pulls[shard.shard_id] = self._pool.submit(self._pull, shard, step + 1)
         wait(pushes)
         failed = [f for f in pushes if f.exception() is not None]
         if failed:
@@ -214,7 +230,7 @@ class OffloadOptimizer:
             self._pending_pulls.clear()
             raise failed[0].exception()
         self.step_count = step + 1
-        if self.client.config.prefetch_hints:
+        if self.client.config.prefetch_hints and self._hints:
             # Submitted after the pulls, so they have all left the queue (FIFO) when this
             # task starts waiting on them: it cannot hold up a pull it waits for.
             self._pool.submit(self._hint_next_step, list(self._pending_pulls.values()))
@@ -233,7 +249,10 @@ class OffloadOptimizer:
             pushed.set_exception(exc)
             raise
         pushed.set_result(ack)
-        return self.client.pull(shard, min_version=step + 1, out=self._bytes(shard))
+        return self._pull(shard, step + 1)
+
+    def _pull(self, shard: ShardSlice, version: int) -> int:
+        return self.client.pull(shard, min_version=version, out=self._bytes(shard))
 
     def close(self) -> None:
         try:

@@ -1,0 +1,71 @@
+"""One rank of the pp x dp training run that tests/integration/test_pipeline_dp.py starts
+with torchrun; dp replica 0 of each stage saves its stage's parameters at the end."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+import trainer
+from trainer.debug_models import mlp
+from trainer.parallel import PipelineTrainer, init_distributed
+
+SIZES = (32, 64, 64, 64, 10)
+GLOBAL_BATCH = 16
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(GLOBAL_BATCH, SIZES[0], generator=g), torch.randint(10, (GLOBAL_BATCH,), generator=g))
+            for _ in range(steps)]  # fmt: skip
+
+
+def layers() -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    return list(mlp(SIZES))
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(output, target)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--dp", type=int, required=True)
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--daemons", default="")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", required=True)
+    p.add_argument("--die", default="", help="RANK@STEP: that rank exits abruptly before that step")
+    args = p.parse_args()
+    ctx = init_distributed(args.pp, args.dp)
+    model = PipelineTrainer(
+        layers(), loss_fn, ctx=ctx, microbatches=args.microbatches, schedule=args.schedule,
+        optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
+        daemons=args.daemons.split(",") if args.daemons else None, shard_bytes=4096,
+    )  # fmt: skip
+    per_replica = GLOBAL_BATCH // args.dp
+    die_rank, _, die_step = args.die.partition("@")
+    for step, (x, y) in enumerate(batches(args.steps)):
+        if args.die and ctx.grid.rank == int(die_rank) and step == int(die_step):
+            os._exit(17)  # as a crash would: no clean-up, no goodbye to the others
+        mine = slice(ctx.grid.replica * per_replica, (ctx.grid.replica + 1) * per_replica)
+        model.step(x[mine], y[mine])
+    model.synchronize()
+    if ctx.grid.replica == 0:
+        start, _ = model.bounds[ctx.grid.stage]
+        state = {
+            f"{start + int(k.split('.')[0])}.{k.split('.', 1)[1]}": v for k, v in model.module.state_dict().items()
+        }
+        torch.save(state, Path(args.out) / f"stage{ctx.grid.stage}.pt")
+    model.close()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

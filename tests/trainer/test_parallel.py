@@ -1,0 +1,73 @@
+"""The pure parts of trainer/parallel.py: the rank grid, the stage split, the buckets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainer.parallel import GradReducer, RankGrid, split_layers
+
+
+def test_grid_is_stage_major():
+    cells = [(g.stage, g.replica) for g in (RankGrid(2, 3, r) for r in range(6))]
+    assert cells == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert RankGrid(2, 3, 0).first_stage and RankGrid(2, 3, 5).last_stage
+    with pytest.raises(ValueError, match="outside a grid"):
+        RankGrid(2, 2, 4)
+
+
+def test_split_by_params_minimises_the_largest_stage():
+    sizes = [100, 0, 10, 10, 10, 0, 70]
+    ranges = split_layers(sizes, 2)
+    assert ranges == [(0, 1), (1, 7)]  # 100 | 90: the earliest of the equally good cuts
+    ranges = split_layers(sizes, 3)
+    assert max(sum(sizes[a:b]) for a, b in ranges) == 100
+    assert [b - a >= 1 for a, b in ranges] == [True] * 3
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(sizes)
+    assert all(ranges[i][1] == ranges[i + 1][0] for i in range(2))
+
+
+def test_split_uniform_and_bad_requests():
+    assert split_layers([1] * 7, 3, by="uniform") == [(0, 2), (2, 5), (5, 7)]
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        split_layers([1, 1], 3)
+    with pytest.raises(ValueError, match='split must be "params" or "uniform"'):
+        split_layers([1, 1], 2, by="memory")
+
+
+@pytest.fixture
+def single_process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_buckets_form_from_the_end_with_a_small_first_one(single_process_group):
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (1000, 1000, 1000, 300)]
+    flat = torch.zeros(3300)
+    reducer = GradReducer(
+        params, flat, single_process_group, microbatches=2, bucket_bytes=8000, first_bucket_bytes=1000
+    )
+    # Backward order: the 300-element parameter alone (1200 bytes >= 1000), then 8000 bytes each.
+    assert [(lo, hi) for lo, hi, _ in reducer.buckets] == [(3000, 3300), (1000, 3000), (0, 1000)]
+    reducer.close()
+
+
+def test_a_bucket_starts_once_every_gradient_in_it_has_its_last_micro_batch(single_process_group):
+    layer = torch.nn.Linear(4, 4)
+    params = list(layer.parameters())
+    flat = torch.zeros(20)
+    at = 0
+    for p in params:
+        p.grad = flat[at : at + p.numel()].view_as(p)
+        at += p.numel()
+    reducer = GradReducer(params, flat, single_process_group, microbatches=2, bucket_bytes=1 << 20)
+    layer(torch.ones(1, 4)).sum().backward()
+    assert reducer._works == {}  # one micro-batch of two: nothing complete yet
+    layer(torch.ones(1, 4)).sum().backward()
+    assert set(reducer._works) == set(range(len(reducer.buckets)))
+    reducer.finish()
+    # The sum of two micro-batches of ones, divided by dp (1) x micro-batches (2).
+    assert torch.equal(layer.bias.grad, torch.ones(4)) and torch.equal(layer.weight.grad, torch.ones(4, 4))
+    reducer.close()
