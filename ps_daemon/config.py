@@ -74,7 +74,8 @@ class StoreConfig:
     """fdatasync between a shard's bytes and its header, and after the header, so that a
     committed version also survives a power loss (not only a crash of the daemon)."""
     io_threads: int = 4
-    """Threads doing O_DIRECT reads and writes; a transfer is split over them."""
+    """Threads doing O_DIRECT reads, and as many doing writes (separate queues, so a read a
+    pull waits for never queues behind write-back); a transfer is split over them."""
     io_block_bytes: int = 8 << 20
     """Size of one O_DIRECT read or write; rounded up to 4 KiB."""
     prefetch_depth: int = 2

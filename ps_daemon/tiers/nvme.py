@@ -94,11 +94,14 @@ class SlotHeader:
 
 class DirectIO:
     """Positional reads and writes with O_DIRECT, split into blocks with several in flight
-    on a thread pool (os.preadv/pwritev release the GIL)."""
+    (os.preadv/pwritev release the GIL). Reads and writes have queues and threads of their
+    own, `threads` each: a swap-in that a pull waits for never queues behind the write-back
+    of other shards."""
 
     def __init__(self, *, threads: int, block_bytes: int) -> None:
         self.block_bytes = round_up(block_bytes)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme-io")
+        self._readers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme-read")
+        self._writers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme-write")
         self._fault = _injected_write_fault()
 
     def _check_fault(self) -> None:
@@ -124,8 +127,8 @@ class DirectIO:
                 raise OSError(f"unexpected end of file at offset {offset + done}")
             done += n
 
-    def _run(self, fn, fd: int, view: memoryview, offset: int) -> None:
-        futures = [self._pool.submit(fn, fd, block, at) for block, at in self._blocks(view, offset)]
+    def _run(self, pool: ThreadPoolExecutor, fn, fd: int, view: memoryview, offset: int) -> None:
+        futures = [pool.submit(fn, fd, block, at) for block, at in self._blocks(view, offset)]
         errors = [f.exception() for f in futures]
         for error in errors:
             if error is not None:
@@ -133,13 +136,14 @@ class DirectIO:
 
     def write(self, fd: int, view: memoryview, offset: int) -> None:
         self._check_fault()
-        self._run(self._write_block, fd, view, offset)
+        self._run(self._writers, self._write_block, fd, view, offset)
 
     def read(self, fd: int, view: memoryview, offset: int) -> None:
-        self._run(self._read_block, fd, view, offset)
+        self._run(self._readers, self._read_block, fd, view, offset)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
 
 
 FAULT_ENV = "PS_OFFLOAD_INJECT_WRITE_ERROR"
