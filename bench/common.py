@@ -15,7 +15,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
+
 from ps_daemon.local import LocalDaemon
+from ps_proto import ps_pb2, ps_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -104,3 +107,9 @@ class BenchDaemon(LocalDaemon):
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self._tmp.cleanup()
+
+
+def daemon_stats(address: str) -> ps_pb2.StatsResponse:
+    """The daemon's Admin.Stats (counters such as NVMe bytes read and written)."""
+    with grpc.insecure_channel(address) as channel:
+        return ps_pb2_grpc.AdminStub(channel).Stats(ps_pb2.StatsRequest(), timeout=30)

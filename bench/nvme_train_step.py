@@ -17,14 +17,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import grpc
 import torch
 
 import trainer
-from bench.common import REPO, median, record, timed
+from bench.common import REPO, daemon_stats, median, record, timed
 from bench.nvme_io import _fio
 from ps_daemon.local import LocalDaemon
-from ps_proto import ps_pb2, ps_pb2_grpc
 
 RAM_BYTES = 64 << 20
 SHARD_BYTES = 4 << 20  # 12 MiB arenas: the tier holds 5
@@ -53,11 +51,6 @@ def _fio_mixed(directory: Path, nbytes: int, read_percent: int) -> float:
     return (job["read"]["bw_bytes"] + job["write"]["bw_bytes"]) / 1e9
 
 
-def _stats(address: str) -> ps_pb2.StatsResponse:
-    with grpc.insecure_channel(address) as channel:
-        return ps_pb2_grpc.AdminStub(channel).Stats(ps_pb2.StatsRequest(), timeout=10)
-
-
 def _run(workdir: Path, *flags: str, hints: bool = True) -> tuple[float, float, float]:
     """Median step time and per-step NVMe bytes read and written, for a daemon with flags."""
     model = _model()
@@ -79,9 +72,9 @@ def _run(workdir: Path, *flags: str, hints: bool = True) -> tuple[float, float, 
 
         for _ in range(WARMUP):
             step()
-        before = _stats(daemon.address)
+        before = daemon_stats(daemon.address)
         times = [timed(step) for _ in range(STEPS)]
-        after = _stats(daemon.address)
+        after = daemon_stats(daemon.address)
         opt.close()
     read = (after.nvme_bytes_read - before.nvme_bytes_read) / STEPS
     written = (after.nvme_bytes_written - before.nvme_bytes_written) / STEPS

@@ -23,17 +23,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 import torch
 
-from bench.common import REPO, median, record
+from bench.common import REPO, daemon_stats, median, record
 from bench.nvme_io import _fio
 from bench.nvme_train_step import _fio_mixed
 from ps_daemon.local import LocalDaemon
 from ps_daemon.optim import AdamWConfig
 from ps_daemon.store import shard_resident_bytes
 from ps_daemon.tiers.nvme import FileLayout
-from ps_proto import ps_pb2, ps_pb2_grpc
+from ps_proto import ps_pb2
 from trainer.client import ShardedClient
 from trainer.config import ClientConfig
 
@@ -57,11 +56,6 @@ def _peak_rss(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def _stats(address: str) -> ps_pb2.StatsResponse:
-    with grpc.insecure_channel(address) as channel:
-        return ps_pb2_grpc.AdminStub(channel).Stats(ps_pb2.StatsRequest(), timeout=30)
 
 
 def plan(ram_multiple: float) -> tuple[int, int, int]:
@@ -169,11 +163,11 @@ def main() -> dict:
             print(f"initial values written in {time.perf_counter() - started:.1f}s")
             times, moved, read_share = [], [], []
             for step in range(args.steps):
-                before = _stats(daemon.address)
+                before = daemon_stats(daemon.address)
                 started = time.perf_counter()
                 list(pool.map(step_of(step), layout))
                 times.append(time.perf_counter() - started)
-                after = _stats(daemon.address)
+                after = daemon_stats(daemon.address)
                 read = after.nvme_bytes_read - before.nvme_bytes_read
                 written = after.nvme_bytes_written - before.nvme_bytes_written
                 moved.append(read + written)
@@ -186,7 +180,7 @@ def main() -> dict:
             first = torch.empty(SHARD_NUMEL)
             client.pull(layout[0], min_version=args.steps, out=memoryview(first.numpy()).cast("B"))
             exact = torch.equal(first, _reference(init, grad, args.steps))
-            stats = _stats(daemon.address)
+            stats = daemon_stats(daemon.address)
             peak_rss = _peak_rss(daemon.process.pid)
             pool.shutdown()
             client.close()

@@ -328,7 +328,6 @@ class ShardStore:
 
     def _create_files(self, spec: ModelSpec, daemon_index: int, model: RegisteredModel) -> None:
         arena_bytes = {sid: shard.arena_bytes for sid, shard in model.shards.items()}
-        layout = self.files.layout_for(arena_bytes)
         where = f"model {spec.model!r} on this daemon"
         try:
             self.files.create_model(spec, daemon_index, arena_bytes)
@@ -336,6 +335,7 @@ class ShardStore:
             raise ResourceExhausted(f"{where}: {exc}. Raise store.nvme_bytes or add daemons") from exc
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
+                layout = self.files.layout_for(arena_bytes)
                 raise ResourceExhausted(
                     f"{where}: nvme_dir {self.files.dir} has no room for its {layout.size} bytes "
                     f"({layout.slots} slots of {layout.slot_bytes}); free space or add daemons"

@@ -244,20 +244,20 @@ class ShardedClient:
             PULL_RETRYABLE,
         )
 
+    def _by_daemon(self, shard_ids: list[int]) -> list[tuple[int, DaemonClient, list[int]]]:
+        """(daemon index, client, its shards in the given order) for daemons with any."""
+        groups = [(i, c, [s for s in shard_ids if self.plan[s].daemon_index == i]) for i, c in enumerate(self.clients)]
+        return [group for group in groups if group[2]]
+
     def prefetch(self, shard_ids: list[int]) -> None:
         """Sends each daemon the hint for its shards, in the given order."""
-        for index, client in enumerate(self.clients):
-            mine = [s for s in shard_ids if self.plan[s].daemon_index == index]
-            if mine:
-                self._call("prefetch", index, lambda c=client, m=mine: c.prefetch(self.model, m, timeout=5.0))
+        for index, client, mine in self._by_daemon(shard_ids):
+            self._call("prefetch", index, lambda c=client, m=mine: c.prefetch(self.model, m, timeout=5.0))
 
     def hint(self, shard_ids: list[int]) -> None:
         """Like prefetch, but once and without raising: a lost hint costs only its speed-up,
         and a daemon that is down is for the next push to find (and retry)."""
-        for index, client in enumerate(self.clients):
-            mine = [s for s in shard_ids if self.plan[s].daemon_index == index]
-            if not mine:
-                continue
+        for index, client, mine in self._by_daemon(shard_ids):
             try:
                 client.prefetch(self.model, mine, timeout=5.0)
             except grpc.RpcError as error:

@@ -94,7 +94,7 @@ class OffloadOptimizer:
         self.optimizer = optimizer
         self.lr = optimizer.lr  # set it between steps to follow a schedule
         self.client = ShardedClient(daemons, config=config)
-        self._params = [p for _, p in named]
+        self.params = [p for _, p in named]
 
         spec = ps_pb2.ModelSpec(model=model_name, optimizer=optimizer.to_proto(), shard_bytes=shard_bytes)
         for name, p in named:
@@ -105,13 +105,13 @@ class OffloadOptimizer:
         self._pushes = {s.shard_id for i, s in enumerate(self.plan) if i % of == share}
         self._hints = share == 0
 
-        total = sum(p.numel() for p in self._params)
+        total = sum(p.numel() for p in self.params)
         self.flat_params = torch.empty(total, dtype=torch.float32)
         self.flat_grads = torch.zeros(total, dtype=torch.float32)
         self._offsets: list[int] = []
         offset = 0
         with torch.no_grad():
-            for p in self._params:
+            for p in self.params:
                 n = p.numel()
                 self.flat_params[offset : offset + n].copy_(p.reshape(-1))
                 p.data = self.flat_params[offset : offset + n].view_as(p)
@@ -158,7 +158,7 @@ class OffloadOptimizer:
 
     def _install_forward_hooks(self, model: nn.Module) -> list:
         """A pre-hook on every module that owns parameters: wait for their shards' pulls."""
-        position = {id(p): i for i, p in enumerate(self._params)}
+        position = {id(p): i for i, p in enumerate(self.params)}
         hooks = []
         for module in model.modules():
             owned = [position[id(p)] for p in module.parameters(recurse=False) if id(p) in position]
@@ -170,7 +170,7 @@ class OffloadOptimizer:
 
     def _shards_of(self, param_index: int) -> list[ShardSlice]:
         start = self._offsets[param_index]
-        end = start + self._params[param_index].numel()
+        end = start + self.params[param_index].numel()
         return [s for s in self.plan if s.offset < end and start < s.end] if end > start else []
 
     # -- the training loop ---------------------------------------------------------------
@@ -193,7 +193,7 @@ class OffloadOptimizer:
     def _adopt_grads(self) -> None:
         """Re-points gradients that someone replaced (e.g. model.zero_grad(set_to_none=True)
         then backward) back into the flat buffer. A missing gradient counts as zero."""
-        for p, offset in zip(self._params, self._offsets, strict=True):
+        for p, offset in zip(self.params, self._offsets, strict=True):
             view = self.flat_grads[offset : offset + p.numel()].view_as(p)
             if p.grad is None:
                 view.zero_()

@@ -267,7 +267,7 @@ class PipelineTrainer:
         self.offload: OffloadOptimizer | None = None
         if daemons:
             self.offload = self._offload(daemons, optimizer, model_name, shard_bytes, no_weight_decay, client_config)
-            params, flat = self.offload._params, self.offload.flat_grads
+            params, flat = self.offload.params, self.offload.flat_grads
             self.local = None
         else:
             flat = _flat_grads(params)
