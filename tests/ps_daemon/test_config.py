@@ -443,3 +443,8 @@ def test_data_listen_rejects_other_values(write_toml):
 def test_bool_options_take_only_booleans(write_toml):
     with pytest.raises(ConfigError, match="store.fsync: expected true or false"):
         load_config(write_toml('[store]\nfsync = "yes"\n'))
+
+
+def test_no_spare_slot_is_refused_with_why(write_toml):
+    with pytest.raises(ConfigError, match="store.nvme_spare_slots must be at least 1"):
+        load_config(write_toml("[store]\nnvme_spare_slots = 0\n"))

@@ -71,3 +71,11 @@ def test_a_bucket_starts_once_every_gradient_in_it_has_its_last_micro_batch(sing
     # The sum of two micro-batches of ones, divided by dp (1) x micro-batches (2).
     assert torch.equal(layer.bias.grad, torch.ones(4)) and torch.equal(layer.weight.grad, torch.ones(4, 4))
     reducer.close()
+
+
+def test_a_grid_that_does_not_match_torchruns_world_is_refused(monkeypatch):
+    from trainer.parallel import init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"pp x dp = 2 x 1 = 2, but torchrun started 4 processes"):
+        init_distributed(2, 1)
