@@ -1,9 +1,12 @@
 """One rank of the pp x dp training run that tests/integration/test_pipeline_dp.py starts
-with torchrun; dp replica 0 of each stage saves its stage's parameters at the end."""
+with torchrun; dp replica 0 of each stage saves its stage's parameters at the end. With
+--trace every rank also writes trace<rank>.json: its stage, its replica, torch's planned
+compute order for its stage, and the compute actions it really ran, one list per step."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import torch
 import trainer
 from trainer.debug_models import mlp
 from trainer.parallel import PipelineTrainer, init_distributed
+from trainer.pipeline_check import ScheduleRecorder, compute_order
 
 SIZES = (32, 64, 64, 64, 10)
 GLOBAL_BATCH = 16
@@ -42,6 +46,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", required=True)
     p.add_argument("--die", default="", help="RANK@STEP: that rank exits abruptly before that step")
+    p.add_argument("--trace", action="store_true", help="record the compute actions run into trace<rank>.json")
     args = p.parse_args()
     ctx = init_distributed(args.pp, args.dp)
     model = PipelineTrainer(
@@ -49,6 +54,8 @@ def main() -> None:
         optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
         daemons=args.daemons.split(",") if args.daemons else None, shard_bytes=4096,
     )  # fmt: skip
+    recorder = ScheduleRecorder(model.stage) if args.trace else None
+    ran: list[list[tuple[str, int]]] = []
     per_replica = GLOBAL_BATCH // args.dp
     die_rank, _, die_step = args.die.partition("@")
     for step, (x, y) in enumerate(batches(args.steps)):
@@ -56,7 +63,14 @@ def main() -> None:
             os._exit(17)  # as a crash would: no clean-up, no goodbye to the others
         mine = slice(ctx.grid.replica * per_replica, (ctx.grid.replica + 1) * per_replica)
         model.step(x[mine], y[mine])
+        if recorder:
+            ran.append(recorder.take())
     model.synchronize()
+    if recorder:
+        recorder.detach()
+        planned = compute_order(model.schedule.pipeline_order)[ctx.grid.stage]
+        trace = {"stage": ctx.grid.stage, "replica": ctx.grid.replica, "planned": planned, "steps": ran}
+        (Path(args.out) / f"trace{ctx.grid.rank}.json").write_text(json.dumps(trace))
     if ctx.grid.replica == 0:
         start, _ = model.bounds[ctx.grid.stage]
         state = {
