@@ -14,11 +14,20 @@ module's forward pre-hook waits only for the shards its own parameters live in, 
 forward starts while later shards are still arriving. When the pulls are in, each daemon is
 told which of its shards the next step pushes first (`ClientConfig.prefetch_hints`), so a
 daemon whose state exceeds its RAM reads them back while the trainer computes.
+
+`staleness=1` is the delayed parameter update of the ZeRO-Offload paper: the daemons apply
+step t's gradients while the trainer computes step t+1 on the parameters it already has, so
+the optimizer, the pushes and the pulls leave the critical path. Step t+1's gradients are
+then taken at the parameters of step t-1 (one step stale; the first step is exact) and are
+applied to those of step t. It costs a second parameter buffer (the next values land there
+while the forward reads the current ones) and a second gradient buffer (the pushes read it
+while backward writes the next gradients).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -45,6 +54,7 @@ def offload(
     no_weight_decay: Callable[[str, nn.Parameter], bool] | None = None,
     config: ClientConfig | None = None,
     push_share: tuple[int, int] = (0, 1),
+    staleness: int = 0,
 ) -> OffloadOptimizer:
     """Registers `model` with the daemons and returns its optimizer.
 
@@ -54,6 +64,9 @@ def offload(
     push_share: (i, n): this process pushes every n-th shard from the i-th, and only pulls
         the others; n processes holding the same reduced gradients (data-parallel replicas
         of one stage) then push each shard once between them.
+    staleness: 0 (each step computes on the parameters of the step before) or 1 (delayed
+        update: computes on those of two steps before while the daemons apply the last one;
+        see the module docstring).
     """
     return OffloadOptimizer(
         model,
@@ -64,6 +77,7 @@ def offload(
         no_weight_decay=no_weight_decay,
         config=config,
         push_share=push_share,
+        staleness=staleness,
     )
 
 
@@ -79,10 +93,14 @@ class OffloadOptimizer:
         no_weight_decay: Callable[[str, nn.Parameter], bool] | None,
         config: ClientConfig | None,
         push_share: tuple[int, int] = (0, 1),
+        staleness: int = 0,
+        before_push: Callable[[], None] | None = None,
     ) -> None:
         share, of = push_share
         if not 0 <= share < of:
             raise ValueError(f"push_share must be (i, n) with 0 <= i < n, got {push_share}")
+        if staleness not in (0, 1):
+            raise ValueError(f"staleness must be 0 or 1, got {staleness}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -118,8 +136,21 @@ class OffloadOptimizer:
                 p.grad = self.flat_grads[offset : offset + n].view_as(p)
                 self._offsets.append(offset)
                 offset += n
-        self._param_bytes = memoryview(self.flat_params.numpy()).cast("B")
-        self._grad_bytes = memoryview(self.flat_grads.numpy()).cast("B")
+        self._param_bytes = _byte_view(self.flat_params)
+        self._grad_bytes = _byte_view(self.flat_grads)
+        self.staleness = staleness
+        # Called on every step just before the pushes. Data-parallel replicas that share a
+        # stage's pushes pass a barrier over their group: under staleness=1 no replica may
+        # push step t+1 before every replica has pulled the parameters of step t.
+        self._before_push = before_push
+        if staleness:
+            self._next_params = torch.empty_like(self.flat_params)
+            self._sent_grads = torch.empty_like(self.flat_grads)
+            self._next_param_bytes = _byte_view(self._next_params)
+            self._sent_grad_bytes = _byte_view(self._sent_grads)
+        # staleness=1: the step whose pushes and pulls are under way, (step, lr, their
+        # futures); futures None means they failed and are to be submitted again.
+        self._delayed: tuple[int, float, list[Future] | None] | None = None
 
         workers = max(2, self.client.config.streams_per_daemon * len(daemons))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ps-io")
@@ -134,7 +165,8 @@ class OffloadOptimizer:
         daemons' values (every shard must be at the same version)."""
         created = self.client.created
         if all(created):
-            self._run_all(lambda s: self.client.push(s, step=0, kind=ps_pb2.PARAMETERS, data=self._bytes(s), lr=None))
+            initial = ps_pb2.PARAMETERS
+            self._run_all(lambda s: self.client.push(s, step=0, kind=initial, data=self._params_of(s), lr=None))
             return 0
         if any(created):
             fresh = [self.client.daemons[i] for i, c in enumerate(created) if c]
@@ -142,15 +174,14 @@ class OffloadOptimizer:
                 f"daemons {fresh} did not know model {self.client.model!r} while the others did: "
                 "their state was lost (restarted without persistence?). Re-register under a new name."
             )
-        versions = self._run_all(lambda s: self.client.pull(s, min_version=0, out=self._bytes(s)))
+        versions = self._run_all(lambda s: self._pull(s, 0, self._params_of(s)))
         if len(set(versions)) != 1:
             raise RuntimeError(f"shards are at different versions {sorted(set(versions))}; cannot resume")
         log.info("resumed model %r at step %d", self.client.model, versions[0])
         return versions[0]
 
-    def _bytes(self, shard: ShardSlice, *, grads: bool = False) -> memoryview:
-        view = self._grad_bytes if grads else self._param_bytes
-        return view[shard.offset * 4 : shard.end * 4]
+    def _params_of(self, shard: ShardSlice) -> memoryview:
+        return _shard_bytes(self._param_bytes, shard)
 
     def _run_all(self, fn: Callable[[ShardSlice], object]) -> list:
         futures = [self._pool.submit(fn, s) for s in self.plan]
@@ -183,8 +214,11 @@ class OffloadOptimizer:
 
     def synchronize(self) -> None:
         """Waits until every pull of the last step has landed in the parameters. Call it
-        before reading parameters outside a forward pass (evaluation, saving)."""
+        before reading parameters outside a forward pass (evaluation, saving). Under
+        staleness=1 this also brings in the last step's update, so the parameters are the
+        daemons' newest, and the next step computes on them."""
         self._wait_for(list(self._pending_pulls))
+        self._settle_delayed()
 
     def zero_grad(self) -> None:
         self._adopt_grads()
@@ -205,35 +239,95 @@ class OffloadOptimizer:
 
     def step(self) -> None:
         """Pushes all gradients of this step (returns when the daemons acknowledged them)
-        and starts pulling the updated parameters in forward order."""
+        and starts pulling the updated parameters in forward order. Under staleness=1 it
+        returns at once: the pushes and pulls run during the next forward and backward."""
+        if self.staleness:
+            self._step_delayed()
+            return
         self.synchronize()
         self._adopt_grads()
+        if self._before_push is not None:
+            self._before_push()
         step, lr = self.step_count, float(self.lr)
-        # One task per shard, in forward order: push, then pull the new version at once. On a
-        # daemon whose state exceeds its RAM the shard is still resident right after its
-        # push; pulled later, it would be read back from disk (measured: twice the state read
-        # per step instead of once).
-        pushes = []
-        for shard in self.plan:
-            if shard.shard_id in self._pushes:
-                push = Future()
-                pushes.append(push)
-                self._pending_pulls[shard.shard_id] = self._pool.submit(self._push_then_pull, shard, step, lr, push)
-            else:  # another process pushes it: wait for its new version
-                self._pending_pulls[shard.shard_id] = self._pool.submit(self._pull, shard, step + 1)
+        pushes, pulls = self._submit(step, lr, grads=self._grad_bytes, params=self._param_bytes)
+        self._pending_pulls.update(pulls)
         wait(pushes)
-        failed = [f for f in pushes if f.exception() is not None]
-        if failed:
+        error = _first_error(pushes)
+        if error is not None:
             # The step did not happen as a whole: drop its pulls (they fail with their push)
             # so the error is raised once, here, and the caller may retry step().
             wait(self._pending_pulls.values())
             self._pending_pulls.clear()
-            raise failed[0].exception()
+            raise error
         self.step_count = step + 1
+        self._hint_after(list(pulls.values()))
+
+    def _step_delayed(self) -> None:
+        # The previous step's update must be in before this step's gradients go out: a
+        # daemon applies step t only at version t.
+        self._settle_delayed()
+        self._adopt_grads()
+        if self._before_push is not None:
+            self._before_push()
+        # Backward writes the next step's gradients while these are on the wire.
+        self._sent_grads.copy_(self.flat_grads)
+        step, lr = self.step_count, float(self.lr)
+        _, pulls = self._submit(step, lr, grads=self._sent_grad_bytes, params=self._next_param_bytes)
+        self._delayed = (step, lr, list(pulls.values()))
+        self.step_count = step + 1
+        self._hint_after(self._delayed[2])
+
+    def _settle_delayed(self) -> None:
+        """Waits for the delayed step's pushes and pulls and moves its parameters in. If
+        any failed, raises, and the next call submits that step again (a push is applied
+        at most once per (shard, step), so resubmitting all of them is safe)."""
+        if self._delayed is None:
+            return
+        step, lr, tasks = self._delayed
+        if tasks is None:
+            _, pulls = self._submit(step, lr, grads=self._sent_grad_bytes, params=self._next_param_bytes)
+            tasks = list(pulls.values())
+        wait(tasks)
+        error = _first_error(tasks)
+        if error is not None:
+            self._delayed = (step, lr, None)
+            raise error
+        self._delayed = None
+        self.flat_params.copy_(self._next_params)
+
+    def _submit(
+        self, step: int, lr: float, *, grads: memoryview, params: memoryview
+    ) -> tuple[list[Future], dict[int, Future]]:
+        """One task per shard, in forward order: push its gradient (this process's share)
+        and then pull its new version, or only pull the version another process pushes.
+        Returns the push acknowledgements and, per shard, the pull.
+
+        Push and pull share a task because, on a daemon whose state exceeds its RAM, the
+        shard is still resident right after its push; pulled later, it would be read back
+        from disk (measured: twice the state read per step instead of once)."""
+        pushes: list[Future] = []
+        pulls: dict[int, Future] = {}
+        # Once one shard's call has failed (after its retries), the step has failed: the
+        # shards still queued give up at once instead of each waiting out its own retries
+        # against a daemon that is down.
+        failed = threading.Event()
+        for shard in self.plan:
+            into = _shard_bytes(params, shard)
+            if shard.shard_id in self._pushes:
+                pushed = Future()
+                pushes.append(pushed)
+                grad = _shard_bytes(grads, shard)
+                task = self._pool.submit(self._push_then_pull, shard, step, lr, grad, into, pushed, failed)
+            else:
+                task = self._pool.submit(self._pull, shard, step + 1, into, failed)
+            pulls[shard.shard_id] = task
+        return pushes, pulls
+
+    def _hint_after(self, pulls: list[Future]) -> None:
         if self.client.config.prefetch_hints and self._hints:
             # Submitted after the pulls, so they have all left the queue (FIFO) when this
             # task starts waiting on them: it cannot hold up a pull it waits for.
-            self._pool.submit(self._hint_next_step, list(self._pending_pulls.values()))
+            self._pool.submit(self._hint_next_step, pulls)
 
     def _hint_next_step(self, pulls: list[Future]) -> None:
         """Once this step's pulls are in, the daemons are idle until the next step's
@@ -242,17 +336,36 @@ class OffloadOptimizer:
         if all(f.exception() is None for f in pulls):
             self.client.hint([s.shard_id for s in self.plan])
 
-    def _push_then_pull(self, shard: ShardSlice, step: int, lr: float, pushed: Future) -> int:
+    def _push_then_pull(
+        self,
+        shard: ShardSlice,
+        step: int,
+        lr: float,
+        grads: memoryview,
+        into: memoryview,
+        pushed: Future,
+        failed: threading.Event,
+    ) -> int:
         try:
-            ack = self.client.push(shard, step=step, kind=ps_pb2.GRADIENT, data=self._bytes(shard, grads=True), lr=lr)
+            if failed.is_set():
+                raise StepAbandoned(f"push of shard {shard.shard_id} step {step} not sent: another shard failed")
+            ack = self.client.push(shard, step=step, kind=ps_pb2.GRADIENT, data=grads, lr=lr)
         except BaseException as exc:
+            failed.set()
             pushed.set_exception(exc)
             raise
         pushed.set_result(ack)
-        return self._pull(shard, step + 1)
+        return self._pull(shard, step + 1, into, failed)
 
-    def _pull(self, shard: ShardSlice, version: int) -> int:
-        return self.client.pull(shard, min_version=version, out=self._bytes(shard))
+    def _pull(self, shard: ShardSlice, version: int, into: memoryview, failed: threading.Event | None = None) -> int:
+        if failed is not None and failed.is_set():
+            raise StepAbandoned(f"pull of shard {shard.shard_id} version {version} not sent: another shard failed")
+        try:
+            return self.client.pull(shard, min_version=version, out=into)
+        except BaseException:
+            if failed is not None:
+                failed.set()
+            raise
 
     def close(self) -> None:
         try:
@@ -268,3 +381,21 @@ class OffloadOptimizer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class StepAbandoned(RuntimeError):
+    """A shard's call not made because another shard of the same step had failed."""
+
+
+def _first_error(futures: list[Future]) -> BaseException | None:
+    """The error that failed the step (not the calls abandoned because of it)."""
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    return next((e for e in errors if not isinstance(e, StepAbandoned)), errors[0] if errors else None)
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.numpy()).cast("B")
+
+
+def _shard_bytes(view: memoryview, shard: ShardSlice) -> memoryview:
+    return view[shard.offset * 4 : shard.end * 4]

@@ -11,7 +11,9 @@ difference at all is a bug, hence torch.equal rather than a tolerance.
 from __future__ import annotations
 
 import copy
+import signal
 
+import grpc
 import pytest
 import torch
 
@@ -113,6 +115,83 @@ def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, transport, d
 
     assert losses[-1] < losses[0]
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs), f"{name}: max |diff| {(ours - theirs).abs().max().item()}"
+
+
+def _train_reference_delayed(model, batches, loss_fn, torch_opt):
+    """The delayed update spelled out: step k's gradients are taken at the parameters of
+    step k-1 (the first step at the initial ones) and applied to those of step k."""
+    compute = copy.deepcopy(model)
+    for batch in batches:
+        compute.zero_grad()
+        loss_fn(compute, batch).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        for master, stale in zip(model.parameters(), compute.parameters(), strict=True):
+            master.grad = stale.grad.clone()
+        torch_opt.step()
+        with torch.no_grad():
+            for stale, value in zip(compute.parameters(), before, strict=True):
+                stale.copy_(value)
+    return model
+
+
+@pytest.mark.parametrize("n_daemons", [1, 2])
+def test_staleness_one_is_the_delayed_update_exactly(n_daemons, daemon_factory):
+    model, batches, loss_fn = _gpt_case()
+    delayed, exact = copy.deepcopy(model), copy.deepcopy(model)
+    _train_reference_delayed(delayed, batches, loss_fn, torch.optim.AdamW(delayed.parameters(), lr=3e-3, fused=True))
+    _train_reference(exact, batches, loss_fn, torch.optim.AdamW(exact.parameters(), lr=3e-3, fused=True))
+    assert not all(torch.equal(a, b) for a, b in zip(delayed.parameters(), exact.parameters(), strict=True))
+
+    daemons = [daemon_factory() for _ in range(n_daemons)]
+    with trainer.offload(
+        model,
+        daemons=[d.address for d in daemons],
+        optimizer=trainer.AdamW(lr=3e-3),
+        shard_bytes=8192,
+        staleness=1,
+    ) as opt:
+        losses = _train_offloaded(model, batches, loss_fn, opt)
+        assert opt.step_count == STEPS
+
+    assert losses[-1] < losses[0]
+    for (name, ours), theirs in zip(model.named_parameters(), delayed.parameters(), strict=True):
+        assert torch.equal(ours, theirs), f"{name}: max |diff| {(ours - theirs).abs().max().item()}"
+
+
+def test_staleness_one_failed_step_raises_and_is_submitted_again(daemon_factory, tmp_path):
+    """The daemon dies (SIGKILL) while delayed steps are in flight and stays down past the
+    client's retries: a later step() raises the daemon's error; once it is back (same port,
+    same nvme_dir), calling step() again submits the failed step first, and the run ends
+    exactly on the delayed-update reference."""
+    model, batches, loss_fn = _gpt_case()
+    delayed = copy.deepcopy(model)
+    _train_reference_delayed(delayed, batches, loss_fn, torch.optim.AdamW(delayed.parameters(), lr=3e-3, fused=True))
+    nvme = str(tmp_path / "nvme")
+    daemon = daemon_factory("--nvme-dir", nvme)
+    port = daemon.port
+    config = trainer.ClientConfig(max_attempts=2, backoff_seconds=0.01)
+    raised = []
+    with trainer.offload(
+        model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=3e-3), shard_bytes=8192, staleness=1,
+        config=config,
+    ) as opt:  # fmt: skip
+        for step, batch in enumerate(batches):
+            opt.zero_grad()
+            loss_fn(model, batch).backward()
+            if step == 10:
+                daemon.process.send_signal(signal.SIGKILL)
+                daemon.process.wait()
+            try:
+                opt.step()
+            except trainer.DaemonError as error:
+                raised.append((step, error.code))
+                daemon = daemon_factory("--nvme-dir", nvme, "--listen", f"127.0.0.1:{port}")
+                opt.step()
+        opt.synchronize()
+    assert [code for _, code in raised] == [grpc.StatusCode.UNAVAILABLE], raised
+    assert raised[0][0] in (10, 11)  # step 10's tasks fail; at step 10 or 11, as timing has it
+    for (name, ours), theirs in zip(model.named_parameters(), delayed.parameters(), strict=True):
         assert torch.equal(ours, theirs), f"{name}: max |diff| {(ours - theirs).abs().max().item()}"
 
 
