@@ -252,13 +252,19 @@ class PipelineTrainer:
         client_config: ClientConfig | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         reduce_hook: Callable[[torch.Tensor, dist.ProcessGroup], object] | None = None,
+        staleness: int = 0,
+        max_grad_norm: float | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
         grid = ctx.grid
         if microbatches < grid.pp and schedule == "1f1b":
             raise ValueError(f"1F1B needs at least as many micro-batches as stages ({grid.pp}), got {microbatches}")
+        if staleness and not daemons:
+            raise ValueError("staleness=1 (delayed update) needs daemons: the in-process optimizer has no delay")
         self.ctx = ctx
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm: float | None = None  # the last step's, before clipping (when clipping)
         sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         self.bounds = split_layers(sizes, grid.pp, by=split)
         start, end = self.bounds[grid.stage]
@@ -266,7 +272,9 @@ class PipelineTrainer:
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.offload: OffloadOptimizer | None = None
         if daemons:
-            self.offload = self._offload(daemons, optimizer, model_name, shard_bytes, no_weight_decay, client_config)
+            self.offload = self._offload(
+                daemons, optimizer, model_name, shard_bytes, no_weight_decay, client_config, staleness
+            )
             params, flat = self.offload.params, self.offload.flat_grads
             self.local = None
         else:
@@ -279,8 +287,15 @@ class PipelineTrainer:
         # Unscaled: the reducer divides once, by dp x micro-batches, after the sum.
         self.schedule = SCHEDULES[schedule](self.stage, microbatches, loss_fn=loss_fn, scale_grads=False)
 
-    def _offload(self, daemons, optimizer, model_name, shard_bytes, no_weight_decay, client_config):
+    def _offload(self, daemons, optimizer, model_name, shard_bytes, no_weight_decay, client_config, staleness):
         grid = self.ctx.grid
+        barrier = None
+        if staleness and grid.dp > 1:
+            # Under the delayed update a replica's pulls of step t run during step t+1; no
+            # replica may push step t+1 (making version t+2) before all have pulled step t.
+            def barrier() -> None:
+                dist.barrier(group=self.ctx.dp_group)
+
         kwargs = dict(
             daemons=daemons,
             optimizer=optimizer,
@@ -289,6 +304,8 @@ class PipelineTrainer:
             no_weight_decay=no_weight_decay,
             config=client_config,
             push_share=(grid.replica, grid.dp),
+            staleness=staleness,
+            before_push=barrier,
         )
         # Replica 0 registers the stage and pushes its initial values; the others then find
         # the model known and take those values (so every replica starts equal).
@@ -324,11 +341,26 @@ class PipelineTrainer:
         else:
             self.schedule.step(*args)
         self.reducer.finish()
+        if self.max_grad_norm is not None:
+            self._clip_grad_norm()
         if self.offload:
             self.offload.step()
         else:
             self.local.step()
         return float(torch.stack(losses).mean()) if losses else None
+
+    def _clip_grad_norm(self) -> None:
+        """torch.nn.utils.clip_grad_norm_ over the whole model: every replica of a stage
+        holds the same reduced gradients, so the squared norms of one replica's stages sum
+        over the pp group to the model's."""
+        flat = self.reducer.flat_grads
+        squared = flat.double().pow(2).sum().reshape(1)
+        dist.all_reduce(squared, group=self.ctx.pp_group)
+        norm = float(squared.sqrt())
+        self.grad_norm = norm
+        scale = self.max_grad_norm / (norm + 1e-6)
+        if scale < 1.0:
+            flat.mul_(scale)
 
     def synchronize(self) -> None:
         if self.offload:

@@ -46,6 +46,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", required=True)
     p.add_argument("--die", default="", help="RANK@STEP: that rank exits abruptly before that step")
+    p.add_argument("--staleness", type=int, default=0)
+    p.add_argument("--max-grad-norm", type=float, default=None)
     p.add_argument("--trace", action="store_true", help="record the compute actions run into trace<rank>.json")
     args = p.parse_args()
     ctx = init_distributed(args.pp, args.dp)
@@ -53,6 +55,7 @@ def main() -> None:
         layers(), loss_fn, ctx=ctx, microbatches=args.microbatches, schedule=args.schedule,
         optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
         daemons=args.daemons.split(",") if args.daemons else None, shard_bytes=4096,
+        staleness=args.staleness, max_grad_norm=args.max_grad_norm,
     )  # fmt: skip
     recorder = ScheduleRecorder(model.stage) if args.trace else None
     ran: list[list[tuple[str, int]]] = []

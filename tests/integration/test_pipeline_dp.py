@@ -4,6 +4,7 @@ for 1F1B, each rank running the compute order torch plans for its stage."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -21,13 +22,27 @@ STEPS = 5
 PP, DP, MICROBATCHES = 2, 2, 4  # as _torchrun starts the worker
 
 
-def _reference() -> dict[str, torch.Tensor]:
+def _reference(*, staleness: int = 0, max_grad_norm: float | None = None) -> dict[str, torch.Tensor]:
+    """Single-process AdamW on the whole batch; with staleness=1 each step's gradients are
+    taken at the parameters of the step before the last (the delayed update spelled out)."""
     model = torch.nn.Sequential(*worker.layers())
+    compute = copy.deepcopy(model) if staleness else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    clipped = 0
     for x, y in worker.batches(STEPS):
-        opt.zero_grad()
-        worker.loss_fn(model(x), y).backward()
+        compute.zero_grad()
+        worker.loss_fn(compute(x), y).backward()
+        if max_grad_norm is not None:
+            clipped += float(torch.nn.utils.clip_grad_norm_(compute.parameters(), max_grad_norm)) > max_grad_norm
+        before = [p.detach().clone() for p in model.parameters()]
+        for master, used in zip(model.parameters(), compute.parameters(), strict=True):
+            master.grad = used.grad
         opt.step()
+        if staleness:
+            with torch.no_grad():
+                for used, value in zip(compute.parameters(), before, strict=True):
+                    used.copy_(value)
+    assert max_grad_norm is None or clipped >= 2, "the reference should clip for the clipping to be tested"
     return model.state_dict()
 
 
@@ -40,9 +55,9 @@ def _torchrun(out: Path, *args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def _assert_close(out: Path) -> None:
+def _assert_close(out: Path, **reference_kwargs) -> None:
     got = {**torch.load(out / "stage0.pt"), **torch.load(out / "stage1.pt")}
-    reference = _reference()
+    reference = _reference(**reference_kwargs)
     assert sorted(got) == sorted(reference)
     for name, expected in reference.items():
         # Float reassociation only: micro-batch and replica sums in another order.
@@ -76,6 +91,21 @@ def test_two_stages_two_replicas_over_two_daemons_match_single_process(tmp_path,
         assert result.returncode == 0, result.stderr[-4000:]
         _assert_close(tmp_path)
         _assert_ran_as_planned(tmp_path, schedule)
+    finally:
+        for daemon in daemons:
+            daemon.kill()
+
+
+@pytest.mark.slow
+def test_delayed_update_with_clipping_matches_its_single_process_spelling(tmp_path):
+    """staleness=1 across replicas (the barrier keeps a replica from pushing before the
+    others pulled) and the gradient norm clipped over both stages."""
+    daemons = [LocalDaemon(tmp_path / f"d{i}") for i in range(2)]
+    try:
+        addresses = ",".join(d.address for d in daemons)
+        result = _torchrun(tmp_path, "--daemons", addresses, "--staleness", "1", "--max-grad-norm", "0.35")
+        assert result.returncode == 0, result.stderr[-4000:]
+        _assert_close(tmp_path, staleness=1, max_grad_norm=0.35)
     finally:
         for daemon in daemons:
             daemon.kill()
