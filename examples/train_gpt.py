@@ -1,10 +1,17 @@
 """Train the character GPT with its optimizer on ps-daemons.
 
     python examples/train_gpt.py --daemons 127.0.0.1:50051 --steps 300
+    torchrun --nproc-per-node 4 examples/train_gpt.py --pp 2 --dp 2 --daemons a:50051,b:50051
 
-The whole integration is two lines: `trainer.offload(...)` instead of building a
-torch.optim optimizer, and `opt.step()` as usual. `--local` trains the same model with
-torch.optim.AdamW(fused=True) in-process instead, for comparison.
+One process: the whole integration is two lines, `trainer.offload(...)` instead of building
+a torch.optim optimizer, and `opt.step()` as usual. Under torchrun with --pp/--dp: the GPT as
+a list of layers, split into pp pipeline stages with dp data-parallel replicas each
+(trainer.parallel.PipelineTrainer). `--local` trains the same model with
+torch.optim.AdamW(fused=True) in-process instead, for comparison; `--staleness 1` uses the
+delayed parameter update (the daemons apply step t while step t+1 computes).
+
+Daemons: --daemons, else $PS_DAEMONS, else the TOML file $PS_CLUSTER_FILE (or --cluster-file)
+with `daemons = ["host:port", ...]`; the same ordered list on every node.
 """
 
 from __future__ import annotations
@@ -19,31 +26,35 @@ import torch
 from tqdm import tqdm
 
 import trainer
-from trainer.debug_models import CharDataset, GPTConfig, TinyGPT
+from trainer.debug_models import CharDataset, GPTConfig, TinyGPT, gpt_layers, gpt_loss
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--daemons",
-        default=os.environ.get("PS_DAEMONS", "127.0.0.1:50051"),
-        help="comma-separated daemon addresses, in plan order (env PS_DAEMONS)",
-    )
+    p.add_argument("--daemons", help="comma-separated daemon addresses, in plan order (else $PS_DAEMONS)")
+    p.add_argument("--cluster-file", help="TOML file with daemons = [...] (else $PS_CLUSTER_FILE)")
     p.add_argument("--local", action="store_true", help="in-process torch AdamW instead of the daemons")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32, help="global batch, over all replicas")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine decay")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--staleness", type=int, choices=(0, 1), default=0, help="1: delayed parameter update")
     p.add_argument("--shard-bytes", type=int, default=1 << 20)
     p.add_argument("--model-name", default="char-gpt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample", type=int, default=200, help="characters to generate at the end (0: none)")
+    g = p.add_argument_group("pipeline x data parallel (under torchrun)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel replicas of each stage")
+    g.add_argument("--microbatches", type=int, default=4, help="micro-batches per replica and step")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     return p.parse_args(argv)
 
 
@@ -57,8 +68,11 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 def build(args: argparse.Namespace) -> tuple[TinyGPT, CharDataset]:
     torch.manual_seed(args.seed)
     data = CharDataset(CORPUS.read_text(), args.block_size, seed=args.seed)
-    config = GPTConfig(data.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd)
-    return TinyGPT(config), data
+    return TinyGPT(gpt_config(args, data)), data
+
+
+def gpt_config(args: argparse.Namespace, data: CharDataset) -> GPTConfig:
+    return GPTConfig(data.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd)
 
 
 def no_weight_decay(name: str, p: torch.nn.Parameter) -> bool:
@@ -74,16 +88,18 @@ def train(args: argparse.Namespace) -> list[float]:
             [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}], lr=args.lr, fused=True
         )
     else:
+        daemons = trainer.daemon_addresses(args.daemons, cluster_file=args.cluster_file)
         opt = trainer.offload(
             model,
-            daemons=args.daemons.split(","),
+            daemons=daemons,
             optimizer=trainer.AdamW(lr=args.lr, weight_decay=0.1),
             model_name=args.model_name,
             shard_bytes=args.shard_bytes,
             no_weight_decay=no_weight_decay,
+            staleness=args.staleness,
         )
     n_params = sum(p.numel() for p in model.parameters())
-    where = "in-process AdamW" if args.local else f"AdamW on {args.daemons}"
+    where = "in-process AdamW" if args.local else f"AdamW on {','.join(daemons)}"
     print(f"model: {n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}; optimizer: {where}")
     losses: list[float] = []
     started = time.perf_counter()
@@ -99,7 +115,7 @@ def train(args: argparse.Namespace) -> list[float]:
         _, loss = model(x, y)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step()
         losses.append(loss.item())
         if step % 10 == 0 or step == args.steps - 1:
@@ -131,5 +147,73 @@ def sample(model: TinyGPT, data: CharDataset, n: int) -> str:
     return data.decode(idx[0].tolist())
 
 
+def train_pipeline(args: argparse.Namespace) -> list[float]:
+    """One rank of a pp x dp run under torchrun. Every rank draws the same global batches
+    (same seed) and takes its replica's slice; the first stage feeds the tokens, the last
+    the targets. Losses are the last stage's first replica's, printed by that rank."""
+    from trainer.parallel import PipelineTrainer, init_distributed
+
+    ctx = init_distributed(args.pp, args.dp)
+    grid = ctx.grid
+    if args.batch_size % (args.dp * args.microbatches):
+        raise SystemExit(f"--batch-size {args.batch_size} must divide into dp x micro-batches = "
+                         f"{args.dp} x {args.microbatches}")  # fmt: skip
+    data = CharDataset(CORPUS.read_text(), args.block_size, seed=args.seed)
+    torch.manual_seed(args.seed)
+    # Every rank builds the whole (small) model and keeps its stage; a model too big for one
+    # host would build its stage's layers only.
+    layers = gpt_layers(gpt_config(args, data))
+    daemons = None if args.local else trainer.daemon_addresses(args.daemons, cluster_file=args.cluster_file)
+    model = PipelineTrainer(
+        layers, gpt_loss, ctx=ctx, microbatches=args.microbatches, schedule=args.schedule,
+        optimizer=trainer.AdamW(lr=args.lr, weight_decay=0.1), daemons=daemons, model_name=args.model_name,
+        shard_bytes=args.shard_bytes, no_weight_decay=no_weight_decay, staleness=args.staleness,
+        max_grad_norm=args.max_grad_norm,
+    )  # fmt: skip
+    reporter = grid.last_stage and grid.replica == 0
+    if reporter:
+        n_params = sum(p.numel() for layer in layers for p in layer.parameters())
+        where = "in-process AdamW" if args.local else f"AdamW on {','.join(daemons)}"
+        print(f"model: {n_params / 1e6:.2f}M parameters in {args.pp} stages x {args.dp} replicas "
+              f"({args.schedule}, {args.microbatches} micro-batches); optimizer: {where}")  # fmt: skip
+    per_replica = args.batch_size // args.dp
+    mine = slice(grid.replica * per_replica, (grid.replica + 1) * per_replica)
+    losses: list[float] = []
+    started = time.perf_counter()
+    steps = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True, disable=not reporter)
+    for step in steps:
+        model.lr = lr_at(step, args)
+        x, y = data.batch(args.batch_size)
+        loss = model.step(x[mine] if grid.first_stage else None, y[mine] if grid.last_stage else None)
+        if loss is not None:
+            losses.append(loss)
+            if step % 10 == 0 or step == args.steps - 1:
+                steps.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+    model.synchronize()
+    elapsed = time.perf_counter() - started
+    if reporter:
+        print(
+            f"loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f} "
+            f"in {args.steps} steps, {1000 * elapsed / args.steps:.1f} ms/step"
+        )
+    model.close()
+    torch.distributed.destroy_process_group()
+    return losses if reporter else []
+
+
+def main() -> None:
+    args = parse_args()
+    if not args.local:
+        try:  # resolved once, so a bad list or file is one message, not a traceback per rank
+            args.daemons = ",".join(trainer.daemon_addresses(args.daemons, cluster_file=args.cluster_file))
+        except ValueError as exc:
+            raise SystemExit(f"train_gpt.py: {exc}") from None
+        args.cluster_file = None
+    if args.pp * args.dp > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        train_pipeline(args)
+    else:
+        train(args)
+
+
 if __name__ == "__main__":
-    train(parse_args())
+    main()

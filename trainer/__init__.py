@@ -6,7 +6,17 @@ loss.backward(); opt.step(); opt.zero_grad()
 """
 
 from trainer.client import DaemonError, ShardedClient
+from trainer.cluster import daemon_addresses
 from trainer.config import SGD, AdamW, ClientConfig
 from trainer.offload import OffloadOptimizer, offload
 
-__all__ = ["SGD", "AdamW", "ClientConfig", "DaemonError", "OffloadOptimizer", "ShardedClient", "offload"]
+__all__ = [
+    "SGD",
+    "AdamW",
+    "ClientConfig",
+    "DaemonError",
+    "OffloadOptimizer",
+    "ShardedClient",
+    "daemon_addresses",
+    "offload",
+]

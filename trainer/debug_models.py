@@ -1,5 +1,8 @@
 """Small models that run in seconds on a CPU: the demo's character GPT and an MLP, used by
-tests and benchmarks. The GPT follows nanoGPT's shape (pre-norm blocks, tied embeddings)."""
+tests and benchmarks. The GPT follows nanoGPT's shape (pre-norm blocks, tied embeddings);
+`gpt_layers` is the same GPT as a list of layers for pipeline stages, with the output head
+untied (a weight shared by the first and the last stage would need its gradients summed
+across stages, which pipeline splits here do not do)."""
 
 from __future__ import annotations
 
@@ -83,6 +86,47 @@ class TinyGPT(nn.Module):
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class Embedding(nn.Module):
+    """Token plus position embedding: (B, T) token ids -> (B, T, C)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.wte(idx) + self.wpe(pos)
+
+
+class Head(nn.Module):
+    """Final norm and the output projection: (B, T, C) -> (B, T, vocab) logits."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def gpt_layers(config: GPTConfig) -> list[nn.Module]:
+    """The GPT as [embedding, block, ..., block, head], initialised as TinyGPT is; pair it
+    with `gpt_loss`."""
+    layers = [Embedding(config), *(Block(config) for _ in range(config.n_layer)), Head(config)]
+    for layer in layers:
+        layer.apply(TinyGPT._init)
+        for name, p in layer.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
+    return layers
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def mlp(sizes: tuple[int, ...] = (32, 64, 64, 10)) -> nn.Sequential:
