@@ -7,7 +7,15 @@ import json
 import re
 import shutil
 
-from bench import nvme_io, nvme_train_step, optimizer_step, train_step_overhead, transport
+from bench import (
+    nvme_io,
+    nvme_train_step,
+    optimizer_step,
+    pipeline_efficiency,
+    ps_overhead_pp_dp,
+    train_step_overhead,
+    transport,
+)
 from bench.common import REPO, RESULTS
 
 DOC = REPO / "docs" / "benchmarks.md"
@@ -39,6 +47,8 @@ def main() -> None:
     optimizer_step.main()
     transport.main()
     train_step_overhead.main()
+    pipeline_efficiency.main([])
+    ps_overhead_pp_dp.main([])
     if shutil.which("fio"):
         nvme_io.main()
         nvme_train_step.main()
