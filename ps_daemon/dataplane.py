@@ -90,9 +90,10 @@ class _Handler(socketserver.BaseRequestHandler):
                 send_message(sock, ps_pb2.DataResponse(push=duplicate))
                 return True
             send_message(sock, ps_pb2.DataResponse(send_payload=True))
-            with self.server.staging.borrow(header.nbytes // 4) as staging:
-                recv_exact_into(sock, memoryview(staging.numpy()).cast("B"))
-                send_message(sock, ps_pb2.DataResponse(push=wire.apply_push(store, header, staging)))
+            with self.server.staging.borrow(wire.staging_numel(header)) as staging:
+                recv_exact_into(sock, memoryview(staging.numpy()).cast("B")[: header.nbytes])
+                response = wire.apply_push(store, header, staging, self.server.staging)
+                send_message(sock, ps_pb2.DataResponse(push=response))
             return True
         raise InvalidArgument("a DataRequest must carry a pull or a push")
 

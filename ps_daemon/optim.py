@@ -4,6 +4,11 @@ Each step runs torch's fused CPU kernel (`torch._fused_adamw_`, `torch._fused_sg
 kernels behind `torch.optim.AdamW(fused=True)` and `SGD(fused=True)`) over one view per
 parameter piece of the shard. Same kernel, same traversal, same inputs: the daemon's
 parameters are bit-identical to an in-process torch.optim run on the same gradients.
+
+A ONEBIT gradient under AdamW is applied by kernels.fused_adamw instead, which reads the
+signs and block scales and updates master, m and v in one pass (equal to torch's kernel on
+the decompressed gradient within fp32 rounding; its docstring says where they may differ).
+Every other compressed gradient reaches `apply` already decompressed to fp32 (ShardStore.push).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.fused_adamw import onebit_adamw_
+from ps_daemon.encodings import KERNEL_LOCK, OneBitGradient
 from ps_daemon.plan import Segment
 
 
@@ -77,6 +84,10 @@ class ShardOptimizer:
         for segment, decay in zip(segments, weight_decays, strict=True):
             groups[decay].append(segment)
         self._groups = dict(groups)
+        # The same pieces in shard order, for the fused 1-bit kernel: (start, end, decay).
+        self._pieces = sorted(
+            (s.shard_start, s.shard_start + s.numel, d) for s, d in zip(segments, weight_decays, strict=True)
+        )
 
     def bind(self, state: list[torch.Tensor]) -> None:
         """`state`: `config.state_per_param` fp32 tensors of the shard's numel, placed by the
@@ -87,10 +98,34 @@ class ShardOptimizer:
             )
         self.state = state
 
-    def apply(self, master: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
-        """One optimizer step: master -= update(grad). `grad` is fp32 with the shard's numel."""
+    def fuses(self, grad: object) -> bool:
+        """Whether `apply` takes this compressed gradient as it is (else decompress it first)."""
+        return isinstance(grad, OneBitGradient) and isinstance(self.config, AdamWConfig)
+
+    def apply(self, master: torch.Tensor, grad: torch.Tensor | OneBitGradient, lr: float) -> None:
+        """One optimizer step: master -= update(grad). `grad` is fp32 with the shard's numel,
+        or a ONEBIT gradient when `fuses(grad)`."""
         self.step += 1
         config = self.config
+        if isinstance(grad, OneBitGradient):
+            if not self.fuses(grad):
+                raise TypeError(f"{type(config).__name__} takes a ONEBIT gradient only decompressed")
+            m, v = self.state
+            with KERNEL_LOCK:
+                onebit_adamw_(
+                    master,
+                    m,
+                    v,
+                    grad.bits,
+                    grad.scales,
+                    segments=self._pieces,
+                    step=float(self.step.item()),
+                    lr=lr,
+                    beta1=config.beta1,
+                    beta2=config.beta2,
+                    eps=config.eps,
+                )
+            return
         for decay, segments in self._groups.items():
             views = [slice(s.shard_start, s.shard_start + s.numel) for s in segments]
             params = [master[v] for v in views]

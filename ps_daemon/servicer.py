@@ -59,16 +59,16 @@ class ParameterServerServicer:
         duplicate = wire.open_push(self.store, header)
         if duplicate is not None:  # applied before: answer without reading the payload
             return duplicate
-        with self.staging.borrow(header.nbytes // 4) as staging:
+        with self.staging.borrow(wire.staging_numel(header)) as staging:
             self._receive(header, first, chunks, staging)
-            return wire.apply_push(self.store, header, staging)
+            return wire.apply_push(self.store, header, staging, self.staging)
 
     @staticmethod
     def _receive(
         header: ps_pb2.PushHeader, first: codec.Chunk, rest: Iterator[codec.Chunk], staging: torch.Tensor
     ) -> None:
         """Copies the payload of every chunk into `staging`, checking sizes and headers."""
-        view = memoryview(staging.numpy()).cast("B")
+        view = memoryview(staging.numpy()).cast("B")[: header.nbytes]
         received = 0
         for chunk in _chain_first(first, rest):
             if chunk.header is not None and chunk is not first:

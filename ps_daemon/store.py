@@ -17,11 +17,12 @@ import errno
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from ps_daemon.encodings import CompressedGradient, OneBitGradient, TopKGradient, check_size
 from ps_daemon.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -509,20 +510,23 @@ class ShardStore:
             self.stats.bytes_pulled += shard.nbytes
 
     def check_push(
-        self, model: str, shard_id: int, *, step: int, kind: str, nbytes: int, dtype: str
+        self, model: str, shard_id: int, *, step: int, kind: str, nbytes: int, dtype: str, encoding: str = "raw"
     ) -> PushResult | None:
         """Validates a push header before its payload is read. Returns the acknowledgement
         for a push that was applied before (no payload needed), else None."""
         shard = self.shard(model, shard_id)
+        where = f"push to shard {shard_id}"
         if dtype != "float32":
             raise InvalidArgument(
-                f"push to shard {shard_id}: dtype {dtype} is not accepted for RAW pushes; send float32"
+                f"{where}: dtype {dtype} is not accepted; send float32 (a gradient may travel as "
+                "bf16 or fp16 with encoding BF16 or FP16)"
             )
-        if nbytes != shard.nbytes:
+        if kind == "parameters" and encoding != "raw":
             raise InvalidArgument(
-                f"push to shard {shard_id}: header says {nbytes} bytes, the shard has "
-                f"{shard.slice.numel} float32 = {shard.nbytes} bytes"
+                f"{where}: initial PARAMETERS must be RAW float32 (they are the master values), "
+                f"got encoding {encoding.upper()}; only gradients may be compressed"
             )
+        check_size(encoding, nbytes, shard.slice.numel, where)
         with shard.cond:
             return self._check_step_locked(shard, step, kind)
 
@@ -547,39 +551,63 @@ class ShardStore:
         return None
 
     def push(
-        self, model: str, shard_id: int, *, step: int, kind: str, data: torch.Tensor, lr: float | None
+        self,
+        model: str,
+        shard_id: int,
+        *,
+        step: int,
+        kind: str,
+        data: torch.Tensor | CompressedGradient,
+        lr: float | None,
+        scratch: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
     ) -> PushResult:
-        """Applies a gradient (or writes initial values) held in `data` (fp32, shard numel)."""
+        """Applies a gradient (or writes initial values) held in `data`: fp32 with the shard's
+        numel, or a compressed gradient (ps_daemon.encodings). One the optimizer cannot apply
+        as it is (all but ONEBIT under AdamW) is first decompressed into an fp32 buffer from
+        `scratch(numel)` (a StagingPool's borrow; a fresh tensor if None)."""
         shard = self.shard(model, shard_id)
-        if data.dtype != torch.float32 or data.numel() != shard.slice.numel:
+        numel = shard.slice.numel
+        compressed = not isinstance(data, torch.Tensor)
+        if compressed:
+            if data.numel != numel:
+                raise InvalidArgument(f"push to shard {shard_id}: got {data.numel} elements, expected {numel}")
+        elif data.dtype != torch.float32 or data.numel() != numel:
             raise InvalidArgument(
-                f"push to shard {shard_id}: got {data.numel()} {data.dtype}, expected {shard.slice.numel} float32"
+                f"push to shard {shard_id}: got {data.numel()} {data.dtype}, expected {numel} float32"
             )
-        if kind == "gradient":
-            self._learn_order(shard, step)
-        with self._using(shard), shard.writing_lock():
-            # Re-checked under the lock: a retry may have raced the first attempt.
-            ack = self._check_step_locked(shard, step, kind)
-            if ack is not None:
+        if compressed and kind != "gradient":
+            raise InvalidArgument(f"push to shard {shard_id}: initial parameters must be RAW float32")
+        payload_bytes = _payload_bytes(data)
+        with contextlib.ExitStack() as held:
+            if compressed and not shard.optimizer.fuses(data):
+                # Outside the shard's lock: the payload and the buffer are this push's own.
+                out = held.enter_context(scratch(numel)) if scratch else torch.empty(numel, dtype=torch.float32)
+                data = data.decompress(out[:numel])
+            if kind == "gradient":
+                self._learn_order(shard, step)
+            with self._using(shard), shard.writing_lock():
+                # Re-checked under the lock: a retry may have raced the first attempt.
+                ack = self._check_step_locked(shard, step, kind)
+                if ack is not None:
+                    with self._lock:
+                        self.stats.pushes_duplicate += 1
+                    return ack
+                if kind == "parameters":
+                    shard.master.copy_(data)
+                    shard.initialized = True
+                    self._commit(shard)
+                else:
+                    started = time.perf_counter()
+                    shard.optimizer.apply(shard.master, data, shard.optimizer.config.lr if lr is None else lr)
+                    elapsed = time.perf_counter() - started
+                    shard.version += 1
+                    self._commit(shard)
+                    with self._lock:
+                        self.stats.optimizer_seconds += elapsed
+                        self.stats.pushes_applied += 1
                 with self._lock:
-                    self.stats.pushes_duplicate += 1
-                return ack
-            if kind == "parameters":
-                shard.master.copy_(data)
-                shard.initialized = True
-                self._commit(shard)
-            else:
-                started = time.perf_counter()
-                shard.optimizer.apply(shard.master, data, shard.optimizer.config.lr if lr is None else lr)
-                elapsed = time.perf_counter() - started
-                shard.version += 1
-                self._commit(shard)
-                with self._lock:
-                    self.stats.optimizer_seconds += elapsed
-                    self.stats.pushes_applied += 1
-            with self._lock:
-                self.stats.bytes_pushed += shard.nbytes
-            return PushResult(applied=True, version=shard.version)
+                    self.stats.bytes_pushed += payload_bytes
+                return PushResult(applied=True, version=shard.version)
 
     def note_duplicate(self) -> None:
         with self._lock:
@@ -682,6 +710,17 @@ def _tier_errors(use):
             yield
     except TierFull as exc:
         raise ResourceExhausted(str(exc)) from exc
+
+
+def _payload_bytes(data: torch.Tensor | CompressedGradient) -> int:
+    """Bytes the push carried on the wire."""
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    if isinstance(data, OneBitGradient):
+        return data.scales.numel() * 4 + data.bits.numel()
+    if isinstance(data, TopKGradient):
+        return 4 + 8 * data.indices.numel()
+    return data.values.numel() * data.values.element_size()
 
 
 def shard_resident_bytes(numel: int, optimizer: OptimizerConfig) -> int:

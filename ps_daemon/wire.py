@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ps_daemon.buffers import StagingPool
+from ps_daemon.encodings import parse
 from ps_daemon.errors import InvalidArgument
 from ps_daemon.optim import AdamWConfig, SGDConfig
 from ps_daemon.store import ModelSpec, ParamSpec, RegisteredModel, ShardStore
@@ -12,6 +14,13 @@ from ps_proto import ps_pb2
 
 DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
 PUSH_KINDS = {ps_pb2.GRADIENT: "gradient", ps_pb2.PARAMETERS: "parameters"}
+ENCODING_NAMES = {
+    ps_pb2.RAW: "raw",
+    ps_pb2.ONEBIT: "onebit",
+    ps_pb2.BF16: "bf16",
+    ps_pb2.FP16: "fp16",
+    ps_pb2.TOPK: "topk",
+}
 
 
 def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
@@ -56,11 +65,18 @@ def open_push(store: ShardStore, header: ps_pb2.PushHeader) -> ps_pb2.PushRespon
     that was applied before (its payload need not be read), else None."""
     if header.kind not in PUSH_KINDS:
         raise InvalidArgument(f"push kind must be GRADIENT or PARAMETERS, got {header.kind}")
-    if header.encoding != ps_pb2.RAW:
-        raise InvalidArgument(f"push encoding {header.encoding} is not supported; send RAW")
+    if header.encoding not in ENCODING_NAMES:
+        known = ", ".join(ps_pb2.Encoding.Name(e) for e in ENCODING_NAMES)
+        raise InvalidArgument(f"push to shard {header.shard_id}: encoding {header.encoding} is unknown; send {known}")
     dtype = DTYPE_NAMES.get(header.dtype, f"unspecified ({header.dtype})")
     ack = store.check_push(
-        header.model, header.shard_id, step=header.step, kind=PUSH_KINDS[header.kind], nbytes=header.nbytes, dtype=dtype
+        header.model,
+        header.shard_id,
+        step=header.step,
+        kind=PUSH_KINDS[header.kind],
+        nbytes=header.nbytes,
+        dtype=dtype,
+        encoding=ENCODING_NAMES[header.encoding],
     )
     if ack is None:
         return None
@@ -68,15 +84,29 @@ def open_push(store: ShardStore, header: ps_pb2.PushHeader) -> ps_pb2.PushRespon
     return ps_pb2.PushResponse(applied=False, version=ack.version)
 
 
-def apply_push(store: ShardStore, header: ps_pb2.PushHeader, payload: torch.Tensor) -> ps_pb2.PushResponse:
-    """Applies a push whose whole payload is in `payload` (fp32, the shard's numel)."""
+def staging_numel(header: ps_pb2.PushHeader) -> int:
+    """fp32 elements of the staging buffer that holds a push's payload (nbytes, rounded up)."""
+    return (header.nbytes + 3) // 4
+
+
+def apply_push(
+    store: ShardStore, header: ps_pb2.PushHeader, payload: torch.Tensor, staging: StagingPool
+) -> ps_pb2.PushResponse:
+    """Applies a push whose whole payload is in `payload` (an fp32 staging buffer holding
+    header.nbytes bytes, validated by open_push). A compressed gradient that must be
+    decompressed first gets a buffer from `staging`."""
+    shard = store.shard(header.model, header.shard_id)
+    data = parse(
+        ENCODING_NAMES[header.encoding], payload, header.nbytes, shard.slice.numel, f"push to shard {header.shard_id}"
+    )
     result = store.push(
         header.model,
         header.shard_id,
         step=header.step,
         kind=PUSH_KINDS[header.kind],
-        data=payload,
+        data=data,
         lr=header.lr if header.HasField("lr") else None,
+        scratch=staging.borrow,
     )
     return ps_pb2.PushResponse(applied=result.applied, version=result.version)
 

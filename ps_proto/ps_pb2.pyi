@@ -18,6 +18,10 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ENCODING_UNSPECIFIED: _ClassVar[Encoding]
     RAW: _ClassVar[Encoding]
+    ONEBIT: _ClassVar[Encoding]
+    BF16: _ClassVar[Encoding]
+    FP16: _ClassVar[Encoding]
+    TOPK: _ClassVar[Encoding]
 
 class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -30,6 +34,10 @@ BFLOAT16: DType
 FLOAT16: DType
 ENCODING_UNSPECIFIED: Encoding
 RAW: Encoding
+ONEBIT: Encoding
+BF16: Encoding
+FP16: Encoding
+TOPK: Encoding
 PUSH_KIND_UNSPECIFIED: PushKind
 GRADIENT: PushKind
 PARAMETERS: PushKind
