@@ -20,7 +20,7 @@ from ps_proto import codec, ps_pb2
 from ps_proto.frames import split_host_port
 from ps_proto.memory import keep_chunk_buffers_in_heap
 from trainer.config import ClientConfig
-from trainer.dataplane import DataPlaneClient, DataPlaneError, raw_push_header
+from trainer.dataplane import DataPlaneClient, DataPlaneError, push_header
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +119,11 @@ class DaemonClient:
         data: memoryview,
         lr: float | None,
         timeout: float,
+        encoding: int = ps_pb2.RAW,
     ) -> ps_pb2.PushResponse:
-        """Streams one shard's payload. `lr` None keeps the registered learning rate."""
-        header = raw_push_header(model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr)
+        """Streams one shard's payload, laid out as `encoding`. `lr` None keeps the
+        registered learning rate."""
+        header = push_header(model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding)
 
         def chunks():
             yield codec.push_chunks.encode(header, data[:CHUNK_BYTES])
@@ -222,8 +224,16 @@ class ShardedClient:
         raise AssertionError("unreachable")
 
     def push(
-        self, shard: ShardSlice, *, step: int, kind: int, data: memoryview, lr: float | None
+        self,
+        shard: ShardSlice,
+        *,
+        step: int,
+        kind: int,
+        data: memoryview,
+        lr: float | None,
+        encoding: int = ps_pb2.RAW,
     ) -> ps_pb2.PushResponse:
+        """Pushes one shard's payload (retried as a whole, the same bytes each attempt)."""
         return self._call(
             f"push of shard {shard.shard_id} step {step}",
             shard.daemon_index,
@@ -235,6 +245,7 @@ class ShardedClient:
                 data=data,
                 lr=lr,
                 timeout=self.config.rpc_timeout_seconds,
+                encoding=encoding,
             ),
         )
 

@@ -1,6 +1,6 @@
 """The trainer's end of a daemon's TCP data plane (ps_daemon/dataplane.py says why it
 exists). A pull `recv_into`s the shard straight into the caller's buffer (the model's flat
-parameters); a push `sendall`s straight from the gradient buffer.
+parameters); a push `sendall`s straight from the gradient buffer (or the compressed payload).
 
 Failures raise DataPlaneError, which looks like a grpc.RpcError (`code()`, `details()`), so
 ShardedClient retries and reports them exactly as it does gRPC calls. A connection that
@@ -114,8 +114,9 @@ class DataPlaneClient:
         data: memoryview,
         lr: float | None,
         timeout: float,
+        encoding: int = ps_pb2.RAW,
     ) -> ps_pb2.PushResponse:
-        header = raw_push_header(model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr)
+        header = push_header(model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding)
         with _daemon_status(), self._connection(timeout) as sock:
             send_message(sock, ps_pb2.DataRequest(push=header))
             response = self._answer(sock)
@@ -129,13 +130,14 @@ class DataPlaneClient:
             self._idle.get_nowait().close()
 
 
-def raw_push_header(
-    model: str, shard_id: int, *, step: int, kind: int, nbytes: int, lr: float | None
+def push_header(
+    model: str, shard_id: int, *, step: int, kind: int, nbytes: int, lr: float | None, encoding: int = ps_pb2.RAW
 ) -> ps_pb2.PushHeader:
-    """The header of a push of raw fp32 bytes; `lr` None leaves the optional field unset
-    (the daemon then uses the registered learning rate)."""
+    """The header of a push of `nbytes` laid out as `encoding` (RAW: fp32 values; the others:
+    a compressed gradient, see proto/ps.proto); `lr` None leaves the optional field unset (the
+    daemon then uses the registered learning rate)."""
     return ps_pb2.PushHeader(
-        model=model, shard_id=shard_id, step=step, kind=kind, encoding=ps_pb2.RAW, dtype=ps_pb2.FLOAT32,
+        model=model, shard_id=shard_id, step=step, kind=kind, encoding=encoding, dtype=ps_pb2.FLOAT32,
         nbytes=nbytes, lr=lr,
     )  # fmt: skip
 

@@ -22,6 +22,11 @@ then taken at the parameters of step t-1 (one step stale; the first step is exac
 applied to those of step t. It costs a second parameter buffer (the next values land there
 while the forward reads the current ones) and a second gradient buffer (the pushes read it
 while backward writes the next gradients).
+
+`compression` sends each shard's gradient as bf16, fp16, 1-bit signs with a scale per 1024
+elements, or the top `topk_ratio` of each 1024 elements, with error feedback
+(trainer/push_compression.py), after `compression_warmup_steps` uncompressed steps. The
+daemons apply the 1-bit signs with a fused decompress + AdamW kernel.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from ps_daemon.plan import ShardSlice
 from ps_proto import ps_pb2
 from trainer.client import ShardedClient
 from trainer.config import SGD, AdamW, ClientConfig
+from trainer.push_compression import PushCompressor, check_compression
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,9 @@ def offload(
     config: ClientConfig | None = None,
     push_share: tuple[int, int] = (0, 1),
     staleness: int = 0,
+    compression: str = "none",
+    compression_warmup_steps: int = 0,
+    topk_ratio: float = 0.01,
 ) -> OffloadOptimizer:
     """Registers `model` with the daemons and returns its optimizer.
 
@@ -67,6 +76,12 @@ def offload(
     staleness: 0 (each step computes on the parameters of the step before) or 1 (delayed
         update: computes on those of two steps before while the daemons apply the last one;
         see the module docstring).
+    compression: how gradients travel: "none" (fp32), "bf16", "fp16", "onebit" (signs and a
+        scale per 1024 elements, 1/32 of fp32) or "topk" (the `topk_ratio` largest of every
+        1024 elements, with their indices); all but "none" keep what they leave out in an
+        error buffer and send it with later steps. `opt.bytes_pushed` counts what was sent.
+    compression_warmup_steps: the first steps go uncompressed (1-bit Adam's warm-up).
+    topk_ratio: the share of each 1024-element block "topk" sends, 0 < ratio <= 1.
     """
     return OffloadOptimizer(
         model,
@@ -78,6 +93,9 @@ def offload(
         config=config,
         push_share=push_share,
         staleness=staleness,
+        compression=compression,
+        compression_warmup_steps=compression_warmup_steps,
+        topk_ratio=topk_ratio,
     )
 
 
@@ -95,7 +113,11 @@ class OffloadOptimizer:
         push_share: tuple[int, int] = (0, 1),
         staleness: int = 0,
         before_push: Callable[[], None] | None = None,
+        compression: str = "none",
+        compression_warmup_steps: int = 0,
+        topk_ratio: float = 0.01,
     ) -> None:
+        check_compression(compression, compression_warmup_steps, topk_ratio)
         share, of = push_share
         if not 0 <= share < of:
             raise ValueError(f"push_share must be (i, n) with 0 <= i < n, got {push_share}")
@@ -137,8 +159,15 @@ class OffloadOptimizer:
                 self._offsets.append(offset)
                 offset += n
         self._param_bytes = _byte_view(self.flat_params)
-        self._grad_bytes = _byte_view(self.flat_grads)
         self.staleness = staleness
+        # Each shard's gradient payload (compressed with error feedback, or the raw slice).
+        self._compressor = PushCompressor(
+            compression, total, warmup_steps=compression_warmup_steps, topk_ratio=topk_ratio
+        )
+        # Payload bytes of this process's gradient pushes that the daemons applied: each
+        # (shard, step) once, headers and resent attempts not counted.
+        self.bytes_pushed = 0
+        self._bytes_lock = threading.Lock()
         # Called on every step just before the pushes. Data-parallel replicas that share a
         # stage's pushes pass a barrier over their group: under staleness=1 no replica may
         # push step t+1 before every replica has pulled the parameters of step t.
@@ -147,7 +176,6 @@ class OffloadOptimizer:
             self._next_params = torch.empty_like(self.flat_params)
             self._sent_grads = torch.empty_like(self.flat_grads)
             self._next_param_bytes = _byte_view(self._next_params)
-            self._sent_grad_bytes = _byte_view(self._sent_grads)
         # staleness=1: the step whose pushes and pulls are under way, (step, lr, their
         # futures); futures None means they failed and are to be submitted again.
         self._delayed: tuple[int, float, list[Future] | None] | None = None
@@ -249,7 +277,7 @@ class OffloadOptimizer:
         if self._before_push is not None:
             self._before_push()
         step, lr = self.step_count, float(self.lr)
-        pushes, pulls = self._submit(step, lr, grads=self._grad_bytes, params=self._param_bytes)
+        pushes, pulls = self._submit(step, lr, grads=self.flat_grads, params=self._param_bytes)
         self._pending_pulls.update(pulls)
         wait(pushes)
         error = _first_error(pushes)
@@ -272,7 +300,7 @@ class OffloadOptimizer:
         # Backward writes the next step's gradients while these are on the wire.
         self._sent_grads.copy_(self.flat_grads)
         step, lr = self.step_count, float(self.lr)
-        _, pulls = self._submit(step, lr, grads=self._sent_grad_bytes, params=self._next_param_bytes)
+        _, pulls = self._submit(step, lr, grads=self._sent_grads, params=self._next_param_bytes)
         self._delayed = (step, lr, list(pulls.values()))
         self.step_count = step + 1
         self._hint_after(self._delayed[2])
@@ -285,7 +313,7 @@ class OffloadOptimizer:
             return
         step, lr, tasks = self._delayed
         if tasks is None:
-            _, pulls = self._submit(step, lr, grads=self._sent_grad_bytes, params=self._next_param_bytes)
+            _, pulls = self._submit(step, lr, grads=self._sent_grads, params=self._next_param_bytes)
             tasks = list(pulls.values())
         wait(tasks)
         error = _first_error(tasks)
@@ -296,7 +324,7 @@ class OffloadOptimizer:
         self.flat_params.copy_(self._next_params)
 
     def _submit(
-        self, step: int, lr: float, *, grads: memoryview, params: memoryview
+        self, step: int, lr: float, *, grads: torch.Tensor, params: memoryview
     ) -> tuple[list[Future], dict[int, Future]]:
         """One task per shard, in forward order: push its gradient (this process's share)
         and then pull its new version, or only pull the version another process pushes.
@@ -316,8 +344,7 @@ class OffloadOptimizer:
             if shard.shard_id in self._pushes:
                 pushed = Future()
                 pushes.append(pushed)
-                grad = _shard_bytes(grads, shard)
-                task = self._pool.submit(self._push_then_pull, shard, step, lr, grad, into, pushed, failed)
+                task = self._pool.submit(self._push_then_pull, shard, step, lr, grads, into, pushed, failed)
             else:
                 task = self._pool.submit(self._pull, shard, step + 1, into, failed)
             pulls[shard.shard_id] = task
@@ -341,7 +368,7 @@ class OffloadOptimizer:
         shard: ShardSlice,
         step: int,
         lr: float,
-        grads: memoryview,
+        grads: torch.Tensor,
         into: memoryview,
         pushed: Future,
         failed: threading.Event,
@@ -349,7 +376,14 @@ class OffloadOptimizer:
         try:
             if failed.is_set():
                 raise StepAbandoned(f"push of shard {shard.shard_id} step {step} not sent: another shard failed")
-            ack = self.client.push(shard, step=step, kind=ps_pb2.GRADIENT, data=grads, lr=lr)
+            # Compressed here, in the pool: shard i is compressed while shard i-1 is on the wire.
+            payload = self._compressor.payload(shard, step, grads)
+            ack = self.client.push(
+                shard, step=step, kind=ps_pb2.GRADIENT, data=payload.data, lr=lr, encoding=payload.encoding
+            )
+            if ack.applied:
+                with self._bytes_lock:
+                    self.bytes_pushed += len(payload.data)
         except BaseException as exc:
             failed.set()
             pushed.set_exception(exc)

@@ -16,7 +16,9 @@ gradient buffer (unscaled); `GradReducer` sums them over the stage's dp group in
 each started by a post-accumulate hook as soon as the last micro-batch's backward has
 produced every gradient in it, so the reduction overlaps the rest of backward. The sum is
 then divided by dp x micro-batches, which gives the gradient of the mean loss over the
-whole global batch.
+whole global batch. `dp_compression="onebit"` (or "bf16", "fp16", "topk" with
+`dp_topk_ratio`) compresses that all-reduce both ways with error feedback
+(trainer/compressed_allreduce.py), after `compression_warmup_steps` plain steps.
 
 With daemons, each stage is a model of its own on them (`<model_name>.stage<i>`); the dp
 ranks of a stage push every dp-th shard each (`push_share`), and every rank pulls all of
@@ -36,6 +38,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from trainer.compressed_allreduce import METHODS as DP_COMPRESSION
+from trainer.compressed_allreduce import CompressedAllReduce
 from trainer.config import SGD, AdamW, ClientConfig
 from trainer.offload import OffloadOptimizer
 
@@ -254,7 +258,19 @@ class PipelineTrainer:
         reduce_hook: Callable[[torch.Tensor, dist.ProcessGroup], object] | None = None,
         staleness: int = 0,
         max_grad_norm: float | None = None,
+        dp_compression: str = "none",
+        compression_warmup_steps: int = 0,
+        dp_topk_ratio: float = 0.01,
     ) -> None:
+        if dp_compression not in DP_COMPRESSION:
+            raise ValueError(f"dp_compression must be one of {list(DP_COMPRESSION)}, got {dp_compression!r}")
+        if dp_compression != "none" and reduce_hook is not None:
+            raise ValueError(f"give reduce_hook or dp_compression={dp_compression!r}, not both")
+        if not isinstance(compression_warmup_steps, int) or compression_warmup_steps < 0:
+            raise ValueError(f"compression_warmup_steps must be an int >= 0, got {compression_warmup_steps!r}")
+        if compression_warmup_steps and dp_compression == "none":
+            raise ValueError("compression_warmup_steps counts the plain steps before dp_compression starts; "
+                             "it needs a dp_compression other than none")  # fmt: skip
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
         grid = ctx.grid
@@ -264,6 +280,14 @@ class PipelineTrainer:
             raise ValueError("staleness=1 (delayed update) needs daemons: the in-process optimizer has no delay")
         self.ctx = ctx
         self.max_grad_norm = max_grad_norm
+        self.steps = 0  # optimizer steps taken
+        # The compressed all-reduce (with its error feedback state) replaces the plain one
+        # after the warm-up steps, as 1-bit Adam runs its first steps uncompressed.
+        self.compression: CompressedAllReduce | None = None
+        self.compression_warmup_steps = compression_warmup_steps
+        if dp_compression != "none":
+            self.compression = CompressedAllReduce(dp_compression, topk_ratio=dp_topk_ratio)
+            reduce_hook = self.compression
         self.grad_norm: float | None = None  # the last step's, before clipping (when clipping)
         sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         self.bounds = split_layers(sizes, grid.pp, by=split)
@@ -330,6 +354,8 @@ class PipelineTrainer:
         `targets` (last stage), split into micro-batches. Returns the mean micro-batch loss
         on the last stage, None elsewhere."""
         grid = self.ctx.grid
+        if self.compression:
+            self.compression.enabled = self.steps >= self.compression_warmup_steps
         if self.offload:
             self.offload.zero_grad()
         else:
@@ -347,6 +373,7 @@ class PipelineTrainer:
             self.offload.step()
         else:
             self.local.step()
+        self.steps += 1
         return float(torch.stack(losses).mean()) if losses else None
 
     def _clip_grad_norm(self) -> None:
@@ -368,6 +395,8 @@ class PipelineTrainer:
 
     def close(self) -> None:
         self.reducer.close()
+        if self.compression:
+            self.compression.close()
         if self.offload:
             self.offload.close()
 

@@ -1,7 +1,8 @@
 """One rank of the pp x dp training run that tests/integration/test_pipeline_dp.py starts
-with torchrun; dp replica 0 of each stage saves its stage's parameters at the end. With
---trace every rank also writes trace<rank>.json: its stage, its replica, torch's planned
-compute order for its stage, and the compute actions it really ran, one list per step."""
+with torchrun; dp replica 0 of each stage saves its stage's parameters at the end (with
+--save-replicas every replica saves stage<s>.replica<r>.pt). With --trace every rank also
+writes trace<rank>.json: its stage, its replica, torch's planned compute order for its
+stage, and the compute actions it really ran, one list per step."""
 
 from __future__ import annotations
 
@@ -49,13 +50,17 @@ def main() -> None:
     p.add_argument("--staleness", type=int, default=0)
     p.add_argument("--max-grad-norm", type=float, default=None)
     p.add_argument("--trace", action="store_true", help="record the compute actions run into trace<rank>.json")
+    p.add_argument("--dp-compression", default="none")
+    p.add_argument("--compression-warmup-steps", type=int, default=0)
+    p.add_argument("--save-replicas", action="store_true", help="every replica saves stage<s>.replica<r>.pt")
     args = p.parse_args()
     ctx = init_distributed(args.pp, args.dp)
     model = PipelineTrainer(
         layers(), loss_fn, ctx=ctx, microbatches=args.microbatches, schedule=args.schedule,
         optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
         daemons=args.daemons.split(",") if args.daemons else None, shard_bytes=4096,
-        staleness=args.staleness, max_grad_norm=args.max_grad_norm,
+        staleness=args.staleness, max_grad_norm=args.max_grad_norm, dp_compression=args.dp_compression,
+        compression_warmup_steps=args.compression_warmup_steps,
     )  # fmt: skip
     recorder = ScheduleRecorder(model.stage) if args.trace else None
     ran: list[list[tuple[str, int]]] = []
@@ -74,12 +79,13 @@ def main() -> None:
         planned = compute_order(model.schedule.pipeline_order)[ctx.grid.stage]
         trace = {"stage": ctx.grid.stage, "replica": ctx.grid.replica, "planned": planned, "steps": ran}
         (Path(args.out) / f"trace{ctx.grid.rank}.json").write_text(json.dumps(trace))
-    if ctx.grid.replica == 0:
+    if ctx.grid.replica == 0 or args.save_replicas:
         start, _ = model.bounds[ctx.grid.stage]
         state = {
             f"{start + int(k.split('.')[0])}.{k.split('.', 1)[1]}": v for k, v in model.module.state_dict().items()
         }
-        torch.save(state, Path(args.out) / f"stage{ctx.grid.stage}.pt")
+        name = f"stage{ctx.grid.stage}.replica{ctx.grid.replica}" if args.save_replicas else f"stage{ctx.grid.stage}"
+        torch.save(state, Path(args.out) / f"{name}.pt")
     model.close()
     torch.distributed.destroy_process_group()
 

@@ -132,3 +132,26 @@ def test_a_rank_that_dies_mid_run_fails_the_job_with_its_name_instead_of_hanging
     finally:
         for daemon in daemons:
             daemon.kill()
+
+
+@pytest.mark.slow
+def test_onebit_compressed_all_reduce_keeps_replicas_identical_and_the_update_on_course(tmp_path):
+    """1-bit all-reduce with error feedback after 2 plain steps (in-process AdamW, which
+    would let replicas drift apart if their reduced gradients differed in one bit): each
+    replica saves its stage, and the parameters move as the exact run's do, not equal."""
+    result = _torchrun(tmp_path, "--dp-compression", "onebit", "--compression-warmup-steps", "2", "--save-replicas")
+    assert result.returncode == 0, result.stderr[-4000:]
+    replicas = [{**torch.load(tmp_path / f"stage0.replica{r}.pt"), **torch.load(tmp_path / f"stage1.replica{r}.pt")}
+                for r in range(DP)]  # fmt: skip
+    assert sorted(replicas[0]) == sorted(replicas[1])
+    for name, value in replicas[0].items():
+        assert torch.equal(value, replicas[1][name]), name
+    initial = torch.nn.Sequential(*worker.layers()).state_dict()
+    reference = _reference()
+    for name, exact in reference.items():
+        got, start = replicas[0][name], initial[name]
+        moved, exact_moved = (got - start).flatten(), (exact - start).flatten()
+        off = float((moved - exact_moved).norm() / exact_moved.norm())
+        assert 1e-4 < off < 0.5, (name, off)  # compressed (not exact), yet close to the exact move
+        cosine = float(torch.nn.functional.cosine_similarity(moved, exact_moved, dim=0))
+        assert cosine > 0.9, (name, cosine)
