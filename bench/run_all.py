@@ -8,11 +8,16 @@ import re
 import shutil
 
 from bench import (
+    compress_cpu,
+    compress_gpu,
+    compression_convergence,
+    fused_decompress_adamw,
     nvme_io,
     nvme_train_step,
     optimizer_step,
     pipeline_efficiency,
     ps_overhead_pp_dp,
+    staleness_convergence,
     train_step_overhead,
     transport,
 )
@@ -49,6 +54,11 @@ def main() -> None:
     train_step_overhead.main()
     pipeline_efficiency.main([])
     ps_overhead_pp_dp.main([])
+    staleness_convergence.main()
+    compress_cpu.main()
+    compress_gpu.main()  # says so and records nothing without CUDA
+    fused_decompress_adamw.main()
+    compression_convergence.main()
     if shutil.which("fio"):
         nvme_io.main()
         nvme_train_step.main()

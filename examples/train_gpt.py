@@ -8,7 +8,9 @@ a torch.optim optimizer, and `opt.step()` as usual. Under torchrun with --pp/--d
 a list of layers, split into pp pipeline stages with dp data-parallel replicas each
 (trainer.parallel.PipelineTrainer). `--local` trains the same model with
 torch.optim.AdamW(fused=True) in-process instead, for comparison; `--staleness 1` uses the
-delayed parameter update (the daemons apply step t while step t+1 computes).
+delayed parameter update (the daemons apply step t while step t+1 computes);
+`--compression onebit` (or bf16, fp16, topk) compresses the pushes after
+`--compression-warmup-steps` plain steps (onebit under AdamW is 1-bit Adam).
 
 Daemons: --daemons, else $PS_DAEMONS, else the TOML file $PS_CLUSTER_FILE (or --cluster-file)
 with `daemons = ["host:port", ...]`; the same ordered list on every node.
@@ -20,6 +22,7 @@ import argparse
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +49,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine decay")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--staleness", type=int, choices=(0, 1), default=0, help="1: delayed parameter update")
+    p.add_argument(
+        "--compression",
+        choices=("none", "bf16", "fp16", "onebit", "topk"),
+        default="none",
+        help="how pushes travel (one process): onebit is 1-bit Adam under AdamW",
+    )
+    p.add_argument(
+        "--compression-warmup-steps",
+        type=int,
+        default=None,
+        help="uncompressed steps first (default: a fifth of --steps when compressing)",
+    )
     p.add_argument("--shard-bytes", type=int, default=1 << 20)
     p.add_argument("--model-name", default="char-gpt")
     p.add_argument("--seed", type=int, default=0)
@@ -65,6 +80,12 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def compression_warmup_steps(args: argparse.Namespace) -> int:
+    if args.compression_warmup_steps is not None:
+        return args.compression_warmup_steps
+    return max(1, args.steps // 5) if args.compression != "none" else 0
+
+
 def build(args: argparse.Namespace) -> tuple[TinyGPT, CharDataset]:
     torch.manual_seed(args.seed)
     data = CharDataset(CORPUS.read_text(), args.block_size, seed=args.seed)
@@ -79,7 +100,8 @@ def no_weight_decay(name: str, p: torch.nn.Parameter) -> bool:
     return p.dim() < 2  # biases and norms, as nanoGPT does
 
 
-def train(args: argparse.Namespace) -> list[float]:
+def train(args: argparse.Namespace, on_step: Callable[[object], None] | None = None) -> list[float]:
+    """Trains in this process; returns the losses. `on_step(opt)` runs after every step."""
     model, data = build(args)
     if args.local:
         decay = [p for n, p in model.named_parameters() if not no_weight_decay(n, p)]
@@ -97,9 +119,13 @@ def train(args: argparse.Namespace) -> list[float]:
             shard_bytes=args.shard_bytes,
             no_weight_decay=no_weight_decay,
             staleness=args.staleness,
+            compression=args.compression,
+            compression_warmup_steps=compression_warmup_steps(args),
         )
     n_params = sum(p.numel() for p in model.parameters())
     where = "in-process AdamW" if args.local else f"AdamW on {','.join(daemons)}"
+    if args.compression != "none" and not args.local:
+        where += f", {args.compression} pushes after {compression_warmup_steps(args)} plain steps"
     print(f"model: {n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}; optimizer: {where}")
     losses: list[float] = []
     started = time.perf_counter()
@@ -118,6 +144,8 @@ def train(args: argparse.Namespace) -> list[float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step(opt)
         if step % 10 == 0 or step == args.steps - 1:
             bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}", lr=f"{lr:.1e}")
     elapsed = time.perf_counter() - started
@@ -127,6 +155,10 @@ def train(args: argparse.Namespace) -> list[float]:
         f"loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f} "
         f"in {args.steps} steps, {1000 * elapsed / args.steps:.1f} ms/step"
     )
+    if not args.local:
+        print(
+            f"pushed {opt.bytes_pushed / 1e6:.1f} MB to the daemons ({opt.bytes_pushed / args.steps / 1e3:.1f} kB/step)"
+        )
     if args.sample:
         print("sample:", repr(sample(model, data, args.sample)))
     if not args.local:
@@ -210,6 +242,11 @@ def main() -> None:
             raise SystemExit(f"train_gpt.py: {exc}") from None
         args.cluster_file = None
     if args.pp * args.dp > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if args.compression != "none":
+            raise SystemExit(
+                "train_gpt.py: --compression compresses one process's pushes; under torchrun the pipeline "
+                "trainer compresses its data-parallel all-reduce instead (PipelineTrainer(dp_compression=...))"
+            )
         train_pipeline(args)
     else:
         train(args)

@@ -1,26 +1,36 @@
-"""The daemon's fused 1-bit decompress + AdamW step (Numba CPU).
+"""The daemon's fused 1-bit Adam step (Numba CPU): a MOMENTUM push in ONEBIT encoding.
 
-A ONEBIT gradient push (proto/ps.proto: one fp32 scale per 1024-element block, then one sign
-bit per element) is applied in one pass over the shard: each block reads its scale and its
-128 bytes of signs, and updates m, v and the fp32 master in place. No fp32 gradient is
-materialised, so the step streams 12 bytes per element in and 12 out plus 1/8 byte of
-signs, where decompressing first and then running torch's fused AdamW streams 4 + 16 in and
-12 out (and writes the 4-byte gradient once more when decompressing).
+In 1-bit Adam's compression stage (Tang et al., 2021; DeepSpeed's OnebitAdam) the trainer
+keeps AdamW's first moment, compresses it to signs and a scale per 1024-element block with
+error feedback, and replaces its own copy with the decompressed value; the second moment
+stays as the uncompressed warm-up left it. The daemon's share is then, per element:
 
-The arithmetic is torch's (`aten/src/ATen/native/cpu/FusedAdamKernel.cpp`, AdamW mode), in
-fp32 with the same double-precision scalars: decoupled decay p *= 1 - lr * wd;
-m = lerp(m, g, 1 - beta1); v = beta2 * v + (1 - beta2) * g * g;
-p -= (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps). torch's binary rounds
-some of these through fused multiply-adds (its compiler contracts them): the lerp, and the
-second moment as fma((1 - beta2) g, g, beta2 v) in its vector loop but
-fma(v, beta2, (1 - beta2) g g) in the scalar tail, the last len % lanes elements of each
-parameter. This kernel rounds the same way, taking the lane count from torch's CPU
-capability, and matches torch on the decompressed gradient bit for bit on the machines
-tested. That is an observation about a build, not a contract (another compiler or CPU may
-round otherwise), so tests compare within a few fp32 ulps.
+    m_i = +scale or -scale of its block, 0 where v_i == 0      (stored as exp_avg)
+    u_i = clamp((m_i / bc1) / (sqrt(v_i) / sqrt(bc2) + eps), -R, R)
+    p_i = p_i * (1 - lr * wd) - lr * u_i
 
-Weight decay is per parameter: `segments` gives each parameter piece of the shard (start,
-end, weight_decay), as `ps_daemon.optim.ShardOptimizer` groups them for torch.
+with bc1 = 1 - beta1^t (t: updates including this one) and bc2 = 1 - beta2^t_frozen (v's
+bias correction stays where v stopped, so the step size does not drift after the freeze).
+
+Two guards that plain 1-bit Adam lacks, both for elements whose frozen v says little:
+* v_i == 0: the element had no gradient in the whole warm-up (a dead unit, an unused
+  embedding row) and has no preconditioner; it is not moved by the momentum (DeepSpeed asks
+  the user for such a mask, `exp_avg_mask`). Signs cannot say "zero", so without this such
+  an element would be stepped by scale / eps.
+* The cap R = (1 - beta1) / sqrt((1 - beta2) (1 - beta1^2 / beta2)) is the largest |m / sqrt(v)|
+  that exact Adam can reach (Cauchy-Schwarz over the two moving averages; 7.27 for betas
+  (0.9, 0.999), 1.17 for (0.9, 0.95); no cap when beta1^2 >= beta2). A block's scale is
+  the mean |m| of its 1024 elements, so an element with a tiny v (a unit that fired once in
+  the warm-up) would otherwise be stepped by scale / sqrt(v), thousands of times further
+  than Adam would move it; that diverged in tests. The cap never binds on a momentum that
+  Adam itself could have produced with that v.
+One pass over the shard: it reads p and v and 1/8 byte of signs and writes p and m, 16 bytes
+per element, where torch's fused AdamW on an fp32 gradient reads p, m, v and g and writes
+p, m and v, 28 bytes. No fp32 gradient or momentum is materialised beyond one block in L1.
+
+The arithmetic is in fp32, decay first, then the step, so the same update written in plain
+torch (`adam_frozen_variance_`) agrees within an ulp or two (the compiler may contract a
+multiply-add); tests compare the two, and that one with the formula in float64.
 
 Parallel over chunks of blocks (numba prange), so one call uses every core; callers that run
 it from several threads serialize the calls (the daemon does: ps_daemon.encodings.KERNEL_LOCK),
@@ -35,22 +45,8 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 import torch
-from numba import types
-from numba.extending import intrinsic
 
 from kernels import BLOCK
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """a * b + c rounded once (LLVM's llvm.fma; one instruction on x86-64 with FMA3)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.fma(*args)
-
-    return sig, codegen
-
 
 # error_model="numpy": a float division by zero gives inf/nan as in C instead of raising, which
 # also lets LLVM vectorize the loops (the Python model's zero check is a branch per element).
@@ -58,11 +54,11 @@ _JIT = dict(error_model="numpy", nogil=True)
 
 
 @numba.njit(inline="always", **_JIT)
-def _expand_signs(bits, g_abs, start, end, out):
-    """out[: end - start] = +-g_abs from the sign bits of elements start..end (start % 8 == 0).
+def _expand_signs(bits, scale, start, end, out):
+    """out[: end - start] = +-scale from the sign bits of elements start..end (start % 8 == 0).
     64 at a time from a 64-bit word, so that every lane's bit mask is a constant and the
     selects vectorize (variable shifts per element were 2.5x slower); the rest one by one."""
-    neg = -g_abs
+    neg = -scale
     first = start >> 3
     words = (end - start) >> 6
     for k in range(words):
@@ -70,77 +66,53 @@ def _expand_signs(bits, g_abs, start, end, out):
         for t in range(8):
             word |= np.uint64(bits[first + 8 * k + t]) << np.uint64(8 * t)
         for j in range(64):
-            out[64 * k + j] = g_abs if (word >> np.uint64(j)) & np.uint64(1) else neg
+            out[64 * k + j] = scale if (word >> np.uint64(j)) & np.uint64(1) else neg
     for i in range(64 * words, end - start):
         e = start + i
-        out[i] = g_abs if (bits[e >> 3] >> (e & 7)) & 1 else neg
+        out[i] = scale if (bits[e >> 3] >> (e & 7)) & 1 else neg
 
 
 @numba.njit(inline="always", **_JIT)
-def _adamw(p, m, v, g, decay, w, beta2, c2, neg_step, bc2_sqrt, eps, lerp_small, fused_v):
-    """AdamW on equal-length slices p, m, v with gradient g. `lerp_small` and `fused_v` are
-    literals at every call, so each combination compiles to its own vector loop.
-    lerp(m, g, w) as torch: m + w (g - m) for |w| < 0.5, else g - (1 - w)(g - m). `fused_v`:
-    the second moment rounded as torch's vector loop rounds it, else as its scalar tail."""
-    a = w if lerp_small else w - np.float32(1.0)
+def _step(p, m, v, momentum, decay, inv_bc1, bc2_sqrt, eps, cap, neg_lr):
+    """m = momentum (0 where v == 0); u = clamp(m * inv_bc1 / (sqrt(v) / bc2_sqrt + eps), +-cap);
+    p = p * decay + neg_lr * u, on equal-length slices."""
     for i in range(p.shape[0]):
-        gi = g[i]
-        mi = _fma(a, gi - m[i], m[i] if lerp_small else gi)
-        vi = _fma(c2 * gi, gi, v[i] * beta2) if fused_v else _fma(v[i], beta2, c2 * gi * gi)
+        vi = v[i]
+        mi = momentum[i] if vi > 0 else np.float32(0.0)
         m[i] = mi
-        v[i] = vi
-        p[i] = p[i] * decay + neg_step * mi / (math.sqrt(vi) / bc2_sqrt + eps)
-
-
-@numba.njit(inline="always", **_JIT)
-def _adamw_piece(p, m, v, g, decay, w, beta2, c2, neg_step, bc2_sqrt, eps, lerp_small, fused_v):
-    if lerp_small:
-        _adamw(p, m, v, g, decay, w, beta2, c2, neg_step, bc2_sqrt, eps, True, fused_v)
-    else:
-        _adamw(p, m, v, g, decay, w, beta2, c2, neg_step, bc2_sqrt, eps, False, fused_v)
+        u = min(max(mi * inv_bc1 / (math.sqrt(vi) / bc2_sqrt + eps), -cap), cap)
+        p[i] = p[i] * decay + neg_lr * u
 
 
 @numba.njit(parallel=True, cache=True, **_JIT)
-def _onebit_adamw(
-    p, m, v, bits, scales, seg_end, seg_decay, lanes, threads, lerp_small, w, beta2, c2, neg_step, bc2_sqrt, eps
-):
-    """One AdamW step on p, m, v (fp32, n) from 1-bit signs and per-block scales.
-
-    seg_end: int64 ends of the parameter pieces (ascending, the last = n); seg_decay: the
-    fp32 factor 1 - lr * wd of each; lanes: torch's vector width (the last len % lanes
-    elements of each piece take its scalar tail); threads: numba's (passed in, as a call
-    through its ctypes pointer here would keep the kernel out of the on-disk cache).
-    Scalars are fp32 as torch casts them."""
+def _onebit_adam(p, m, v, bits, scales, seg_end, seg_decay, threads, inv_bc1, bc2_sqrt, eps, cap, neg_lr):
+    """One 1-bit Adam step on p, m, v (fp32, n) from signs and per-block scales. seg_end: the
+    int64 ends of the parameter pieces (ascending, the last = n); seg_decay: the fp32 factor
+    1 - lr * wd of each; threads: numba's (passed in: reading it inside would keep the kernel
+    out of the on-disk cache). Scalars are fp32 as torch casts them."""
     n = p.shape[0]
     nblocks = scales.shape[0]
     chunks = min(nblocks, 8 * threads)  # a few per thread, for balance
     per = (nblocks + chunks - 1) // chunks
     for c in numba.prange(chunks):
-        g = np.empty(BLOCK, np.float32)  # one block's gradient, in L1; never the whole shard's
+        block = np.empty(BLOCK, np.float32)  # one block's momentum, in L1
         for b in range(c * per, min(nblocks, (c + 1) * per)):
             base = b * BLOCK
             end = min(base + BLOCK, n)
-            _expand_signs(bits, scales[b], base, end, g)
+            _expand_signs(bits, scales[b], base, end, block)
             s = np.searchsorted(seg_end, base, side="right")
             start = base
             while start < end:  # the parameter pieces in this block
-                piece_start = seg_end[s - 1] if s > 0 else 0
                 stop = min(end, seg_end[s])
-                tail = max(start, min(stop, seg_end[s] - (seg_end[s] - piece_start) % lanes))
-                decay = seg_decay[s]
-                _adamw_piece(
-                    p[start:tail], m[start:tail], v[start:tail], g[start - base : tail - base],
-                    decay, w, beta2, c2, neg_step, bc2_sqrt, eps, lerp_small, True,
-                )  # fmt: skip
-                _adamw_piece(
-                    p[tail:stop], m[tail:stop], v[tail:stop], g[tail - base : stop - base],
-                    decay, w, beta2, c2, neg_step, bc2_sqrt, eps, lerp_small, False,
+                _step(
+                    p[start:stop], m[start:stop], v[start:stop], block[start - base : stop - base],
+                    seg_decay[s], inv_bc1, bc2_sqrt, eps, cap, neg_lr,
                 )  # fmt: skip
                 start = stop
                 s += 1
 
 
-def onebit_adamw_(
+def onebit_adam_(
     param: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
@@ -148,17 +120,19 @@ def onebit_adamw_(
     scales: torch.Tensor,
     *,
     segments: Sequence[tuple[int, int, float]],
-    step: float,
+    step: int,
+    variance_frozen_at: int,
     lr: float,
     beta1: float,
     beta2: float,
     eps: float,
 ) -> None:
-    """AdamW on `param` (the fp32 master of one shard, n elements) with the gradient given as
-    1-bit signs `bits` (uint8, ceil(n/8)) and block scales `scales` (fp32, ceil(n/BLOCK)),
-    updating `exp_avg` and `exp_avg_sq` in place. `step` is the step count after this update
-    (torch's state_step, already incremented). `segments`: (start, end, weight_decay) per
-    parameter piece, tiling [0, n) in order. Raises ValueError on mismatched inputs."""
+    """1-bit Adam's update of `param` (the fp32 master of one shard, n elements) from the
+    trainer's momentum given as signs `bits` (uint8, ceil(n/8), LSB first) and block scales
+    `scales` (fp32, ceil(n/BLOCK)): `exp_avg` becomes the decompressed momentum, `exp_avg_sq`
+    is read only. `step`: updates including this one (t of bc1); `variance_frozen_at`: the
+    updates after which exp_avg_sq stopped (t of bc2). `segments`: (start, end, weight_decay)
+    per parameter piece, tiling [0, n) in order. Raises ValueError on mismatched inputs."""
     n = param.numel()
     for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
@@ -179,34 +153,57 @@ def onebit_adamw_(
     ends = [end for _, end, _ in segments]
     if not segments or starts[0] != 0 or ends[-1] != n or starts[1:] != ends[:-1]:
         raise ValueError(f"segments must tile [0, {n}) in order, got {[(s, e) for s, e, _ in segments]}")
-    if step < 1:
-        raise ValueError(f"step counts updates including this one and must be >= 1, got {step}")
-    # Scalars as torch's CPU kernel forms them: in double, then cast to fp32 where used.
+    if not 1 <= variance_frozen_at <= step:
+        raise ValueError(f"need 1 <= variance_frozen_at <= step, got {variance_frozen_at} and {step}")
+    # Scalars formed in double, then cast to fp32 where used (as torch's CPU AdamW does).
     f32 = np.float32
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    decay = np.array([1 - lr * wd for _, _, wd in segments], dtype=np.float32)
-    w = 1 - beta1
-    _onebit_adamw(
+    _onebit_adam(
         param.numpy(),
         exp_avg.numpy(),
         exp_avg_sq.numpy(),
         bits.numpy(),
         scales.numpy(),
         np.array(ends, dtype=np.int64),
-        decay,
-        _torch_lanes(),
+        np.array([1 - lr * wd for _, _, wd in segments], dtype=np.float32),
         numba.get_num_threads(),
-        abs(f32(w)) < f32(0.5),
-        f32(w),
-        f32(beta2),
-        f32(1 - beta2),
-        f32(-(lr / bias_correction1)),
-        f32(math.sqrt(bias_correction2)),
+        f32(1 / (1 - beta1**step)),
+        f32(math.sqrt(1 - beta2**variance_frozen_at)),
         f32(eps),
+        f32(step_cap(beta1, beta2)),
+        f32(-lr),
     )
 
 
-def _torch_lanes() -> int:
-    """fp32 lanes of torch's CPU vector loops (its scalar tails are the last len % lanes)."""
-    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+def step_cap(beta1: float, beta2: float) -> float:
+    """R, the largest |m / sqrt(v)| exact Adam can reach with these betas (inf if unbounded)."""
+    if beta1 * beta1 >= beta2:
+        return math.inf
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
+
+
+def adam_frozen_variance_(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    momentum: torch.Tensor,
+    *,
+    segments: Sequence[tuple[int, int, float]],
+    step: int,
+    variance_frozen_at: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
+    """The same update in plain torch, from an fp32 `momentum` (a MOMENTUM push that is not
+    ONEBIT, once decompressed); also the oracle the fused kernel is tested against."""
+    if not 1 <= variance_frozen_at <= step:
+        raise ValueError(f"need 1 <= variance_frozen_at <= step, got {variance_frozen_at} and {step}")
+    exp_avg.copy_(momentum).masked_fill_(exp_avg_sq == 0, 0.0)
+    inv_bc1 = 1 / (1 - beta1**step)
+    bc2_sqrt = math.sqrt(1 - beta2**variance_frozen_at)
+    cap = step_cap(beta1, beta2)
+    for start, end, wd in segments:
+        p, m, v = param[start:end], exp_avg[start:end], exp_avg_sq[start:end]
+        u = (m * inv_bc1).div_(v.sqrt().div_(bc2_sqrt).add_(eps)).clamp_(-cap, cap)
+        p.mul_(1 - lr * wd).add_(u, alpha=-lr)

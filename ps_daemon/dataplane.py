@@ -74,14 +74,14 @@ class _Handler(socketserver.BaseRequestHandler):
             pull = request.pull
             cap = self.server.max_pull_wait
             timeout = min(request.timeout_ms / 1000, cap) if request.timeout_ms else cap
-            with store.pull(pull.model, pull.shard_id, min_version=pull.min_version, timeout=timeout) as (
-                shard,
-                version,
-            ):
-                header = wire.shard_header(pull.model, pull.shard_id, version, shard.slice.numel)
+            held = store.pull(
+                pull.model, pull.shard_id, min_version=pull.min_version, timeout=timeout, tensor=wire.pull_tensor(pull)
+            )
+            with held as (tensor, version):
+                header = wire.shard_header(pull.model, pull.shard_id, version, tensor.numel())
                 send_message(sock, ps_pb2.DataResponse(shard=header))
                 # Under the read hold: the bytes sent are one version, never half an update.
-                sock.sendall(memoryview(shard.master.numpy()).cast("B"))
+                sock.sendall(memoryview(tensor.numpy()).cast("B"))
             return True
         if kind == "push":
             header = request.push

@@ -5,10 +5,12 @@ kernels behind `torch.optim.AdamW(fused=True)` and `SGD(fused=True)`) over one v
 parameter piece of the shard. Same kernel, same traversal, same inputs: the daemon's
 parameters are bit-identical to an in-process torch.optim run on the same gradients.
 
-A ONEBIT gradient under AdamW is applied by kernels.fused_adamw instead, which reads the
-signs and block scales and updates master, m and v in one pass (equal to torch's kernel on
-the decompressed gradient within fp32 rounding; its docstring says where they may differ).
-Every other compressed gradient reaches `apply` already decompressed to fp32 (ShardStore.push).
+A MOMENTUM push (1-bit Adam's compression stage, AdamW only) is applied by `apply_momentum`:
+exp_avg becomes the trainer's momentum, exp_avg_sq stays frozen, and the master takes
+AdamW's step. In ONEBIT encoding it runs kernels.fused_adamw.onebit_adam_, which reads the
+signs and block scales and updates the master and exp_avg in one pass; any other encoding
+arrives decompressed to fp32. Compressed GRADIENT pushes reach `apply` decompressed
+(ShardStore.push), so they run the same fused torch kernels as RAW ones.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.fused_adamw import onebit_adamw_
+from kernels.fused_adamw import adam_frozen_variance_, onebit_adam_
 from ps_daemon.encodings import KERNEL_LOCK, OneBitGradient
 from ps_daemon.plan import Segment
 
@@ -84,7 +86,7 @@ class ShardOptimizer:
         for segment, decay in zip(segments, weight_decays, strict=True):
             groups[decay].append(segment)
         self._groups = dict(groups)
-        # The same pieces in shard order, for the fused 1-bit kernel: (start, end, decay).
+        # The same pieces in shard order, for the 1-bit Adam update: (start, end, decay).
         self._pieces = sorted(
             (s.shard_start, s.shard_start + s.numel, d) for s, d in zip(segments, weight_decays, strict=True)
         )
@@ -98,34 +100,36 @@ class ShardOptimizer:
             )
         self.state = state
 
-    def fuses(self, grad: object) -> bool:
-        """Whether `apply` takes this compressed gradient as it is (else decompress it first)."""
-        return isinstance(grad, OneBitGradient) and isinstance(self.config, AdamWConfig)
+    def apply_momentum(
+        self, master: torch.Tensor, momentum: torch.Tensor | OneBitGradient, lr: float, variance_frozen_at: int
+    ) -> None:
+        """1-bit Adam's step (AdamW only): exp_avg = `momentum` (fp32 with the shard's numel,
+        or ONEBIT signs and scales, applied fused), exp_avg_sq as it was after
+        `variance_frozen_at` updates; see kernels/fused_adamw.py."""
+        config = self.config
+        if not isinstance(config, AdamWConfig):
+            raise TypeError(f"momentum pushes are 1-bit Adam's; this shard runs {type(config).__name__}")
+        self.step += 1
+        m, v = self.state
+        args = dict(
+            segments=self._pieces,
+            step=int(self.step.item()),
+            variance_frozen_at=variance_frozen_at,
+            lr=lr,
+            beta1=config.beta1,
+            beta2=config.beta2,
+            eps=config.eps,
+        )
+        if isinstance(momentum, OneBitGradient):
+            with KERNEL_LOCK:
+                onebit_adam_(master, m, v, momentum.bits, momentum.scales, **args)
+        else:
+            adam_frozen_variance_(master, m, v, momentum, **args)
 
-    def apply(self, master: torch.Tensor, grad: torch.Tensor | OneBitGradient, lr: float) -> None:
-        """One optimizer step: master -= update(grad). `grad` is fp32 with the shard's numel,
-        or a ONEBIT gradient when `fuses(grad)`."""
+    def apply(self, master: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+        """One optimizer step: master -= update(grad). `grad` is fp32 with the shard's numel."""
         self.step += 1
         config = self.config
-        if isinstance(grad, OneBitGradient):
-            if not self.fuses(grad):
-                raise TypeError(f"{type(config).__name__} takes a ONEBIT gradient only decompressed")
-            m, v = self.state
-            with KERNEL_LOCK:
-                onebit_adamw_(
-                    master,
-                    m,
-                    v,
-                    grad.bits,
-                    grad.scales,
-                    segments=self._pieces,
-                    step=float(self.step.item()),
-                    lr=lr,
-                    beta1=config.beta1,
-                    beta2=config.beta2,
-                    eps=config.eps,
-                )
-            return
         for decay, segments in self._groups.items():
             views = [slice(s.shard_start, s.shard_start + s.numel) for s in segments]
             params = [master[v] for v in views]

@@ -32,7 +32,7 @@ from ps_daemon.errors import (
     ResourceExhausted,
     StorageError,
 )
-from ps_daemon.optim import OptimizerConfig, ShardOptimizer, validate_optimizer
+from ps_daemon.optim import AdamWConfig, OptimizerConfig, ShardOptimizer, validate_optimizer
 from ps_daemon.plan import (
     FP32_BYTES,
     ParamLayout,
@@ -93,6 +93,11 @@ def allocate_arena(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     return arena_tensor(nbytes // FP32_BYTES, nbytes)
 
 
+# The fp32 tensors a pull can stream (proto ShardTensor, in its order): the master values,
+# then AdamW's state in the order the arena holds it.
+SHARD_TENSORS = ("master", "exp_avg", "exp_avg_sq")
+
+
 class Shard:
     """One shard's master values, optimizer state and version.
 
@@ -150,6 +155,20 @@ class Shard:
         views = [self.arena[i * step : i * step + numel] for i in range(1 + self.optimizer.config.state_per_param)]
         self.master = views[0]
         self.optimizer.bind(views[1:])
+
+    def check_tensor(self, name: str) -> None:
+        """Raises unless `name` (one of SHARD_TENSORS) is a tensor this shard holds."""
+        if name not in SHARD_TENSORS:
+            raise InvalidArgument(f"unknown shard tensor {name!r}; one of {', '.join(SHARD_TENSORS)}")
+        if name != "master" and not isinstance(self.optimizer.config, AdamWConfig):
+            raise FailedPrecondition(
+                f"shard {self.slice.shard_id} of model {self.model!r} runs {type(self.optimizer.config).__name__}, "
+                f"which has no {name}"
+            )
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The master values or an AdamW state tensor (check_tensor first); resident only."""
+        return self.master if name == "master" else self.optimizer.state[SHARD_TENSORS.index(name) - 1]
 
     def detach(self) -> tuple[torch.Tensor, memoryview | None] | None:
         """Gives the arena back (eviction); None if there was none."""
@@ -499,18 +518,30 @@ class ShardStore:
     # -- data path ----------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def pull(self, model: str, shard_id: int, *, min_version: int, timeout: float) -> Iterator[tuple[Shard, int]]:
-        """Holds the shard for reading at min_version or later: yields (shard, version). The
-        caller streams `shard.master` while inside the block."""
+    def pull(
+        self, model: str, shard_id: int, *, min_version: int, timeout: float, tensor: str = "master"
+    ) -> Iterator[tuple[torch.Tensor, int]]:
+        """Holds the shard for reading at min_version or later: yields (its `tensor`, version),
+        the tensor one of SHARD_TENSORS. The caller streams the tensor inside the block."""
         shard = self.shard(model, shard_id)
+        shard.check_tensor(tensor)
         with self._using(shard), shard.reading(min_version, timeout) as version:
-            yield shard, version
+            yield shard.tensor(tensor), version
         with self._lock:
             self.stats.pulls += 1
             self.stats.bytes_pulled += shard.nbytes
 
     def check_push(
-        self, model: str, shard_id: int, *, step: int, kind: str, nbytes: int, dtype: str, encoding: str = "raw"
+        self,
+        model: str,
+        shard_id: int,
+        *,
+        step: int,
+        kind: str,
+        nbytes: int,
+        dtype: str,
+        encoding: str = "raw",
+        variance_frozen_at: int | None = None,
     ) -> PushResult | None:
         """Validates a push header before its payload is read. Returns the acknowledgement
         for a push that was applied before (no payload needed), else None."""
@@ -526,6 +557,7 @@ class ShardStore:
                 f"{where}: initial PARAMETERS must be RAW float32 (they are the master values), "
                 f"got encoding {encoding.upper()}; only gradients may be compressed"
             )
+        _check_momentum(shard, where, step=step, kind=kind, variance_frozen_at=variance_frozen_at)
         check_size(encoding, nbytes, shard.slice.numel, where)
         with shard.cond:
             return self._check_step_locked(shard, step, kind)
@@ -560,11 +592,13 @@ class ShardStore:
         data: torch.Tensor | CompressedGradient,
         lr: float | None,
         scratch: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
+        variance_frozen_at: int | None = None,
     ) -> PushResult:
-        """Applies a gradient (or writes initial values) held in `data`: fp32 with the shard's
-        numel, or a compressed gradient (ps_daemon.encodings). One the optimizer cannot apply
-        as it is (all but ONEBIT under AdamW) is first decompressed into an fp32 buffer from
-        `scratch(numel)` (a StagingPool's borrow; a fresh tensor if None)."""
+        """Applies a gradient or a momentum (1-bit Adam), or writes initial values, held in
+        `data`: fp32 with the shard's numel, or compressed (ps_daemon.encodings). Compressed
+        values that the optimizer does not take as they are (all but a ONEBIT momentum) are
+        first decompressed into an fp32 buffer from `scratch(numel)` (a StagingPool's borrow;
+        a fresh tensor if None)."""
         shard = self.shard(model, shard_id)
         numel = shard.slice.numel
         compressed = not isinstance(data, torch.Tensor)
@@ -575,15 +609,17 @@ class ShardStore:
             raise InvalidArgument(
                 f"push to shard {shard_id}: got {data.numel()} {data.dtype}, expected {numel} float32"
             )
-        if compressed and kind != "gradient":
+        if compressed and kind == "parameters":
             raise InvalidArgument(f"push to shard {shard_id}: initial parameters must be RAW float32")
+        _check_momentum(shard, f"push to shard {shard_id}", step=step, kind=kind, variance_frozen_at=variance_frozen_at)
         payload_bytes = _payload_bytes(data)
+        fused = kind == "momentum" and isinstance(data, OneBitGradient)
         with contextlib.ExitStack() as held:
-            if compressed and not shard.optimizer.fuses(data):
+            if compressed and not fused:
                 # Outside the shard's lock: the payload and the buffer are this push's own.
                 out = held.enter_context(scratch(numel)) if scratch else torch.empty(numel, dtype=torch.float32)
                 data = data.decompress(out[:numel])
-            if kind == "gradient":
+            if kind != "parameters":
                 self._learn_order(shard, step)
             with self._using(shard), shard.writing_lock():
                 # Re-checked under the lock: a retry may have raced the first attempt.
@@ -598,7 +634,11 @@ class ShardStore:
                     self._commit(shard)
                 else:
                     started = time.perf_counter()
-                    shard.optimizer.apply(shard.master, data, shard.optimizer.config.lr if lr is None else lr)
+                    lr = shard.optimizer.config.lr if lr is None else lr
+                    if kind == "momentum":
+                        shard.optimizer.apply_momentum(shard.master, data, lr, variance_frozen_at)
+                    else:
+                        shard.optimizer.apply(shard.master, data, lr)
                     elapsed = time.perf_counter() - started
                     shard.version += 1
                     self._commit(shard)
@@ -710,6 +750,25 @@ def _tier_errors(use):
             yield
     except TierFull as exc:
         raise ResourceExhausted(str(exc)) from exc
+
+
+def _check_momentum(shard: Shard, where: str, *, step: int, kind: str, variance_frozen_at: int | None) -> None:
+    """A MOMENTUM push needs an AdamW shard and a variance frozen after 1..step updates;
+    variance_frozen_at belongs to MOMENTUM pushes only."""
+    if kind != "momentum":
+        if variance_frozen_at is not None:
+            raise InvalidArgument(f"{where}: variance_frozen_at is for MOMENTUM pushes only, this is {kind.upper()}")
+        return
+    if not isinstance(shard.optimizer.config, AdamWConfig):
+        raise FailedPrecondition(
+            f"{where}: MOMENTUM pushes are 1-bit Adam's compression stage and need an AdamW model; "
+            f"model {shard.model!r} runs {type(shard.optimizer.config).__name__} (push gradients instead)"
+        )
+    if variance_frozen_at is None or not 1 <= variance_frozen_at <= step:
+        raise InvalidArgument(
+            f"{where}: a MOMENTUM push for step {step} needs variance_frozen_at in [1, {step}] (the uncompressed "
+            f"warm-up steps after which exp_avg_sq stopped), got {variance_frozen_at}"
+        )
 
 
 def _payload_bytes(data: torch.Tensor | CompressedGradient) -> int:

@@ -9,11 +9,11 @@ from ps_daemon.buffers import StagingPool
 from ps_daemon.encodings import parse
 from ps_daemon.errors import InvalidArgument
 from ps_daemon.optim import AdamWConfig, SGDConfig
-from ps_daemon.store import ModelSpec, ParamSpec, RegisteredModel, ShardStore
+from ps_daemon.store import SHARD_TENSORS, ModelSpec, ParamSpec, RegisteredModel, ShardStore
 from ps_proto import ps_pb2
 
 DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
-PUSH_KINDS = {ps_pb2.GRADIENT: "gradient", ps_pb2.PARAMETERS: "parameters"}
+PUSH_KINDS = {ps_pb2.GRADIENT: "gradient", ps_pb2.PARAMETERS: "parameters", ps_pb2.MOMENTUM: "momentum"}
 ENCODING_NAMES = {
     ps_pb2.RAW: "raw",
     ps_pb2.ONEBIT: "onebit",
@@ -64,7 +64,7 @@ def open_push(store: ShardStore, header: ps_pb2.PushHeader) -> ps_pb2.PushRespon
     """Validates a push header before its payload is read. Returns the answer for a push
     that was applied before (its payload need not be read), else None."""
     if header.kind not in PUSH_KINDS:
-        raise InvalidArgument(f"push kind must be GRADIENT or PARAMETERS, got {header.kind}")
+        raise InvalidArgument(f"push kind must be GRADIENT, MOMENTUM or PARAMETERS, got {header.kind}")
     if header.encoding not in ENCODING_NAMES:
         known = ", ".join(ps_pb2.Encoding.Name(e) for e in ENCODING_NAMES)
         raise InvalidArgument(f"push to shard {header.shard_id}: encoding {header.encoding} is unknown; send {known}")
@@ -77,6 +77,7 @@ def open_push(store: ShardStore, header: ps_pb2.PushHeader) -> ps_pb2.PushRespon
         nbytes=header.nbytes,
         dtype=dtype,
         encoding=ENCODING_NAMES[header.encoding],
+        variance_frozen_at=_variance_frozen_at(header),
     )
     if ack is None:
         return None
@@ -107,9 +108,22 @@ def apply_push(
         data=data,
         lr=header.lr if header.HasField("lr") else None,
         scratch=staging.borrow,
+        variance_frozen_at=_variance_frozen_at(header),
     )
     return ps_pb2.PushResponse(applied=result.applied, version=result.version)
 
 
 def shard_header(model: str, shard_id: int, version: int, numel: int) -> ps_pb2.ShardHeader:
     return ps_pb2.ShardHeader(model=model, shard_id=shard_id, version=version, numel=numel, dtype=ps_pb2.FLOAT32)
+
+
+def _variance_frozen_at(header: ps_pb2.PushHeader) -> int | None:
+    return header.variance_frozen_at if header.HasField("variance_frozen_at") else None
+
+
+def pull_tensor(request: ps_pb2.PullRequest) -> str:
+    """The store's name of the tensor a pull asks for."""
+    if not 0 <= request.tensor < len(SHARD_TENSORS):  # proto3 enums are open: any int32 arrives
+        known = ", ".join(ps_pb2.ShardTensor.Name(i) for i in range(len(SHARD_TENSORS)))
+        raise InvalidArgument(f"pull of shard {request.shard_id}: tensor {request.tensor} is unknown; ask for {known}")
+    return SHARD_TENSORS[request.tensor]

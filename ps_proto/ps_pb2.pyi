@@ -28,6 +28,13 @@ class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_KIND_UNSPECIFIED: _ClassVar[PushKind]
     GRADIENT: _ClassVar[PushKind]
     PARAMETERS: _ClassVar[PushKind]
+    MOMENTUM: _ClassVar[PushKind]
+
+class ShardTensor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MASTER: _ClassVar[ShardTensor]
+    EXP_AVG: _ClassVar[ShardTensor]
+    EXP_AVG_SQ: _ClassVar[ShardTensor]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
@@ -41,6 +48,10 @@ TOPK: Encoding
 PUSH_KIND_UNSPECIFIED: PushKind
 GRADIENT: PushKind
 PARAMETERS: PushKind
+MOMENTUM: PushKind
+MASTER: ShardTensor
+EXP_AVG: ShardTensor
+EXP_AVG_SQ: ShardTensor
 
 class ParamSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "weight_decay")
@@ -137,14 +148,16 @@ class RegisterModelResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., created: _Optional[bool] = ..., shard_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "shard_id", "min_version")
+    __slots__ = ("model", "shard_id", "min_version", "tensor")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
     model: str
     shard_id: int
     min_version: int
-    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., min_version: _Optional[int] = ...) -> None: ...
+    tensor: ShardTensor
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., min_version: _Optional[int] = ..., tensor: _Optional[_Union[ShardTensor, str]] = ...) -> None: ...
 
 class ShardHeader(_message.Message):
     __slots__ = ("model", "shard_id", "version", "numel", "dtype")
@@ -169,7 +182,7 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[ShardHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "shard_id", "step", "kind", "encoding", "dtype", "nbytes", "lr")
+    __slots__ = ("model", "shard_id", "step", "kind", "encoding", "dtype", "nbytes", "lr", "variance_frozen_at")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +191,7 @@ class PushHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
+    VARIANCE_FROZEN_AT_FIELD_NUMBER: _ClassVar[int]
     model: str
     shard_id: int
     step: int
@@ -186,7 +200,8 @@ class PushHeader(_message.Message):
     dtype: DType
     nbytes: int
     lr: float
-    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., lr: _Optional[float] = ...) -> None: ...
+    variance_frozen_at: int
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., lr: _Optional[float] = ..., variance_frozen_at: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")

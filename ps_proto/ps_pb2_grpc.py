@@ -71,16 +71,17 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """Streams one shard's fp32 master values. Waits, under the call's deadline, until the
-        shard's version reaches `min_version` and it holds values.
+        """Streams one of a shard's fp32 tensors (the master values unless `tensor` says otherwise).
+        Waits, under the call's deadline, until the shard's version reaches `min_version` and it
+        holds values.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
-        """Streams one shard's gradient (or its initial values). Applied at most once per
-        (shard, step), however often it is retried.
+        """Streams one shard's gradient (or its momentum, or its initial values). Applied at most
+        once per (shard, step), however often it is retried.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -89,10 +89,19 @@ class DaemonClient:
         request = ps_pb2.RegisterModelRequest(spec=spec, daemon_index=daemon_index)
         return self._register(request, timeout=timeout, wait_for_ready=True)
 
-    def pull_into(self, model: str, shard_id: int, *, min_version: int, out: memoryview, timeout: float) -> int:
-        """Streams shard `shard_id` into `out` (a byte view of exactly the shard's size);
-        returns the version received."""
-        request = ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version)
+    def pull_into(
+        self,
+        model: str,
+        shard_id: int,
+        *,
+        min_version: int,
+        out: memoryview,
+        timeout: float,
+        tensor: int = ps_pb2.MASTER,
+    ) -> int:
+        """Streams shard `shard_id`'s `tensor` (its master values unless told otherwise) into
+        `out` (a byte view of exactly the shard's size); returns the version received."""
+        request = ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version, tensor=tensor)
         version, received = -1, 0
         for chunk in self._pull(request, timeout=timeout):
             if chunk.header is not None:
@@ -120,10 +129,14 @@ class DaemonClient:
         lr: float | None,
         timeout: float,
         encoding: int = ps_pb2.RAW,
+        variance_frozen_at: int | None = None,
     ) -> ps_pb2.PushResponse:
         """Streams one shard's payload, laid out as `encoding`. `lr` None keeps the
         registered learning rate."""
-        header = push_header(model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding)
+        header = push_header(
+            model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding,
+            variance_frozen_at=variance_frozen_at,
+        )  # fmt: skip
 
         def chunks():
             yield codec.push_chunks.encode(header, data[:CHUNK_BYTES])
@@ -232,6 +245,7 @@ class ShardedClient:
         data: memoryview,
         lr: float | None,
         encoding: int = ps_pb2.RAW,
+        variance_frozen_at: int | None = None,
     ) -> ps_pb2.PushResponse:
         """Pushes one shard's payload (retried as a whole, the same bytes each attempt)."""
         return self._call(
@@ -246,12 +260,15 @@ class ShardedClient:
                 lr=lr,
                 timeout=self.config.rpc_timeout_seconds,
                 encoding=encoding,
+                variance_frozen_at=variance_frozen_at,
             ),
         )
 
-    def pull(self, shard: ShardSlice, *, min_version: int, out: memoryview) -> int:
+    def pull(self, shard: ShardSlice, *, min_version: int, out: memoryview, tensor: int = ps_pb2.MASTER) -> int:
+        """Pulls the shard's `tensor` (master values by default) into `out`; returns its version."""
+        what = "" if tensor == ps_pb2.MASTER else f" {ps_pb2.ShardTensor.Name(tensor)}"
         return self._call(
-            f"pull of shard {shard.shard_id} (version >= {min_version})",
+            f"pull of shard {shard.shard_id}{what} (version >= {min_version})",
             shard.daemon_index,
             lambda: self.transports[shard.daemon_index].pull_into(
                 self.model,
@@ -259,6 +276,7 @@ class ShardedClient:
                 min_version=min_version,
                 out=out,
                 timeout=self.config.rpc_timeout_seconds,
+                tensor=tensor,
             ),
             PULL_RETRYABLE,
         )

@@ -87,9 +87,18 @@ class DataPlaneClient:
             raise _StatusFromDaemon(response.code, response.message)
         return response
 
-    def pull_into(self, model: str, shard_id: int, *, min_version: int, out: memoryview, timeout: float) -> int:
+    def pull_into(
+        self,
+        model: str,
+        shard_id: int,
+        *,
+        min_version: int,
+        out: memoryview,
+        timeout: float,
+        tensor: int = ps_pb2.MASTER,
+    ) -> int:
         request = ps_pb2.DataRequest(
-            pull=ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version),
+            pull=ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version, tensor=tensor),
             timeout_ms=max(1, int(timeout * 1000)),
         )
         with _daemon_status(), self._connection(timeout + 5.0) as sock:
@@ -115,8 +124,12 @@ class DataPlaneClient:
         lr: float | None,
         timeout: float,
         encoding: int = ps_pb2.RAW,
+        variance_frozen_at: int | None = None,
     ) -> ps_pb2.PushResponse:
-        header = push_header(model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding)
+        header = push_header(
+            model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding,
+            variance_frozen_at=variance_frozen_at,
+        )  # fmt: skip
         with _daemon_status(), self._connection(timeout) as sock:
             send_message(sock, ps_pb2.DataRequest(push=header))
             response = self._answer(sock)
@@ -131,14 +144,22 @@ class DataPlaneClient:
 
 
 def push_header(
-    model: str, shard_id: int, *, step: int, kind: int, nbytes: int, lr: float | None, encoding: int = ps_pb2.RAW
+    model: str,
+    shard_id: int,
+    *,
+    step: int,
+    kind: int,
+    nbytes: int,
+    lr: float | None,
+    encoding: int = ps_pb2.RAW,
+    variance_frozen_at: int | None = None,
 ) -> ps_pb2.PushHeader:
     """The header of a push of `nbytes` laid out as `encoding` (RAW: fp32 values; the others:
-    a compressed gradient, see proto/ps.proto); `lr` None leaves the optional field unset (the
-    daemon then uses the registered learning rate)."""
+    compressed, see proto/ps.proto); `lr` None leaves the optional field unset (the daemon
+    then uses the registered learning rate); `variance_frozen_at` is for MOMENTUM pushes."""
     return ps_pb2.PushHeader(
         model=model, shard_id=shard_id, step=step, kind=kind, encoding=encoding, dtype=ps_pb2.FLOAT32,
-        nbytes=nbytes, lr=lr,
+        nbytes=nbytes, lr=lr, variance_frozen_at=variance_frozen_at,
     )  # fmt: skip
 
 

@@ -25,8 +25,9 @@ while backward writes the next gradients).
 
 `compression` sends each shard's gradient as bf16, fp16, 1-bit signs with a scale per 1024
 elements, or the top `topk_ratio` of each 1024 elements, with error feedback
-(trainer/push_compression.py), after `compression_warmup_steps` uncompressed steps. The
-daemons apply the 1-bit signs with a fused decompress + AdamW kernel.
+(trainer/push_compression.py), after `compression_warmup_steps` uncompressed steps. Under
+AdamW "onebit" is 1-bit Adam: the trainer keeps the momentum and sends it as signs, the
+daemons freeze the variance and apply the signs with a fused kernel.
 """
 
 from __future__ import annotations
@@ -79,8 +80,11 @@ def offload(
     compression: how gradients travel: "none" (fp32), "bf16", "fp16", "onebit" (signs and a
         scale per 1024 elements, 1/32 of fp32) or "topk" (the `topk_ratio` largest of every
         1024 elements, with their indices); all but "none" keep what they leave out in an
-        error buffer and send it with later steps. `opt.bytes_pushed` counts what was sent.
-    compression_warmup_steps: the first steps go uncompressed (1-bit Adam's warm-up).
+        error buffer and send it with later steps. Under AdamW "onebit" is 1-bit Adam: the
+        momentum is compressed instead of the gradient, and the variance is frozen after the
+        warm-up. `opt.bytes_pushed` counts what was sent.
+    compression_warmup_steps: the first steps go uncompressed (1-bit Adam's warm-up; "onebit"
+        under AdamW needs at least one, and trains best with 15-25% of the run).
     topk_ratio: the share of each 1024-element block "topk" sends, 0 < ratio <= 1.
     """
     return OffloadOptimizer(
@@ -117,7 +121,7 @@ class OffloadOptimizer:
         compression_warmup_steps: int = 0,
         topk_ratio: float = 0.01,
     ) -> None:
-        check_compression(compression, compression_warmup_steps, topk_ratio)
+        check_compression(compression, compression_warmup_steps, topk_ratio, adam=isinstance(optimizer, AdamW))
         share, of = push_share
         if not 0 <= share < of:
             raise ValueError(f"push_share must be (i, n) with 0 <= i < n, got {push_share}")
@@ -162,7 +166,11 @@ class OffloadOptimizer:
         self.staleness = staleness
         # Each shard's gradient payload (compressed with error feedback, or the raw slice).
         self._compressor = PushCompressor(
-            compression, total, warmup_steps=compression_warmup_steps, topk_ratio=topk_ratio
+            compression,
+            total,
+            warmup_steps=compression_warmup_steps,
+            topk_ratio=topk_ratio,
+            adam_beta1=optimizer.betas[0] if isinstance(optimizer, AdamW) else None,
         )
         # Payload bytes of this process's gradient pushes that the daemons applied: each
         # (shard, step) once, headers and resent attempts not counted.
@@ -205,6 +213,16 @@ class OffloadOptimizer:
         versions = self._run_all(lambda s: self._pull(s, 0, self._params_of(s)))
         if len(set(versions)) != 1:
             raise RuntimeError(f"shards are at different versions {sorted(set(versions))}; cannot resume")
+        momentum = self._compressor.momentum
+        if momentum is not None:  # 1-bit Adam goes on from the daemons' exp_avg
+            into = _byte_view(momentum)
+            self._run_all(
+                lambda s: (
+                    self.client.pull(s, min_version=0, out=_shard_bytes(into, s), tensor=ps_pb2.EXP_AVG)
+                    if s.shard_id in self._pushes
+                    else None
+                )
+            )
         log.info("resumed model %r at step %d", self.client.model, versions[0])
         return versions[0]
 
@@ -379,8 +397,9 @@ class OffloadOptimizer:
             # Compressed here, in the pool: shard i is compressed while shard i-1 is on the wire.
             payload = self._compressor.payload(shard, step, grads)
             ack = self.client.push(
-                shard, step=step, kind=ps_pb2.GRADIENT, data=payload.data, lr=lr, encoding=payload.encoding
-            )
+                shard, step=step, kind=payload.kind, data=payload.data, lr=lr, encoding=payload.encoding,
+                variance_frozen_at=payload.variance_frozen_at,
+            )  # fmt: skip
             if ack.applied:
                 with self._bytes_lock:
                     self.bytes_pushed += len(payload.data)

@@ -159,3 +159,61 @@ def test_data_plane_refuses_bad_topk_and_keeps_the_connection(setup):
         assert ack.applied and ack.version == 1
     finally:
         plane.close()
+
+
+def _momentum_push(client, frozen, *, step=1, kind=ps_pb2.MOMENTUM):
+    return lambda: client.push(
+        "m", 0, step=step, kind=kind, data=_view(_onebit(2048)), lr=None, timeout=10, encoding=ps_pb2.ONEBIT,
+        variance_frozen_at=frozen,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("frozen", "expected"),
+    [(None, r"needs variance_frozen_at in [1, 1] (the uncompressed warm-up steps"), (0, "got 0"), (2, "got 2")],
+    ids=["missing", "zero", "after-the-step"],
+)
+def test_momentum_push_without_a_valid_frozen_step_is_invalid_argument(setup, frozen, expected):
+    _, client = setup
+    details = _refused(_momentum_push(client, frozen))
+    assert "shard 0" in details and "MOMENTUM push for step 1" in details and expected in details, details
+
+
+def test_frozen_step_on_a_gradient_push_is_invalid_argument(setup):
+    _, client = setup
+    details = _refused(_momentum_push(client, 1, kind=ps_pb2.GRADIENT))
+    assert "variance_frozen_at is for MOMENTUM pushes only, this is GRADIENT" in details
+
+
+def test_momentum_push_and_state_pulls_to_an_sgd_model_are_failed_precondition(daemon):
+    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+    spec = _spec()
+    spec.model = "sgd"
+    spec.optimizer.CopyFrom(ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1, momentum=0.9)))
+    client.register(spec, 0, timeout=10)
+    client.push("sgd", 0, step=0, kind=ps_pb2.PARAMETERS, data=_view(torch.ones(2048)), lr=None, timeout=10)
+    with pytest.raises(grpc.RpcError) as info:
+        client.push("sgd", 0, step=0, kind=ps_pb2.MOMENTUM, data=_view(_onebit(2048)), lr=None, timeout=10,
+                    encoding=ps_pb2.ONEBIT, variance_frozen_at=1)  # fmt: skip
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "need an AdamW model; model 'sgd' runs SGDConfig (push gradients instead)" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        client.pull_into("sgd", 0, min_version=0, out=_view(torch.empty(2048)), timeout=10, tensor=ps_pb2.EXP_AVG)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "runs SGDConfig, which has no exp_avg" in info.value.details()
+    client.close()
+
+
+@pytest.mark.parametrize("tensor", [3, -1, 1000])
+def test_unknown_pull_tensor_is_invalid_argument_on_both_transports(setup, tensor):
+    _, client = setup
+    out = _view(torch.empty(2048))
+    details = _refused(lambda: client.pull_into("m", 0, min_version=0, out=out, timeout=10, tensor=tensor))
+    assert f"tensor {tensor} is unknown; ask for MASTER, EXP_AVG, EXP_AVG_SQ" in details
+    plane = DataPlaneClient("127.0.0.1", client.register(_spec(), 0, timeout=10).data_port, max_connections=1)
+    try:
+        details = _refused(lambda: plane.pull_into("m", 0, min_version=0, out=out, timeout=10, tensor=tensor))
+        assert f"tensor {tensor} is unknown" in details
+        assert plane.pull_into("m", 0, min_version=0, out=out, timeout=10, tensor=ps_pb2.EXP_AVG) == 1
+    finally:
+        plane.close()

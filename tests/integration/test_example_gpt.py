@@ -21,7 +21,7 @@ def test_gpt_example_trains_with_pp_dp_and_staleness_over_a_cluster_file(tmp_pat
     daemons = [LocalDaemon(tmp_path / f"d{i}") for i in range(2)]
     try:
         cluster = tmp_path / "cluster.toml"
-        cluster.write_text("daemons = [%s]\n" % ", ".join(f'"{d.address}"' for d in daemons))
+        cluster.write_text("daemons = [{}]\n".format(", ".join(f'"{d.address}"' for d in daemons)))
         env = {**os.environ, "PS_CLUSTER_FILE": str(cluster), "OMP_NUM_THREADS": "1"}
         env.pop("PS_DAEMONS", None)
         result = subprocess.run(

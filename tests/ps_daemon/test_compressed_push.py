@@ -1,6 +1,6 @@
-"""Compressed gradient pushes through ShardStore (no network): what each encoding applies,
-and that the step rules are the RAW ones (version bump, a repeated (shard, step) applies
-nothing, a future step is refused)."""
+"""Compressed pushes through ShardStore (no network): what each encoding applies, 1-bit Adam's
+MOMENTUM pushes, and that the step rules are the RAW ones (version bump, a repeated
+(shard, step) applies nothing, a future step is refused)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernels
-from ps_daemon.encodings import OneBitGradient, check_size, onebit_nbytes, parse
+from ps_daemon.encodings import check_size, onebit_nbytes, parse
 from ps_daemon.errors import FailedPrecondition, InvalidArgument
 from ps_daemon.optim import AdamWConfig, SGDConfig
 from ps_daemon.store import ModelSpec, ParamSpec, ShardStore
@@ -51,15 +51,15 @@ def _payload(encoding: str, grad: torch.Tensor) -> torch.Tensor:
     return staging, raw.numel()
 
 
-def _apply(store, encoding, shard_id, step, grad, name="m"):
+def _apply(store, encoding, shard_id, step, grad, name="m", kind="gradient", variance_frozen_at=None):
     staging, nbytes = _payload(encoding, grad)
     n = NUMELS[shard_id]
     check_size(encoding, nbytes, n, "test")
-    assert store.check_push(name, shard_id, step=step, kind="gradient", nbytes=nbytes, dtype="float32",
-                            encoding=encoding) is None  # fmt: skip
-    return store.push(
-        name, shard_id, step=step, kind="gradient", data=parse(encoding, staging, nbytes, n, "t"), lr=0.01
-    )
+    frozen = dict(variance_frozen_at=variance_frozen_at)
+    assert store.check_push(name, shard_id, step=step, kind=kind, nbytes=nbytes, dtype="float32",
+                            encoding=encoding, **frozen) is None  # fmt: skip
+    data = parse(encoding, staging, nbytes, n, "t")
+    return store.push(name, shard_id, step=step, kind=kind, data=data, lr=0.01, **frozen)
 
 
 def _state(store, name="m"):
@@ -67,10 +67,10 @@ def _state(store, name="m"):
     return [t.clone() for s in shards for t in (s.master, *s.optimizer.state)]
 
 
-@pytest.mark.parametrize("encoding", ["bf16", "fp16", "topk", "onebit-sgd"])
-def test_decompressed_encodings_apply_exactly_what_raw_would(encoding):
-    """Every encoding but ONEBIT under AdamW is decompressed to fp32 and goes through the
-    RAW path, so it must equal a RAW push of the decompressed gradient bit for bit."""
+@pytest.mark.parametrize("encoding", ["bf16", "fp16", "topk", "onebit", "onebit-sgd"])
+def test_compressed_gradients_apply_exactly_what_raw_would(encoding):
+    """A compressed GRADIENT is decompressed to fp32 and goes through the RAW path, so it
+    must equal a RAW push of the decompressed gradient bit for bit."""
     optimizer = SGDConfig(lr=0.01, momentum=0.9) if encoding == "onebit-sgd" else AdamWConfig(weight_decay=0.1)
     encoding = encoding.removesuffix("-sgd")
     ours, raw = _store(optimizer), _store(optimizer)
@@ -85,22 +85,64 @@ def test_decompressed_encodings_apply_exactly_what_raw_would(encoding):
         assert torch.equal(a, b)
 
 
-def test_onebit_adamw_is_fused_and_matches_raw_within_tolerance():
-    ours, raw = _store(AdamWConfig(weight_decay=0.1)), _store(AdamWConfig(weight_decay=0.1))
-    for step in range(4):
+def _warm_up(store, steps):
+    for step in range(steps):
         for shard_id, n in enumerate(NUMELS):
-            grad = _grad(n, step)
-            staging, nbytes = _payload("onebit", grad)
+            store.push("m", shard_id, step=step, kind="gradient", data=_grad(n, step), lr=0.01)
+
+
+def test_onebit_momentum_is_fused_and_matches_the_decompressed_momentum():
+    """After 3 plain steps, 1-bit Adam: exp_avg becomes the pushed momentum, exp_avg_sq stays
+    as the warm-up left it, and the master moves as a RAW momentum push of the decompressed
+    values moves it (the fused kernel against plain torch; tests/kernels/test_fused_adamw.py)."""
+    ours, raw = _store(AdamWConfig(weight_decay=0.1)), _store(AdamWConfig(weight_decay=0.1))
+    _warm_up(ours, 3)
+    _warm_up(raw, 3)
+    frozen = [s.optimizer.state[1].clone() for s in ours.model("m").shards.values()]
+    for step in range(3, 6):
+        for shard_id, n in enumerate(NUMELS):
+            momentum = _grad(n, step) * 1e-2
+            staging, nbytes = _payload("onebit", momentum)
             payload = parse("onebit", staging, nbytes, n, "t")
-            assert isinstance(payload, OneBitGradient) and ours.shard("m", shard_id).optimizer.fuses(payload)
-            result = _apply(ours, "onebit", shard_id, step, grad)
+            result = _apply(ours, "onebit", shard_id, step, momentum, kind="momentum", variance_frozen_at=3)
             assert result.applied and result.version == step + 1
-            raw.push("m", shard_id, step=step, kind="gradient", data=payload.decompress(torch.empty(n)), lr=0.01)
+            decompressed = payload.decompress(torch.empty(n))
+            raw.push("m", shard_id, step=step, kind="momentum", data=decompressed, lr=0.01, variance_frozen_at=3)
+            m = ours.shard("m", shard_id).optimizer.state[0]
+            assert torch.equal(m, decompressed)
+    for shard, v in zip(ours.model("m").shards.values(), frozen, strict=True):
+        assert torch.equal(shard.optimizer.state[1], v)
     for a, b in zip(_state(ours), _state(raw), strict=True):
-        torch.testing.assert_close(
-            a, b, rtol=1e-6, atol=1e-7
-        )  # why not bit-exact: tests/ps_daemon/test_fused_onebit_adamw.py
-    assert ours.stats_snapshot().bytes_pushed == 4 * sum(onebit_nbytes(n) for n in NUMELS) + 4 * sum(NUMELS)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(_state(ours)[0], _state(_store(AdamWConfig()))[0])
+    onebit_steps, raw_steps = 3, 3
+    expected = raw_steps * 4 * sum(NUMELS) + onebit_steps * sum(onebit_nbytes(n) for n in NUMELS) + 4 * sum(NUMELS)
+    assert ours.stats_snapshot().bytes_pushed == expected  # parameters, 3 raw steps, 3 compressed
+
+
+@pytest.mark.parametrize(
+    ("frozen", "step", "message"),
+    [(None, 2, r"needs variance_frozen_at in \[1, 2\].*got None"), (0, 2, "got 0"), (3, 2, r"in \[1, 2\].*got 3")],
+)
+def test_momentum_pushes_need_a_variance_frozen_within_the_steps_taken(frozen, step, message):
+    store = _store(AdamWConfig())
+    _warm_up(store, step)
+    with pytest.raises(InvalidArgument, match=message):
+        store.check_push("m", 0, step=step, kind="momentum", nbytes=onebit_nbytes(3072), dtype="float32",
+                         encoding="onebit", variance_frozen_at=frozen)  # fmt: skip
+    before = _state(store)
+    with pytest.raises(InvalidArgument, match=message):
+        store.push("m", 0, step=step, kind="momentum", data=torch.zeros(3072), lr=0.01, variance_frozen_at=frozen)
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(store), strict=True))
+
+
+def test_momentum_pushes_are_refused_for_sgd_and_the_frozen_step_for_gradients():
+    store = _store(SGDConfig(lr=0.1, momentum=0.9))
+    _warm_up(store, 1)
+    with pytest.raises(FailedPrecondition, match="need an AdamW model; model 'm' runs SGDConfig"):
+        store.check_push("m", 0, step=1, kind="momentum", nbytes=4 * 3072, dtype="float32", variance_frozen_at=1)
+    with pytest.raises(InvalidArgument, match="variance_frozen_at is for MOMENTUM pushes only, this is GRADIENT"):
+        store.check_push("m", 0, step=1, kind="gradient", nbytes=4 * 3072, dtype="float32", variance_frozen_at=1)
 
 
 def test_compressed_retry_of_an_applied_step_changes_nothing():

@@ -1,5 +1,6 @@
-"""PushCompressor: payload layouts per encoding, error feedback per shard, and one payload per
-(shard, step) however often it is asked for (a resent push must carry the same bytes)."""
+"""PushCompressor: payload layouts per encoding, error feedback per shard, 1-bit Adam's
+momentum, and one payload per (shard, step) however often it is asked for (a resent push
+must carry the same bytes and must not fold a gradient into the momentum twice)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ def test_warm_up_and_none_send_the_gradient_buffer_itself():
         ({"compression": "onebit", "compression_warmup_steps": -1}, "compression_warmup_steps"),
         ({"compression": "topk", "topk_ratio": 0.0}, "topk_ratio"),
         ({"compression": "topk", "topk_ratio": 1.5}, "topk_ratio"),
+        ({"compression": "onebit"}, "1-bit Adam.*needs compression_warmup_steps >= 1"),
     ],
 )
 def test_offload_refuses_bad_options_before_calling_a_daemon(options, message):
@@ -96,3 +98,38 @@ def test_topk_payload_carries_k_then_indices_then_values():
     assert raw[0] == k and raw.numel() == 1 + 2 * k
     indices = raw[1 : 1 + k]
     assert torch.equal(raw[1 + k :].view(torch.float32), grads[:3000][indices.long()])
+
+
+def test_one_bit_adam_tracks_the_momentum_in_warm_up_and_sends_it_compressed_after():
+    beta1, warmup = 0.9, 2
+    compressor = PushCompressor("onebit", NUMEL, warmup_steps=warmup, adam_beta1=beta1)
+    shard = SHARDS[0]
+    s = slice(shard.offset, shard.end)
+    expected = torch.zeros(NUMEL)
+    for step in range(warmup):
+        grads = _grads(step)
+        payload = compressor.payload(shard, step, grads)
+        assert compressor.payload(shard, step, grads * 3) is payload  # a resend folds nothing in twice
+        assert (payload.encoding, payload.kind, payload.variance_frozen_at) == (ps_pb2.RAW, ps_pb2.GRADIENT, None)
+        assert torch.equal(torch.frombuffer(payload.data, dtype=torch.float32), grads[s])
+        expected[s].lerp_(grads[s], 1 - beta1)
+        assert torch.equal(compressor.momentum[s], expected[s])
+    assert not compressor.error.any()
+
+    grads = _grads(warmup)
+    payload = compressor.payload(shard, warmup, grads)
+    assert (payload.encoding, payload.kind, payload.variance_frozen_at) == (ps_pb2.ONEBIT, ps_pb2.MOMENTUM, warmup)
+    assert len(payload.data) == 4 * 3 + 3000 // 8
+    sent = _decoded(payload, shard)
+    assert torch.equal(compressor.momentum[s], sent)  # the trainer goes on from what the daemon holds
+    # error feedback on the momentum: what was not sent stays in the error buffer
+    target = expected[s].lerp(grads[s], 1 - beta1)
+    torch.testing.assert_close(sent + compressor.error[s], target, rtol=0, atol=1e-6)
+    assert not compressor.momentum[3000:].any()  # shard 1 untouched
+    assert compressor.payload(shard, warmup, grads) is payload
+
+
+def test_onebit_with_sgd_compresses_the_gradient():
+    compressor = PushCompressor("onebit", NUMEL)
+    assert compressor.momentum is None
+    assert compressor.payload(SHARDS[0], 0, _grads()).kind == ps_pb2.GRADIENT
