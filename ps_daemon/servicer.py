@@ -115,10 +115,13 @@ class AdminServicer:
 
     @grpc_errors
     def GetShard(self, request: ps_pb2.GetShardRequest, context: grpc.ServicerContext):
+        bins = wire.histogram_bins(request)
         shard = self.store.shard(request.model, request.shard_id)
         info = _shard_info(shard)
-        stats = self.store.value_stats(shard)
+        stats = self.store.value_stats(shard, bins=bins)
         info.norm, info.min, info.max, info.nan_count = stats.norm, stats.min, stats.max, stats.nan_count
+        info.histogram.extend(stats.histogram)
+        info.histogram_low, info.histogram_high = stats.histogram_low, stats.histogram_high
         return info
 
     @grpc_errors
@@ -131,7 +134,43 @@ class AdminServicer:
 
     @grpc_errors
     def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext):
-        return ps_pb2.StatsResponse(**dataclasses.asdict(self.store.stats_snapshot()))
+        return ps_pb2.StatsResponse(**dataclasses.asdict(self.store.stats_snapshot()), **_tier_use(self.store))
+
+    @grpc_errors
+    def ListModels(self, request: ps_pb2.ListModelsRequest, context: grpc.ServicerContext):
+        models = sorted(self.store.models(), key=lambda m: m.spec.model)
+        return ps_pb2.ListModelsResponse(models=[wire.model_info(m) for m in models])
+
+    @grpc_errors
+    def GetModel(self, request: ps_pb2.GetModelRequest, context: grpc.ServicerContext):
+        if not request.model:
+            raise InvalidArgument("GetModel needs a model name (ListModels lists them)")
+        return wire.model_info(self.store.model(request.model))
+
+    @grpc_errors_stream
+    def Verify(self, request: ps_pb2.VerifyRequest, context: grpc.ServicerContext):
+        shards = self.store.shards_to_verify(request.model)
+        at_rest = self.store.files is not None
+        plan = ps_pb2.VerifyPlan(shards=len(shards), bytes=self.store.verify_bytes(shards), at_rest=at_rest)
+        yield ps_pb2.VerifyResponse(plan=plan)
+        for verdict in self.store.verify(shards):
+            if not context.is_active():  # the client went away: stop reading the disk
+                return
+            yield wire.verdict_to_proto(verdict)
+
+
+def _tier_use(store: ShardStore) -> dict[str, int]:
+    """StatsResponse's tier-use fields."""
+    tiers = [shard.tier for model in store.models() for shard in model.shards.values()]
+    files = store.files
+    return dict(
+        ram_bytes_budget=store.ram_bytes,
+        nvme_bytes_allocated=files.bytes_allocated if files is not None else 0,
+        nvme_bytes_capacity=files.capacity if files is not None else 0,
+        shards_in_ram=tiers.count("ram"),
+        shards_on_nvme=tiers.count("nvme"),
+        shards_corrupt=tiers.count("corrupt"),
+    )
 
 
 def _shard_info(shard) -> ps_pb2.ShardInfo:
@@ -204,5 +243,12 @@ def admin_handler(servicer: AdminServicer) -> grpc.GenericRpcHandler:
             "Stats": _unary(servicer.Stats, ps_pb2.StatsRequest, ps_pb2.StatsResponse),
             "Evict": _unary(servicer.Evict, ps_pb2.GetShardRequest, ps_pb2.TierResponse),
             "Load": _unary(servicer.Load, ps_pb2.GetShardRequest, ps_pb2.TierResponse),
+            "ListModels": _unary(servicer.ListModels, ps_pb2.ListModelsRequest, ps_pb2.ListModelsResponse),
+            "GetModel": _unary(servicer.GetModel, ps_pb2.GetModelRequest, ps_pb2.ModelInfo),
+            "Verify": grpc.unary_stream_rpc_method_handler(
+                servicer.Verify,
+                request_deserializer=ps_pb2.VerifyRequest.FromString,
+                response_serializer=ps_pb2.VerifyResponse.SerializeToString,
+            ),
         },
     )

@@ -43,12 +43,14 @@ from ps_daemon.plan import (
     segments_of,
     shard_numel_for,
 )
-from ps_daemon.tiers.nvme import CorruptShard, NoCapacity, NoFreeSlot, NvmeFiles, arena_tensor
+from ps_daemon.tiers.nvme import PAGE, CorruptShard, NoCapacity, NoFreeSlot, NvmeFiles, SlotCheck, arena_tensor
 from ps_daemon.tiers.ram import RamTier, TierFull
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_COMPUTE_DTYPES = ("float32",)
+# Lock-free reads of a shard's committed slot before `verify` holds the shard still instead.
+VERIFY_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -260,6 +262,25 @@ class ValueStats:
     min: float
     max: float
     nan_count: int
+    # Finite values counted in equal bins over [histogram_low, histogram_high] (their
+    # smallest and largest); empty unless asked for.
+    histogram: tuple[int, ...] = ()
+    histogram_low: float = 0.0
+    histogram_high: float = 0.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What `ShardStore.verify` found for one shard."""
+
+    model: str
+    shard_id: int
+    status: str  # "ok", "bad" or "not_at_rest"
+    detail: str  # why, when "bad"; what was checked otherwise
+    version: int
+    bytes_read: int
+    tier: str
+    nonfinite: int = 0  # RAM only: NaN or infinite master values in memory
 
 
 @dataclass(frozen=True)
@@ -699,9 +720,10 @@ class ShardStore:
         model = self._models[shard.model]
         self.tier.prefetch([model.shards[i] for i in upcoming if i in model.shards], limit=self.prefetch_depth)
 
-    def value_stats(self, shard: Shard, *, timeout: float = 10.0) -> ValueStats:
-        """Norm, min, max and NaN count of the master values, under a read hold (pulls go on;
-        an update waits until the statistics are done)."""
+    def value_stats(self, shard: Shard, *, timeout: float = 10.0, bins: int = 0) -> ValueStats:
+        """Norm, min, max and NaN count of the master values, and a histogram of `bins`
+        bins (0: none), under a read hold (pulls go on; an update waits until the statistics
+        are done)."""
         with self._using(shard), shard.reading(0, timeout, require_values=False):
             values = shard.master
             finite = values[~torch.isnan(values)]
@@ -710,7 +732,96 @@ class ShardStore:
                 min=float(finite.min()) if finite.numel() else float("nan"),
                 max=float(finite.max()) if finite.numel() else float("nan"),
                 nan_count=int(values.numel() - finite.numel()),
+                **(_histogram(values, bins) if bins else {}),
             )
+
+    # -- verify (ps-admin verify) -------------------------------------------------------
+
+    def shards_to_verify(self, model: str = "") -> list[Shard]:
+        """The named model's shards (NotFound if unknown), or every model's (""), in name and
+        id order."""
+        models = [self.model(model)] if model else sorted(self.models(), key=lambda m: m.spec.model)
+        return [m.shards[i] for m in models for i in sorted(m.shards)]
+
+    def verify_bytes(self, shards: list[Shard]) -> int:
+        """About the bytes `verify` reads from disk for these shards (0 without NVMe)."""
+        if self.files is None:
+            return 0
+        found = [self.files.committed_slot(s.model, s.slice.shard_id) for s in shards]
+        return sum(PAGE + header.arena_bytes for _, header in filter(None, found))
+
+    def verify(self, shards: list[Shard], *, hold_timeout: float = 60.0) -> Iterator[Verdict]:
+        """Checks each shard, one at a time, as it is asked for. With an NVMe tier: reads its
+        committed slot back (header and bytes) and checks the crc32c, bypassing the RAM tier
+        (nothing is loaded, evicted or marked; a bad copy on disk is reported, not acted on).
+        Without one there is nothing at rest: the shard is checked in memory only.
+
+        Training goes on meanwhile. The slot is read without a lock; a commit of the shard
+        during the read may free that slot for another commit to overwrite, so the read
+        counts only if the same commit is still the shard's newest afterwards (else it is
+        repeated on the new slot). After VERIFY_ATTEMPTS such misses the shard is held for
+        reading, as a pull holds it, which keeps its next commit waiting for one read."""
+        if self.files is None:
+            for shard in shards:
+                yield self._check_in_memory(shard, hold_timeout)
+            return
+        _, buffer = self.files.check_buffer()
+        for shard in shards:
+            yield self._check_at_rest(shard, buffer, hold_timeout)
+
+    def _check_at_rest(self, shard: Shard, buffer: memoryview, hold_timeout: float) -> Verdict:
+        model, shard_id = shard.model, shard.slice.shard_id
+        for _ in range(VERIFY_ATTEMPTS):
+            found = self.files.committed_slot(model, shard_id)
+            if found is None:
+                break
+            check = self.files.check_slot(model, *found, buffer)
+            if self.files.committed_slot(model, shard_id) is found:
+                return self._at_rest_verdict(shard, check)
+        else:
+            try:
+                with shard.reading(0, hold_timeout, require_values=False):
+                    found = self.files.committed_slot(model, shard_id)
+                    if found is not None:
+                        return self._at_rest_verdict(shard, self.files.check_slot(model, *found, buffer))
+            except DeadlineExceeded as exc:
+                raise DeadlineExceeded(
+                    f"verify: shard {shard_id} of model {model!r} was committed anew during every read and "
+                    f"then could not be held still for {hold_timeout:.0f}s; try again"
+                ) from exc
+        detail = "nothing committed yet: its initial values were never pushed"
+        return Verdict(model, shard_id, "not_at_rest", detail, shard.version, 0, shard.tier)
+
+    @staticmethod
+    def _at_rest_verdict(shard: Shard, check: SlotCheck) -> Verdict:
+        model, shard_id, tier = shard.model, shard.slice.shard_id, shard.tier
+        if check.problem:
+            detail = check.problem
+            if tier == "ram":
+                detail += (
+                    "; the shard is resident, so its next update writes a good copy (evicted before that, "
+                    "it would be refused with DATA_LOSS)"
+                )
+            return Verdict(model, shard_id, "bad", detail, check.version, check.bytes_read, tier)
+        if shard.corrupt:  # failed its checksum on an earlier read; refused until a restart
+            detail = f"{shard.corrupt} (slot {check.slot} reads back intact now; restart the daemon to use it)"
+            return Verdict(model, shard_id, "bad", detail, check.version, check.bytes_read, tier)
+        detail = f"version {check.version} in slot {check.slot} matches its crc32c"
+        return Verdict(model, shard_id, "ok", detail, check.version, check.bytes_read, tier)
+
+    @staticmethod
+    def _check_in_memory(shard: Shard, hold_timeout: float) -> Verdict:
+        """RAM only: the in-memory invariants and the values, under a read hold."""
+        model, shard_id = shard.model, shard.slice.shard_id
+        with shard.reading(0, hold_timeout, require_values=False):
+            version, steps = shard.version, shard.optimizer.step.item()
+            nonfinite = int(shard.master.numel() - torch.isfinite(shard.master).sum())
+        if steps != torch.tensor(version, dtype=torch.float32).item():  # the step count is fp32, as torch's
+            detail = f"in memory at version {version}, but its optimizer has taken {steps:.0f} steps"
+            return Verdict(model, shard_id, "bad", detail, version, 0, shard.tier, nonfinite)
+        values = f"{nonfinite} non-finite master values" if shard.initialized else "no values pushed yet"
+        detail = f"RAM only (no store.nvme_dir): nothing at rest to checksum; in memory: {values}"
+        return Verdict(model, shard_id, "not_at_rest", detail, version, 0, shard.tier, nonfinite)
 
     def close(self) -> None:
         if self.tier is not None:
@@ -741,6 +852,19 @@ class ShardStore:
             t = self.tier.stats
             counts = dict(tier_hits=t.hits, tier_misses=t.misses, prefetched=t.prefetched, evictions=t.evictions)
         return {**counts, "nvme_bytes_read": self.files.bytes_read, "nvme_bytes_written": self.files.bytes_written}
+
+
+def _histogram(values: torch.Tensor, bins: int) -> dict:
+    """ValueStats' histogram fields: the finite values in `bins` equal bins between their
+    smallest and largest (one bin when those are equal)."""
+    finite = values[torch.isfinite(values)]
+    if not finite.numel():
+        return {}
+    low, high = float(finite.min()), float(finite.max())
+    if low == high:
+        return dict(histogram=(finite.numel(),), histogram_low=low, histogram_high=high)
+    counts = torch.histc(finite.double(), bins=bins, min=low, max=high)  # float64: exact counts
+    return dict(histogram=tuple(int(c) for c in counts), histogram_low=low, histogram_high=high)
 
 
 @contextlib.contextmanager

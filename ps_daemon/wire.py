@@ -9,7 +9,7 @@ from ps_daemon.buffers import StagingPool
 from ps_daemon.encodings import parse
 from ps_daemon.errors import InvalidArgument
 from ps_daemon.optim import AdamWConfig, SGDConfig
-from ps_daemon.store import SHARD_TENSORS, ModelSpec, ParamSpec, RegisteredModel, ShardStore
+from ps_daemon.store import SHARD_TENSORS, ModelSpec, ParamSpec, RegisteredModel, ShardStore, Verdict
 from ps_proto import ps_pb2
 
 DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
@@ -53,11 +53,15 @@ def plan_to_proto(model: RegisteredModel, created: bool, *, data_port: int) -> p
         created=created,
         data_port=data_port,
         shard_bytes=model.spec.shard_bytes,
-        shards=[
-            ps_pb2.ShardPlacement(shard_id=s.shard_id, daemon_index=s.daemon_index, offset=s.offset, numel=s.numel)
-            for s in model.plan
-        ],
+        shards=_placements(model),
     )
+
+
+def _placements(model: RegisteredModel) -> list[ps_pb2.ShardPlacement]:
+    return [
+        ps_pb2.ShardPlacement(shard_id=s.shard_id, daemon_index=s.daemon_index, offset=s.offset, numel=s.numel)
+        for s in model.plan
+    ]
 
 
 def open_push(store: ShardStore, header: ps_pb2.PushHeader) -> ps_pb2.PushResponse | None:
@@ -127,3 +131,71 @@ def pull_tensor(request: ps_pb2.PullRequest) -> str:
         known = ", ".join(ps_pb2.ShardTensor.Name(i) for i in range(len(SHARD_TENSORS)))
         raise InvalidArgument(f"pull of shard {request.shard_id}: tensor {request.tensor} is unknown; ask for {known}")
     return SHARD_TENSORS[request.tensor]
+
+
+# -- Admin ---------------------------------------------------------------------------------
+
+DEFAULT_HISTOGRAM_BINS = 20
+MAX_HISTOGRAM_BINS = 1000
+VERIFY_STATUS = {"ok": ps_pb2.VERIFY_OK, "bad": ps_pb2.VERIFY_BAD, "not_at_rest": ps_pb2.VERIFY_NOT_AT_REST}
+
+
+def spec_to_proto(spec: ModelSpec) -> ps_pb2.ModelSpec:
+    """The inverse of spec_from_proto."""
+    dtypes = {name: value for value, name in DTYPE_NAMES.items()}
+    params = [
+        ps_pb2.ParamSpec(name=p.name, shape=list(p.shape), dtype=dtypes[p.dtype], weight_decay=p.weight_decay)
+        for p in spec.params
+    ]
+    o = spec.optimizer
+    if isinstance(o, AdamWConfig):
+        optimizer = ps_pb2.OptimizerSpec(
+            adamw=ps_pb2.AdamWSpec(lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay)
+        )
+    else:
+        optimizer = ps_pb2.OptimizerSpec(
+            sgd=ps_pb2.SGDSpec(
+                lr=o.lr, momentum=o.momentum, dampening=o.dampening, weight_decay=o.weight_decay, nesterov=o.nesterov
+            )
+        )
+    return ps_pb2.ModelSpec(
+        model=spec.model, params=params, optimizer=optimizer, shard_bytes=spec.shard_bytes, daemons=list(spec.daemons)
+    )
+
+
+def model_info(model: RegisteredModel) -> ps_pb2.ModelInfo:
+    """A registered model's spec, plan and each parameter's place in the flat layout."""
+    return ps_pb2.ModelInfo(
+        spec=spec_to_proto(model.spec),
+        daemon_index=model.daemon_index,
+        shards=_placements(model),
+        params=[
+            ps_pb2.ParamPlacement(name=p.name, shape=list(p.shape), offset=p.offset, numel=p.numel)
+            for p in model.layouts
+        ],
+        total_numel=sum(p.numel for p in model.layouts),
+    )
+
+
+def histogram_bins(request: ps_pb2.GetShardRequest) -> int:
+    if request.histogram_bins > MAX_HISTOGRAM_BINS:
+        raise InvalidArgument(
+            f"histogram_bins {request.histogram_bins} is too many; ask for at most {MAX_HISTOGRAM_BINS} "
+            f"(0: {DEFAULT_HISTOGRAM_BINS})"
+        )
+    return request.histogram_bins or DEFAULT_HISTOGRAM_BINS
+
+
+def verdict_to_proto(v: Verdict) -> ps_pb2.VerifyResponse:
+    return ps_pb2.VerifyResponse(
+        shard=ps_pb2.ShardVerdict(
+            model=v.model,
+            shard_id=v.shard_id,
+            status=VERIFY_STATUS[v.status],
+            detail=v.detail,
+            version=v.version,
+            bytes_read=v.bytes_read,
+            tier=v.tier,
+            nonfinite=v.nonfinite,
+        )
+    )

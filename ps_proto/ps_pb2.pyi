@@ -35,6 +35,13 @@ class ShardTensor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MASTER: _ClassVar[ShardTensor]
     EXP_AVG: _ClassVar[ShardTensor]
     EXP_AVG_SQ: _ClassVar[ShardTensor]
+
+class VerifyStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERIFY_STATUS_UNSPECIFIED: _ClassVar[VerifyStatus]
+    VERIFY_OK: _ClassVar[VerifyStatus]
+    VERIFY_BAD: _ClassVar[VerifyStatus]
+    VERIFY_NOT_AT_REST: _ClassVar[VerifyStatus]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
@@ -52,6 +59,10 @@ MOMENTUM: PushKind
 MASTER: ShardTensor
 EXP_AVG: ShardTensor
 EXP_AVG_SQ: ShardTensor
+VERIFY_STATUS_UNSPECIFIED: VerifyStatus
+VERIFY_OK: VerifyStatus
+VERIFY_BAD: VerifyStatus
+VERIFY_NOT_AT_REST: VerifyStatus
 
 class ParamSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "weight_decay")
@@ -240,7 +251,7 @@ class ListShardsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("model", "shard_id", "version", "numel", "offset", "tier", "initialized", "params", "bytes", "norm", "min", "max", "nan_count")
+    __slots__ = ("model", "shard_id", "version", "numel", "offset", "tier", "initialized", "params", "bytes", "norm", "min", "max", "nan_count", "histogram", "histogram_low", "histogram_high")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +265,9 @@ class ShardInfo(_message.Message):
     MIN_FIELD_NUMBER: _ClassVar[int]
     MAX_FIELD_NUMBER: _ClassVar[int]
     NAN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAM_LOW_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAM_HIGH_FIELD_NUMBER: _ClassVar[int]
     model: str
     shard_id: int
     version: int
@@ -267,7 +281,10 @@ class ShardInfo(_message.Message):
     min: float
     max: float
     nan_count: int
-    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., tier: _Optional[str] = ..., initialized: _Optional[bool] = ..., params: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., norm: _Optional[float] = ..., min: _Optional[float] = ..., max: _Optional[float] = ..., nan_count: _Optional[int] = ...) -> None: ...
+    histogram: _containers.RepeatedScalarFieldContainer[int]
+    histogram_low: float
+    histogram_high: float
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., tier: _Optional[str] = ..., initialized: _Optional[bool] = ..., params: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., norm: _Optional[float] = ..., min: _Optional[float] = ..., max: _Optional[float] = ..., nan_count: _Optional[int] = ..., histogram: _Optional[_Iterable[int]] = ..., histogram_low: _Optional[float] = ..., histogram_high: _Optional[float] = ...) -> None: ...
 
 class ListShardsResponse(_message.Message):
     __slots__ = ("shards",)
@@ -276,12 +293,14 @@ class ListShardsResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
 
 class GetShardRequest(_message.Message):
-    __slots__ = ("model", "shard_id")
+    __slots__ = ("model", "shard_id", "histogram_bins")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAM_BINS_FIELD_NUMBER: _ClassVar[int]
     model: str
     shard_id: int
-    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ...) -> None: ...
+    histogram_bins: int
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., histogram_bins: _Optional[int] = ...) -> None: ...
 
 class TierResponse(_message.Message):
     __slots__ = ("tier",)
@@ -294,7 +313,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read", "nvme_bytes_written")
+    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read", "nvme_bytes_written", "ram_bytes_budget", "nvme_bytes_allocated", "nvme_bytes_capacity", "shards_in_ram", "shards_on_nvme", "shards_corrupt")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     RAM_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +331,12 @@ class StatsResponse(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     NVME_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     NVME_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    RAM_BYTES_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    NVME_BYTES_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    NVME_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_IN_RAM_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_ON_NVME_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_CORRUPT_FIELD_NUMBER: _ClassVar[int]
     models: int
     shards: int
     ram_bytes_used: int
@@ -329,7 +354,99 @@ class StatsResponse(_message.Message):
     evictions: int
     nvme_bytes_read: int
     nvme_bytes_written: int
-    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ...) -> None: ...
+    ram_bytes_budget: int
+    nvme_bytes_allocated: int
+    nvme_bytes_capacity: int
+    shards_in_ram: int
+    shards_on_nvme: int
+    shards_corrupt: int
+    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., ram_bytes_budget: _Optional[int] = ..., nvme_bytes_allocated: _Optional[int] = ..., nvme_bytes_capacity: _Optional[int] = ..., shards_in_ram: _Optional[int] = ..., shards_on_nvme: _Optional[int] = ..., shards_corrupt: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class GetModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ParamPlacement(_message.Message):
+    __slots__ = ("name", "shape", "offset", "numel")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    numel: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("spec", "daemon_index", "shards", "params", "total_numel")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    spec: ModelSpec
+    daemon_index: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardPlacement]
+    params: _containers.RepeatedCompositeFieldContainer[ParamPlacement]
+    total_numel: int
+    def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., daemon_index: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., params: _Optional[_Iterable[_Union[ParamPlacement, _Mapping]]] = ..., total_numel: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class VerifyPlan(_message.Message):
+    __slots__ = ("shards", "bytes", "at_rest")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    AT_REST_FIELD_NUMBER: _ClassVar[int]
+    shards: int
+    bytes: int
+    at_rest: bool
+    def __init__(self, shards: _Optional[int] = ..., bytes: _Optional[int] = ..., at_rest: _Optional[bool] = ...) -> None: ...
+
+class ShardVerdict(_message.Message):
+    __slots__ = ("model", "shard_id", "status", "detail", "version", "bytes_read", "tier", "nonfinite")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    shard_id: int
+    status: VerifyStatus
+    detail: str
+    version: int
+    bytes_read: int
+    tier: str
+    nonfinite: int
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., status: _Optional[_Union[VerifyStatus, str]] = ..., detail: _Optional[str] = ..., version: _Optional[int] = ..., bytes_read: _Optional[int] = ..., tier: _Optional[str] = ..., nonfinite: _Optional[int] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("plan", "shard")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    plan: VerifyPlan
+    shard: ShardVerdict
+    def __init__(self, plan: _Optional[_Union[VerifyPlan, _Mapping]] = ..., shard: _Optional[_Union[ShardVerdict, _Mapping]] = ...) -> None: ...
 
 class DataRequest(_message.Message):
     __slots__ = ("pull", "push", "timeout_ms")

@@ -239,7 +239,7 @@ class ParameterServer:
 
 
 class AdminStub:
-    """Operators' view (ps-admin).
+    """Operators' view (ps-admin). An unknown model is NOT_FOUND naming the registered ones.
     """
 
     def __init__(self, channel):
@@ -273,10 +273,25 @@ class AdminStub:
                 request_serializer=ps__proto_dot_ps__pb2.GetShardRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_ps__pb2.TierResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/ps.v1.Admin/ListModels',
+                request_serializer=ps__proto_dot_ps__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_ps__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.GetModel = channel.unary_unary(
+                '/ps.v1.Admin/GetModel',
+                request_serializer=ps__proto_dot_ps__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_ps__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.Verify = channel.unary_stream(
+                '/ps.v1.Admin/Verify',
+                request_serializer=ps__proto_dot_ps__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_ps__pb2.VerifyResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
-    """Operators' view (ps-admin).
+    """Operators' view (ps-admin). An unknown model is NOT_FOUND naming the registered ones.
     """
 
     def ListShards(self, request, context):
@@ -286,7 +301,8 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetShard(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One shard's metadata, value statistics of its master copy and their histogram.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -307,6 +323,28 @@ class AdminServicer:
 
     def Load(self, request, context):
         """Reads a shard into the RAM tier now, and answers when it is there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """Every model this daemon holds: its spec, the plan and each parameter's place in it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Verify(self, request, context):
+        """Reads every committed shard of a model (empty: of every model) back from the NVMe tier
+        and checks its header and crc32c, without loading it into the RAM tier or changing
+        anything. Streams a VerifyPlan first, then one ShardVerdict per shard as it is checked.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -340,6 +378,21 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=ps__proto_dot_ps__pb2.GetShardRequest.FromString,
                     response_serializer=ps__proto_dot_ps__pb2.TierResponse.SerializeToString,
             ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=ps__proto_dot_ps__pb2.ListModelsRequest.FromString,
+                    response_serializer=ps__proto_dot_ps__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'GetModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModel,
+                    request_deserializer=ps__proto_dot_ps__pb2.GetModelRequest.FromString,
+                    response_serializer=ps__proto_dot_ps__pb2.ModelInfo.SerializeToString,
+            ),
+            'Verify': grpc.unary_stream_rpc_method_handler(
+                    servicer.Verify,
+                    request_deserializer=ps__proto_dot_ps__pb2.VerifyRequest.FromString,
+                    response_serializer=ps__proto_dot_ps__pb2.VerifyResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'ps.v1.Admin', rpc_method_handlers)
@@ -349,7 +402,7 @@ def add_AdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Admin:
-    """Operators' view (ps-admin).
+    """Operators' view (ps-admin). An unknown model is NOT_FOUND naming the registered ones.
     """
 
     @staticmethod
@@ -477,6 +530,87 @@ class Admin:
             '/ps.v1.Admin/Load',
             ps__proto_dot_ps__pb2.GetShardRequest.SerializeToString,
             ps__proto_dot_ps__pb2.TierResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/ListModels',
+            ps__proto_dot_ps__pb2.ListModelsRequest.SerializeToString,
+            ps__proto_dot_ps__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/GetModel',
+            ps__proto_dot_ps__pb2.GetModelRequest.SerializeToString,
+            ps__proto_dot_ps__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Verify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ps.v1.Admin/Verify',
+            ps__proto_dot_ps__pb2.VerifyRequest.SerializeToString,
+            ps__proto_dot_ps__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

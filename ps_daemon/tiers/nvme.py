@@ -442,10 +442,70 @@ class NvmeFiles:
             self.bytes_read += len(arena)
         return header
 
+    # -- checks (ps-admin verify) ------------------------------------------------------
+
+    def committed_slot(self, model: str, shard_id: int) -> tuple[int, SlotHeader] | None:
+        """The slot holding the shard's committed version and its header; None if none was
+        ever committed. Every commit stores a new tuple, so `is` on two answers tells whether
+        a commit came in between (the slot may have been freed and reused meanwhile)."""
+        file = self.files[model]
+        with file.cond:
+            return file.active.get(shard_id)
+
+    def check_slot(self, model: str, slot: int, expected: SlotHeader, buffer: memoryview) -> SlotCheck:
+        """Reads `slot`'s header and bytes back and checks them against `expected` (the
+        header committed there) and their crc32c, through `buffer` (page-aligned, whole pages)
+        a block at a time. Reads in the calling thread, not the I/O pools, so a check never
+        queues ahead of a shard the RAM tier is waiting for; nothing is cached or changed."""
+        file = self.files[model]
+        at = file.offset(slot)
+        try:
+            header_block = buffer[:PAGE]
+            DirectIO._read_block(file.fd, header_block, at)
+            found = SlotHeader.unpack(header_block)
+            if found is None:
+                return SlotCheck(expected.version, slot, PAGE, f"the header in slot {slot} fails its own checksum")
+            if found != expected:
+                return SlotCheck(
+                    expected.version, slot, PAGE,
+                    f"the header in slot {slot} names shard {found.shard_id} version {found.version} "
+                    f"(crc32c {found.data_crc:08x}), committed was version {expected.version} "
+                    f"(crc32c {expected.data_crc:08x})",
+                )  # fmt: skip
+            crc, done = 0, 0
+            while done < expected.arena_bytes:
+                block = buffer[: min(len(buffer), expected.arena_bytes - done)]
+                DirectIO._read_block(file.fd, block, at + PAGE + done)
+                crc = crc32c.crc32c(block, crc)
+                done += len(block)
+        except OSError as exc:
+            return SlotCheck(expected.version, slot, 0, f"slot {slot} cannot be read: {exc}")
+        if crc != expected.data_crc:
+            return SlotCheck(
+                expected.version, slot, PAGE + done,
+                f"checksum mismatch in slot {slot}: the bytes have crc32c {crc:08x}, the header says "
+                f"{expected.data_crc:08x}",
+            )  # fmt: skip
+        return SlotCheck(expected.version, slot, PAGE + done, "")
+
+    def check_buffer(self) -> tuple[mmap.mmap, memoryview]:
+        """An aligned buffer for check_slot: one I/O block."""
+        return aligned_empty(self.io.block_bytes)
+
     def close(self) -> None:
         for file in self.files.values():
             file.close()
         self.io.close()
+
+
+@dataclass(frozen=True)
+class SlotCheck:
+    """What reading a committed slot back found."""
+
+    version: int
+    slot: int
+    bytes_read: int
+    problem: str  # "" when the header and the bytes match; else why not
 
 
 class CorruptShard(Exception):

@@ -11,13 +11,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 import trainer
+from ps_daemon import admin
 from ps_daemon.optim import AdamWConfig
 from ps_daemon.plan import ShardSlice
 from ps_daemon.store import shard_resident_bytes
+from ps_proto import ps_pb2, ps_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -188,3 +191,193 @@ def test_negative_shard_id_is_a_usage_error():
     result = run_admin("shard", "--daemon", "127.0.0.1:1", "--", "-1")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
+
+
+# -- shards: filters and order ---------------------------------------------------------
+
+
+def test_shards_filter_by_param_and_tier_and_sort(trained):
+    def ids(*args: str) -> list[int]:
+        return [r["shard_id"] for r in admin_json("shards", "--daemon", trained.address, *args)]
+
+    assert ids("--param", "bias") == [2]  # only the last shard holds the bias
+    assert ids("--param", "eigh") == [0, 1, 2]  # a substring of "weight"
+    assert ids("--param", "nope") == []
+    assert ids("--tier", "ram") == [0, 1, 2]
+    assert ids("--tier", "nvme") == []  # a RAM-only daemon
+    # Shard 2 holds the weight's tail and the bias: fewer elements, fewer bytes.
+    assert ids("--sort", "bytes") == [2, 0, 1]
+    assert ids("--sort", "bytes", "--reverse") == [1, 0, 2]
+    assert ids("--sort", "id", "--reverse") == [2, 1, 0]
+    assert ids("--tier", "ram", "--param", "weight", "--sort", "version") == [0, 1, 2]
+
+    bad = run_admin("shards", "--daemon", trained.address, "--tier", "disk")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+# -- shard: histogram ------------------------------------------------------------------
+
+
+def test_shard_histogram_counts_the_master_values(trained):
+    s = trained.plan[2]
+    values = trained.flat[s.offset : s.offset + s.numel].double()
+    row = admin_json("shard", "2", "--daemon", trained.address, "--bins", "7")
+    edges, counts = row["histogram"]["edges"], row["histogram"]["counts"]
+    assert len(edges) == 8 and len(counts) == 7 and sum(counts) == s.numel
+    assert edges[0] == values.min().item() and edges[-1] == values.max().item()
+    expected = torch.histc(values, bins=7, min=edges[0], max=edges[-1])
+    assert counts == [int(c) for c in expected]
+
+    table = run_admin("shard", "2", "--daemon", trained.address, "--bins", "7")
+    assert table.returncode == 0, table.stderr
+    bars = [line for line in table.stdout.splitlines() if "█" in line]
+    assert len(bars) == 7  # every bin holds values here, so every bin has a bar
+    longest = max(bars, key=lambda line: line.count("█"))
+    assert str(max(counts)) in longest
+
+    too_many = run_admin("shard", "2", "--daemon", trained.address, "--bins", "1001")
+    assert too_many.returncode == 2 and "Traceback" not in too_many.stderr
+
+
+# -- stats: rates and tier use ---------------------------------------------------------
+
+
+def test_stats_rates_since_start_and_over_an_interval(trained):
+    since_start = admin_json("stats", "--daemon", trained.address)
+    n = len(trained.plan)
+    assert since_start["rates_since"] == "start"
+    assert since_start["pushes_per_second"] == pytest.approx(STEPS * n / since_start["uptime_seconds"], rel=0.05)
+    assert since_start["bytes_in_per_second"] > 0 and since_start["bytes_out_per_second"] > 0
+    # No NVMe tier: nothing is read from disk, so there is no hit rate to speak of.
+    assert since_start["prefetch_hit_rate"] is None and since_start["ram_hit_rate"] is None
+    assert since_start["shards_in_ram"] == n and since_start["shards_on_nvme"] == 0
+    assert since_start["ram_bytes_budget"] > since_start["ram_bytes_used"] > 0
+    assert since_start["nvme_bytes_allocated"] == 0
+
+    idle = admin_json("stats", "--daemon", trained.address, "--interval", "0.3")
+    assert idle["rates_since"] == "interval" and idle["rates_seconds"] == pytest.approx(0.3, abs=0.25)
+    assert idle["pushes_per_second"] == 0 and idle["pulls_per_second"] == 0  # nobody trains now
+
+    table = run_admin("stats", "--daemon", trained.address)
+    assert "pushes_per_second" in table.stdout and "/s" in table.stdout and "prefetch_hit_rate" in table.stdout
+
+
+def test_stats_rates_from_counters():
+    first = {"uptime_seconds": 10.0, "pushes_applied": 5, "pulls": 5, "bytes_pushed": 100, "bytes_pulled": 50}
+    first.update(prefetched=0, tier_misses=0, tier_hits=0)
+    last = {"uptime_seconds": 12.0, "pushes_applied": 9, "pulls": 13, "bytes_pushed": 300, "bytes_pulled": 50}
+    last.update(prefetched=3, tier_misses=1, tier_hits=6)
+    r = admin.rates(last, first)
+    assert (r["rates_seconds"], r["pushes_per_second"], r["pulls_per_second"]) == (2.0, 2.0, 4.0)
+    assert (r["bytes_in_per_second"], r["bytes_out_per_second"]) == (100.0, 0.0)
+    assert r["prefetch_hit_rate"] == 0.75 and r["ram_hit_rate"] == 6 / 7
+    assert admin.rates(last)["pushes_per_second"] == 9 / 12.0
+
+
+# -- models ----------------------------------------------------------------------------
+
+
+def test_models_lists_the_spec_and_the_flat_layout(trained):
+    (row,) = admin_json("models", "--daemon", trained.address)
+    assert (row["model"], row["daemon_index"], row["daemons"]) == ("model", 0, [trained.address])
+    assert row["shard_bytes"] == SHARD_BYTES and row["shards"] == row["shards_here"] == len(trained.plan)
+    assert row["optimizer"]["type"] == "adamw" and row["optimizer"]["lr"] == pytest.approx(1e-2)
+    weight = IN_FEATURES * OUT_FEATURES
+    assert row["params"] == [
+        {"name": "weight", "shape": [OUT_FEATURES, IN_FEATURES], "offset": 0, "numel": weight},
+        {"name": "bias", "shape": [OUT_FEATURES], "offset": weight, "numel": OUT_FEATURES},
+    ]
+    assert row["numel"] == trained.flat.numel()
+
+
+# -- verify on a RAM-only daemon -------------------------------------------------------
+
+
+def test_verify_on_a_ram_only_daemon_says_nothing_is_at_rest(trained):
+    result = run_admin("verify", "--daemon", trained.address)
+    assert result.returncode == 0, result.stderr
+    assert "RAM only" in result.stdout and "nothing at rest" in result.stdout
+    report = admin_json("verify", "--daemon", trained.address)
+    (daemon_report,) = report["daemons"]
+    assert report["bad"] == 0 and daemon_report["at_rest"] is False
+    assert [v["status"] for v in daemon_report["shards"]] == ["not_at_rest"] * len(trained.plan)
+    assert all(v["nonfinite"] == 0 and v["version"] == STEPS for v in daemon_report["shards"])
+
+
+# -- health ----------------------------------------------------------------------------
+
+
+def test_health_with_a_live_and_a_dead_daemon_names_the_dead_one(daemon):
+    dead = f"127.0.0.1:{closed_port()}"
+    result = run_admin("health", "--daemon", daemon.address, "--daemon", dead, "--json")
+    assert result.returncode == 1
+    rows = {r["daemon"]: r for r in json.loads(result.stdout)}
+    assert rows[daemon.address]["status"] == "SERVING" and rows[daemon.address]["latency_ms"] > 0
+    assert rows[dead]["status"] == "UNREACHABLE"
+    assert result.stderr.startswith(f"ps-admin: daemon {dead} is UNREACHABLE (UNAVAILABLE: ")
+    assert result.stderr.count("\n") == 1 and daemon.address not in result.stderr
+
+    table = run_admin("health", "--daemon", daemon.address)
+    assert table.returncode == 0 and table.stderr == ""
+    assert "SERVING" in table.stdout and " ms" in table.stdout
+
+
+# -- bad input -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["verify"],
+        ["models"],
+        ["export", "--out", "x.safetensors"],
+        ["shards", "--tier", "ram"],
+        ["stats", "--interval", "0.1"],
+    ],
+)
+def test_unreachable_daemon_is_one_line_for_the_new_commands(command, tmp_path):
+    address = f"127.0.0.1:{closed_port()}"
+    command = [str(tmp_path / c) if c.endswith(".safetensors") else c for c in command]
+    result = run_admin(*command, "--daemon", address)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"ps-admin: daemon {address} is unreachable (UNAVAILABLE: ")
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert not list(tmp_path.iterdir())  # export left no file behind
+
+
+@pytest.mark.parametrize("command", [["verify", "--model", "nope"], ["export", "--model", "nope", "--out"]])
+def test_unknown_model_is_not_found_naming_the_known_ones(trained, command, tmp_path):
+    out = [str(tmp_path / "m.safetensors")] if command[-1] == "--out" else []
+    result = run_admin(*command, *out, "--daemon", trained.address)
+    assert result.returncode == 1
+    assert "NOT_FOUND" in result.stderr and "'nope'" in result.stderr and "registered: model" in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_unknown_export_format_is_a_usage_error_before_any_call(tmp_path):
+    # No daemon listens there: the format is refused before anything is asked.
+    result = run_admin("export", "--format", "npz", "--out", str(tmp_path / "m"), "--daemon", "127.0.0.1:1")
+    assert result.returncode == 2
+    assert result.stderr == "ps-admin: unknown --format 'npz'; supported: safetensors\n"
+    assert not list(tmp_path.iterdir())
+
+
+def test_new_admin_rpcs_answer_bad_input_with_clear_statuses(trained):
+    with grpc.insecure_channel(trained.address) as channel:
+        stub = ps_pb2_grpc.AdminStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetModel(ps_pb2.GetModelRequest(model="nope"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and "registered: model" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetModel(ps_pb2.GetModelRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ListModels" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Verify(ps_pb2.VerifyRequest(model="nope"), timeout=10))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and "registered: model" in info.value.details()
+        request = ps_pb2.GetShardRequest(model="model", shard_id=0, histogram_bins=5000)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetShard(request, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1000" in info.value.details()
+        # The daemon is unharmed.
+        assert stub.GetModel(ps_pb2.GetModelRequest(model="model"), timeout=10).total_numel == trained.flat.numel()
