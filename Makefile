@@ -14,7 +14,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# systemd-analyze checks the unit files (tests/ps_daemon/test_systemd_units.py); installed
+# from Debian when this user may, else those tests skip and say why.
 test: $(STAMP)
+	command -v systemd-analyze >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd) || echo "systemd-analyze not installed"
 	$(PY) -m pytest -q
 
 # fio is the NVMe benchmarks' peer; installed from Debian when this user may.

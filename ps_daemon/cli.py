@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -10,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ps_daemon import systemd
 from ps_daemon.config import ConfigError, load_config, parse_size
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ps-offload node daemon.")
@@ -39,10 +41,9 @@ def serve(
     port_file: Annotated[Optional[str], typer.Option(help="Write the bound port here once listening.")] = None,
     log_level: Annotated[Optional[str], typer.Option(help="DEBUG, INFO, WARNING, ERROR.")] = None,
 ) -> None:
-    """Serve shards over gRPC until SIGTERM."""
+    """Serve shards over gRPC until SIGTERM; SIGHUP re-reads --config."""
     try:
-        cfg = load_config(
-            config,
+        overrides = dict(
             server__listen=listen,
             server__data_listen=data_listen,
             server__port_file=port_file,
@@ -53,20 +54,25 @@ def serve(
             store__ram_bytes=None if ram_bytes is None else parse_size(ram_bytes, key="--ram-bytes"),
             log__level=log_level,
         )
+        cfg = load_config(config, **overrides)
     except ConfigError as exc:
         typer.echo(f"ps-daemon: {exc}", err=True)
+        systemd.notify(f"STATUS=Failed: {exc}")
         raise typer.Exit(2) from None
-    logging.basicConfig(
-        level=cfg.log.level.upper(),
-        stream=sys.stdout,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    _configure_logging(cfg.log.level)
+    # systemd's watchdog kills a hung daemon with SIGABRT: the journal then shows where
+    # every thread was stuck.
+    faulthandler.enable()
+    systemd.notify("STATUS=Starting: loading torch and gRPC")
     from ps_daemon.server import run  # imported late: torch and grpc load slowly
 
+    # On SIGHUP the same file and the same flags: flags keep winning over the file.
+    reload = None if config is None else lambda: load_config(config, **overrides)
     try:
-        code = run(cfg)
+        code = run(cfg, reload=reload)
     except OSError as exc:
         typer.echo(f"ps-daemon: {exc}", err=True)
+        systemd.notify(f"STATUS=Failed: {exc}")
         raise typer.Exit(1) from None
     # run() has drained every call and every committed version is on disk. Skip the
     # interpreter's finalization: with gRPC's pollers, data plane handlers and the
@@ -76,6 +82,16 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _configure_logging(level: str) -> None:
+    """One line per event on stdout, which systemd hands to journald."""
+    handler = logging.StreamHandler(sys.stdout)
+    if systemd.stdout_is_journal():
+        handler.setFormatter(systemd.JournalFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 if __name__ == "__main__":

@@ -84,6 +84,40 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    cert_file: str = ""
+    """PEM certificate chain the gRPC port and the data plane present. Empty (with key_file
+    empty): plaintext, for loopback and trusted networks only."""
+    key_file: str = ""
+    """PEM private key of cert_file. Read once at start; keep it readable by the daemon only."""
+    client_ca_file: str = ""
+    """PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS);
+    one without a certificate, or with one from another CA, is refused in the handshake."""
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    token_file: str = ""
+    """File whose first line is the bearer token clients must send (gRPC metadata
+    `authorization: Bearer <token>`). Never on the command line: it would show in `ps`.
+    Re-read on SIGHUP. Empty: no token."""
+    require_token: str = "admin"
+    """Which calls need the token when token_file is set: "admin" (the Admin calls that
+    change state: Evict, Load) or "all" (every call but health checks, including the data
+    plane's pulls and pushes)."""
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    listen: str = ""
+    """host:port of the Prometheus endpoint (GET /metrics, plain HTTP); port 0 picks a free
+    port. Empty: no metrics endpoint. Keep it on a management network: it is not behind TLS
+    or the token."""
+    port_file: str = ""
+    """If set, the metrics port is written here once it listens (tests, demos)."""
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = "INFO"
     """Python logging level name."""
@@ -93,6 +127,9 @@ class LogConfig:
 class DaemonConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -101,7 +138,14 @@ class DaemonConfig:
 RENAMED_KEYS: dict[str, str] = {}
 
 _SIZE_FIELDS = {"max_message_bytes", "ram_bytes", "shard_bytes", "io_block_bytes", "nvme_bytes"}
-_SECTIONS = {"server": ServerConfig, "store": StoreConfig, "log": LogConfig}
+_SECTIONS = {
+    "server": ServerConfig,
+    "store": StoreConfig,
+    "tls": TlsConfig,
+    "auth": AuthConfig,
+    "metrics": MetricsConfig,
+    "log": LogConfig,
+}
 
 
 def parse_size(value: Any, *, key: str) -> int:
@@ -179,6 +223,21 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f'server.data_listen must be "auto", "off" or host:port, got {data_listen!r}')
     if config.server.max_message_bytes < 64 << 10:
         raise ConfigError("server.max_message_bytes must be at least 64KiB")
+    tls = config.tls
+    if bool(tls.cert_file) != bool(tls.key_file):
+        raise ConfigError("tls.cert_file and tls.key_file go together: set both (TLS) or neither (plaintext)")
+    if tls.client_ca_file and not tls.cert_file:
+        raise ConfigError("tls.client_ca_file (mutual TLS) needs tls.cert_file and tls.key_file too")
+    for key in ("cert_file", "key_file", "client_ca_file"):
+        path = getattr(tls, key)
+        if path and not Path(path).is_file():
+            raise ConfigError(f"tls.{key}: {path} is not a readable file")
+    if config.auth.require_token not in ("admin", "all"):
+        raise ConfigError(f'auth.require_token must be "admin" or "all", got {config.auth.require_token!r}')
+    if config.auth.token_file and not Path(config.auth.token_file).is_file():
+        raise ConfigError(f"auth.token_file: {config.auth.token_file} is not a readable file")
+    if config.metrics.listen and not re.fullmatch(r".+:\d+", config.metrics.listen):
+        raise ConfigError(f"metrics.listen must be host:port (or empty: off), got {config.metrics.listen!r}")
     if logging.getLevelName(config.log.level.upper()) == f"Level {config.log.level.upper()}":
         raise ConfigError(f"log.level: unknown level {config.log.level!r}")
     return config

@@ -1,13 +1,17 @@
-"""Daemon lifecycle: build the gRPC server (data path, admin, health, reflection), listen,
-and on SIGTERM/SIGINT stop taking new calls, let in-flight ones finish within the grace
-period, and exit 0."""
+"""Daemon lifecycle: build the gRPC server (data path, admin, health, reflection), recover,
+listen and tell systemd; on SIGHUP reload what can change live; on SIGTERM/SIGINT stop taking
+new calls, let in-flight ones finish within the grace period, and exit 0."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import queue
+import shutil
 import signal
-import threading
+import tempfile
 import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -15,8 +19,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ps_daemon import systemd
 from ps_daemon.buffers import StagingPool
-from ps_daemon.config import DaemonConfig
+from ps_daemon.config import ConfigError, DaemonConfig
 from ps_daemon.dataplane import DataPlaneServer
 from ps_daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
 from ps_daemon.store import ShardStore
@@ -33,6 +38,10 @@ CHUNK_BYTES = 1 << 20
 
 SERVICE_NAMES = [ps_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("ParameterServer", "Admin")]
 
+# Keys a SIGHUP applies to the running daemon. Every other changed key is logged as needing
+# a restart and keeps its old value until then. grace_seconds is read when the drain starts.
+LIVE_KEYS = frozenset({"log.level", "server.grace_seconds"})
+
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Options both ends use: message limits, and no compression of already-dense floats."""
@@ -43,10 +52,12 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class Daemon:
-    """One running daemon: `start()` binds and serves, `stop()` drains and stops."""
+    """One running daemon: `start()` binds and serves, `stop()` drains and stops.
+    watchdog: also take health checks on a private socket, for `check()`."""
 
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, *, watchdog: bool = False) -> None:
         self.config = config
+        self.watchdog = watchdog
         keep_chunk_buffers_in_heap()
         self.files = _open_nvme(config)
         self.store = ShardStore(
@@ -84,20 +95,27 @@ class Daemon:
             self.server,
         )
         self.port = 0
+        self._probe_channel: grpc.Channel | None = None
+        self._probe: health_pb2_grpc.HealthStub | None = None
+        self._probe_dir: Path | None = None
+        self._status = ""
+        self._reload_note = ""  # what the last SIGHUP left undone, shown in STATUS
+        self._stopping = False  # from here on STATUS stays "Stopping"
 
     def start(self) -> int:
+        """Recovers, listens, and tells systemd READY=1 when trainers may connect."""
         if self.files is not None:
-            # Before the port opens: nobody may see a shard until its committed version is back.
-            started = time.monotonic()
-            recovered = self.store.recover()
-            log.info("recovered %d shards from %s in %.1fs", recovered, self.files.dir, time.monotonic() - started)
+            self._recover()
         listen = self.config.server.listen
+        self._set_status(f"Starting: opening {listen}")
         try:
             self.port = self.server.add_insecure_port(listen)
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {listen}: {exc}") from exc
         if self.port == 0:
             raise OSError(f"cannot listen on {listen} (address in use or not local?)")
+        if self.watchdog:
+            self._open_probe()
         Path(self.config.store.state_dir).mkdir(parents=True, exist_ok=True)
         self.server.start()
         if self.data_plane is not None:
@@ -108,16 +126,122 @@ class Daemon:
         if self.config.server.port_file:
             _write_atomically(Path(self.config.server.port_file), f"{self.port}\n")
         log.info("ps-daemon listening on %s (port %d)", listen, self.port)
+        # The same moment as the port file: every shard is back and both ports accept calls.
+        self._status = self._serving_status()
+        systemd.notify("READY=1", f"STATUS={self._status}")
         return self.port
+
+    def _recover(self) -> None:
+        # Before the port opens: nobody may see a shard until its committed version is back.
+        where = self.files.dir
+        models = _count(len(self.files.recorded_models()), "model")
+        self._set_status(f"Starting: recovering {models} from {where} (reading slot headers)")
+        started = time.monotonic()
+        shards = self.store.recover()
+        took = time.monotonic() - started
+        log.info("recovered %d shards from %s in %.1fs", shards, where, took)
+        self._set_status(f"Starting: recovered {_count(shards, 'shard')} of {models} from {where} in {took:.1f}s")
+
+    def _open_probe(self) -> None:
+        # The watchdog's health checks come in here: through the same server (poller, RPC
+        # threads, handlers) as a trainer's calls, but on a socket of their own in a 0700
+        # directory, so they need neither TLS nor a token and nobody else can use it. (Under
+        # systemd, in the unit's private /tmp, gone with the daemon however it ends.)
+        self._probe_dir = Path(tempfile.mkdtemp(prefix="ps-daemon-"))
+        address = f"unix:{self._probe_dir / 'health.sock'}"
+        if not self.server.add_insecure_port(address):
+            raise OSError(f"cannot listen on {address} (for the watchdog's health checks)")
+        self._probe_channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+        self._probe = health_pb2_grpc.HealthStub(self._probe_channel)
+
+    def check(self, timeout: float) -> str | None:
+        """None when a health check through the running server answers SERVING within
+        `timeout` seconds, else what went wrong (the watchdog's test). A hang looks like no
+        answer: the poller stuck, or every RPC thread held (a deadlock in the store, or more
+        Pulls waiting for versions than `server.max_workers`). Either way the STATUS line
+        says it."""
+        problem = self._probe_health(timeout)
+        self._set_status(self._serving_status() if problem is None else f"Not serving: {problem}")
+        return problem
+
+    def _probe_health(self, timeout: float) -> str | None:
+        try:
+            response = self._probe.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return (
+                    f"a health check got no answer in {timeout:.1f}s "
+                    f"(all {self.config.server.max_workers} RPC threads busy or stuck?)"
+                )
+            return f"a health check failed: {exc.code().name}: {exc.details()}"
+        if response.status != health_pb2.HealthCheckResponse.SERVING:
+            return f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}"
+        return None
+
+    def _serving_status(self) -> str:
+        stats = self.store.stats_snapshot()
+        host = self.config.server.listen.rpartition(":")[0]
+        data = f", data plane port {self.data_plane.port}" if self.data_plane is not None else ""
+        text = (
+            f"Serving on {host}:{self.port}{data}: {_count(stats.models, 'model')}, {_count(stats.shards, 'shard')}, "
+            f"{_size(stats.ram_bytes_used)} of {_size(self.config.store.ram_bytes)} RAM"
+        )
+        return f"{text}; {self._reload_note}" if self._reload_note else text
+
+    def _set_status(self, text: str) -> None:
+        if text != self._status and not self._stopping:
+            self._status = text
+            systemd.notify(f"STATUS={text}")
+
+    def reload(self, load: Callable[[], DaemonConfig] | None) -> None:
+        """SIGHUP: re-reads the config with `load` (None: no file was given), applies the
+        LIVE_KEYS and logs one line per other changed key, which waits for a restart. A file
+        that no longer loads is logged and changes nothing. Tells systemd RELOADING=1, then
+        READY=1 (also when the reload failed: the daemon serves on)."""
+        systemd.notify("RELOADING=1", f"MONOTONIC_USEC={systemd.monotonic_usec()}", "STATUS=Reloading the config")
+        self._status = ""  # READY=1 below always carries a STATUS, even an unchanged one
+        self._reload_note = self._reload(load)
+        self._status = self._serving_status()
+        systemd.notify("READY=1", f"STATUS={self._status}")
+
+    def _reload(self, load: Callable[[], DaemonConfig] | None) -> str:
+        """Returns the note for the STATUS line: what is still waiting, or why it failed."""
+        if load is None:
+            log.info("reload: no --config file was given; nothing to re-read")
+            return ""
+        try:
+            new = load()
+        except ConfigError as exc:
+            log.error("reload failed, still running with the previous config: %s", exc)
+            return f"last reload failed ({exc}), running on the previous config"
+        changes = config_changes(self.config, new)
+        pending = [key for key, _, _ in changes if key not in LIVE_KEYS]
+        for key, old, value in changes:
+            if key in LIVE_KEYS:
+                log.info("reload: %s %r -> %r, applied", key, old, value)
+                self.config = _with_key(self.config, key, value)
+            else:
+                log.warning("reload: %s %r -> %r needs a restart; %r until then", key, old, value, old)
+        logging.getLogger().setLevel(self.config.log.level.upper())
+        log.debug("reload: running with %s", self.config)
+        if not changes:
+            log.info("reload: the config has not changed")
+        return f"config changed, restart to apply {', '.join(pending)}" if pending else ""
 
     def stop(self) -> None:
         grace = self.config.server.grace_seconds
         log.info("stopping: draining in-flight calls for up to %.0fs", grace)
+        self._stopping = True
+        systemd.notify("STOPPING=1", f"STATUS=Stopping: draining in-flight calls for up to {grace:.0f}s")
         self.health.enter_graceful_shutdown()
         stopped = self.server.stop(grace)
         if self.data_plane is not None:
             self.data_plane.stop(grace)
         stopped.wait()
+        if self._probe_channel is not None:
+            self._probe_channel.close()
+        if self._probe_dir is not None:
+            shutil.rmtree(self._probe_dir, ignore_errors=True)
         self.store.close()
         if self.files is not None:
             self.files.close()
@@ -158,18 +282,68 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def run(config: DaemonConfig) -> int:
-    """Serves until SIGTERM or SIGINT; returns the process exit code."""
-    daemon = Daemon(config)
-    stop_requested = threading.Event()
+def config_changes(old: DaemonConfig, new: DaemonConfig) -> list[tuple[str, object, object]]:
+    """(dotted key, old value, new value) of every key whose value differs, in config order."""
+    changes = []
+    for section in dataclasses.fields(old):
+        before, after = getattr(old, section.name), getattr(new, section.name)
+        for key in dataclasses.fields(before):
+            if getattr(before, key.name) != getattr(after, key.name):
+                changes.append((f"{section.name}.{key.name}", getattr(before, key.name), getattr(after, key.name)))
+    return changes
+
+
+def _with_key(config: DaemonConfig, dotted: str, value: object) -> DaemonConfig:
+    section, key = dotted.split(".")
+    return dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **{key: value})})
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def run(config: DaemonConfig, *, reload: Callable[[], DaemonConfig] | None = None) -> int:
+    """Serves until SIGTERM or SIGINT; on SIGHUP, `reload()` gives the config to apply (None:
+    there is no file to re-read). Returns the process exit code."""
+    signals: queue.SimpleQueue[int] = queue.SimpleQueue()  # put() is safe in a signal handler
 
     def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s", signal.Signals(signum).name)
-        stop_requested.set()
+        signals.put(signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # Before anything slow: a SIGHUP's default action would kill a daemon that is still
+    # recovering, and a SIGTERM then is served after start() (the drain finds nothing).
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
+    interval = systemd.watchdog_interval()
+    daemon = Daemon(config, watchdog=interval is not None)
     daemon.start()
-    stop_requested.wait()
+    watchdog = None
+    if interval is not None:
+        watchdog = systemd.Watchdog(interval, daemon.check)
+        watchdog.start()
+        log.info("watchdog: pinging systemd every %.1fs while health checks pass", interval / 2)
+    while (signum := _next_signal(signals)) == signal.SIGHUP:
+        log.info("received SIGHUP")
+        daemon.reload(reload)
+    log.info("received %s", signal.Signals(signum).name)
+    if watchdog is not None:
+        watchdog.stop()  # systemd stops watching at STOPPING=1; the drain makes checks fail
     daemon.stop()
     return 0
+
+
+def _next_signal(signals: queue.SimpleQueue[int]) -> int:
+    while True:
+        # With a timeout: the main thread runs Python's signal handlers, and a signal the
+        # kernel gave to another thread does not interrupt this wait; the timeout does.
+        try:
+            return signals.get(timeout=1.0)
+        except queue.Empty:
+            pass

@@ -132,6 +132,13 @@ KNOWN_OPTIONS = [
     "store.io_threads",
     "store.io_block_bytes",
     "store.prefetch_depth",
+    "tls.cert_file",
+    "tls.key_file",
+    "tls.client_ca_file",
+    "auth.token_file",
+    "auth.require_token",
+    "metrics.listen",
+    "metrics.port_file",
     "log.level",
 ]
 
@@ -143,8 +150,10 @@ def test_option_set_is_frozen():
     )
 
 
-def test_every_option_can_be_set_from_a_file(write_toml):
+def test_every_option_can_be_set_from_a_file(write_toml, tmp_path):
     """Each frozen option is reachable through the loader under its dotted key."""
+    pem = tmp_path / "x.pem"
+    pem.write_text("not checked until the server starts")
     samples = {
         "server.listen": ('"10.0.0.1:1"', "10.0.0.1:1"),
         "server.data_listen": ('"off"', "off"),
@@ -163,12 +172,21 @@ def test_every_option_can_be_set_from_a_file(write_toml):
         "store.io_threads": ("8", 8),
         "store.io_block_bytes": ('"4MiB"', 4 * MiB),
         "store.prefetch_depth": ("0", 0),
+        "tls.cert_file": (f'"{pem}"', str(pem)),
+        "tls.key_file": (f'"{pem}"', str(pem)),
+        "tls.client_ca_file": (f'"{pem}"', str(pem)),
+        "auth.token_file": (f'"{pem}"', str(pem)),
+        "auth.require_token": ('"all"', "all"),
+        "metrics.listen": ('"127.0.0.1:9100"', "127.0.0.1:9100"),
+        "metrics.port_file": ('"m"', "m"),
         "log.level": ('"ERROR"', "ERROR"),
     }
     assert sorted(samples) == sorted(KNOWN_OPTIONS)
     for dotted, (toml_value, expected) in samples.items():
         section, key = dotted.split(".")
-        config = load_config(write_toml(f"[{section}]\n{key} = {toml_value}\n"))
+        # TLS keys come in pairs: the others of the section are set as well
+        extra = "".join(f'{k} = "{pem}"\n' for k in ("cert_file", "key_file") if section == "tls" and k != key)
+        config = load_config(write_toml(f"[{section}]\n{key} = {toml_value}\n{extra}"))
         assert getattr(getattr(config, section), key) == expected, dotted
 
 
@@ -448,3 +466,21 @@ def test_bool_options_take_only_booleans(write_toml):
 def test_no_spare_slot_is_refused_with_why(write_toml):
     with pytest.raises(ConfigError, match="store.nvme_spare_slots must be at least 1"):
         load_config(write_toml("[store]\nnvme_spare_slots = 0\n"))
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('[tls]\ncert_file = "{pem}"\n', "tls.cert_file and tls.key_file go together"),
+        ('[tls]\nclient_ca_file = "{pem}"\n', "needs tls.cert_file and tls.key_file too"),
+        ('[tls]\ncert_file = "{pem}"\nkey_file = "/nonexistent.pem"\n', "tls.key_file: /nonexistent.pem is not"),
+        ('[auth]\ntoken_file = "/nonexistent"\n', "auth.token_file: /nonexistent is not a readable file"),
+        ('[auth]\nrequire_token = "some"\n', 'require_token must be "admin" or "all"'),
+        ('[metrics]\nlisten = "9100"\n', "metrics.listen must be host:port"),
+    ],
+)
+def test_tls_auth_and_metrics_settings_that_cannot_work_are_refused(write_toml, tmp_path, toml, message):
+    pem = tmp_path / "x.pem"
+    pem.write_text("x")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(write_toml(toml.format(pem=pem)))
