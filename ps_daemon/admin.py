@@ -37,6 +37,7 @@ from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progres
 from rich.table import Table
 
 from ps_daemon.plan import ParamLayout, ShardSlice, segments_of
+from ps_daemon.security import ClientSecurity
 from ps_proto import codec, ps_pb2, ps_pb2_grpc
 
 DEFAULT_DAEMON = "127.0.0.1:50051"
@@ -256,12 +257,16 @@ def _admin_error(daemon: str, what: str, exc: grpc.RpcError) -> AdminError:
     return AdminError(f"{what} on daemon {daemon}: {code.name}: {details}")
 
 
+# How ps-admin connects (TLS, client certificate, token); set once by the main callback.
+_security = ClientSecurity()
+
+
 @contextlib.contextmanager
 def _channel(daemon: str) -> Iterator[grpc.Channel]:
     """A channel to `daemon`: every call of ps-admin goes through here."""
     # No receive limit: a daemon with many shards answers ListShards with one big message.
     options = [("grpc.max_receive_message_length", -1)]
-    with grpc.insecure_channel(daemon, options=options) as channel:
+    with _security.channel(daemon, options) as channel:
         yield channel
 
 
@@ -356,8 +361,40 @@ def _unique(daemons: list[str] | None) -> list[str]:
 
 
 @app.callback()
-def main() -> None:
+def main(
+    ca_file: Annotated[
+        Optional[str],
+        typer.Option("--ca-file", envvar="PS_TLS_CA_FILE", help="CA that signed the daemons' certificates: use TLS."),
+    ] = None,
+    cert_file: Annotated[
+        Optional[str],
+        typer.Option("--cert-file", envvar="PS_TLS_CERT_FILE", help="Client certificate, for mutual TLS."),
+    ] = None,
+    key_file: Annotated[
+        Optional[str], typer.Option("--key-file", envvar="PS_TLS_KEY_FILE", help="Key of --cert-file.")
+    ] = None,
+    token_file: Annotated[
+        Optional[str],
+        typer.Option(
+            "--token-file", envvar="PS_TOKEN_FILE", help="File holding the daemons' bearer token (first line)."
+        ),
+    ] = None,
+    server_name: Annotated[
+        Optional[str],
+        typer.Option("--server-name", envvar="PS_TLS_SERVER_NAME", help="Name to check the certificates against."),
+    ] = None,
+) -> None:
     """Inspect running ps-daemons; verify, export, move shards between their tiers."""
+    global _security
+    try:
+        _security = ClientSecurity(
+            ca_file=ca_file or "", cert_file=cert_file or "", key_file=key_file or "",
+            token_file=token_file or "", server_name=server_name or "",
+        )  # fmt: skip
+        _security.token()  # a token file that cannot be read is one line now, not per call
+    except ValueError as exc:
+        _fail(str(exc).removeprefix("ClientSecurity: "))
+        raise typer.Exit(1) from None
 
 
 @app.command()

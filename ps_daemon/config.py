@@ -33,8 +33,8 @@ class ServerConfig:
     data_listen: str = "auto"
     """host:port of the TCP data plane that carries pulls and pushes without gRPC's copies;
     "auto": the host of `listen` on a free port; "off": pulls and pushes use gRPC only.
-    The port is advertised to trainers in RegisterModel. Unencrypted: turn it off where
-    the network is not trusted."""
+    The port is advertised to trainers in RegisterModel. It uses TLS exactly when
+    the gRPC port does ([tls]), with the same certificate."""
     port_file: str = ""
     """If set, the bound port is written here once the server listens (tests, demos)."""
     max_workers: int = 32

@@ -9,20 +9,29 @@ everything else: registration, health, admin, and the same Pull/Push as a fallba
 
 Each connection is served by one thread, one request at a time (the trainer opens a few per
 daemon). Requests go through the same store calls and the same validation as the gRPC
-servicer (ps_daemon.wire), and errors come back as the same status codes and messages.
+servicer (ps_daemon.wire), and errors come back as the same status codes and messages. With
+[tls] the connection is TLS with the gRPC port's certificate (and client certificates under
+mutual TLS), the handshake done in the connection's thread; with auth.require_token = "all"
+every request carries the token, checked as gRPC's interceptor checks it (ps_daemon.security).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import socketserver
+import ssl
 import threading
 import time
+from collections.abc import Callable, Iterator
+
+import grpc
 
 from ps_daemon import wire
 from ps_daemon.buffers import StagingPool
-from ps_daemon.errors import InvalidArgument, PsError
+from ps_daemon.errors import InvalidArgument, PsError, from_status
+from ps_daemon.security import TokenCheck
 from ps_daemon.store import ShardStore
 from ps_proto import ps_pb2
 from ps_proto.frames import FrameError, recv_exact_into, recv_message, send_message
@@ -35,31 +44,53 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def setup(self) -> None:
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # The socket stop() shuts down: after a TLS wrap that is the wrapped one (wrapping
+        # detaches the plain socket from its descriptor).
+        self.secured: socket.socket | None = self.request
         self.server.track(self.request, add=True)
+        if self.server.tls is None:
+            return
+        self.request.settimeout(30.0)  # a client that never finishes the handshake
+        try:
+            self.secured = self.server.tls.wrap_socket(self.request, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            log.info("data plane: TLS handshake with %s failed: %s", self.client_address, exc)
+            self.secured = None
+        finally:
+            self.server.track(self.request, add=False)
+        if self.secured is not None:
+            self.secured.settimeout(None)
+            self.server.track(self.secured, add=True)
 
     def finish(self) -> None:
-        self.server.track(self.request, add=False)
+        if self.secured is not None:
+            self.server.track(self.secured, add=False)
 
     def handle(self) -> None:
-        sock: socket.socket = self.request
+        sock = self.secured
+        if sock is None:
+            return
         while not self.server.stopping:
             try:
                 request = recv_message(sock, ps_pb2.DataRequest)
             except (FrameError, OSError):
                 return  # hung up (or shut down while idle), or not speaking this protocol
-            with self.server.in_flight():
+            with self.server.in_flight(), self._timed(request):
                 try:
                     in_sync = self._serve(sock, request)
                 except PsError as exc:
+                    self.code = exc.code
                     in_sync = True
                     try:
                         send_message(sock, ps_pb2.DataResponse(code=exc.code.value[0], message=str(exc)))
                     except OSError:
                         return
                 except (FrameError, OSError) as exc:
+                    self.code = grpc.StatusCode.UNAVAILABLE
                     log.info("data plane: connection from %s dropped: %s", self.client_address, exc)
                     return
                 except Exception as exc:  # noqa: BLE001 - answered, logged, connection closed
+                    self.code = grpc.StatusCode.INTERNAL
                     log.exception("data plane request failed")
                     message = f"internal error: {type(exc).__name__}: {exc}"
                     send_message(sock, ps_pb2.DataResponse(code=PsError.code.value[0], message=message))
@@ -67,9 +98,24 @@ class _Handler(socketserver.BaseRequestHandler):
             if not in_sync:
                 return
 
+    @contextlib.contextmanager
+    def _timed(self, request: ps_pb2.DataRequest) -> Iterator[None]:
+        """Reports the request's time and outcome (self.code) to server.observe, if any."""
+        self.code, started = grpc.StatusCode.OK, time.perf_counter()
+        try:
+            yield
+        finally:
+            kind = request.WhichOneof("kind")
+            if self.server.observe is not None and kind in _METHODS:
+                self.server.observe(f"DataPlane/{kind.capitalize()}", self.code, time.perf_counter() - started)
+
     def _serve(self, sock: socket.socket, request: ps_pb2.DataRequest) -> bool:
         """Answers one request; returns False when the stream can no longer be trusted."""
         store, kind = self.server.store, request.WhichOneof("kind")
+        if kind in _METHODS and self.server.token is not None:
+            refusal = self.server.token.refusal(_METHODS[kind], request.authorization or None)
+            if refusal is not None:
+                raise from_status(*refusal)
         if kind == "pull":
             pull = request.pull
             cap = self.server.max_pull_wait
@@ -98,17 +144,34 @@ class _Handler(socketserver.BaseRequestHandler):
         raise InvalidArgument("a DataRequest must carry a pull or a push")
 
 
+# The gRPC method each data plane request stands for (the token rule is the same).
+_METHODS = {"pull": "/ps.v1.ParameterServer/Pull", "push": "/ps.v1.ParameterServer/Push"}
+
+
 class DataPlaneServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
     def __init__(
-        self, address: tuple[str, int], *, store: ShardStore, staging: StagingPool, max_pull_wait: float
+        self,
+        address: tuple[str, int],
+        *,
+        store: ShardStore,
+        staging: StagingPool,
+        max_pull_wait: float,
+        tls: ssl.SSLContext | None = None,
+        token: TokenCheck | None = None,
+        observe: Callable[[str, grpc.StatusCode, float], None] | None = None,
     ) -> None:
+        """tls: wrap connections (ps_daemon.security.server_ssl_context); token: the [auth]
+        rule; observe(method, code, seconds): told about every request (metrics)."""
         super().__init__(address, _Handler)
         self.store = store
         self.staging = staging
         self.max_pull_wait = max_pull_wait
+        self.tls = tls
+        self.token = token
+        self.observe = observe
         self.stopping = False
         self._connections: set[socket.socket] = set()
         self._busy = 0

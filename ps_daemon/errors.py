@@ -50,6 +50,23 @@ class DeadlineExceeded(PsError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Unauthenticated(PsError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(PsError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+def from_status(code: grpc.StatusCode, message: str) -> PsError:
+    """The typed error for a status code (those above; others as INTERNAL)."""
+    for cls in (NotFound, InvalidArgument, FailedPrecondition, ResourceExhausted, DataLoss, DeadlineExceeded,
+                Unauthenticated, PermissionDenied):  # fmt: skip
+        if cls.code == code:
+            return cls(message)
+    return PsError(message)
+
+
 def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
     if isinstance(exc, PsError):
         log.info("%s -> %s: %s", method, exc.code.name, exc)

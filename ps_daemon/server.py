@@ -19,10 +19,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ps_daemon import systemd
+from ps_daemon import security, systemd
 from ps_daemon.buffers import StagingPool
 from ps_daemon.config import ConfigError, DaemonConfig
 from ps_daemon.dataplane import DataPlaneServer
+from ps_daemon.metrics import DaemonMetrics
 from ps_daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
 from ps_daemon.store import ShardStore
 from ps_daemon.tiers.nvme import DirectIO, NvmeFiles
@@ -69,11 +70,27 @@ class Daemon:
         # Idle staging kept for about as many concurrent pushes as usually arrive; more are
         # allocated on demand and dropped.
         staging = StagingPool(max_bytes=4 * config.store.shard_bytes)
-        self.data_plane = _bind_data_plane(config, self.store, staging)
+        try:
+            self.token = security.TokenCheck(config.auth)
+        except ValueError as exc:
+            raise OSError(f"auth.token_file: {exc}") from None
+        self.metrics = DaemonMetrics(self.store) if config.metrics.listen else None
+        self.data_plane = _bind_data_plane(
+            config,
+            self.store,
+            staging,
+            tls=security.server_ssl_context(config.tls),
+            token=self.token,
+            observe=self.metrics.observe_rpc if self.metrics else None,
+        )
         self.health = health.HealthServicer()
+        # Outermost first: a call refused for its token is still timed, with its code.
+        interceptors = [self.metrics.interceptor()] if self.metrics else []
+        interceptors.append(security.TokenInterceptor(self.token))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.server.max_workers, thread_name_prefix="rpc"),
             options=channel_options(config.server.max_message_bytes),
+            interceptors=interceptors,
         )
         self.server.add_generic_rpc_handlers(
             [
@@ -108,8 +125,12 @@ class Daemon:
             self._recover()
         listen = self.config.server.listen
         self._set_status(f"Starting: opening {listen}")
+        credentials = security.server_credentials(self.config.tls)
         try:
-            self.port = self.server.add_insecure_port(listen)
+            if credentials is None:
+                self.port = self.server.add_insecure_port(listen)
+            else:
+                self.port = self.server.add_secure_port(listen, credentials)
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {listen}: {exc}") from exc
         if self.port == 0:
@@ -121,6 +142,11 @@ class Daemon:
         if self.data_plane is not None:
             self.data_plane.start()
             log.info("data plane listening on port %d", self.data_plane.port)
+        if self.metrics is not None:
+            metrics_port = self.metrics.serve(self.config.metrics.listen)
+            if self.config.metrics.port_file:
+                _write_atomically(Path(self.config.metrics.port_file), f"{metrics_port}\n")
+            log.info("metrics on http://%s:%d/metrics", self.config.metrics.listen.rpartition(":")[0], metrics_port)
         for name in ["", *SERVICE_NAMES]:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.server.port_file:
@@ -214,6 +240,12 @@ class Daemon:
         except ConfigError as exc:
             log.error("reload failed, still running with the previous config: %s", exc)
             return f"last reload failed ({exc}), running on the previous config"
+        if self.token.token_file:
+            try:
+                self.token.reload()
+                log.info("reload: re-read the token from %s", self.token.token_file)
+            except ValueError as exc:
+                log.error("reload: keeping the previous token: %s", exc)
         changes = config_changes(self.config, new)
         pending = [key for key, _, _ in changes if key not in LIVE_KEYS]
         for key, old, value in changes:
@@ -238,6 +270,8 @@ class Daemon:
         if self.data_plane is not None:
             self.data_plane.stop(grace)
         stopped.wait()
+        if self.metrics is not None:
+            self.metrics.stop()
         if self._probe_channel is not None:
             self._probe_channel.close()
         if self._probe_dir is not None:
@@ -261,7 +295,11 @@ def _open_nvme(config: DaemonConfig) -> NvmeFiles | None:
         raise OSError(f"cannot use nvme_dir {store.nvme_dir}: {exc.strerror or exc}") from exc
 
 
-def _bind_data_plane(config: DaemonConfig, store: ShardStore, staging: StagingPool) -> DataPlaneServer | None:
+def _bind_data_plane(
+    config: DaemonConfig, store: ShardStore, staging: StagingPool, **options
+) -> DataPlaneServer | None:
+    """The data plane server (not yet serving), or None when it is off. `options`: what
+    DataPlaneServer takes for TLS, the token and metrics."""
     setting = config.server.data_listen
     if setting == "off":
         return None
@@ -270,7 +308,7 @@ def _bind_data_plane(config: DaemonConfig, store: ShardStore, staging: StagingPo
         port = 0
     try:
         return DataPlaneServer(
-            (host, port), store=store, staging=staging, max_pull_wait=config.server.max_pull_wait_seconds
+            (host, port), store=store, staging=staging, max_pull_wait=config.server.max_pull_wait_seconds, **options
         )
     except OSError as exc:
         raise OSError(f"cannot listen for the data plane on {host}:{port}: {exc.strerror}") from exc

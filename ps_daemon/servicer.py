@@ -134,7 +134,7 @@ class AdminServicer:
 
     @grpc_errors
     def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext):
-        return ps_pb2.StatsResponse(**dataclasses.asdict(self.store.stats_snapshot()), **_tier_use(self.store))
+        return ps_pb2.StatsResponse(**dataclasses.asdict(self.store.stats_snapshot()))
 
     @grpc_errors
     def ListModels(self, request: ps_pb2.ListModelsRequest, context: grpc.ServicerContext):
@@ -157,20 +157,6 @@ class AdminServicer:
             if not context.is_active():  # the client went away: stop reading the disk
                 return
             yield wire.verdict_to_proto(verdict)
-
-
-def _tier_use(store: ShardStore) -> dict[str, int]:
-    """StatsResponse's tier-use fields."""
-    tiers = [shard.tier for model in store.models() for shard in model.shards.values()]
-    files = store.files
-    return dict(
-        ram_bytes_budget=store.ram_bytes,
-        nvme_bytes_allocated=files.bytes_allocated if files is not None else 0,
-        nvme_bytes_capacity=files.capacity if files is not None else 0,
-        shards_in_ram=tiers.count("ram"),
-        shards_on_nvme=tiers.count("nvme"),
-        shards_corrupt=tiers.count("corrupt"),
-    )
 
 
 def _shard_info(shard) -> ps_pb2.ShardInfo:

@@ -302,6 +302,14 @@ class StatsSnapshot:
     evictions: int
     nvme_bytes_read: int
     nvme_bytes_written: int
+    nvme_read_seconds: float
+    nvme_write_seconds: float
+    ram_bytes_budget: int
+    nvme_bytes_allocated: int
+    nvme_bytes_capacity: int
+    shards_in_ram: int
+    shards_on_nvme: int
+    shards_corrupt: int
 
 
 @dataclass
@@ -334,6 +342,8 @@ class ShardStore:
         self.prefetch_depth = prefetch_depth
         self.default_shard_bytes = default_shard_bytes
         self.stats = StoreStats()
+        # Called with each shard's optimizer time, outside the store's locks (metrics).
+        self.on_optimizer_step: Callable[[float], None] | None = None
         self._models: dict[str, RegisteredModel] = {}
         self._lock = threading.Lock()  # guards _models and stats counters
 
@@ -666,6 +676,8 @@ class ShardStore:
                     with self._lock:
                         self.stats.optimizer_seconds += elapsed
                         self.stats.pushes_applied += 1
+                    if self.on_optimizer_step is not None:
+                        self.on_optimizer_step(elapsed)
                 with self._lock:
                     self.stats.bytes_pushed += payload_bytes
                 return PushResult(applied=True, version=shard.version)
@@ -845,13 +857,28 @@ class ShardStore:
                 **self._tier_counts(),
             )
 
-    def _tier_counts(self) -> dict[str, int]:
+    def _tier_counts(self) -> dict[str, int | float]:
+        """The tier fields of StatsSnapshot (called under self._lock)."""
+        tiers = [shard.tier for model in self._models.values() for shard in model.shards.values()]
+        files = self.files
+        counts = dict(
+            ram_bytes_budget=self.ram_bytes,
+            shards_in_ram=tiers.count("ram"),
+            shards_on_nvme=tiers.count("nvme"),
+            shards_corrupt=tiers.count("corrupt"),
+            nvme_bytes_allocated=files.bytes_allocated if files is not None else 0,
+            nvme_bytes_capacity=files.capacity if files is not None else 0,
+            nvme_bytes_read=files.bytes_read if files is not None else 0,
+            nvme_bytes_written=files.bytes_written if files is not None else 0,
+            nvme_read_seconds=files.read_seconds if files is not None else 0.0,
+            nvme_write_seconds=files.write_seconds if files is not None else 0.0,
+        )
         if self.tier is None:
-            return dict(tier_hits=0, tier_misses=0, prefetched=0, evictions=0, nvme_bytes_read=0, nvme_bytes_written=0)
+            return {**counts, "tier_hits": 0, "tier_misses": 0, "prefetched": 0, "evictions": 0}
         with self.tier.cond:
             t = self.tier.stats
-            counts = dict(tier_hits=t.hits, tier_misses=t.misses, prefetched=t.prefetched, evictions=t.evictions)
-        return {**counts, "nvme_bytes_read": self.files.bytes_read, "nvme_bytes_written": self.files.bytes_written}
+            return {**counts, "tier_hits": t.hits, "tier_misses": t.misses, "prefetched": t.prefetched,
+                    "evictions": t.evictions}  # fmt: skip
 
 
 def _histogram(values: torch.Tensor, bins: int) -> dict:

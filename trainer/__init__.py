@@ -5,6 +5,7 @@ opt = trainer.offload(model, daemons=["127.0.0.1:50051"], optimizer=trainer.Adam
 loss.backward(); opt.step(); opt.zero_grad()
 """
 
+from ps_daemon.security import ClientSecurity
 from trainer.client import DaemonError, ShardedClient
 from trainer.cluster import daemon_addresses
 from trainer.config import SGD, AdamW, ClientConfig
@@ -14,6 +15,7 @@ __all__ = [
     "SGD",
     "AdamW",
     "ClientConfig",
+    "ClientSecurity",
     "DaemonError",
     "OffloadOptimizer",
     "ShardedClient",

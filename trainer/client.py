@@ -15,6 +15,7 @@ from typing import TypeVar
 import grpc
 
 from ps_daemon.plan import ShardSlice, layout_params, plan_shards, shard_numel_for
+from ps_daemon.security import ClientSecurity
 from ps_daemon.server import CHUNK_BYTES, channel_options
 from ps_proto import codec, ps_pb2
 from ps_proto.frames import split_host_port
@@ -46,7 +47,13 @@ class DaemonError(RuntimeError):
     def __init__(self, address: str, what: str, error: grpc.RpcError) -> None:
         self.address = address
         self.code = error.code()
-        super().__init__(f"{what} on daemon {address}: {self.code.name}: {error.details()}")
+        hint = ""
+        if self.code == grpc.StatusCode.UNAVAILABLE:
+            hint = (
+                " (is the daemon up and its port reachable? If it uses TLS, ClientConfig.security must name the CA "
+                "that signed its certificate, and a client certificate from its client CA under mutual TLS)"
+            )
+        super().__init__(f"{what} on daemon {address}: {self.code.name}: {error.details()}{hint}")
 
 
 def _method(service: str, name: str) -> str:
@@ -60,10 +67,11 @@ def _identity(data: bytes) -> bytes:
 class DaemonClient:
     """One channel to one daemon and its data-path methods."""
 
-    def __init__(self, address: str, *, max_message_bytes: int) -> None:
+    def __init__(self, address: str, *, max_message_bytes: int, security: ClientSecurity | None = None) -> None:
         self.address = address
         keep_chunk_buffers_in_heap()
-        self.channel = grpc.insecure_channel(address, options=[*channel_options(max_message_bytes), *RECONNECT])
+        security = security or ClientSecurity()
+        self.channel = security.channel(address, [*channel_options(max_message_bytes), *RECONNECT])
         self._register = self.channel.unary_unary(
             _method("ParameterServer", "RegisterModel"),
             request_serializer=ps_pb2.RegisterModelRequest.SerializeToString,
@@ -86,8 +94,16 @@ class DaemonClient:
         )
 
     def register(self, spec: ps_pb2.ModelSpec, daemon_index: int, *, timeout: float) -> ps_pb2.RegisterModelResponse:
+        """Waits up to `timeout` for the daemon to come up (systemd may be restarting it)."""
         request = ps_pb2.RegisterModelRequest(spec=spec, daemon_index=daemon_index)
-        return self._register(request, timeout=timeout, wait_for_ready=True)
+        try:
+            return self._register(request, timeout=timeout, wait_for_ready=True)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+        # Waiting hides why no connection came up (a refused port, a failed TLS handshake):
+        # one attempt that does not wait reports it as UNAVAILABLE with gRPC's reason.
+        return self._register(request, timeout=min(timeout, 5.0), wait_for_ready=False)
 
     def pull_into(
         self,
@@ -162,7 +178,10 @@ class ShardedClient:
             raise ValueError(f"daemon addresses repeat: {daemons}")
         self.daemons = list(daemons)
         self.config = config or ClientConfig()
-        self.clients = [DaemonClient(a, max_message_bytes=self.config.max_message_bytes) for a in daemons]
+        security = self.config.security
+        self.clients = [
+            DaemonClient(a, max_message_bytes=self.config.max_message_bytes, security=security) for a in daemons
+        ]
         self.model = ""
         self.plan: list[ShardSlice] = []
         self.created: list[bool] = []
@@ -207,7 +226,9 @@ class ShardedClient:
         if isinstance(current, DataPlaneClient):
             current.close()
         host, _ = split_host_port(self.daemons[index])
-        self.transports[index] = DataPlaneClient(host, data_port, max_connections=self.config.streams_per_daemon)
+        self.transports[index] = DataPlaneClient(
+            host, data_port, max_connections=self.config.streams_per_daemon, security=self.config.security
+        )
 
     def _rediscover(self, index: int) -> None:
         """After the data plane became unreachable: ask the daemon again (RegisterModel is

@@ -3,8 +3,9 @@ talks to them. One dataclass per concern; every field says what it is."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ps_daemon.security import ClientSecurity
 from ps_proto import ps_pb2
 
 
@@ -73,6 +74,10 @@ class ClientConfig:
     backward passes instead of when the pushes arrive."""
     max_message_bytes: int = 8 << 20
     """Largest gRPC message either side accepts; chunks are far smaller."""
+    security: ClientSecurity = field(default_factory=ClientSecurity)
+    """TLS (the CA that signed the daemons' certificates, a client certificate for mutual
+    TLS) and the bearer token file, for daemons configured with [tls] and [auth]. The
+    default connects in plaintext without a token."""
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "grpc"):

@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import queue
 import socket
+import ssl
 from collections.abc import Iterator
 
 import grpc
 
+from ps_daemon.security import ClientSecurity
 from ps_proto import ps_pb2
 from ps_proto.frames import FrameError, recv_exact_into, recv_message, send_message
 
@@ -38,10 +40,16 @@ class DataPlaneError(grpc.RpcError):
 class DataPlaneClient:
     """Up to `max_connections` persistent connections to one daemon's data plane."""
 
-    def __init__(self, host: str, port: int, *, max_connections: int) -> None:
+    def __init__(self, host: str, port: int, *, max_connections: int, security: ClientSecurity | None = None) -> None:
         self.address = (host, port)
         self._idle: queue.LifoQueue[socket.socket] = queue.LifoQueue()
         self._max = max_connections
+        security = security or ClientSecurity()
+        # The daemon's data plane speaks TLS exactly when its gRPC port does (same certificate).
+        self._tls = security.ssl_context()
+        self._server_name = security.server_name or host
+        token = security.token()
+        self._authorization = f"Bearer {token}" if token else ""
 
     @contextlib.contextmanager
     def _connection(self, timeout: float) -> Iterator[socket.socket]:
@@ -78,7 +86,16 @@ class DataPlaneClient:
                 grpc.StatusCode.UNAVAILABLE, f"cannot reach data plane {self.address[0]}:{self.address[1]}: {exc}"
             ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        if self._tls is None:
+            return sock
+        try:
+            return self._tls.wrap_socket(sock, server_hostname=self._server_name)
+        except (ssl.SSLError, OSError) as exc:
+            sock.close()
+            raise DataPlaneError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"TLS handshake with data plane {self.address[0]}:{self.address[1]} failed: {exc}",
+            ) from None
 
     @staticmethod
     def _answer(sock: socket.socket) -> ps_pb2.DataResponse:
@@ -100,6 +117,7 @@ class DataPlaneClient:
         request = ps_pb2.DataRequest(
             pull=ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version, tensor=tensor),
             timeout_ms=max(1, int(timeout * 1000)),
+            authorization=self._authorization,
         )
         with _daemon_status(), self._connection(timeout + 5.0) as sock:
             send_message(sock, request)
@@ -131,7 +149,7 @@ class DataPlaneClient:
             variance_frozen_at=variance_frozen_at,
         )  # fmt: skip
         with _daemon_status(), self._connection(timeout) as sock:
-            send_message(sock, ps_pb2.DataRequest(push=header))
+            send_message(sock, ps_pb2.DataRequest(push=header, authorization=self._authorization))
             response = self._answer(sock)
             if not response.send_payload:
                 return response.push  # applied before: the daemon needs no payload

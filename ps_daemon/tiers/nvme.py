@@ -31,6 +31,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 import urllib.parse
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -311,6 +312,10 @@ class NvmeFiles:
         self._header_lock = threading.Lock()
         self.bytes_written = 0  # shard bytes, counted once the write returned
         self.bytes_read = 0
+        # Wall time of commits (bytes, fdatasync, header, fdatasync) and of loads (read, crc),
+        # summed over threads: with several in flight, more than the elapsed time.
+        self.write_seconds = 0.0
+        self.read_seconds = 0.0
 
     @property
     def bytes_allocated(self) -> int:
@@ -399,6 +404,7 @@ class NvmeFiles:
         slot = file.take_slot(self.slot_timeout)
         at = file.offset(slot)
         header_written = False
+        started = time.perf_counter()
         try:
             self.io.write(file.fd, arena, at + PAGE)
             if self.fsync:
@@ -423,6 +429,7 @@ class NvmeFiles:
         file.committed(shard_id, slot, header)
         with self._header_lock:
             self.bytes_written += len(arena)
+            self.write_seconds += time.perf_counter() - started
 
     def load(self, model: str, shard_id: int, arena: memoryview) -> SlotHeader | None:
         """Reads the committed version into `arena`; None if none was ever committed.
@@ -435,11 +442,13 @@ class NvmeFiles:
         slot, header = found
         if header.arena_bytes != len(arena):
             raise CorruptShard(f"header says {header.arena_bytes} arena bytes, the shard has {len(arena)}")
+        started = time.perf_counter()
         self.io.read(file.fd, arena, file.offset(slot) + PAGE)
         if crc32c.crc32c(arena) != header.data_crc:
             raise CorruptShard(f"checksum mismatch in slot {slot} (version {header.version})")
         with self._header_lock:
             self.bytes_read += len(arena)
+            self.read_seconds += time.perf_counter() - started
         return header
 
     # -- checks (ps-admin verify) ------------------------------------------------------

@@ -198,8 +198,10 @@ def test_trainer_hints_bring_the_next_steps_first_shards_back_after_each_step(tm
         stats = _stats(daemon.address)
         if hints:
             # Shard 0 came back, and to make room the hint's order evicted the shards needed
-            # last (3, 4), not the least recently used one (1, needed right after 0).
-            assert tiers == {0: "ram", 1: "ram", 2: "ram", 3: "nvme", 4: "nvme"}
+            # last, not the least recently used one (1, needed right after 0). Shard 4 (the
+            # small one) may stay: three large arenas and it fit in the budget, and whether it
+            # goes too depends on a freed arena still being pooled at that moment.
+            assert [tiers[s] for s in (0, 1, 2, 3)] == ["ram", "ram", "ram", "nvme"], tiers
             assert stats.prefetch_hints == 2 * 5 and stats.prefetched >= 1
         else:  # turned off: nothing is hinted or prefetched (what LRU leaves varies with timing)
             assert stats.prefetch_hints == 0 and stats.prefetched == 0

@@ -1,0 +1,179 @@
+"""Prometheus metrics (prometheus-client) on a port of their own: `metrics.listen`.
+
+Two kinds, to keep the data path free of metric bookkeeping:
+* histograms observed as things happen: every RPC's latency by method and status code (a
+  gRPC server interceptor, and the data plane's requests as `DataPlane/Pull` and
+  `DataPlane/Push`), and each shard's optimizer step;
+* everything else read from the store's counters when Prometheus scrapes (`StatsSnapshot`,
+  the same numbers `ps-admin stats` shows): bytes and calls in and out, shards and bytes per
+  tier, prefetch hits and misses, NVMe bytes and seconds.
+
+Names follow Prometheus' conventions: a `ps_` prefix, base units (seconds, bytes), `_total`
+on counters. The registry is the daemon's own, not the process-wide default, so that tests
+can run several daemons' metrics in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ps_daemon.store import ShardStore
+
+# From a small pull of a cached shard (~1 ms) to a pull that waits for its version or a
+# 256 MiB shard read from disk (seconds).
+RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# One shard's optimizer step: ~2 ms for 4 MiB, ~40 ms for 64 MiB on one socket.
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class DaemonMetrics:
+    """The daemon's registry, its histograms, and the collector over the store."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self.registry = CollectorRegistry()
+        self.rpc_seconds = Histogram(
+            "ps_rpc_duration_seconds",
+            "Time to serve a call, by method (gRPC's full name without the package, or "
+            "DataPlane/Pull and DataPlane/Push) and status code; a Pull's includes its wait for the version",
+            ["method", "code"],
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
+        self.optimizer_seconds = Histogram(
+            "ps_optimizer_step_duration_seconds",
+            "One shard's optimizer update (the fused AdamW / SGD / 1-bit Adam kernel), without the commit",
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_StoreCollector(store))
+        store.on_optimizer_step = self.optimizer_seconds.observe
+        self._server = None
+
+    def observe_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        self.rpc_seconds.labels(method, code.name).observe(seconds)
+
+    def interceptor(self) -> grpc.ServerInterceptor:
+        return _TimingInterceptor(self)
+
+    def serve(self, listen: str) -> int:
+        """Starts the HTTP endpoint (GET /metrics) on host:port; returns the bound port."""
+        host, _, port = listen.rpartition(":")
+        try:
+            self._server, _ = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        except OSError as exc:
+            raise OSError(f"cannot listen for metrics on {listen}: {exc.strerror or exc}") from None
+        return self._server.server_port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+class _StoreCollector(Collector):
+    """The store's counters and tier use, read at each scrape."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator:
+        s = self.store.stats_snapshot()
+        yield _counter("ps_pulled_bytes", "Shard bytes sent to trainers by pulls", s.bytes_pulled)
+        yield _counter("ps_pushed_bytes", "Payload bytes of pushes applied (compressed ones as sent)", s.bytes_pushed)
+        yield _counter("ps_pulls", "Pulls served", s.pulls)
+        pushes = CounterMetricFamily("ps_pushes", "Pushes, by result", labels=["result"])
+        pushes.add_metric(["applied"], s.pushes_applied)
+        pushes.add_metric(["duplicate"], s.pushes_duplicate)  # a retry of an applied step
+        yield pushes
+        yield _counter("ps_optimizer_seconds", "Time in optimizer updates, all shards", s.optimizer_seconds)
+        yield _counter("ps_prefetch_hints", "Shards named in trainers' Prefetch hints", s.prefetch_hints)
+        yield _counter("ps_tier_hits", "Uses of a shard that was resident in RAM", s.tier_hits)
+        yield _counter("ps_tier_misses", "Uses of a shard that had to be read from NVMe first", s.tier_misses)
+        yield _counter("ps_prefetched_shards", "Shards read from NVMe ahead of use", s.prefetched)
+        yield _counter("ps_evictions", "Shards dropped from the RAM tier", s.evictions)
+        yield _counter("ps_nvme_read_bytes", "Shard bytes read from NVMe", s.nvme_bytes_read)
+        yield _counter("ps_nvme_written_bytes", "Shard bytes committed to NVMe", s.nvme_bytes_written)
+        yield _counter("ps_nvme_read_seconds", "Time loading shards from NVMe, all threads", s.nvme_read_seconds)
+        yield _counter("ps_nvme_write_seconds", "Time committing shards to NVMe, all threads", s.nvme_write_seconds)
+        shards = GaugeMetricFamily("ps_shards", "Shards held, by tier", labels=["tier"])
+        for tier, count in (("ram", s.shards_in_ram), ("nvme", s.shards_on_nvme), ("corrupt", s.shards_corrupt)):
+            shards.add_metric([tier], count)
+        yield shards
+        tier_bytes = GaugeMetricFamily("ps_tier_bytes", "Bytes used by tier (RAM: resident arenas)", labels=["tier"])
+        tier_bytes.add_metric(["ram"], s.ram_bytes_used)
+        tier_bytes.add_metric(["nvme"], s.nvme_bytes_allocated)
+        yield tier_bytes
+        capacity = GaugeMetricFamily("ps_tier_capacity_bytes", "Configured budget by tier (0: none)", labels=["tier"])
+        capacity.add_metric(["ram"], s.ram_bytes_budget)
+        capacity.add_metric(["nvme"], s.nvme_bytes_capacity)
+        yield capacity
+        yield GaugeMetricFamily("ps_models", "Models registered", value=s.models)
+        yield GaugeMetricFamily("ps_uptime_seconds", "Seconds since the daemon started", value=s.uptime_seconds)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+class _TimingInterceptor(grpc.ServerInterceptor):
+    """Times every call into `rpc_seconds`: unary replies when the handler returns, streamed
+    replies when the stream ends; the code is the one the call ended with."""
+
+    def __init__(self, metrics: DaemonMetrics) -> None:
+        self.metrics = metrics
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit(".", 1)[-1]  # "/ps.v1.Admin/Stats" -> "Admin/Stats"
+        observe = self.metrics.observe_rpc
+        for attribute, make in (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler),
+        ):
+            behaviour = getattr(handler, attribute)
+            if behaviour is not None:
+                timed = _timed_stream if attribute.endswith("_stream") else _timed
+                return make(
+                    timed(behaviour, method, observe),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler
+
+
+def _timed(behaviour: Callable, method: str, observe: Callable) -> Callable:
+    def call(request, context):
+        started, failed = time.perf_counter(), grpc.StatusCode.UNKNOWN  # what gRPC makes of a raise
+        try:
+            result = behaviour(request, context)
+            failed = grpc.StatusCode.OK
+            return result
+        finally:
+            observe(method, context.code() or failed, time.perf_counter() - started)
+
+    return call
+
+
+def _timed_stream(behaviour: Callable, method: str, observe: Callable) -> Callable:
+    def call(request, context):
+        started, failed = time.perf_counter(), grpc.StatusCode.CANCELLED  # closed early: the client left
+        try:
+            yield from behaviour(request, context)
+            failed = grpc.StatusCode.OK
+        except Exception:
+            failed = grpc.StatusCode.UNKNOWN
+            raise
+        finally:
+            observe(method, context.code() or failed, time.perf_counter() - started)
+
+    return call

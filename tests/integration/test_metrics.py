@@ -1,0 +1,91 @@
+"""The Prometheus endpoint of a real daemon, scraped after training through it: the counters
+agree with what the trainer did, RPC latencies are recorded per method and status code (the
+data plane's too), the optimizer's step time per shard, the tiers and NVMe traffic."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import trainer
+from ps_proto import ps_pb2, ps_pb2_grpc
+from trainer.debug_models import mlp
+
+STEPS = 4
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} from GET /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def _daemon_with_metrics(daemon_factory, tmp_path, *extra: str):
+    port_file = tmp_path / "metrics.port"
+    config = tmp_path / "metrics.toml"
+    config.write_text(f'[metrics]\nlisten = "127.0.0.1:0"\nport_file = "{port_file}"\n')
+    daemon = daemon_factory(*extra, config=config)
+    return daemon, int(port_file.read_text())
+
+
+def _train(address: str, transport: str) -> tuple[int, int]:
+    """Trains STEPS steps; returns (parameters, shards)."""
+    torch.manual_seed(0)
+    model = mlp((64, 64, 10))
+    numel = sum(p.numel() for p in model.parameters())
+    config = trainer.ClientConfig(transport=transport)
+    with trainer.offload(model, daemons=[address], optimizer=trainer.AdamW(), shard_bytes=8192, config=config) as opt:
+        for _ in range(STEPS):
+            opt.zero_grad()
+            model(torch.randn(8, 64)).pow(2).mean().backward()
+            opt.step()
+        opt.synchronize()
+        return numel, len(opt.plan)
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_metrics_count_what_the_trainer_did(daemon_factory, tmp_path, transport):
+    daemon, port = _daemon_with_metrics(daemon_factory, tmp_path)
+    numel, shards = _train(daemon.address, transport)
+    with grpc.insecure_channel(daemon.address) as channel:  # one refused call, to see its code
+        with pytest.raises(grpc.RpcError):
+            ps_pb2_grpc.AdminStub(channel).GetShard(ps_pb2.GetShardRequest(model="nope", shard_id=0), timeout=10)
+    m = _scrape(port)
+    assert m[("ps_pushed_bytes_total", ())] == 4 * numel * (STEPS + 1)  # initial values + STEPS gradients
+    assert m[("ps_pushes_total", (("result", "applied"),))] == shards * STEPS
+    assert m[("ps_optimizer_step_duration_seconds_count", ())] == shards * STEPS
+    assert m[("ps_optimizer_step_duration_seconds_sum", ())] > 0
+    assert m[("ps_shards", (("tier", "ram"),))] == shards
+    assert m[("ps_tier_capacity_bytes", (("tier", "ram"),))] == 8 << 30
+    plane = "DataPlane" if transport == "auto" else "ParameterServer"
+    pushes = m[("ps_rpc_duration_seconds_count", (("code", "OK"), ("method", f"{plane}/Push")))]
+    assert pushes == shards * (STEPS + 1)
+    pulls = m[("ps_rpc_duration_seconds_count", (("code", "OK"), ("method", f"{plane}/Pull")))]
+    assert pulls == m[("ps_pulls_total", ())] >= shards * STEPS
+    assert m[("ps_rpc_duration_seconds_count", (("code", "OK"), ("method", "ParameterServer/RegisterModel")))] == 1
+    assert m[("ps_rpc_duration_seconds_count", (("code", "NOT_FOUND"), ("method", "Admin/GetShard")))] == 1
+
+
+def test_nvme_bytes_and_seconds_and_tiers(daemon_factory, tmp_path):
+    daemon, port = _daemon_with_metrics(daemon_factory, tmp_path, "--nvme-dir", str(tmp_path / "nvme"))
+    numel, shards = _train(daemon.address, "auto")
+    with grpc.insecure_channel(daemon.address) as channel:
+        ps_pb2_grpc.AdminStub(channel).Evict(ps_pb2.GetShardRequest(model="model", shard_id=0), timeout=10)
+    m = _scrape(port)
+    arena = m[("ps_nvme_written_bytes_total", ())] / (shards * (STEPS + 1))  # every version committed
+    assert arena >= 12 * numel / shards  # master, m and v of a shard (and the arena's stagger)
+    assert m[("ps_nvme_write_seconds_total", ())] > 0
+    assert m[("ps_shards", (("tier", "nvme"),))] == 1 and m[("ps_shards", (("tier", "ram"),))] == shards - 1
+    assert m[("ps_tier_bytes", (("tier", "nvme"),))] > 0
+
+
+def test_no_metrics_endpoint_unless_configured(daemon):
+    assert "metrics on http" not in daemon.log()
