@@ -153,8 +153,7 @@ def onebit_adam_(
     ends = [end for _, end, _ in segments]
     if not segments or starts[0] != 0 or ends[-1] != n or starts[1:] != ends[:-1]:
         raise ValueError(f"segments must tile [0, {n}) in order, got {[(s, e) for s, e, _ in segments]}")
-    if not 1 <= variance_frozen_at <= step:
-        raise ValueError(f"need 1 <= variance_frozen_at <= step, got {variance_frozen_at} and {step}")
+    _check_steps(step, variance_frozen_at)
     # Scalars formed in double, then cast to fp32 where used (as torch's CPU AdamW does).
     f32 = np.float32
     _onebit_adam(
@@ -172,6 +171,11 @@ def onebit_adam_(
         f32(step_cap(beta1, beta2)),
         f32(-lr),
     )
+
+
+def _check_steps(step: int, variance_frozen_at: int) -> None:
+    if not 1 <= variance_frozen_at <= step:
+        raise ValueError(f"need 1 <= variance_frozen_at <= step, got {variance_frozen_at} and {step}")
 
 
 def step_cap(beta1: float, beta2: float) -> float:
@@ -197,8 +201,7 @@ def adam_frozen_variance_(
 ) -> None:
     """The same update in plain torch, from an fp32 `momentum` (a MOMENTUM push that is not
     ONEBIT, once decompressed); also the oracle the fused kernel is tested against."""
-    if not 1 <= variance_frozen_at <= step:
-        raise ValueError(f"need 1 <= variance_frozen_at <= step, got {variance_frozen_at} and {step}")
+    _check_steps(step, variance_frozen_at)
     exp_avg.copy_(momentum).masked_fill_(exp_avg_sq == 0, 0.0)
     inv_bc1 = 1 / (1 - beta1**step)
     bc2_sqrt = math.sqrt(1 - beta2**variance_frozen_at)

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ps_daemon.grpc_handlers import rebuild
 from ps_daemon.store import ShardStore
 
 # From a small pull of a cached shard (~1 ms) to a pull that waits for its version or a
@@ -134,21 +135,9 @@ class _TimingInterceptor(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method.rsplit(".", 1)[-1]  # "/ps.v1.Admin/Stats" -> "Admin/Stats"
         observe = self.metrics.observe_rpc
-        for attribute, make in (
-            ("unary_unary", grpc.unary_unary_rpc_method_handler),
-            ("stream_unary", grpc.stream_unary_rpc_method_handler),
-            ("unary_stream", grpc.unary_stream_rpc_method_handler),
-            ("stream_stream", grpc.stream_stream_rpc_method_handler),
-        ):
-            behaviour = getattr(handler, attribute)
-            if behaviour is not None:
-                timed = _timed_stream if attribute.endswith("_stream") else _timed
-                return make(
-                    timed(behaviour, method, observe),
-                    request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer,
-                )
-        return handler
+        return rebuild(
+            handler, lambda behaviour, streams: (_timed_stream if streams else _timed)(behaviour, method, observe)
+        )
 
 
 def _timed(behaviour: Callable, method: str, observe: Callable) -> Callable:

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from ps_daemon.config import AuthConfig, TlsConfig
+from ps_daemon.grpc_handlers import rebuild
 
 log = logging.getLogger(__name__)
 
@@ -142,16 +143,7 @@ def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: st
     def abort(_request, context):
         context.abort(code, message)
 
-    kinds = (
-        (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
-        (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
-        (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
-        (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
-    )
-    make = next(make for behaviour, make in kinds if behaviour is not None)
-    return make(
-        abort, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-    )
+    return rebuild(handler, lambda _behaviour, _streams: abort)
 
 
 # --- the client's side -------------------------------------------------------------------
