@@ -32,9 +32,12 @@ bench-scale: $(STAMP)
 	$(PY) -m bench.scale
 	$(PY) -c "from bench.run_all import update_doc; update_doc()"
 
-# Regenerates ps_proto/ from proto/ps.proto; tests/ps_proto checks the committed copy is fresh.
+# Regenerates ps_proto/ (installed as ps_offload.proto) from proto/ps.proto; tests/ps_proto
+# checks the committed copy is fresh.
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -Ips_proto=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/ps.proto
+	rm -rf build/protoc && mkdir -p build/protoc
+	$(PY) -m grpc_tools.protoc -Ips_offload/proto=proto --python_out=build/protoc --pyi_out=build/protoc --grpc_python_out=build/protoc proto/ps.proto
+	cp build/protoc/ps_offload/proto/ps_pb2.py build/protoc/ps_offload/proto/ps_pb2.pyi build/protoc/ps_offload/proto/ps_pb2_grpc.py ps_proto/
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import grpc
 
-from ps_daemon.local import LocalDaemon
-from ps_proto import ps_pb2, ps_pb2_grpc
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.proto import ps_pb2, ps_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

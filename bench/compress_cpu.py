@@ -20,8 +20,8 @@ from __future__ import annotations
 import numba
 import torch
 
-import kernels
 from bench.common import interleaved, median, record
+from ps_offload import kernels
 
 N = 16 * 2**20  # fp32 elements: 64 MiB
 REPS = 30

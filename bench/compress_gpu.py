@@ -17,8 +17,8 @@ import time
 
 import torch
 
-import kernels
 from bench.common import median, record
+from ps_offload import kernels
 
 N = 64 * 2**20  # fp32 elements: 256 MiB
 REPS = 20

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-import kernels
 from bench.common import interleaved, median, record
-from kernels.fused_adamw import adam_frozen_variance_, onebit_adam_
-from ps_daemon.buffers import StagingPool
-from ps_daemon.store import ARENA_STAGGER, arena_numel
+from ps_offload import kernels
+from ps_offload.daemon.buffers import StagingPool
+from ps_offload.daemon.store import ARENA_STAGGER, arena_numel
+from ps_offload.kernels.fused_adamw import adam_frozen_variance_, onebit_adam_
 
 NUMEL = 16 << 20
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.1

@@ -16,9 +16,9 @@ import tempfile
 from pathlib import Path
 
 from bench.common import REPO, median, record, timed
-from ps_daemon.optim import AdamWConfig
-from ps_daemon.store import ModelSpec, ParamSpec, allocate_arena, arena_numel
-from ps_daemon.tiers.nvme import DirectIO, NvmeFiles
+from ps_offload.daemon.optim import AdamWConfig
+from ps_offload.daemon.store import ModelSpec, ParamSpec, allocate_arena, arena_numel
+from ps_offload.daemon.tiers.nvme import DirectIO, NvmeFiles
 
 SHARDS = 16
 SHARD_NUMEL = 5 << 20  # AdamW: arena of 3 x 20 MiB + stagger = 60 MiB; 16 shards = 960 MiB

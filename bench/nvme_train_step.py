@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-import trainer
 from bench.common import REPO, daemon_stats, median, record, timed
 from bench.nvme_io import _fio
-from ps_daemon.local import LocalDaemon
+from ps_offload import trainer
+from ps_offload.daemon.local import LocalDaemon
 
 RAM_BYTES = 64 << 20
 SHARD_BYTES = 4 << 20  # 12 MiB arenas: the tier holds 5

@@ -13,9 +13,9 @@ import contextlib
 import torch
 
 from bench.common import interleaved, median, record
-from ps_daemon.buffers import StagingPool
-from ps_daemon.optim import AdamWConfig
-from ps_daemon.store import ModelSpec, ParamSpec, ShardStore
+from ps_offload.daemon.buffers import StagingPool
+from ps_offload.daemon.optim import AdamWConfig
+from ps_offload.daemon.store import ModelSpec, ParamSpec, ShardStore
 
 N_PARAMS = 16  # 16 tensors of 4M elements = 64M parameters
 NUMEL = 4 << 20

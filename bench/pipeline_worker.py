@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import trainer
-from trainer.debug_models import GPTConfig, gpt_layers, gpt_loss
-from trainer.parallel import PipelineTrainer, init_distributed
+from ps_offload import trainer
+from ps_offload.trainer.debug_models import GPTConfig, gpt_layers, gpt_loss
+from ps_offload.trainer.parallel import PipelineTrainer, init_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -28,13 +28,13 @@ import torch
 from bench.common import REPO, daemon_stats, median, record
 from bench.nvme_io import _fio
 from bench.nvme_train_step import _fio_mixed
-from ps_daemon.local import LocalDaemon
-from ps_daemon.optim import AdamWConfig
-from ps_daemon.store import shard_resident_bytes
-from ps_daemon.tiers.nvme import FileLayout
-from ps_proto import ps_pb2
-from trainer.client import ShardedClient
-from trainer.config import ClientConfig
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.daemon.optim import AdamWConfig
+from ps_offload.daemon.store import shard_resident_bytes
+from ps_offload.daemon.tiers.nvme import FileLayout
+from ps_offload.proto import ps_pb2
+from ps_offload.trainer.client import ShardedClient
+from ps_offload.trainer.config import ClientConfig
 
 SHARD_NUMEL = 64 << 20  # 256 MiB of fp32 master per shard; one parameter per shard
 RAM_TIER = 4 << 30

@@ -18,7 +18,7 @@ from bench.common import REPO, BenchDaemon, median, record, timed
 sys.path.insert(0, str(REPO / "examples"))
 import train_gpt  # noqa: E402
 
-import trainer  # noqa: E402
+from ps_offload import trainer  # noqa: E402
 
 BLOCK_STEPS = 10
 BLOCKS = 8

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bench.common import BenchDaemon, interleaved, median, record, timed
-from ps_proto import ps_pb2
-from trainer.client import ShardedClient
-from trainer.config import ClientConfig
+from ps_offload.proto import ps_pb2
+from ps_offload.trainer.client import ShardedClient
+from ps_offload.trainer.config import ClientConfig
 
 NBYTES = 256 << 20
 NUMEL = NBYTES // 4

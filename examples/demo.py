@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import train_gpt  # noqa: E402
 
-from ps_daemon.local import LocalDaemon  # noqa: E402
+from ps_offload.daemon.local import LocalDaemon  # noqa: E402
 
 
 def main() -> int:
@@ -26,9 +26,9 @@ def main() -> int:
         try:
             losses = train_gpt.train(train_gpt.parse_args(["--daemons", address]))
             print("\n$ ps-admin shards --daemon", address)
-            subprocess.run([sys.executable, "-m", "ps_daemon.admin", "shards", "--daemon", address], check=True)
+            subprocess.run([sys.executable, "-m", "ps_offload.admin", "shards", "--daemon", address], check=True)
             print("\n$ ps-admin stats --daemon", address)
-            subprocess.run([sys.executable, "-m", "ps_daemon.admin", "stats", "--daemon", address], check=True)
+            subprocess.run([sys.executable, "-m", "ps_offload.admin", "stats", "--daemon", address], check=True)
         finally:
             code = daemon.stop()
             print(f"ps-daemon stopped (exit {code})")

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import trainer
-from trainer.debug_models import CharDataset, GPTConfig, TinyGPT, gpt_layers, gpt_loss
+from ps_offload import trainer
+from ps_offload.trainer.debug_models import CharDataset, GPTConfig, TinyGPT, gpt_layers, gpt_loss
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
@@ -183,7 +183,7 @@ def train_pipeline(args: argparse.Namespace) -> list[float]:
     """One rank of a pp x dp run under torchrun. Every rank draws the same global batches
     (same seed) and takes its replica's slice; the first stage feeds the tokens, the last
     the targets. Losses are the last stage's first replica's, printed by that rank."""
-    from trainer.parallel import PipelineTrainer, init_distributed
+    from ps_offload.trainer.parallel import PipelineTrainer, init_distributed
 
     ctx = init_distributed(args.pp, args.dp)
     grid = ctx.grid

@@ -85,7 +85,7 @@ def onebit_compress(
     n = _check_grad_error(grad, error)
     impl = _impl(grad, backend)
     if impl is None:
-        from kernels import reference
+        from ps_offload.kernels import reference
 
         return reference.onebit_compress(grad, error)
     bits = torch.empty(_cdiv(n, 8), dtype=torch.uint8, device=grad.device)
@@ -109,7 +109,7 @@ def onebit_decompress(
     out = _out(out, n, bits)
     impl = _impl(bits, backend)
     if impl is None:
-        from kernels import reference
+        from ps_offload.kernels import reference
 
         return out.copy_(reference.onebit_decompress(bits, scales, n))
     impl.onebit_decompress(bits, scales, out)
@@ -138,7 +138,7 @@ def cast_compress(
             raise ValueError("out must not share memory with grad or error")
     impl = _impl(grad, backend)
     if impl is None:
-        from kernels import reference
+        from ps_offload.kernels import reference
 
         return out.copy_(reference.cast_compress(grad, error, dtype))
     impl.cast_compress(grad, error, out)
@@ -175,7 +175,7 @@ def topk_compress(
     ratio = _check_ratio(ratio)
     impl = _impl(grad, backend)
     if impl is None:
-        from kernels import reference
+        from ps_offload.kernels import reference
 
         return reference.topk_compress(grad, error, ratio)
     k_full, k_last, blocks = _topk_plan(n, ratio)
@@ -204,7 +204,7 @@ def topk_decompress(
     out = _out(out, n, indices)
     impl = _impl(indices, backend)
     if impl is None:
-        from kernels import reference
+        from ps_offload.kernels import reference
 
         return out.copy_(reference.topk_decompress(indices, values, n))
     out.zero_()
@@ -297,7 +297,7 @@ def _impl(t: torch.Tensor, backend: str | None):
     if backend == "cpu":
         if t.is_cuda:
             raise ValueError(f"backend='cpu' needs CPU tensors, got a tensor on {t.device}")
-        from kernels import cpu
+        from ps_offload.kernels import cpu
 
         return cpu
     if not t.is_cuda:
@@ -308,6 +308,6 @@ def _impl(t: torch.Tensor, backend: str | None):
                 f"backend='cuda' needs CUDA tensors, got a tensor on {t.device} "
                 "(CPU tensors only under the CUDA simulator, NUMBA_ENABLE_CUDASIM=1)"
             )
-    from kernels import cuda
+    from ps_offload.kernels import cuda
 
     return cuda

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from kernels import BLOCK, LANES, ROWS, rounding
+from ps_offload.kernels import BLOCK, LANES, ROWS, rounding
 
 _jit = numba.njit(parallel=True, fastmath=False, cache=True, nogil=True)
 _f32_to_bf16 = numba.njit(inline="always")(rounding.f32_to_bf16)

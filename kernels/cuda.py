@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from numba import config, cuda
 
-from kernels import BLOCK, LANES, ROWS, rounding
+from ps_offload.kernels import BLOCK, LANES, ROWS, rounding
 
 _SIM = bool(config.ENABLE_CUDASIM)
 

@@ -46,7 +46,7 @@ import numba
 import numpy as np
 import torch
 
-from kernels import BLOCK
+from ps_offload.kernels import BLOCK
 
 # error_model="numpy": a float division by zero gives inf/nan as in C instead of raising, which
 # also lets LLVM vectorize the loops (the Python model's zero check is a branch per element).

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import BLOCK, LANES, ROWS, _topk_plan
+from ps_offload.kernels import BLOCK, LANES, ROWS, _topk_plan
 
 
 def _c(grad: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:

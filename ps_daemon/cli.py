@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ps_daemon import systemd
-from ps_daemon.config import ConfigError, load_config, parse_size
+from ps_offload.daemon import systemd
+from ps_offload.daemon.config import ConfigError, load_config, parse_size
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ps-offload node daemon.")
 
@@ -64,7 +64,7 @@ def serve(
     # every thread was stuck.
     faulthandler.enable()
     systemd.notify("STATUS=Starting: loading torch and gRPC")
-    from ps_daemon.server import run  # imported late: torch and grpc load slowly
+    from ps_offload.daemon.server import run  # imported late: torch and grpc load slowly
 
     # On SIGHUP the same file and the same flags: flags keep winning over the file.
     reload = None if config is None else lambda: load_config(config, **overrides)

@@ -28,13 +28,13 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from ps_daemon import wire
-from ps_daemon.buffers import StagingPool
-from ps_daemon.errors import InvalidArgument, PsError, from_status
-from ps_daemon.security import TokenCheck
-from ps_daemon.store import ShardStore
-from ps_proto import ps_pb2
-from ps_proto.frames import FrameError, recv_exact_into, recv_message, send_message
+from ps_offload.daemon import wire
+from ps_offload.daemon.buffers import StagingPool
+from ps_offload.daemon.errors import InvalidArgument, PsError, from_status
+from ps_offload.daemon.security import TokenCheck
+from ps_offload.daemon.store import ShardStore
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.frames import FrameError, recv_exact_into, recv_message, send_message
 
 log = logging.getLogger(__name__)
 

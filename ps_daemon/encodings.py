@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from ps_daemon.errors import InvalidArgument
+from ps_offload import kernels
+from ps_offload.daemon.errors import InvalidArgument
 
 BLOCK = kernels.BLOCK
 ENCODINGS = ("raw", "onebit", "bf16", "fp16", "topk")

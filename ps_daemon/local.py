@@ -21,7 +21,7 @@ class LocalDaemon:
         port_file = workdir / "port"
         with open(self.log_path, "w") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "ps_daemon.cli", "serve", "--listen", "127.0.0.1:0",
+                [sys.executable, "-m", "ps_offload.daemon.cli", "serve", "--listen", "127.0.0.1:0",
                  "--state-dir", str(workdir / "state"), "--port-file", str(port_file), *extra],
                 stdout=log,
                 stderr=subprocess.STDOUT,

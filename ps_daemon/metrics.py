@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ps_daemon.grpc_handlers import rebuild
-from ps_daemon.store import ShardStore
+from ps_offload.daemon.grpc_handlers import rebuild
+from ps_offload.daemon.store import ShardStore
 
 # From a small pull of a cached shard (~1 ms) to a pull that waits for its version or a
 # 256 MiB shard read from disk (seconds).

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.fused_adamw import adam_frozen_variance_, onebit_adam_
-from ps_daemon.encodings import KERNEL_LOCK, OneBitGradient
-from ps_daemon.plan import Segment
+from ps_offload.daemon.encodings import KERNEL_LOCK, OneBitGradient
+from ps_offload.kernels.fused_adamw import adam_frozen_variance_, onebit_adam_
+from ps_offload.proto.plan import Segment
 
 
 @dataclass(frozen=True)

@@ -19,37 +19,26 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ps_daemon import security, systemd
-from ps_daemon.buffers import StagingPool
-from ps_daemon.config import ConfigError, DaemonConfig
-from ps_daemon.dataplane import DataPlaneServer
-from ps_daemon.metrics import DaemonMetrics
-from ps_daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
-from ps_daemon.store import ShardStore
-from ps_daemon.tiers.nvme import DirectIO, NvmeFiles
-from ps_proto import ps_pb2
-from ps_proto.frames import split_host_port
-from ps_proto.memory import keep_chunk_buffers_in_heap
+from ps_offload.daemon import security, systemd
+from ps_offload.daemon.buffers import StagingPool
+from ps_offload.daemon.config import ConfigError, DaemonConfig
+from ps_offload.daemon.dataplane import DataPlaneServer
+from ps_offload.daemon.metrics import DaemonMetrics
+from ps_offload.daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
+from ps_offload.daemon.store import ShardStore
+from ps_offload.daemon.tiers.nvme import DirectIO, NvmeFiles
+from ps_offload.proto.channel import CHUNK_BYTES, SERVICE_NAMES, channel_options
+from ps_offload.proto.frames import split_host_port
+from ps_offload.proto.memory import keep_chunk_buffers_in_heap
 
 log = logging.getLogger(__name__)
 
 # Bulk streams move data in chunks of this size. Measured on loopback (docs/benchmarks.md):
 # 1 MiB chunks stay in cache between the copy and the socket write and beat 4-8 MiB ones.
-CHUNK_BYTES = 1 << 20
-
-SERVICE_NAMES = [ps_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("ParameterServer", "Admin")]
 
 # Keys a SIGHUP applies to the running daemon. Every other changed key is logged as needing
 # a restart and keeps its old value until then. grace_seconds is read when the drain starts.
 LIVE_KEYS = frozenset({"log.level", "server.grace_seconds"})
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Options both ends use: message limits, and no compression of already-dense floats."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
 
 
 class Daemon:

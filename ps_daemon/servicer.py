@@ -13,11 +13,11 @@ from collections.abc import Iterable, Iterator
 import grpc
 import torch
 
-from ps_daemon import wire
-from ps_daemon.buffers import StagingPool
-from ps_daemon.errors import InvalidArgument, grpc_errors, grpc_errors_stream
-from ps_daemon.store import ShardStore
-from ps_proto import codec, ps_pb2
+from ps_offload.daemon import wire
+from ps_offload.daemon.buffers import StagingPool
+from ps_offload.daemon.errors import InvalidArgument, grpc_errors, grpc_errors_stream
+from ps_offload.daemon.store import ShardStore
+from ps_offload.proto import codec, ps_pb2
 
 
 class ParameterServerServicer:

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ps_daemon.encodings import CompressedGradient, OneBitGradient, TopKGradient, check_size
-from ps_daemon.errors import (
+from ps_offload.daemon.encodings import CompressedGradient, OneBitGradient, TopKGradient, check_size
+from ps_offload.daemon.errors import (
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
@@ -32,8 +32,10 @@ from ps_daemon.errors import (
     ResourceExhausted,
     StorageError,
 )
-from ps_daemon.optim import AdamWConfig, OptimizerConfig, ShardOptimizer, validate_optimizer
-from ps_daemon.plan import (
+from ps_offload.daemon.optim import AdamWConfig, OptimizerConfig, ShardOptimizer, validate_optimizer
+from ps_offload.daemon.tiers.nvme import PAGE, CorruptShard, NoCapacity, NoFreeSlot, NvmeFiles, SlotCheck, arena_tensor
+from ps_offload.daemon.tiers.ram import RamTier, TierFull
+from ps_offload.proto.plan import (
     FP32_BYTES,
     ParamLayout,
     PlanError,
@@ -43,8 +45,6 @@ from ps_daemon.plan import (
     segments_of,
     shard_numel_for,
 )
-from ps_daemon.tiers.nvme import PAGE, CorruptShard, NoCapacity, NoFreeSlot, NvmeFiles, SlotCheck, arena_tensor
-from ps_daemon.tiers.ram import RamTier, TierFull
 
 log = logging.getLogger(__name__)
 

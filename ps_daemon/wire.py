@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from ps_daemon.buffers import StagingPool
-from ps_daemon.encodings import parse
-from ps_daemon.errors import InvalidArgument
-from ps_daemon.optim import AdamWConfig, SGDConfig
-from ps_daemon.store import SHARD_TENSORS, ModelSpec, ParamSpec, RegisteredModel, ShardStore, Verdict
-from ps_proto import ps_pb2
+from ps_offload.daemon.buffers import StagingPool
+from ps_offload.daemon.encodings import parse
+from ps_offload.daemon.errors import InvalidArgument
+from ps_offload.daemon.optim import AdamWConfig, SGDConfig
+from ps_offload.daemon.store import SHARD_TENSORS, ModelSpec, ParamSpec, RegisteredModel, ShardStore, Verdict
+from ps_offload.proto import ps_pb2
 
 DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
 PUSH_KINDS = {ps_pb2.GRADIENT: "gradient", ps_pb2.PARAMETERS: "parameters", ps_pb2.MOMENTUM: "momentum"}

@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from ps_proto import ps_pb2
+from ps_offload.proto import ps_pb2
 
 _HEADER_TAG = 0x0A  # field 1, wire type 2 (length-delimited)
 _DATA_TAG = 0x7A  # field 15, wire type 2

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ps_proto import ps_pb2 as ps__proto_dot_ps__pb2
+from ps_offload.proto import ps_pb2 as ps__offload_dot_proto_dot_ps__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in ps_proto/ps_pb2_grpc.py depends on'
+        + ' but the generated code in ps_offload/proto/ps_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,23 +37,23 @@ class ParameterServerStub:
         """
         self.RegisterModel = channel.unary_unary(
                 '/ps.v1.ParameterServer/RegisterModel',
-                request_serializer=ps__proto_dot_ps__pb2.RegisterModelRequest.SerializeToString,
-                response_deserializer=ps__proto_dot_ps__pb2.RegisterModelResponse.FromString,
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.RegisterModelRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.RegisterModelResponse.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/ps.v1.ParameterServer/Pull',
-                request_serializer=ps__proto_dot_ps__pb2.PullRequest.SerializeToString,
-                response_deserializer=ps__proto_dot_ps__pb2.PullChunk.FromString,
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.PullRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.PullChunk.FromString,
                 _registered_method=True)
         self.Push = channel.stream_unary(
                 '/ps.v1.ParameterServer/Push',
-                request_serializer=ps__proto_dot_ps__pb2.PushChunk.SerializeToString,
-                response_deserializer=ps__proto_dot_ps__pb2.PushResponse.FromString,
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.PushChunk.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.PushResponse.FromString,
                 _registered_method=True)
         self.Prefetch = channel.unary_unary(
                 '/ps.v1.ParameterServer/Prefetch',
-                request_serializer=ps__proto_dot_ps__pb2.PrefetchRequest.SerializeToString,
-                response_deserializer=ps__proto_dot_ps__pb2.PrefetchResponse.FromString,
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.PrefetchResponse.FromString,
                 _registered_method=True)
 
 
@@ -99,23 +99,23 @@ def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RegisterModel': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterModel,
-                    request_deserializer=ps__proto_dot_ps__pb2.RegisterModelRequest.FromString,
-                    response_serializer=ps__proto_dot_ps__pb2.RegisterModelResponse.SerializeToString,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.RegisterModelRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.RegisterModelResponse.SerializeToString,
             ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
-                    request_deserializer=ps__proto_dot_ps__pb2.PullRequest.FromString,
-                    response_serializer=ps__proto_dot_ps__pb2.PullChunk.SerializeToString,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.PullRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.PullChunk.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=ps__proto_dot_ps__pb2.PushChunk.FromString,
-                    response_serializer=ps__proto_dot_ps__pb2.PushResponse.SerializeToString,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.PushChunk.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.PushResponse.SerializeToString,
             ),
             'Prefetch': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefetch,
-                    request_deserializer=ps__proto_dot_ps__pb2.PrefetchRequest.FromString,
-                    response_serializer=ps__proto_dot_ps__pb2.PrefetchResponse.SerializeToString,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.PrefetchRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -144,8 +144,8 @@ class ParameterServer:
             request,
             target,
             '/ps.v1.ParameterServer/RegisterModel',
-            ps__proto_dot_ps__pb2.RegisterModelRequest.SerializeToString,
-            ps__proto_dot_ps__pb2.RegisterModelResponse.FromString,
+            ps__offload_dot_proto_dot_ps__pb2.RegisterModelRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.RegisterModelResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -171,8 +171,8 @@ class ParameterServer:
             request,
             target,
             '/ps.v1.ParameterServer/Pull',
-            ps__proto_dot_ps__pb2.PullRequest.SerializeToString,
-            ps__proto_dot_ps__pb2.PullChunk.FromString,
+            ps__offload_dot_proto_dot_ps__pb2.PullRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.PullChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -198,8 +198,8 @@ class ParameterServer:
             request_iterator,
             target,
             '/ps.v1.ParameterServer/Push',
-            ps__proto_dot_ps__pb2.PushChunk.SerializeToString,
-            ps__proto_dot_ps__pb2.PushResponse.FromString,
+            ps__offload_dot_proto_dot_ps__pb2.PushChunk.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -225,8 +225,8 @@ class ParameterServer:
             request,
             target,
             '/ps.v1.ParameterServer/Prefetch',
-            ps__proto_dot_ps__pb2.PrefetchRequest.SerializeToString,
-            ps__proto_dot_ps__pb2.PrefetchResponse.FromString,
+            ps__offload_dot_proto_dot_ps__pb2.PrefetchRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -250,43 +250,43 @@ class AdminStub:
         """
         self.ListShards = channel.unary_unary(
                 '/ps.v1.Admin/ListShards',
-                request_serializer=ps__proto_dot_ps__pb2.ListShardsRequest.SerializeToString,
-                response_deserializer=ps__proto_dot_ps__pb2.ListShardsResponse.FromString,
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.ListShardsRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.ListShardsResponse.FromString,
                 _registered_method=True)
         self.GetShard = channel.unary_unary(
                 '/ps.v1.Admin/GetShard',
-                request_serializer=ps__proto_dot_ps__pb2.GetShardRequest.SerializeToString,
-                response_deserializer=ps__proto_dot_ps__pb2.ShardInfo.FromString,
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.GetShardRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.ShardInfo.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/ps.v1.Admin/Stats',
-                request_serializer=ps__proto_dot_ps__pb2.StatsRequest.SerializeToString,
-                response_deserializer=ps__proto_dot_ps__pb2.StatsResponse.FromString,
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.StatsResponse.FromString,
                 _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/ps.v1.Admin/Evict',
-                request_serializer=ps__proto_dot_ps__pb2.GetShardRequest.SerializeToString,
-                response_deserializer=ps__proto_dot_ps__pb2.TierResponse.FromString,
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.GetShardRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.TierResponse.FromString,
                 _registered_method=True)
         self.Load = channel.unary_unary(
                 '/ps.v1.Admin/Load',
-                request_serializer=ps__proto_dot_ps__pb2.GetShardRequest.SerializeToString,
-                response_deserializer=ps__proto_dot_ps__pb2.TierResponse.FromString,
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.GetShardRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.TierResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/ps.v1.Admin/ListModels',
-                request_serializer=ps__proto_dot_ps__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=ps__proto_dot_ps__pb2.ListModelsResponse.FromString,
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
         self.GetModel = channel.unary_unary(
                 '/ps.v1.Admin/GetModel',
-                request_serializer=ps__proto_dot_ps__pb2.GetModelRequest.SerializeToString,
-                response_deserializer=ps__proto_dot_ps__pb2.ModelInfo.FromString,
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.ModelInfo.FromString,
                 _registered_method=True)
         self.Verify = channel.unary_stream(
                 '/ps.v1.Admin/Verify',
-                request_serializer=ps__proto_dot_ps__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=ps__proto_dot_ps__pb2.VerifyResponse.FromString,
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.VerifyResponse.FromString,
                 _registered_method=True)
 
 
@@ -355,43 +355,43 @@ def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'ListShards': grpc.unary_unary_rpc_method_handler(
                     servicer.ListShards,
-                    request_deserializer=ps__proto_dot_ps__pb2.ListShardsRequest.FromString,
-                    response_serializer=ps__proto_dot_ps__pb2.ListShardsResponse.SerializeToString,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.ListShardsRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.ListShardsResponse.SerializeToString,
             ),
             'GetShard': grpc.unary_unary_rpc_method_handler(
                     servicer.GetShard,
-                    request_deserializer=ps__proto_dot_ps__pb2.GetShardRequest.FromString,
-                    response_serializer=ps__proto_dot_ps__pb2.ShardInfo.SerializeToString,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.GetShardRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.ShardInfo.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=ps__proto_dot_ps__pb2.StatsRequest.FromString,
-                    response_serializer=ps__proto_dot_ps__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.StatsRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.StatsResponse.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
-                    request_deserializer=ps__proto_dot_ps__pb2.GetShardRequest.FromString,
-                    response_serializer=ps__proto_dot_ps__pb2.TierResponse.SerializeToString,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.GetShardRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.TierResponse.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
-                    request_deserializer=ps__proto_dot_ps__pb2.GetShardRequest.FromString,
-                    response_serializer=ps__proto_dot_ps__pb2.TierResponse.SerializeToString,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.GetShardRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.TierResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=ps__proto_dot_ps__pb2.ListModelsRequest.FromString,
-                    response_serializer=ps__proto_dot_ps__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.ListModelsRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.ListModelsResponse.SerializeToString,
             ),
             'GetModel': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModel,
-                    request_deserializer=ps__proto_dot_ps__pb2.GetModelRequest.FromString,
-                    response_serializer=ps__proto_dot_ps__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.GetModelRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.ModelInfo.SerializeToString,
             ),
             'Verify': grpc.unary_stream_rpc_method_handler(
                     servicer.Verify,
-                    request_deserializer=ps__proto_dot_ps__pb2.VerifyRequest.FromString,
-                    response_serializer=ps__proto_dot_ps__pb2.VerifyResponse.SerializeToString,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.VerifyRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.VerifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -420,8 +420,8 @@ class Admin:
             request,
             target,
             '/ps.v1.Admin/ListShards',
-            ps__proto_dot_ps__pb2.ListShardsRequest.SerializeToString,
-            ps__proto_dot_ps__pb2.ListShardsResponse.FromString,
+            ps__offload_dot_proto_dot_ps__pb2.ListShardsRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.ListShardsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -447,8 +447,8 @@ class Admin:
             request,
             target,
             '/ps.v1.Admin/GetShard',
-            ps__proto_dot_ps__pb2.GetShardRequest.SerializeToString,
-            ps__proto_dot_ps__pb2.ShardInfo.FromString,
+            ps__offload_dot_proto_dot_ps__pb2.GetShardRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.ShardInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -474,8 +474,8 @@ class Admin:
             request,
             target,
             '/ps.v1.Admin/Stats',
-            ps__proto_dot_ps__pb2.StatsRequest.SerializeToString,
-            ps__proto_dot_ps__pb2.StatsResponse.FromString,
+            ps__offload_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -501,8 +501,8 @@ class Admin:
             request,
             target,
             '/ps.v1.Admin/Evict',
-            ps__proto_dot_ps__pb2.GetShardRequest.SerializeToString,
-            ps__proto_dot_ps__pb2.TierResponse.FromString,
+            ps__offload_dot_proto_dot_ps__pb2.GetShardRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.TierResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -528,8 +528,8 @@ class Admin:
             request,
             target,
             '/ps.v1.Admin/Load',
-            ps__proto_dot_ps__pb2.GetShardRequest.SerializeToString,
-            ps__proto_dot_ps__pb2.TierResponse.FromString,
+            ps__offload_dot_proto_dot_ps__pb2.GetShardRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.TierResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -555,8 +555,8 @@ class Admin:
             request,
             target,
             '/ps.v1.Admin/ListModels',
-            ps__proto_dot_ps__pb2.ListModelsRequest.SerializeToString,
-            ps__proto_dot_ps__pb2.ListModelsResponse.FromString,
+            ps__offload_dot_proto_dot_ps__pb2.ListModelsRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -582,8 +582,8 @@ class Admin:
             request,
             target,
             '/ps.v1.Admin/GetModel',
-            ps__proto_dot_ps__pb2.GetModelRequest.SerializeToString,
-            ps__proto_dot_ps__pb2.ModelInfo.FromString,
+            ps__offload_dot_proto_dot_ps__pb2.GetModelRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -609,8 +609,8 @@ class Admin:
             request,
             target,
             '/ps.v1.Admin/Verify',
-            ps__proto_dot_ps__pb2.VerifyRequest.SerializeToString,
-            ps__proto_dot_ps__pb2.VerifyResponse.FromString,
+            ps__offload_dot_proto_dot_ps__pb2.VerifyRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

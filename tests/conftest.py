@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ps_daemon.local import LocalDaemon
+from ps_offload.daemon.local import LocalDaemon
 
 
 @pytest.fixture

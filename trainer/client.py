@@ -14,14 +14,14 @@ from typing import TypeVar
 
 import grpc
 
-from ps_daemon.plan import ShardSlice, layout_params, plan_shards, shard_numel_for
-from ps_daemon.security import ClientSecurity
-from ps_daemon.server import CHUNK_BYTES, channel_options
-from ps_proto import codec, ps_pb2
-from ps_proto.frames import split_host_port
-from ps_proto.memory import keep_chunk_buffers_in_heap
-from trainer.config import ClientConfig
-from trainer.dataplane import DataPlaneClient, DataPlaneError, push_header
+from ps_offload.proto import codec, ps_pb2
+from ps_offload.proto.channel import CHUNK_BYTES, channel_options
+from ps_offload.proto.frames import split_host_port
+from ps_offload.proto.memory import keep_chunk_buffers_in_heap
+from ps_offload.proto.plan import ShardSlice, layout_params, plan_shards, shard_numel_for
+from ps_offload.proto.security import ClientSecurity
+from ps_offload.trainer.config import ClientConfig
+from ps_offload.trainer.dataplane import DataPlaneClient, DataPlaneError, push_header
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ps_proto.frames import split_host_port
+from ps_offload.proto.frames import split_host_port
 
 ENV_DAEMONS = "PS_DAEMONS"
 ENV_CLUSTER_FILE = "PS_CLUSTER_FILE"

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import kernels
+from ps_offload import kernels
 
 METHODS = ("none", "bf16", "fp16", "onebit", "topk")
 

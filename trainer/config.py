@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ps_daemon.security import ClientSecurity
-from ps_proto import ps_pb2
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.security import ClientSecurity
 
 
 @dataclass(frozen=True)

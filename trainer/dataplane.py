@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from ps_daemon.security import ClientSecurity
-from ps_proto import ps_pb2
-from ps_proto.frames import FrameError, recv_exact_into, recv_message, send_message
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.frames import FrameError, recv_exact_into, recv_message, send_message
+from ps_offload.proto.security import ClientSecurity
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 

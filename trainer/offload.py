@@ -40,11 +40,11 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 from torch import nn
 
-from ps_daemon.plan import ShardSlice
-from ps_proto import ps_pb2
-from trainer.client import ShardedClient
-from trainer.config import SGD, AdamW, ClientConfig
-from trainer.push_compression import PushCompressor, check_compression
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.client import ShardedClient
+from ps_offload.trainer.config import SGD, AdamW, ClientConfig
+from ps_offload.trainer.push_compression import PushCompressor, check_compression
 
 log = logging.getLogger(__name__)
 

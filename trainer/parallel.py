@@ -38,10 +38,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from trainer.compressed_allreduce import METHODS as DP_COMPRESSION
-from trainer.compressed_allreduce import CompressedAllReduce
-from trainer.config import SGD, AdamW, ClientConfig
-from trainer.offload import OffloadOptimizer
+from ps_offload.trainer.compressed_allreduce import METHODS as DP_COMPRESSION
+from ps_offload.trainer.compressed_allreduce import CompressedAllReduce
+from ps_offload.trainer.config import SGD, AdamW, ClientConfig
+from ps_offload.trainer.offload import OffloadOptimizer
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 BUCKET_BYTES = 25 << 20

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from ps_daemon.plan import ShardSlice
-from ps_proto import ps_pb2
+from ps_offload import kernels
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.plan import ShardSlice
 
 ENCODINGS = {
     "none": ps_pb2.RAW,

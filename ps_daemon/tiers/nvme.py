@@ -41,7 +41,7 @@ from pathlib import Path
 import crc32c
 import torch
 
-from ps_daemon.optim import AdamWConfig, SGDConfig
+from ps_offload.daemon.optim import AdamWConfig, SGDConfig
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def spec_to_json(spec, daemon_index: int, layout: FileLayout) -> str:
 
 
 def spec_from_json(text: str):
-    from ps_daemon.store import ModelSpec, ParamSpec  # the store imports this module
+    from ps_offload.daemon.store import ModelSpec, ParamSpec  # the store imports this module
 
     data = json.loads(text)
     if data.get("format") != FORMAT_VERSION:

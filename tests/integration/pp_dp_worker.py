@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-import trainer
-from trainer.debug_models import mlp
-from trainer.parallel import PipelineTrainer, init_distributed
-from trainer.pipeline_check import ScheduleRecorder, compute_order
+from ps_offload import trainer
+from ps_offload.trainer.debug_models import mlp
+from ps_offload.trainer.parallel import PipelineTrainer, init_distributed
+from ps_offload.trainer.pipeline_check import ScheduleRecorder, compute_order
 
 SIZES = (32, 64, 64, 64, 10)
 GLOBAL_BATCH = 16

@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import trainer
-from ps_proto import ps_pb2
+from ps_offload import trainer
+from ps_offload.proto import ps_pb2
+from ps_offload.trainer.client import DaemonClient
+from ps_offload.trainer.debug_models import mlp
 from tests.ps_daemon.test_admin_cli import run_admin
-from trainer.client import DaemonClient
-from trainer.debug_models import mlp
 
 STEPS = 3
 SHARD_BYTES = 4096

@@ -15,12 +15,12 @@ import grpc
 import pytest
 import torch
 
-import trainer
-from ps_daemon.local import LocalDaemon
-from ps_daemon.tiers.nvme import PAGE, SlotHeader
-from ps_proto import ps_pb2, ps_pb2_grpc
+from ps_offload import trainer
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.daemon.tiers.nvme import PAGE, SlotHeader
+from ps_offload.proto import ps_pb2, ps_pb2_grpc
+from ps_offload.trainer.debug_models import mlp
 from tests.ps_daemon.test_admin_cli import admin_json, run_admin
-from trainer.debug_models import mlp
 
 SHARD_BYTES = 4096
 STEPS = 3
@@ -81,7 +81,7 @@ def test_verify_passes_then_names_the_shards_flipped_on_disk(tmp_path):
         assert ok.stderr == "" and "3 shards, 3 ok, 0 bad" in ok.stdout
         # On a terminal (rich's TTY_COMPATIBLE says stderr is one) a progress bar counts the shards.
         env = {k: v for k, v in os.environ.items() if k != "PS_DAEMON"} | {"TTY_COMPATIBLE": "1"}
-        shown = subprocess.run([sys.executable, "-m", "ps_daemon.admin", "verify", "--daemon", daemon.address],
+        shown = subprocess.run([sys.executable, "-m", "ps_offload.admin", "verify", "--daemon", daemon.address],
                                capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
         assert shown.returncode == 0 and f"verify {daemon.address}" in shown.stderr and "3/3" in shown.stderr
         report = admin_json("verify", "--daemon", daemon.address)

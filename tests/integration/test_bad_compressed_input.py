@@ -9,10 +9,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import kernels
-from ps_proto import ps_pb2
-from trainer.client import DaemonClient
-from trainer.dataplane import DataPlaneClient
+from ps_offload import kernels
+from ps_offload.proto import ps_pb2
+from ps_offload.trainer.client import DaemonClient
+from ps_offload.trainer.dataplane import DataPlaneClient
 
 SHARD_BYTES = 8192
 SIZES = (2048, 952)  # one parameter of 3000 fp32 -> shards 0 (2048), 1 (952)
@@ -139,7 +139,7 @@ def test_compressed_dtype_other_than_float32_is_invalid_argument(setup):
     _, client = setup
     header = ps_pb2.PushHeader(model="m", shard_id=0, step=1, kind=ps_pb2.GRADIENT, encoding=ps_pb2.BF16,
                                dtype=ps_pb2.BFLOAT16, nbytes=4096)  # fmt: skip
-    from ps_proto import codec
+    from ps_offload.proto import codec
 
     details = _refused(lambda: client._push(iter([codec.push_chunks.encode(header, bytes(4096))]), timeout=5))
     assert "dtype bfloat16 is not accepted; send float32" in details

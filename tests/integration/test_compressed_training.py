@@ -18,11 +18,11 @@ import grpc
 import pytest
 import torch
 
-import trainer
-from ps_daemon.encodings import onebit_nbytes
-from ps_daemon.local import LocalDaemon
-from ps_proto import ps_pb2, ps_pb2_grpc
-from trainer.debug_models import CharDataset, GPTConfig, TinyGPT, mlp
+from ps_offload import trainer
+from ps_offload.daemon.encodings import onebit_nbytes
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.proto import ps_pb2, ps_pb2_grpc
+from ps_offload.trainer.debug_models import CharDataset, GPTConfig, TinyGPT, mlp
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))

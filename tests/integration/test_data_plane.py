@@ -13,10 +13,10 @@ import grpc
 import pytest
 import torch
 
-from ps_proto import ps_pb2
-from ps_proto.frames import recv_message, send_message
-from trainer.client import DaemonClient
-from trainer.dataplane import DataPlaneClient, DataPlaneError
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.frames import recv_message, send_message
+from ps_offload.trainer.client import DaemonClient
+from ps_offload.trainer.dataplane import DataPlaneClient, DataPlaneError
 
 NUMEL = 1024
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ps_daemon.local import LocalDaemon
+from ps_offload.daemon.local import LocalDaemon
 
 ROOT = Path(__file__).resolve().parents[2]
 

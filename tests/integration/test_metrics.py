@@ -11,9 +11,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-import trainer
-from ps_proto import ps_pb2, ps_pb2_grpc
-from trainer.debug_models import mlp
+from ps_offload import trainer
+from ps_offload.proto import ps_pb2, ps_pb2_grpc
+from ps_offload.trainer.debug_models import mlp
 
 STEPS = 4
 

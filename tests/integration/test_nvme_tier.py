@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-import trainer
-from ps_daemon.local import LocalDaemon
-from ps_proto import ps_pb2, ps_pb2_grpc
+from ps_offload import trainer
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.proto import ps_pb2, ps_pb2_grpc
 
 RAM_BYTES = 16 << 20
 STEPS = 6
@@ -96,7 +96,7 @@ def _admin(daemon: LocalDaemon, *args: str):
     import sys
 
     return subprocess.run(
-        [sys.executable, "-m", "ps_daemon.admin", *args, "--daemon", daemon.address],
+        [sys.executable, "-m", "ps_offload.admin", *args, "--daemon", daemon.address],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 

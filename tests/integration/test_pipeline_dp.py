@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ps_daemon.local import LocalDaemon
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.trainer.pipeline_check import check_schedule
 from tests.integration import pp_dp_worker as worker
-from trainer.pipeline_check import check_schedule
 
 STEPS = 5
 PP, DP, MICROBATCHES = 2, 2, 4  # as _torchrun starts the worker

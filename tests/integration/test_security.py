@@ -19,12 +19,12 @@ import torch
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import trainer
-from ps_daemon.security import ClientSecurity
-from ps_proto import ps_pb2, ps_pb2_grpc
-from trainer.client import DaemonError
-from trainer.dataplane import DataPlaneClient
-from trainer.debug_models import mlp
+from ps_offload import trainer
+from ps_offload.proto import ps_pb2, ps_pb2_grpc
+from ps_offload.proto.security import ClientSecurity
+from ps_offload.trainer.client import DaemonError
+from ps_offload.trainer.dataplane import DataPlaneClient
+from ps_offload.trainer.debug_models import mlp
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -124,7 +124,7 @@ def test_training_over_tls_on_both_transports_and_plaintext_refused(daemon_facto
 
 
 def _register_port(address: str, security: ClientSecurity) -> int:
-    from trainer.client import DaemonClient
+    from ps_offload.trainer.client import DaemonClient
 
     client = DaemonClient(address, max_message_bytes=8 << 20, security=security)
     spec = ps_pb2.ModelSpec(
@@ -222,7 +222,7 @@ def test_ps_admin_takes_tls_and_the_token_from_options_or_the_environment(daemon
 
     def admin(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         environment = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}
-        return subprocess.run([sys.executable, "-m", "ps_daemon.admin", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "ps_offload.admin", *args], capture_output=True, text=True,
                               timeout=60, env={**environment, **(env or {})})  # fmt: skip
 
     ok = admin("--ca-file", pki["ca"], "--token-file", token, "prefetch", "0", "--daemon", daemon.address)
@@ -243,7 +243,7 @@ def test_bad_tls_settings_stop_the_daemon_with_one_line(tmp_path, pki):
     config = tmp_path / "bad.toml"
     config.write_text(f'[tls]\ncert_file = "{pki["server_key"]}"\nkey_file = "{pki["server_cert"]}"\n')  # swapped
     result = subprocess.run(
-        [sys.executable, "-m", "ps_daemon.cli", "serve", "--config", str(config), "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "ps_offload.daemon.cli", "serve", "--config", str(config), "--listen", "127.0.0.1:0",
          "--state-dir", str(tmp_path / "state")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

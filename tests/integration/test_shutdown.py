@@ -9,8 +9,8 @@ import time
 import grpc
 import torch
 
-from ps_proto import codec, ps_pb2
-from trainer.client import DaemonClient
+from ps_offload.proto import codec, ps_pb2
+from ps_offload.trainer.client import DaemonClient
 
 NUMEL = 4 << 20  # 16 MiB shard: 16 chunks
 

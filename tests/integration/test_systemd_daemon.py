@@ -22,8 +22,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ps_proto import ps_pb2
-from trainer.client import DaemonClient
+from ps_offload.proto import ps_pb2
+from ps_offload.trainer.client import DaemonClient
 
 NUMEL = 4096
 SHARD_BYTES = 8192  # two shards of 2048 floats

@@ -17,9 +17,9 @@ import grpc
 import pytest
 import torch
 
-import trainer
-from trainer.dataplane import DataPlaneClient
-from trainer.debug_models import GPTConfig, TinyGPT, mlp
+from ps_offload import trainer
+from ps_offload.trainer.dataplane import DataPlaneClient
+from ps_offload.trainer.debug_models import GPTConfig, TinyGPT, mlp
 
 STEPS = 50
 

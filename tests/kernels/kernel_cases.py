@@ -19,7 +19,7 @@ import math
 
 import torch
 
-import kernels
+from ps_offload import kernels
 
 # sizes: one element, less than a byte, not a multiple of 8, one block, several blocks with a
 # partial last one; the simulator cases use the smaller ones

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import kernels
+from ps_offload import kernels
 
 N = 100
 

@@ -9,7 +9,7 @@ import kernel_cases as cases
 import pytest
 import torch
 
-import kernels
+from ps_offload import kernels
 
 RATIOS = [0.01, 0.1, 0.5, 1.0]
 

@@ -80,7 +80,7 @@ def test_gpu_without_error_feedback(kind):
 def test_gpu_kernels_run_on_torchs_current_stream():
     """Launched on a side stream, the kernels are ordered after the work queued there and
     before what follows, with no synchronization of their own."""
-    import kernels
+    from ps_offload import kernels
 
     n = 1 << 22
     side = torch.cuda.Stream()

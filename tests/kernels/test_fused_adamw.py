@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels.fused_adamw import adam_frozen_variance_, onebit_adam_, step_cap
+from ps_offload import kernels
+from ps_offload.kernels.fused_adamw import adam_frozen_variance_, onebit_adam_, step_cap
 
 # Pieces of one shard: lengths that are not multiples of 8 or of a block, a piece inside one
 # block, pieces straddling blocks, weight decay on some only.

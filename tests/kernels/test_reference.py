@@ -8,8 +8,8 @@ import kernel_cases as cases
 import pytest
 import torch
 
-import kernels
-from kernels import BLOCK, reference
+from ps_offload import kernels
+from ps_offload.kernels import BLOCK, reference
 
 
 def test_onebit_bits_are_lsb_first_with_unused_bits_zero():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from numba import prange
 
-from kernels import rounding
+from ps_offload.kernels import rounding
 
 _to = {torch.bfloat16: numba.njit(rounding.f32_to_bf16), torch.float16: numba.njit(rounding.f32_to_f16)}
 _from = {torch.bfloat16: numba.njit(rounding.bf16_to_f32), torch.float16: numba.njit(rounding.f16_to_f32)}

@@ -15,12 +15,12 @@ import grpc
 import pytest
 import torch
 
-import trainer
-from ps_daemon import admin
-from ps_daemon.optim import AdamWConfig
-from ps_daemon.plan import ShardSlice
-from ps_daemon.store import shard_resident_bytes
-from ps_proto import ps_pb2, ps_pb2_grpc
+from ps_offload import trainer
+from ps_offload.admin import cli as admin
+from ps_offload.daemon.optim import AdamWConfig
+from ps_offload.daemon.store import shard_resident_bytes
+from ps_offload.proto import ps_pb2, ps_pb2_grpc
+from ps_offload.proto.plan import ShardSlice
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -32,7 +32,7 @@ IN_FEATURES, OUT_FEATURES, SHARD_BYTES = 64, 40, 4096
 def run_admin(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PS_DAEMON", "COLUMNS")}
     return subprocess.run(
-        [sys.executable, "-m", "ps_daemon.admin", *args],
+        [sys.executable, "-m", "ps_offload.admin", *args],
         capture_output=True,
         text=True,
         cwd=REPO,

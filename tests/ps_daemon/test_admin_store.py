@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from ps_daemon.errors import NotFound
-from ps_daemon.optim import SGDConfig
-from ps_daemon.store import VERIFY_ATTEMPTS, ModelSpec, ParamSpec, ShardStore
-from ps_daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
+from ps_offload.daemon.errors import NotFound
+from ps_offload.daemon.optim import SGDConfig
+from ps_offload.daemon.store import VERIFY_ATTEMPTS, ModelSpec, ParamSpec, ShardStore
+from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
 
 NUMEL = 1024  # one 4 KiB shard of fp32 per 1024 elements
 

@@ -1,6 +1,6 @@
 import torch
 
-from ps_daemon.buffers import StagingPool
+from ps_offload.daemon.buffers import StagingPool
 
 
 def test_buffers_are_reused_per_size_and_idle_bytes_are_bounded():

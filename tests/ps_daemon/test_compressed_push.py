@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from ps_daemon.encodings import check_size, onebit_nbytes, parse
-from ps_daemon.errors import FailedPrecondition, InvalidArgument
-from ps_daemon.optim import AdamWConfig, SGDConfig
-from ps_daemon.store import ModelSpec, ParamSpec, ShardStore
+from ps_offload import kernels
+from ps_offload.daemon.encodings import check_size, onebit_nbytes, parse
+from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument
+from ps_offload.daemon.optim import AdamWConfig, SGDConfig
+from ps_offload.daemon.store import ModelSpec, ParamSpec, ShardStore
 
 # Two parameters with different weight decay in one 12 KiB shard (3072 elements), and a
 # second, partial shard of 928: blocks start at each shard's first element.

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import ps_daemon.config as config_mod
-from ps_daemon.config import (
+import ps_offload.daemon.config as config_mod
+from ps_offload.daemon.config import (
     ConfigError,
     DaemonConfig,
     LogConfig,
@@ -414,11 +414,11 @@ def test_invalid_toml_names_the_path(write_toml):
 def test_renamed_key_lands_in_new_field_with_a_warning(write_toml, monkeypatch, caplog):
     monkeypatch.setitem(config_mod.RENAMED_KEYS, "store.ram_budget", "store.ram_bytes")
     path = write_toml('[store]\nram_budget = "2GiB"\nshard_bytes = 8192\n')
-    with caplog.at_level(logging.WARNING, logger="ps_daemon.config"):
+    with caplog.at_level(logging.WARNING, logger="ps_offload.daemon.config"):
         config = load_config(path)
     assert config.store.ram_bytes == 2 * GiB  # parsed as a size under its new name
     assert config.store.shard_bytes == 8192
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "ps_daemon.config"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "ps_offload.daemon.config"]
     assert len(warnings) == 1
     message = warnings[0].getMessage()
     assert "store.ram_budget" in message
@@ -427,10 +427,10 @@ def test_renamed_key_lands_in_new_field_with_a_warning(write_toml, monkeypatch, 
 
 def test_new_key_gives_no_rename_warning(write_toml, monkeypatch, caplog):
     monkeypatch.setitem(config_mod.RENAMED_KEYS, "store.ram_budget", "store.ram_bytes")
-    with caplog.at_level(logging.WARNING, logger="ps_daemon.config"):
+    with caplog.at_level(logging.WARNING, logger="ps_offload.daemon.config"):
         config = load_config(write_toml('[store]\nram_bytes = "1GiB"\n'))
     assert config.store.ram_bytes == GiB
-    assert not [r for r in caplog.records if r.name == "ps_daemon.config"]
+    assert not [r for r in caplog.records if r.name == "ps_offload.daemon.config"]
 
 
 def test_old_key_is_unknown_without_the_rename_entry(write_toml):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ps_daemon.buffers import StagingPool
-from ps_daemon.optim import AdamWConfig, SGDConfig
-from ps_daemon.store import ARENA_STAGGER, ModelSpec, ParamSpec, ShardStore, shard_resident_bytes
+from ps_offload.daemon.buffers import StagingPool
+from ps_offload.daemon.optim import AdamWConfig, SGDConfig
+from ps_offload.daemon.store import ARENA_STAGGER, ModelSpec, ParamSpec, ShardStore, shard_resident_bytes
 
 
 def _shard(optimizer, numel=4096):

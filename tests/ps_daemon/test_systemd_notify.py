@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ps_daemon import systemd
-from ps_daemon.config import DaemonConfig, LogConfig, ServerConfig
-from ps_daemon.server import LIVE_KEYS, config_changes
+from ps_offload.daemon import systemd
+from ps_offload.daemon.config import DaemonConfig, LogConfig, ServerConfig
+from ps_offload.daemon.server import LIVE_KEYS, config_changes
 
 
 @pytest.fixture(autouse=True)
@@ -142,7 +142,7 @@ def test_journal_formatter_prefixes_every_line_with_its_priority():
     formatter = systemd.JournalFormatter()
 
     def line(level: int, message: str) -> str:
-        return formatter.format(logging.LogRecord("ps_daemon.server", level, __file__, 1, message, None, None))
+        return formatter.format(logging.LogRecord("ps_offload.daemon.server", level, __file__, 1, message, None, None))
 
     assert line(logging.ERROR, "reload failed") == "<3>ERROR ps_daemon.server: reload failed"
     assert line(logging.WARNING, "x").startswith("<4>WARNING")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ps_daemon.config import DaemonConfig, load_config
+from ps_offload.daemon.config import DaemonConfig, load_config
 
 SYSTEMD = Path(__file__).parents[2] / "systemd"
 INSTALLED = "/opt/ps-offload/bin/ps-daemon"  # where systemd/README.md installs the daemon

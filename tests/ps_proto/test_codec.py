@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 
-from ps_proto import codec, ps_pb2
-from ps_proto.codec import CodecError, pull_chunks, push_chunks
+from ps_offload.proto import codec, ps_pb2
+from ps_offload.proto.codec import CodecError, pull_chunks, push_chunks
 
 LONG_NAME = "model/" + "x" * 300  # header > 128 bytes: its length needs a 2-byte varint
 

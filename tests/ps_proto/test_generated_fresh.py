@@ -25,7 +25,7 @@ def regenerated(tmp_path_factory) -> Path:
             sys.executable,
             "-m",
             "grpc_tools.protoc",
-            "-Ips_proto=proto",
+            "-Ips_offload/proto=proto",
             f"--python_out={out}",
             f"--pyi_out={out}",
             f"--grpc_python_out={out}",
@@ -37,7 +37,7 @@ def regenerated(tmp_path_factory) -> Path:
         timeout=120,
     )
     assert result.returncode == 0, f"protoc failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
-    return out / "ps_proto"
+    return out / "ps_offload" / "proto"
 
 
 @pytest.mark.parametrize("name", GENERATED)
@@ -77,9 +77,9 @@ def _package() -> str:
 
 @pytest.fixture(scope="module")
 def handlers() -> dict[str, grpc.GenericRpcHandler]:
-    from ps_daemon import servicer
-    from ps_daemon.buffers import StagingPool
-    from ps_daemon.store import ShardStore
+    from ps_offload.daemon import servicer
+    from ps_offload.daemon.buffers import StagingPool
+    from ps_offload.daemon.store import ShardStore
 
     store = ShardStore(ram_bytes=1 << 20, default_shard_bytes=4096)
     return {
@@ -94,7 +94,7 @@ def handlers() -> dict[str, grpc.GenericRpcHandler]:
 
 def test_proto_parse_matches_descriptor():
     """Guards the regex reading of ps.proto: it must see what protoc saw."""
-    from ps_proto import ps_pb2
+    from ps_offload.proto import ps_pb2
 
     declared = _declared_methods()
     assert declared, "no services found in proto/ps.proto"
@@ -132,7 +132,7 @@ def test_lookup_of_undeclared_method_finds_nothing(handlers):
 
 
 def test_missing_handler_fails_at_construction():
-    from ps_daemon import servicer
+    from ps_offload.daemon import servicer
 
     with pytest.raises(RuntimeError, match="Stats"):
         servicer._handlers("Admin", {})

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import kernels
-from trainer.compressed_allreduce import CompressedAllReduce
-from trainer.config import AdamW
-from trainer.parallel import PipelineTrainer, RankGrid
+from ps_offload import kernels
+from ps_offload.trainer.compressed_allreduce import CompressedAllReduce
+from ps_offload.trainer.config import AdamW
+from ps_offload.trainer.parallel import PipelineTrainer, RankGrid
 
 SIZES = (1, 13, 1000, 3000, 4099)  # below one block, not a multiple of 8 or of BLOCK, W > chunks
 ROUNDS = 40

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.parallel import GradReducer, RankGrid, split_layers
+from ps_offload.trainer.parallel import GradReducer, RankGrid, split_layers
 
 
 def test_grid_is_stage_major():
@@ -74,7 +74,7 @@ def test_a_bucket_starts_once_every_gradient_in_it_has_its_last_micro_batch(sing
 
 
 def test_a_grid_that_does_not_match_torchruns_world_is_refused(monkeypatch):
-    from trainer.parallel import init_distributed
+    from ps_offload.trainer.parallel import init_distributed
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match=r"pp x dp = 2 x 1 = 2, but torchrun started 4 processes"):

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from trainer.parallel import SCHEDULES
-from trainer.pipeline_check import (
+from ps_offload.trainer.parallel import SCHEDULES
+from ps_offload.trainer.pipeline_check import (
     ScheduleError,
     ScheduleRecorder,
     check_schedule,

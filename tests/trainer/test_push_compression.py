@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-import trainer
-from ps_daemon.encodings import parse
-from ps_daemon.plan import ShardSlice
-from ps_proto import ps_pb2
-from trainer.push_compression import ENCODINGS, PushCompressor
+from ps_offload import kernels, trainer
+from ps_offload.daemon.encodings import parse
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.push_compression import ENCODINGS, PushCompressor
 
 SHARDS = [ShardSlice(0, 0, 0, 3000), ShardSlice(1, 0, 3000, 1500)]
 NUMEL = 4500

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from ps_daemon.optim import SGDConfig
-from ps_daemon.store import ModelSpec, ParamSpec
-from ps_daemon.tiers.nvme import PAGE, DirectIO, FileLayout, NoCapacity, NvmeFiles, SlotHeader, aligned_empty
+from ps_offload.daemon.optim import SGDConfig
+from ps_offload.daemon.store import ModelSpec, ParamSpec
+from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, FileLayout, NoCapacity, NvmeFiles, SlotHeader, aligned_empty
 
 SHARDS = 4
 ARENA = 3 * PAGE

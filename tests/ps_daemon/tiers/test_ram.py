@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from ps_daemon.tiers.ram import RamTier
+from ps_offload.daemon.tiers.ram import RamTier
 
 ARENA = 1000
 

@@ -36,9 +36,9 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ps_daemon.plan import ParamLayout, ShardSlice, segments_of
-from ps_daemon.security import ClientSecurity
-from ps_proto import codec, ps_pb2, ps_pb2_grpc
+from ps_offload.proto import codec, ps_pb2, ps_pb2_grpc
+from ps_offload.proto.plan import ParamLayout, ShardSlice, segments_of
+from ps_offload.proto.security import ClientSecurity
 
 DEFAULT_DAEMON = "127.0.0.1:50051"
 PARAMS_WIDTH = 40  # the params column shows "first +N more" past this many characters

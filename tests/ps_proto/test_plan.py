@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from ps_daemon.plan import (
+from ps_offload.proto.plan import (
     ParamLayout,
     PlanError,
     Segment,
