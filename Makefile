@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-scale proto lint clean
+.PHONY: demo test bench bench-tools bench-scale proto lint clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,15 +20,28 @@ test: $(STAMP)
 	command -v systemd-analyze >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd) || echo "systemd-analyze not installed"
 	$(PY) -m pytest -q
 
-# fio is the NVMe benchmarks' peer; installed from Debian when this user may.
-bench: $(STAMP)
+# The benchmarks' peers: fio (NVMe), iperf3 (loopback TCP) and libaio-dev (DeepSpeed's async
+# I/O) from Debian when this user may; DeepSpeed, the `bench` extra, into the venv (see
+# pyproject.toml), with a check that torch is still the pinned build. bench/deepspeed_ops.py
+# then compiles DeepSpeed's ops once (minutes on the first run), outside every benchmark.
+BENCH_STAMP := $(VENV)/.bench-installed
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet --no-build-isolation -e '.[dev,bench]'
+	$(PY) -c "import torch; v = torch.__version__.split('+')[0]; assert v == '2.13.0', f'bench extra changed torch to {v}'"
+	touch $(BENCH_STAMP)
+
+bench-tools:
 	command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio) || echo "fio not installed"
+	command -v iperf3 >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iperf3) || echo "iperf3 not installed"
+	test -e /usr/include/libaio.h || (apt-get update -qq && apt-get install -y -qq libaio-dev) || echo "libaio-dev not installed"
+
+bench: bench-tools $(BENCH_STAMP)
 	$(PY) -m bench.run_all
 
 # AdamW state twice this machine's RAM through one daemon (about 59 GB of disk; it checks
 # first and says what it needs). Minutes, not part of `make bench`.
-bench-scale: $(STAMP)
-	command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio) || echo "fio not installed"
+bench-scale: $(STAMP) bench-tools
 	$(PY) -m bench.scale
 	$(PY) -c "from bench.run_all import update_doc; update_doc()"
 

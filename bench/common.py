@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -21,7 +22,16 @@ from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+# PS_BENCH_QUICK=1: small sizes and few repetitions, to check that a script runs end to end.
+# Its figures mean nothing, so they go to bench/results/quick/ (ignored by git), never into
+# the results the doc's table is made from.
+QUICK = os.environ.get("PS_BENCH_QUICK", "") not in ("", "0")
+RESULTS = REPO / "bench" / "results" / ("quick" if QUICK else "")
+
+
+def quick(full, small):
+    """`small` under PS_BENCH_QUICK=1, else `full`."""
+    return small if QUICK else full
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -47,6 +57,31 @@ def interleaved(
             peer_times.append(timed(peer))
             ours_times.append(timed(ours))
     return ours_times, peer_times
+
+
+def interleaved_many(fns: dict[str, Callable[[], object]], *, reps: int, warmup: int = 1) -> dict[str, list[float]]:
+    """`interleaved` for any number of contenders: rep r runs them in order (ABC) when r is
+    even and reversed (CBA) when odd, so none is always first or always after the same one.
+    Returns each one's times, rep by rep (index r of every list is one round). A contender
+    that returns a float reports its own seconds (an external tool that times itself, so its
+    process start is not counted against it)."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            started = time.perf_counter()
+            reported = fns[name]()
+            elapsed = time.perf_counter() - started
+            times[name].append(reported if isinstance(reported, float) else elapsed)
+    return times
+
+
+def spread(values: list[float]) -> dict:
+    """What a skeptic asks of a median of paired ratios: how far the pairs were apart."""
+    return {"min": round(min(values), 3), "max": round(max(values), 3), "n": len(values)}
 
 
 def record(
@@ -76,6 +111,7 @@ def record(
         "target_met": met,
         "machine": f"{platform.machine()}, {_cores()} cores",
         "notes": notes,
+        **({"quick": True} if QUICK else {}),
         **(extra or {}),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -1,88 +1,213 @@
 """nvme_write, nvme_read: the NVMe tier's swap-out (commit: bytes, fdatasync, header,
-fdatasync, per shard) and swap-in (load: header, bytes, crc32c check) throughput, vs fio
-sequential O_DIRECT write (with a final fsync) and read of the same total bytes in the same
-directory. O_DIRECT on both sides: the page cache is bypassed, so this measures the disk.
+fdatasync, per shard) and swap-in (load: header, bytes, crc32c check) throughput, against two
+peers moving the same bytes in a file of the same size in the same directory:
 
-Ratio = our GB/s over fio's; target >= 0.9 each. Needs fio (`apt-get install fio`; `make
-bench` installs it when it can).
+* fio, sequential O_DIRECT write (end_fsync) and read, libaio, iodepth 8, 8 MiB blocks;
+* DeepSpeed's async I/O handle (`deepspeed.ops.op_builder.AsyncIOBuilder`, what ZeRO-Infinity
+  swaps optimizer state with): 1 MiB blocks, queue depth 32, one buffer per shard in its own
+  page-locked memory, every shard submitted at once then `wait()`; its writes end with one
+  fdatasync, as fio's end_fsync.
+
+O_DIRECT everywhere: the page cache is bypassed, so this measures the disk (and, on a VM, its
+host's cache). The three run interleaved, ABC CBA, after a warm-up that writes every slot of
+each file once (so no one writes into unwritten extents); each figure is the median of the
+per-round ratios, ours over the faster peer of that round, target >= 0.9. The ratios to each
+peer alone, and their spread, are in the result file. Needs fio (`make bench` installs it);
+DeepSpeed is the `bench` extra, and a peer that is missing is recorded as missing.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-from bench.common import REPO, median, record, timed
+import torch
+
+from bench.common import REPO, interleaved_many, median, quick, record, spread
 from ps_offload.daemon.optim import AdamWConfig
 from ps_offload.daemon.store import ModelSpec, ParamSpec, allocate_arena, arena_numel
-from ps_offload.daemon.tiers.nvme import DirectIO, NvmeFiles
+from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
 
-SHARDS = 16
+SHARDS = quick(16, 4)
 SHARD_NUMEL = 5 << 20  # AdamW: arena of 3 x 20 MiB + stagger = 60 MiB; 16 shards = 960 MiB
-REPS = 3
+ROUNDS = quick(6, 2)  # ABC CBA: 6 rounds = 3 full ABC CBA cycles, every contender first twice
+IO_THREADS, IO_BLOCK = 4, 8 << 20  # ours: DirectIO(threads, block_bytes), as the daemon's defaults
 
 
-def _fio(directory: Path, rw: str, nbytes: int) -> float:
-    """fio's bandwidth in GB/s for a sequential O_DIRECT job of nbytes."""
+FIO_BLOCK = 8 << 20
+
+
+def round_up(n: int) -> int:
+    return -(-n // FIO_BLOCK) * FIO_BLOCK
+
+
+def fio_seconds(path: Path, rw: str, *, io_bytes: int, file_bytes: int, read_percent: int = 50) -> float:
+    """Seconds fio takes for a sequential O_DIRECT job moving `io_bytes` within a file of
+    `file_bytes` (its job runtime, with the end fsync; not its process start). rw: "write",
+    "read" or "rw" (a `read_percent` mix). fio moves whole 8 MiB blocks: both sizes are rounded
+    up to one, and the time is scaled back to `io_bytes`."""
     out = subprocess.run(
         [
-            "fio", "--name=peer", f"--filename={directory / 'fio.dat'}", f"--rw={rw}", "--bs=8M",
-            f"--size={nbytes}", "--direct=1", "--ioengine=libaio", "--iodepth=8", "--numjobs=1",
-            "--end_fsync=1", "--output-format=json",
+            "fio", "--name=peer", f"--filename={path}", f"--rw={rw}", f"--bs={FIO_BLOCK}",
+            f"--size={round_up(file_bytes)}", f"--io_size={round_up(io_bytes)}", "--direct=1", "--ioengine=libaio",
+            "--iodepth=8", "--numjobs=1", "--end_fsync=1", f"--rwmixread={read_percent}", "--output-format=json",
         ],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     job = json.loads(out)["jobs"][0]
-    side = job["write" if rw == "write" else "read"]
-    return side["bw_bytes"] / 1e9
+    moved = job["read"]["io_bytes"] + job["write"]["io_bytes"]
+    if moved < io_bytes:
+        raise RuntimeError(f"fio moved {moved} bytes, asked for {io_bytes}")
+    return job["job_runtime"] / 1000 * io_bytes / moved
+
+
+def _fio(directory: Path, rw: str, nbytes: int) -> float:
+    """fio's GB/s for a sequential O_DIRECT job of nbytes in a file of nbytes."""
+    return nbytes / fio_seconds(directory / "fio.dat", rw, io_bytes=nbytes, file_bytes=nbytes) / 1e9
+
+
+def deepspeed_missing() -> str | None:
+    """Why DeepSpeed's async I/O cannot run here, or None."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except ImportError:
+        return "DeepSpeed is not installed (the `bench` extra: make bench installs it)"
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return "DeepSpeed's async_io op cannot build here (it needs libaio-dev)"
+    return None
+
+
+class DeepSpeedAIO:
+    """DeepSpeed's aio handle writing and reading one buffer per shard at our slots' offsets
+    in a file of our arena file's size."""
+
+    def __init__(self, path: Path, *, file_bytes: int, offsets: list[int], nbytes: int) -> None:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        # The 0.19 signature: block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism.
+        self.handle = AsyncIOBuilder().load(verbose=False).aio_handle(1 << 20, 32, False, True, 1)
+        self.path, self.offsets = str(path), offsets
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.posix_fallocate(fd, 0, file_bytes)  # as ours: preallocated at registration
+        os.close(fd)
+        example = torch.empty(0, dtype=torch.uint8)
+        self.buffers = [self.handle.new_cpu_locked_tensor(nbytes, example) for _ in offsets]
+        for b in self.buffers:
+            b.random_(0, 256)
+
+    def write(self) -> None:
+        for buffer, offset in zip(self.buffers, self.offsets, strict=True):
+            if self.handle.async_pwrite(buffer, self.path, offset) != 0:
+                raise RuntimeError("deepspeed async_pwrite failed")
+        if self.handle.wait() != len(self.buffers):
+            raise RuntimeError("deepspeed aio: not every write completed")
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def read(self) -> None:
+        for buffer, offset in zip(self.buffers, self.offsets, strict=True):
+            if self.handle.async_pread(buffer, self.path, offset) != 0:
+                raise RuntimeError("deepspeed async_pread failed")
+        if self.handle.wait() != len(self.buffers):
+            raise RuntimeError("deepspeed aio: not every read completed")
+
+    def close(self) -> None:
+        for b in self.buffers:
+            self.handle.free_cpu_locked_tensor(b)
+        self.buffers = []
 
 
 def main() -> list[dict]:
     if shutil.which("fio") is None:
         raise SystemExit("nvme_io: fio is not installed (apt-get install fio); it is the peer this bench needs")
+    ds_missing = deepspeed_missing()
+    if ds_missing:
+        print(f"nvme_io: {ds_missing}; its figures are recorded as missing")
     with tempfile.TemporaryDirectory(prefix="ps-bench-nvme-", dir=REPO) as tmp:
         directory = Path(tmp)
-        files = NvmeFiles(directory / "nvme", io=DirectIO(threads=4, block_bytes=8 << 20), fsync=True)
+        files = NvmeFiles(directory / "nvme", io=DirectIO(threads=IO_THREADS, block_bytes=IO_BLOCK), fsync=True)
         nbytes = arena_numel(SHARD_NUMEL, 2) * 4
         spec = ModelSpec("bench", (ParamSpec("w", (SHARDS * SHARD_NUMEL,)),), AdamWConfig(), SHARD_NUMEL * 4, ("d",))
-        files.create_model(spec, 0, {i: nbytes for i in range(SHARDS)})
+        layout = files.create_model(spec, 0, {i: nbytes for i in range(SHARDS)})
         arenas = [allocate_arena(nbytes) for _ in range(SHARDS)]
         for tensor, _ in arenas:
             tensor.normal_()
         total = sum(len(view) for _, view in arenas)
+        file_bytes = layout.size  # every peer's file is as large as our arena file (slots + spares)
+        slot_offsets = [slot * layout.slot_bytes + PAGE for slot in range(SHARDS)]
 
-        def write_all() -> None:
+        def ours_write() -> None:
             for i, (_, view) in enumerate(arenas):
                 files.commit("bench", i, view, version=1, initialized=True, numel=SHARD_NUMEL)
 
-        def read_all() -> None:
+        def ours_read() -> None:
             for i, (_, view) in enumerate(arenas):
                 assert files.load("bench", i, view) is not None
 
-        # Both sides then write into space that exists already (ours is preallocated at
-        # registration): fio's first pass lays its file out and is not counted.
-        _fio(directory, "write", total)
-        write_all()
-        ours_w, ours_r, fio_w, fio_r = [], [], [], []
-        for _ in range(REPS):  # interleaved with fio, write then read
-            ours_w.append(total / timed(write_all) / 1e9)
-            fio_w.append(_fio(directory, "write", total))
-            ours_r.append(total / timed(read_all) / 1e9)
-            fio_r.append(_fio(directory, "read", total))
+        fio_path = directory / "fio.dat"
+        writes = {"ours": ours_write,
+                  "fio": lambda: fio_seconds(fio_path, "write", io_bytes=total, file_bytes=file_bytes)}  # fmt: skip
+        reads = {"ours": ours_read,
+                 "fio": lambda: fio_seconds(fio_path, "read", io_bytes=total, file_bytes=file_bytes)}  # fmt: skip
+        ds = None
+        if not ds_missing:
+            ds = DeepSpeedAIO(directory / "deepspeed.dat", file_bytes=file_bytes, offsets=slot_offsets, nbytes=nbytes)
+            writes["deepspeed"], reads["deepspeed"] = ds.write, ds.read
+
+        # Warm-up, untimed: fio lays its whole file out; ours commits twice, which with the
+        # spare slots taken in turn writes every slot; DeepSpeed writes its slots once.
+        fio_seconds(fio_path, "write", io_bytes=file_bytes, file_bytes=file_bytes)
+        ours_write()
+        ours_write()
+        write_t = interleaved_many(writes, reps=ROUNDS, warmup=1)
+        read_t = interleaved_many(reads, reps=ROUNDS, warmup=1)
+        if ds is not None:
+            ds.close()
         files.close()
-    notes = (
-        f"{total >> 20} MiB in {SHARDS} shard slots, 4 I/O threads x 8 MiB blocks, fdatasync twice per shard; "
-        "peer: fio libaio iodepth 8, bs 8M, O_DIRECT, end_fsync; median of 3 interleaved runs"
-    )
-    return [
-        record("nvme_write", ours=median(ours_w), peer=median(fio_w), unit="GB/s", target=0.9,
-               higher_is_better=True, notes=notes),
-        record("nvme_read", ours=median(ours_r), peer=median(fio_r), unit="GB/s", target=0.9,
-               higher_is_better=True, notes=notes),
-    ]  # fmt: skip
+
+    peers = ["fio"] + ([] if ds_missing else ["deepspeed"])
+    results = []
+    for name, t in (("nvme_write", write_t), ("nvme_read", read_t)):
+        gbps = {who: total / median(ts) / 1e9 for who, ts in t.items()}
+        # Throughput ratios per round: a peer's seconds over ours.
+        vs = {who: [p / o for o, p in zip(t["ours"], t[who], strict=True)] for who in peers}
+        best = [min(t[who][r] for who in peers) / t["ours"][r] for r in range(ROUNDS)]
+        faster = max(peers, key=lambda who: gbps[who])
+        results.append(
+            record(
+                name,
+                ours=gbps["ours"],
+                peer=gbps[faster],
+                ratio=median(best),
+                unit="GB/s",
+                target=0.9,
+                higher_is_better=True,
+                notes=f"{total >> 20} MiB in {SHARDS} shard slots of a {file_bytes >> 20} MiB arena file, "
+                f"{IO_THREADS} I/O threads x {IO_BLOCK >> 20} MiB blocks, fdatasync twice per shard; peers in files of "
+                "the same size: fio libaio iodepth 8, bs 8M, end_fsync; DeepSpeed aio handle (block 1 MiB, queue "
+                "depth 32, page-locked buffers, one fdatasync after writes)"
+                + (f" [DeepSpeed missing: {ds_missing}]" if ds_missing else "")
+                + f"; {ROUNDS} rounds ABC CBA; ratio = median over rounds of ours / the faster peer of that round; "
+                f"peer column = the faster peer's median ({faster})",
+                extra={
+                    "bytes": total,
+                    "file_bytes": file_bytes,
+                    "gbps": {who: round(v, 3) for who, v in gbps.items()},
+                    "ratio_spread": spread(best),
+                    **{f"ratio_vs_{who}": round(median(vs[who]), 3) for who in peers},
+                    **{f"ratio_vs_{who}_spread": spread(vs[who]) for who in peers},
+                    "peer_missing": {"deepspeed": ds_missing} if ds_missing else {},
+                },
+            )
+        )
+    return results
 
 
 if __name__ == "__main__":

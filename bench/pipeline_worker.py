@@ -162,8 +162,8 @@ def efficiency(args: argparse.Namespace) -> None:
     for schedule in schedules:
         for m in microbatches:
             model = PipelineTrainer(
-                _layers(config), gpt_loss, ctx=ctx, microbatches=m, schedule=schedule,
-                optimizer=trainer.AdamW(lr=1e-4, weight_decay=0.1), split="params",
+                _layers(config), gpt_loss, ctx=ctx, optimizer=trainer.AdamW(lr=1e-4, weight_decay=0.1),
+                config=trainer.ParallelConfig(microbatches=m, schedule=schedule, split="params"),
             )  # fmt: skip
             runs[(schedule, m)] = (model, *_batch(config, m * args.mb_size, seed=m))
     bounds = next(iter(runs.values()))[0].bounds
@@ -236,10 +236,15 @@ def overhead(args: argparse.Namespace) -> None:
     for variant in variants:
         offloaded = variant != "in_process"
         trainers[variant] = PipelineTrainer(
-            _layers(config), gpt_loss, ctx=ctx, microbatches=args.microbatches, schedule=args.schedule,
-            optimizer=trainer.AdamW(lr=1e-4, weight_decay=0.1), daemons=daemons if offloaded else None,
-            shard_bytes=args.shard_bytes, staleness=int(variant == "staleness1"), max_grad_norm=args.max_grad_norm,
-            model_name=f"{args.model_name}.{variant}",
+            _layers(config), gpt_loss, ctx=ctx, optimizer=trainer.AdamW(lr=1e-4, weight_decay=0.1),
+            config=trainer.ParallelConfig(
+                microbatches=args.microbatches, schedule=args.schedule, max_grad_norm=args.max_grad_norm
+            ),
+            daemons=daemons if offloaded else None,
+            offload=trainer.OffloadConfig(
+                model_name=f"{args.model_name}.{variant}", shard_bytes=args.shard_bytes,
+                staleness=int(variant == "staleness1"),
+            ),
         )  # fmt: skip
     x, y = _batch(config, args.microbatches * args.mb_size, seed=grid.replica)
     for model in trainers.values():
@@ -265,11 +270,11 @@ def overhead(args: argparse.Namespace) -> None:
             for v in variants
         }
         sizes = [sum(q.numel() for q in layer.parameters()) for layer in _layers(config)]
-        first = next((m for m in trainers.values() if m.offload), None)
+        first = next((m for m in trainers.values() if isinstance(m.optimizer, trainer.OffloadOptimizer)), None)
         out = {
             "step_ms": {v: 1000 * statistics.median(t for b in steps[v] for t in b) for v in variants},
             "block_median_ms": {v: [1000 * statistics.median(b) for b in steps[v]] for v in variants},
-            "params": sum(sizes), "shards_per_stage": len(first.offload.plan) if first else 0,
+            "params": sum(sizes), "shards_per_stage": len(first.optimizer.plan) if first else 0,
             "blocks": args.blocks, "steps_per_block": args.steps,
         }  # fmt: skip
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

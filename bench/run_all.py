@@ -1,16 +1,24 @@
-"""`make bench`: runs every benchmark, then rewrites the results table in docs/benchmarks.md
-from bench/results/*.json (between the two marker lines)."""
+"""`make bench`: runs every benchmark, then rewrites the generated parts of docs/benchmarks.md
+from bench/results/*.json (between the marker lines): the results table, and the paragraph
+per benchmark that quotes its figures. Prose outside the markers quotes no measured figure,
+so the doc cannot keep a number from an older run.
+
+Each script's wall time is stored in its result files (`bench_seconds`) and printed at the end.
+"""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import time
+from collections.abc import Callable
 
 from bench import (
     compress_cpu,
     compress_gpu,
     compression_convergence,
+    deepspeed_ops,
     fused_decompress_adamw,
     nvme_io,
     nvme_train_step,
@@ -21,51 +29,237 @@ from bench import (
     train_step_overhead,
     transport,
 )
-from bench.common import REPO, RESULTS
+from bench.common import QUICK, REPO, RESULTS
 
 DOC = REPO / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+MARKERS = {
+    "results": ("<!-- results:begin -->", "<!-- results:end -->"),
+    "status": ("<!-- status:begin -->", "<!-- status:end -->"),
+}
 
 
-def table() -> str:
+def _results() -> dict[str, dict]:
+    return {r["name"]: r for r in (json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json")))}
+
+
+def _spread(r: dict) -> str:
+    s = r.get("ratio_spread")
+    return f"{s['min']}–{s['max']} ({s['n']})" if s else ""
+
+
+def table(results: dict[str, dict]) -> str:
     rows = [
-        "| benchmark | ours | peer | unit | ratio | target | met | date |",
-        "|---|---|---|---|---|---|---|---|",
+        "| benchmark | ours | peer | unit | ratio | spread (n) | target | met | date | s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for path in sorted(RESULTS.glob("*.json")):
-        r = json.loads(path.read_text())
+    for r in results.values():
         target = f"{'≥' if r['higher_is_better'] else '≤'} {r['target']}"
         rows.append(
-            f"| `{r['name']}` | {r['ours']} | {r['peer']} | {r['unit']} | **{r['ratio']}** | {target} | "
-            f"{'yes' if r['target_met'] else 'no'} | {r['date']} |"
+            f"| `{r['name']}` | {r['ours']} | {r['peer']} | {r['unit']} | **{r['ratio']}** | {_spread(r)} | {target} | "
+            f"{'yes' if r['target_met'] else 'no'} | {r['date']} | {r.get('bench_seconds', '')} |"
         )
     return "\n".join(rows)
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _head(r: dict) -> str:
+    target = f"{'≥' if r['higher_is_better'] else '≤'} {r['target']}"
+    spread = (
+        f", per-round ratios {r['ratio_spread']['min']}–{r['ratio_spread']['max']}" if r.get("ratio_spread") else ""
+    )
+    return (
+        f"**`{r['name']}` ({target}): {'met' if r['target_met'] else 'not met'}, {r['ratio']}×** "
+        f"({r['ours']} against {r['peer']} {r['unit']}{spread}; {r['date']})."
+    )
+
+
+def _missing(r: dict) -> str:
+    missing = r.get("peer_missing") or {}
+    if isinstance(missing, list):
+        missing = dict.fromkeys(missing, "not installed")
+    return "".join(f" Peer missing in this run: {who} ({why})." for who, why in missing.items())
+
+
+def _optimizer_step(r: dict) -> str:
+    g = r["gparams_per_s"]
+    parts = [f"ours {g['ours']}, torch fused AdamW {g['torch']}"]
+    if "deepspeed" in g:
+        parts.append(f"DeepSpeedCPUAdam {g['deepspeed']}")
+    vs = "; ".join(
+        f"against {who} alone {r[f'ratio_vs_{who}']}×" for who in ("torch", "deepspeed") if f"ratio_vs_{who}" in r
+    )
+    return f"G params/s: {', '.join(parts)} ({vs})."
+
+
+def _transport(r: dict) -> str:
+    text = (
+        f"Over {r['connections']} connections: ours {r['ours']} GB/s, raw TCP in Python with the same connections "
+        f"{r['raw_tcp_gbps']} GB/s (ours over it {r['ratio_vs_raw_tcp']}×)"
+    )
+    if r.get("iperf3_gbps") is not None:
+        text += f", iperf3 -P {r['connections']} {r['iperf3_gbps']} GB/s (ours over it {r['ratio_vs_iperf3']}×)"
+    return text + f"; the gRPC path {r['grpc_gbps']} GB/s."
+
+
+def _nvme_io(r: dict) -> str:
+    g = r["gbps"]
+    peers = ", ".join(f"{who} {v}" for who, v in g.items() if who != "ours")
+    vs = "; ".join(
+        f"against {who} alone {r[f'ratio_vs_{who}']}×" for who in ("fio", "deepspeed") if f"ratio_vs_{who}" in r
+    )
+    return f"{r['bytes'] >> 20} MiB: ours {g['ours']} GB/s, {peers} GB/s ({vs})."
+
+
+def _nvme_train_step(r: dict) -> str:
+    return (
+        f"Step time with prefetch {r['step_ms_nvme_prefetch']} ms, without {r['step_ms_nvme_no_prefetch']} ms, "
+        f"all in RAM {r['step_ms_all_in_ram']} ms (medians over the rounds)."
+    )
+
+
+def _scale(r: dict) -> str:
+    return (
+        f"{r['state_bytes'] / 1e9:.1f} GB of AdamW state, {r['state_bytes'] / r['physical_ram_bytes']:.2f}× physical "
+        f"RAM; step {r['step_seconds']} s; daemon peak RSS {r['daemon_peak_rss_bytes'] / 2**30:.2f} GiB; shard 0 "
+        f"equal to torch's fused AdamW: {r['shard0_equals_torch']}."
+    )
+
+
+def _fused(r: dict) -> str:
+    b = r["bytes_per_element"]
+    return (
+        f"Less work, not faster code: ours moves {b['ours']} bytes per element, torch's AdamW {b['torch']}. Per byte "
+        f"moved, ours runs at {r['ratio_per_byte']}× torch's rate ({r['gbytes_per_s']['ours']} against "
+        f"{r['gbytes_per_s']['torch']} GB/s). Decompress-then-torch-ops: {r['decompress_then_torch_ops_ms']} ms "
+        f"against ours {r['ours_ms']} ms ({r['ratio_vs_decompress_then_torch_ops']}×)."
+    )
+
+
+def _convergence(r: dict) -> str:
+    finals = "; ".join(f"{name}: {', '.join(map(str, fs))}" for name, fs in r["final_loss_per_seed"].items())
+    text = f"Seeds {', '.join(map(str, r['seeds']))}; final losses per seed, {finals}."
+    if "bytes_per_step" in r:
+        b = r["bytes_per_step"]
+        text += f" Bytes pushed per step: fp32 {b['none']}, 1-bit {b['onebit']} ({r['bytes_ratio']}× fewer)."
+    if "ms_per_step" in r:
+        text += " ms/step: " + ", ".join(f"{k} {v}" for k, v in r["ms_per_step"].items()) + "."
+    return text
+
+
+def _train_step_overhead(r: dict) -> str:
+    phases = r.get("phase_ms")
+    if not phases:
+        return ""
+    return (
+        "Per step, ms: "
+        + "; ".join(f"{who}: " + ", ".join(f"{k} {v}" for k, v in p.items()) for who, p in phases.items())
+        + "."
+    )
+
+
+def _pipeline(r: dict) -> str:
+    rows = ", ".join(f"{x['schedule']} m={x['microbatches']}: {x['efficiency']:.3f}" for x in r["results"])
+    head = next(x for x in r["results"] if x["schedule"] == "1f1b" and x["microbatches"] == max(
+        y["microbatches"] for y in r["results"]))  # fmt: skip
+    return (
+        f"Efficiency by schedule: {rows}. 1F1B at the largest m: measured bubble {head['bubble_measured']:.3f} "
+        f"against {head['bubble_theory']:.3f} in theory; compute per micro-batch inside the pipeline "
+        f"{', '.join(f'{t:.1f}' for t in head['t_mb_in_pipeline_ms'])} ms against "
+        f"{', '.join(f'{t:.1f}' for t in r['t_mb_ms'])} ms alone; against that in-pipeline compute the step is at "
+        f"{head['efficiency_vs_in_pipeline_compute']:.3f} of ideal."
+    )
+
+
+def _ps_overhead(r: dict) -> str:
+    return f"staleness=1: {r['staleness1_ms']} ms/step, {r['staleness1_ratio']}×."
+
+
+def _compress_cpu(r: dict) -> str:
+    return "Variants, ratio to their own copy: " + ", ".join(f"{k} {v['ratio']}" for k, v in r["methods"].items()) + "."
+
+
+DETAILS: dict[str, Callable[[dict], str]] = {
+    "optimizer_step": _optimizer_step,
+    "transport_pull": _transport,
+    "transport_push": _transport,
+    "nvme_read": _nvme_io,
+    "nvme_write": _nvme_io,
+    "nvme_train_step": _nvme_train_step,
+    "scale_train_step": _scale,
+    "fused_decompress_adamw": _fused,
+    "compression_convergence": _convergence,
+    "staleness_convergence": _convergence,
+    "train_step_overhead": _train_step_overhead,
+    "pipeline_efficiency": _pipeline,
+    "ps_overhead_pp_dp": _ps_overhead,
+    "compress_cpu": _compress_cpu,
+}
+
+
+def status(results: dict[str, dict]) -> str:
+    paragraphs = []
+    for name, r in results.items():
+        try:
+            detail = DETAILS.get(name, lambda _: "")(r)
+        except KeyError:  # a result file from before a field existed: say only what it has
+            detail = ""
+        paragraphs.append(" ".join(x for x in (_head(r), detail, _missing(r)) if x))
+    return "\n\n".join(paragraphs)
+
+
 def update_doc() -> None:
+    results = _results()
     text = DOC.read_text()
-    new = re.sub(f"{re.escape(BEGIN)}.*?{re.escape(END)}", f"{BEGIN}\n{table()}\n{END}", text, flags=re.S)
-    DOC.write_text(new)
+    for key, body in (("results", table(results)), ("status", status(results))):
+        begin, end = MARKERS[key]
+        new = f"{begin}\n{body}\n{end}"
+        text = re.sub(f"{re.escape(begin)}.*?{re.escape(end)}", lambda _, new=new: new, text, flags=re.S)
+    DOC.write_text(text)
+
+
+def _timed(name: str, fn: Callable[[], object], seconds: dict[str, float]) -> None:
+    """Runs one script, and stores its wall time in the result files it wrote."""
+    started = time.perf_counter()
+    out = fn()
+    seconds[name] = round(time.perf_counter() - started, 1)
+    records = out if isinstance(out, list) else [out] if isinstance(out, dict) else []
+    for r in records:
+        if r and "name" in r:
+            path = RESULTS / f"{r['name']}.json"
+            data = json.loads(path.read_text())
+            data["bench_seconds"] = seconds[name]
+            path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"[{name}: {seconds[name]} s]")
 
 
 def main() -> None:
-    optimizer_step.main()
-    transport.main()
-    train_step_overhead.main()
-    pipeline_efficiency.main([])
-    ps_overhead_pp_dp.main([])
-    staleness_convergence.main()
-    compress_cpu.main()
-    compress_gpu.main()  # says so and records nothing without CUDA
-    fused_decompress_adamw.main()
-    compression_convergence.main()
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    # Compiles DeepSpeed's ops on the first run (minutes), so no benchmark pays for it.
+    _timed("deepspeed_ops", deepspeed_ops.main, seconds)
+    _timed("optimizer_step", optimizer_step.main, seconds)
+    _timed("transport", transport.main, seconds)
+    _timed("train_step_overhead", train_step_overhead.main, seconds)
+    _timed("pipeline_efficiency", lambda: pipeline_efficiency.main([]), seconds)
+    _timed("ps_overhead_pp_dp", lambda: ps_overhead_pp_dp.main([]), seconds)
+    _timed("staleness_convergence", staleness_convergence.main, seconds)
+    _timed("compress_cpu", compress_cpu.main, seconds)
+    _timed("compress_gpu", compress_gpu.main, seconds)  # says so and records nothing without CUDA
+    _timed("fused_decompress_adamw", fused_decompress_adamw.main, seconds)
+    _timed("compression_convergence", compression_convergence.main, seconds)
     if shutil.which("fio"):
-        nvme_io.main()
-        nvme_train_step.main()
+        _timed("nvme_io", nvme_io.main, seconds)
+        _timed("nvme_train_step", nvme_train_step.main, seconds)
     else:
         print("nvme_io, nvme_train_step: skipped, fio is not installed (apt-get install fio); their results were kept")
-    update_doc()
-    print(f"results in {RESULTS.relative_to(REPO)}/, table in {DOC.relative_to(REPO)}")
+    if not QUICK:
+        update_doc()
+    total = round(time.perf_counter() - started)
+    print("seconds per script: " + ", ".join(f"{k} {v}" for k, v in seconds.items()) + f"; total {total}")
+    print(f"results in {RESULTS.relative_to(REPO)}/" + ("" if QUICK else f", table in {DOC.relative_to(REPO)}"))
 
 
 if __name__ == "__main__":

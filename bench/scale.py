@@ -9,6 +9,12 @@ The gradients are synthetic (one fixed random buffer): the figure is the daemon'
 reading, updating and writing the state is what bounds a step at this size. The first
 shard is then checked against torch's fused AdamW run in this process on the same values.
 
+Each step is paired with an fio run (sequential O_DIRECT, libaio, the step's read/write mix)
+next to it in time, in ABBA order (step then fio, fio then step, ...): this disk's speed
+drifts by tens of percent within minutes. The figure is the median of the per-pair ratios,
+and their spread is in the result file. fio moves 4 GiB in a 4 GiB file per run, not a
+step's 100 GB: a file of the arena's size would need twice the disk this machine has.
+
 It checks free disk and memory first and says what it needs.
 """
 
@@ -25,9 +31,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import REPO, daemon_stats, median, record
-from bench.nvme_io import _fio
-from bench.nvme_train_step import _fio_mixed
+from bench.common import REPO, daemon_stats, median, quick, record, spread
+from bench.nvme_io import fio_seconds
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.optim import AdamWConfig
 from ps_offload.daemon.store import shard_resident_bytes
@@ -39,7 +44,7 @@ from ps_offload.trainer.config import ClientConfig
 SHARD_NUMEL = 64 << 20  # 256 MiB of fp32 master per shard; one parameter per shard
 RAM_TIER = 4 << 30
 SPARE_SLOTS = 2  # as many as commits in flight (two streams)
-FIO_BYTES = 4 << 30
+FIO_BYTES = quick(4 << 30, 256 << 20)
 MARGIN = 2 << 30
 ADAMW = AdamWConfig(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
@@ -96,7 +101,7 @@ def _reference(init: torch.Tensor, grad: torch.Tensor, steps: int) -> torch.Tens
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ram-multiple", type=float, default=2.0, help="state size over physical RAM")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="steps, each paired with an fio run")
     parser.add_argument("--check-only", action="store_true", help="print what it needs and exit")
     args = parser.parse_args()
 
@@ -161,8 +166,23 @@ def main() -> dict:
             started = time.perf_counter()
             list(pool.map(initial, layout))
             print(f"initial values written in {time.perf_counter() - started:.1f}s")
+            fio_dir = root / "fio"
+            fio_dir.mkdir()
+            fio_path = fio_dir / "fio.dat"
+            fio_seconds(fio_path, "write", io_bytes=FIO_BYTES, file_bytes=FIO_BYTES)  # lay the file out first
+            fio_gbps: list[float] = []
+
+            def fio() -> None:
+                # The read share of the steps so far (the first pair runs ours first, so it is known).
+                percent = round(100 * median(read_share))
+                seconds = fio_seconds(fio_path, "rw", io_bytes=FIO_BYTES, file_bytes=FIO_BYTES, read_percent=percent)
+                fio_gbps.append(FIO_BYTES / seconds / 1e9)
+                print(f"fio: {fio_gbps[-1]:.2f} GB/s ({percent}% reads)")
+
             times, moved, read_share = [], [], []
             for step in range(args.steps):
+                if step % 2 == 1:  # ABBA: fio first in odd pairs
+                    fio()
                 before = daemon_stats(daemon.address)
                 started = time.perf_counter()
                 list(pool.map(step_of(step), layout))
@@ -176,6 +196,8 @@ def main() -> dict:
                     f"step {step}: {times[-1]:.1f}s, {read / 1e9:.1f} GB read + {written / 1e9:.1f} GB written, "
                     f"{(read + written) / times[-1] / 1e9:.2f} GB/s"
                 )
+                if step % 2 == 0:
+                    fio()
             # The first shard against torch in this process: same values, same updates.
             first = torch.empty(SHARD_NUMEL)
             client.pull(layout[0], min_version=args.steps, out=memoryview(first.numpy()).cast("B"))
@@ -190,29 +212,31 @@ def main() -> dict:
         if not exact:
             raise SystemExit("bench-scale: shard 0 differs from torch's AdamW on the same values")
 
-        fio_dir = root / "fio"
-        fio_dir.mkdir()
-        _fio(fio_dir, "write", FIO_BYTES)  # lay the file out first
         read_percent = round(100 * median(read_share))
-        fio_gbps = median([_fio_mixed(fio_dir, FIO_BYTES, read_percent) for _ in range(3)])
 
     step_time = median(times)
-    ours = median(moved) / step_time / 1e9
+    ours_gbps = [b / t / 1e9 for b, t in zip(moved, times, strict=True)]
+    ratios = [o / p for o, p in zip(ours_gbps, fio_gbps, strict=True)]
     return record(
         "scale_train_step",
-        ours=ours,
-        peer=fio_gbps,
+        ours=median(ours_gbps),
+        peer=median(fio_gbps),
+        ratio=median(ratios),
         unit="GB/s moved",
         target=0.8,
         higher_is_better=True,
         notes=(
             f"{n_params / 1e9:.2f}B params, {state / 1e9:.1f} GB AdamW state = {state / _meminfo('MemTotal'):.2f}x "
             f"physical RAM, RAM tier {RAM_TIER >> 30} GiB, {shards} shards of {SHARD_NUMEL * 4 >> 20} MiB; "
-            f"synthetic gradients streamed by shard, 2 in flight; median of {args.steps} steps; peer: fio sequential "
-            f"O_DIRECT with the same read/write mix ({read_percent}% reads), {FIO_BYTES >> 30} GiB, median of 3"
+            f"synthetic gradients streamed by shard, 2 in flight; {args.steps} steps; peer: fio sequential "
+            f"O_DIRECT, libaio iodepth 8, bs 8M, with the same read/write mix ({read_percent}% reads), "
+            f"{FIO_BYTES >> 30} GiB per run, one run paired with each step in ABBA order; ratio = median of the "
+            "per-pair ratios"
         ),
         extra={
             "step_seconds": round(step_time, 1),
+            "ratio_spread": spread(ratios),
+            "paired_gbps": [[round(o, 3), round(p, 3)] for o, p in zip(ours_gbps, fio_gbps, strict=True)],
             "state_bytes": state,
             "physical_ram_bytes": _meminfo("MemTotal"),
             "daemon_peak_rss_bytes": peak_rss,

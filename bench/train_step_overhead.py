@@ -38,7 +38,7 @@ def main() -> dict:
             remote_model,
             daemons=[daemon.address],
             optimizer=trainer.AdamW(lr=args.lr, weight_decay=0.1),
-            shard_bytes=args.shard_bytes,
+            config=trainer.OffloadConfig(shard_bytes=args.shard_bytes),
             no_weight_decay=train_gpt.no_weight_decay,
         )
         batches = [data.batch(args.batch_size) for _ in range(BLOCK_STEPS)]

@@ -1,111 +1,235 @@
 """transport_pull, transport_push: a 256 MiB model (64M fp32 in four 64 MiB shards) pulled
-and pushed over loopback gRPC by the trainer's client (ShardedClient, two streams per
-daemon as OffloadOptimizer uses) from/to a ps-daemon process, vs a raw TCP socket moving
-the same bytes between two processes (sendall from a preallocated buffer, recv_into a
-preallocated buffer: the physical limit of loopback for Python).
+and pushed over loopback by the trainer's client (ShardedClient on the daemon's TCP data
+plane, `streams_per_daemon` connections and as many threads, as OffloadOptimizer uses) from/to
+a ps-daemon process, against two peers given the same connections and the same bytes:
 
-Pushes are PARAMETERS pushes (a copy into the master values, no optimizer step), so only
-transport and the daemon's receive path are measured. Ratio = our GB/s over TCP's;
-target >= 0.85.
+* iperf3 (C) with as many parallel streams (`-P`) moving the same total bytes (`-n`), pushes
+  client to server and pulls reversed (`-R`): what loopback TCP does with no interpreter in
+  the way. The headline ratio is ours over it; target >= 0.85.
+* raw TCP in Python: a server process with one thread per connection `sendall`s from /
+  `recv_into`s a preallocated buffer, and the client moves the same four 64 MiB pieces over
+  the same number of persistent connections from a pool of as many threads. This is the
+  floor of our own code (framing, the daemon's bookkeeping) over a socket; the ratio to it is
+  in the result file.
+
+The three run interleaved, ABC CBA, and each figure is the median of the per-round ratios
+(the machine's drift cancels within a round). Pushes are PARAMETERS pushes (a copy into the
+master values, no optimizer step), so only transport and the daemon's receive path are
+measured. iperf3's figure is its own (bytes received over the seconds of its test), which
+leaves out its process start; ours is the wall time of the four transfers.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import queue
+import shutil
 import socket
+import struct
+import subprocess
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from bench.common import BenchDaemon, interleaved, median, record, timed
+from bench.common import BenchDaemon, interleaved_many, median, quick, record, spread
 from ps_offload.proto import ps_pb2
 from ps_offload.trainer.client import ShardedClient
 from ps_offload.trainer.config import ClientConfig
 
 NBYTES = 256 << 20
 NUMEL = NBYTES // 4
+PIECE = 64 << 20  # the shard size: each request moves one piece, as each pull/push moves one shard
+REPS = quick(10, 3)
+REQUEST = struct.Struct("!cQQ")  # command, offset, length
 
 
-def _tcp_server(listener: socket.socket) -> None:
-    buf = bytearray(NBYTES)
-    view = memoryview(buf)
-    conn, _ = listener.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    while True:
-        cmd = conn.recv(1)
-        if cmd == b"P":  # client pulls
-            conn.sendall(view)
-        elif cmd == b"U":  # client pushes
+def _tcp_server(listener: socket.socket, connections: int) -> None:
+    """The peer's daemon: one process, a thread per connection (as the daemon's data plane,
+    a ThreadingTCPServer), serving pieces of one preallocated buffer."""
+    view = memoryview(bytearray(NBYTES))
+
+    def serve(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        header = bytearray(REQUEST.size)
+        while True:
             got = 0
-            while got < NBYTES:
-                got += conn.recv_into(view[got:], NBYTES - got)
-            conn.sendall(b"k")
-        else:
-            return
+            while got < REQUEST.size:
+                n = conn.recv_into(memoryview(header)[got:])
+                if n == 0:
+                    return
+                got += n
+            cmd, offset, length = REQUEST.unpack(header)
+            if cmd == b"P":  # client pulls
+                conn.sendall(view[offset : offset + length])
+            elif cmd == b"U":  # client pushes
+                got = 0
+                while got < length:
+                    got += conn.recv_into(view[offset + got : offset + length], length - got)
+                conn.sendall(b"k")
+            else:
+                return
+
+    threads = [threading.Thread(target=serve, args=(listener.accept()[0],)) for _ in range(connections)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 class TcpPeer:
-    def __init__(self) -> None:
+    """Raw TCP with our resources: `connections` persistent sockets used by as many threads,
+    the same four 64 MiB pieces per transfer."""
+
+    def __init__(self, connections: int) -> None:
         listener = socket.create_server(("127.0.0.1", 0))
-        self.process = mp.get_context("fork").Process(target=_tcp_server, args=(listener,), daemon=True)
+        self.process = mp.get_context("fork").Process(target=_tcp_server, args=(listener, connections), daemon=True)
         self.process.start()
-        self.sock = socket.create_connection(listener.getsockname())
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.idle: queue.LifoQueue[socket.socket] = queue.LifoQueue()
+        self.socks = []
+        for _ in range(connections):
+            sock = socket.create_connection(listener.getsockname())
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.socks.append(sock)
+            self.idle.put(sock)
         listener.close()
         self.buf = memoryview(bytearray(NBYTES))
+        self.pool = ThreadPoolExecutor(max_workers=connections)
+
+    def _pull_piece(self, offset: int) -> None:
+        sock = self.idle.get()
+        sock.sendall(REQUEST.pack(b"P", offset, PIECE))
+        got = 0
+        while got < PIECE:
+            got += sock.recv_into(self.buf[offset + got : offset + PIECE], PIECE - got)
+        self.idle.put(sock)
+
+    def _push_piece(self, offset: int) -> None:
+        sock = self.idle.get()
+        sock.sendall(REQUEST.pack(b"U", offset, PIECE))
+        sock.sendall(self.buf[offset : offset + PIECE])
+        assert sock.recv(1) == b"k"
+        self.idle.put(sock)
 
     def pull(self) -> None:
-        self.sock.sendall(b"P")
-        got = 0
-        while got < NBYTES:
-            got += self.sock.recv_into(self.buf[got:], NBYTES - got)
+        list(self.pool.map(self._pull_piece, range(0, NBYTES, PIECE)))
 
     def push(self) -> None:
-        self.sock.sendall(b"U")
-        self.sock.sendall(self.buf)
-        assert self.sock.recv(1) == b"k"
+        list(self.pool.map(self._push_piece, range(0, NBYTES, PIECE)))
 
     def close(self) -> None:
-        self.sock.sendall(b"Q")
-        self.sock.close()
+        for sock in self.socks:
+            sock.sendall(REQUEST.pack(b"Q", 0, 0))
+            sock.close()
+        self.pool.shutdown()
         self.process.join(10)
 
 
+class Iperf3:
+    """iperf3 on loopback with `streams` parallel streams moving NBYTES in all; a server
+    process kept for the whole run, one client process per transfer."""
+
+    def __init__(self, streams: int) -> None:
+        self.streams = streams
+        with socket.create_server(("127.0.0.1", 0)) as s:  # a free port for the server
+            self.port = s.getsockname()[1]
+        self.server = subprocess.Popen(
+            ["iperf3", "--server", "--bind", "127.0.0.1", "--port", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for _ in range(100):  # wait until it listens
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        time.sleep(0.2)  # the probe above counts as a client to iperf3; let it reset
+        self.seconds = {"transport_pull": [], "transport_push": []}
+
+    def run(self, reverse: bool) -> float:
+        """Seconds iperf3 reports for moving the bytes (its test time, not its process start)."""
+        for attempt in range(5):
+            cmd = ["iperf3", "--client", "127.0.0.1", "--port", str(self.port), "--parallel", str(self.streams),
+                   "--bytes", str(NBYTES), "--length", "1M", "--json", *(["--reverse"] if reverse else [])]  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            data = json.loads(out.stdout or "{}")
+            if out.returncode == 0 and "error" not in data:
+                got = data["end"]["sum_received"]
+                return got["seconds"] * NBYTES / got["bytes"]
+            time.sleep(0.2 * (attempt + 1))  # "the server is busy running a test": it was still resetting
+        raise RuntimeError(f"iperf3 failed: {out.stdout[-500:]} {out.stderr[-500:]}")
+
+    def close(self) -> None:
+        self.server.terminate()
+        self.server.wait(10)
+
+
 def main() -> list[dict]:
-    peer = TcpPeer()
-    with BenchDaemon() as daemon:
-        grpc_only = _measure(daemon.address, "grpc", reps=4)
-        ours_t, peer_t = _measure(daemon.address, "auto", reps=8, peer=peer)
-    peer.close()
+    streams = ClientConfig().streams_per_daemon  # connections per daemon, and threads using them
+    have_iperf3 = shutil.which("iperf3") is not None
+    if not have_iperf3:
+        print("transport: iperf3 is not installed (apt-get install iperf3); its figures are recorded as missing")
+    tcp = TcpPeer(streams)
+    iperf3 = Iperf3(streams) if have_iperf3 else None
+    try:
+        with BenchDaemon() as daemon:
+            grpc_only = _measure(daemon.address, "grpc", reps=quick(4, 1))
+            times = _measure(daemon.address, "auto", reps=REPS, tcp=tcp, iperf3=iperf3)
+    finally:
+        tcp.close()
+        if iperf3 is not None:
+            iperf3.close()
     results = []
     for name in ("transport_pull", "transport_push"):
+        t = times[name]
+        gbps = {who: NBYTES / median(ts) / 1e9 for who, ts in t.items()}
+        # Per round, ours over each peer (throughput ratio = their time over ours).
+        vs = {who: [p / o for o, p in zip(t["ours"], t[who], strict=True)] for who in t if who != "ours"}
+        head = "iperf3" if have_iperf3 else "raw_tcp"
+        peer_note = f"iperf3 -P {streams} (C) moving the same bytes on loopback" if have_iperf3 else "raw TCP"
+        extra = {
+            "connections": streams,
+            "raw_tcp_gbps": round(gbps["raw_tcp"], 3),
+            "ratio_vs_raw_tcp": round(median(vs["raw_tcp"]), 3),
+            "ratio_vs_raw_tcp_spread": spread(vs["raw_tcp"]),
+            "iperf3_gbps": round(gbps["iperf3"], 3) if have_iperf3 else None,
+            "ratio_vs_iperf3": round(median(vs["iperf3"]), 3) if have_iperf3 else None,
+            "ratio_vs_iperf3_spread": spread(vs["iperf3"]) if have_iperf3 else None,
+            "peer_missing": [] if have_iperf3 else ["iperf3"],
+            "grpc_gbps": round(NBYTES / median(grpc_only[name]["ours"]) / 1e9, 3),
+        }
         results.append(
             record(
                 name,
-                ours=NBYTES / median(ours_t[name]) / 1e9,
-                peer=NBYTES / median(peer_t[name]) / 1e9,
+                ours=gbps["ours"],
+                peer=gbps[head],
+                ratio=median(vs[head]),
                 unit="GB/s",
                 target=0.85,
                 higher_is_better=True,
-                notes="256 MiB in 4 shards over the TCP data plane, 2 connections; peer: raw TCP between two "
-                "processes; median of 8 ABBA-interleaved transfers. grpc_gbps: the same over the gRPC Pull/Push "
-                "streams (1 MiB chunks), for comparison",
-                extra={"grpc_gbps": round(NBYTES / median(grpc_only[0][name]) / 1e9, 3)},
+                notes=f"256 MiB in 4 shards of 64 MiB over the TCP data plane, {streams} connections and threads; "
+                f"peer: {peer_note}; "
+                f"also raw TCP in Python with {streams} connections and threads moving the same pieces; "
+                f"{len(t['ours'])} rounds interleaved ABC CBA, ratio = median of the per-round ratios. "
+                "grpc_gbps: the same over the gRPC Pull/Push streams (1 MiB chunks), for comparison",
+                extra=extra,
             )
         )
     return results
 
 
-def _measure(address: str, transport: str, *, reps: int, peer: TcpPeer | None = None):
-    """Times pull_all and push_all through ShardedClient with the given transport; with a
-    peer, interleaved with its pull and push."""
+def _measure(address: str, transport: str, *, reps: int, tcp: TcpPeer | None = None, iperf3: Iperf3 | None = None):
+    """Times pull_all and push_all through ShardedClient with the given transport; with
+    peers, interleaved with theirs. Returns {name: {contender: [seconds per round]}}."""
     config = ClientConfig(transport=transport)
     client = ShardedClient([address], config=config)
     spec = ps_pb2.ModelSpec(
         model="transport",
         params=[ps_pb2.ParamSpec(name="w", shape=[NUMEL], dtype=ps_pb2.FLOAT32)],
         optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)),
-        shard_bytes=64 << 20,
+        shard_bytes=PIECE,
     )
     plan = client.register(spec)
     flat = torch.randn(NUMEL)
@@ -131,14 +255,14 @@ def _measure(address: str, transport: str, *, reps: int, peer: TcpPeer | None = 
     pull_all()
     assert torch.equal(flat, expected), "pulled bytes differ from pushed bytes"
 
-    times: tuple[dict, dict] = ({}, {})
-    for name, ours, theirs in (("transport_pull", pull_all, peer and peer.pull),
-                               ("transport_push", push_all, peer and peer.push)):  # fmt: skip
-        if theirs is None:
-            ours()
-            times[0][name] = [timed(ours) for _ in range(reps)]
-        else:
-            times[0][name], times[1][name] = interleaved(ours, theirs, reps=reps, warmup=2)
+    times = {}
+    for name, ours, reverse in (("transport_pull", pull_all, True), ("transport_push", push_all, False)):
+        contenders = {"ours": ours}
+        if tcp is not None:
+            contenders["raw_tcp"] = tcp.pull if reverse else tcp.push
+        if iperf3 is not None:
+            contenders["iperf3"] = lambda reverse=reverse: iperf3.run(reverse)
+        times[name] = interleaved_many(contenders, reps=reps, warmup=2)
     pool.shutdown()
     client.close()
     return times

@@ -6,8 +6,8 @@
 One process: the whole integration is two lines, `trainer.offload(...)` instead of building
 a torch.optim optimizer, and `opt.step()` as usual. Under torchrun with --pp/--dp: the GPT as
 a list of layers, split into pp pipeline stages with dp data-parallel replicas each
-(trainer.parallel.PipelineTrainer). `--local` trains the same model with
-torch.optim.AdamW(fused=True) in-process instead, for comparison; `--staleness 1` uses the
+(trainer.PipelineTrainer). `--local` trains the same model with torch.optim.AdamW(fused=True)
+in-process instead (trainer.LocalOptimizer), for comparison; `--staleness 1` uses the
 delayed parameter update (the daemons apply step t while step t+1 computes);
 `--compression onebit` (or bf16, fp16, topk) compresses the pushes after
 `--compression-warmup-steps` plain steps (onebit under AdamW is 1-bit Adam).
@@ -103,24 +103,20 @@ def no_weight_decay(name: str, p: torch.nn.Parameter) -> bool:
 def train(args: argparse.Namespace, on_step: Callable[[object], None] | None = None) -> list[float]:
     """Trains in this process; returns the losses. `on_step(opt)` runs after every step."""
     model, data = build(args)
+    optimizer = trainer.AdamW(lr=args.lr, weight_decay=0.1)
     if args.local:
-        decay = [p for n, p in model.named_parameters() if not no_weight_decay(n, p)]
-        other = [p for n, p in model.named_parameters() if no_weight_decay(n, p)]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}], lr=args.lr, fused=True
-        )
+        opt = trainer.LocalOptimizer(model, optimizer=optimizer, no_weight_decay=no_weight_decay)
     else:
         daemons = trainer.daemon_addresses(args.daemons, cluster_file=args.cluster_file)
         opt = trainer.offload(
             model,
             daemons=daemons,
-            optimizer=trainer.AdamW(lr=args.lr, weight_decay=0.1),
-            model_name=args.model_name,
-            shard_bytes=args.shard_bytes,
+            optimizer=optimizer,
             no_weight_decay=no_weight_decay,
-            staleness=args.staleness,
-            compression=args.compression,
-            compression_warmup_steps=compression_warmup_steps(args),
+            config=trainer.OffloadConfig(
+                model_name=args.model_name, shard_bytes=args.shard_bytes, staleness=args.staleness
+            ),
+            compression=trainer.CompressionConfig(method=args.compression, warmup_steps=compression_warmup_steps(args)),
         )
     n_params = sum(p.numel() for p in model.parameters())
     where = "in-process AdamW" if args.local else f"AdamW on {','.join(daemons)}"
@@ -132,11 +128,7 @@ def train(args: argparse.Namespace, on_step: Callable[[object], None] | None = N
     bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True)
     for step in bar:
         lr = lr_at(step, args)
-        if args.local:
-            for group in opt.param_groups:
-                group["lr"] = lr
-        else:
-            opt.lr = lr
+        opt.lr = lr
         x, y = data.batch(args.batch_size)
         _, loss = model(x, y)
         opt.zero_grad()
@@ -149,8 +141,7 @@ def train(args: argparse.Namespace, on_step: Callable[[object], None] | None = N
         if step % 10 == 0 or step == args.steps - 1:
             bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}", lr=f"{lr:.1e}")
     elapsed = time.perf_counter() - started
-    if not args.local:
-        opt.synchronize()
+    opt.synchronize()
     print(
         f"loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f} "
         f"in {args.steps} steps, {1000 * elapsed / args.steps:.1f} ms/step"
@@ -161,8 +152,7 @@ def train(args: argparse.Namespace, on_step: Callable[[object], None] | None = N
         )
     if args.sample:
         print("sample:", repr(sample(model, data, args.sample)))
-    if not args.local:
-        opt.close()
+    opt.close()
     return losses
 
 
@@ -183,9 +173,7 @@ def train_pipeline(args: argparse.Namespace) -> list[float]:
     """One rank of a pp x dp run under torchrun. Every rank draws the same global batches
     (same seed) and takes its replica's slice; the first stage feeds the tokens, the last
     the targets. Losses are the last stage's first replica's, printed by that rank."""
-    from ps_offload.trainer.parallel import PipelineTrainer, init_distributed
-
-    ctx = init_distributed(args.pp, args.dp)
+    ctx = trainer.init_distributed(args.pp, args.dp)
     grid = ctx.grid
     if args.batch_size % (args.dp * args.microbatches):
         raise SystemExit(f"--batch-size {args.batch_size} must divide into dp x micro-batches = "
@@ -196,12 +184,20 @@ def train_pipeline(args: argparse.Namespace) -> list[float]:
     # host would build its stage's layers only.
     layers = gpt_layers(gpt_config(args, data))
     daemons = None if args.local else trainer.daemon_addresses(args.daemons, cluster_file=args.cluster_file)
-    model = PipelineTrainer(
-        layers, gpt_loss, ctx=ctx, microbatches=args.microbatches, schedule=args.schedule,
-        optimizer=trainer.AdamW(lr=args.lr, weight_decay=0.1), daemons=daemons, model_name=args.model_name,
-        shard_bytes=args.shard_bytes, no_weight_decay=no_weight_decay, staleness=args.staleness,
-        max_grad_norm=args.max_grad_norm,
-    )  # fmt: skip
+    model = trainer.PipelineTrainer(
+        layers,
+        gpt_loss,
+        ctx=ctx,
+        optimizer=trainer.AdamW(lr=args.lr, weight_decay=0.1),
+        no_weight_decay=no_weight_decay,
+        config=trainer.ParallelConfig(
+            microbatches=args.microbatches, schedule=args.schedule, max_grad_norm=args.max_grad_norm
+        ),
+        daemons=daemons,
+        offload=trainer.OffloadConfig(
+            model_name=args.model_name, shard_bytes=args.shard_bytes, staleness=args.staleness
+        ),
+    )
     reporter = grid.last_stage and grid.replica == 0
     if reporter:
         n_params = sum(p.numel() for layer in layers for p in layer.parameters())
@@ -245,7 +241,7 @@ def main() -> None:
         if args.compression != "none":
             raise SystemExit(
                 "train_gpt.py: --compression compresses one process's pushes; under torchrun the pipeline "
-                "trainer compresses its data-parallel all-reduce instead (PipelineTrainer(dp_compression=...))"
+                "trainer compresses its data-parallel all-reduce instead (ParallelConfig(dp_compression=...))"
             )
         train_pipeline(args)
     else:

@@ -37,7 +37,7 @@ class StagingPool:
                 buffer = None
         if buffer is None:
             # Starts 3 KiB into its allocation: the fourth stream of the optimizer step, apart
-            # from master, m and v modulo 4 KiB (ps_daemon.store.ARENA_STAGGER says why).
+            # from master, m and v modulo 4 KiB (ps_daemon.shard.ARENA_STAGGER says why).
             buffer = torch.empty(numel + STAGING_OFFSET, dtype=torch.float32)[STAGING_OFFSET:]
         try:
             yield buffer

@@ -30,7 +30,8 @@ import grpc
 
 from ps_offload.daemon import wire
 from ps_offload.daemon.buffers import StagingPool
-from ps_offload.daemon.errors import InvalidArgument, PsError, from_status
+from ps_offload.daemon.errors import InvalidArgument, PsError
+from ps_offload.daemon.rpc_errors import from_status, status_of
 from ps_offload.daemon.security import TokenCheck
 from ps_offload.daemon.store import ShardStore
 from ps_offload.proto import ps_pb2
@@ -79,10 +80,10 @@ class _Handler(socketserver.BaseRequestHandler):
                 try:
                     in_sync = self._serve(sock, request)
                 except PsError as exc:
-                    self.code = exc.code
+                    self.code = status_of(exc)
                     in_sync = True
                     try:
-                        send_message(sock, ps_pb2.DataResponse(code=exc.code.value[0], message=str(exc)))
+                        send_message(sock, ps_pb2.DataResponse(code=self.code.value[0], message=str(exc)))
                     except OSError:
                         return
                 except (FrameError, OSError) as exc:
@@ -93,7 +94,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     self.code = grpc.StatusCode.INTERNAL
                     log.exception("data plane request failed")
                     message = f"internal error: {type(exc).__name__}: {exc}"
-                    send_message(sock, ps_pb2.DataResponse(code=PsError.code.value[0], message=message))
+                    send_message(sock, ps_pb2.DataResponse(code=self.code.value[0], message=message))
                     return
             if not in_sync:
                 return
@@ -130,15 +131,15 @@ class _Handler(socketserver.BaseRequestHandler):
                 sock.sendall(memoryview(tensor.numpy()).cast("B"))
             return True
         if kind == "push":
-            header = request.push
-            duplicate = wire.open_push(store, header)
+            push = wire.push_request(request.push)
+            duplicate = wire.open_push(store, push)
             if duplicate is not None:
                 send_message(sock, ps_pb2.DataResponse(push=duplicate))
                 return True
             send_message(sock, ps_pb2.DataResponse(send_payload=True))
-            with self.server.staging.borrow(wire.staging_numel(header)) as staging:
-                recv_exact_into(sock, memoryview(staging.numpy()).cast("B")[: header.nbytes])
-                response = wire.apply_push(store, header, staging, self.server.staging)
+            with self.server.staging.borrow(wire.staging_numel(push)) as staging:
+                recv_exact_into(sock, memoryview(staging.numpy()).cast("B")[: push.nbytes])
+                response = wire.apply_push(store, push, staging, self.server.staging)
                 send_message(sock, ps_pb2.DataResponse(push=response))
             return True
         raise InvalidArgument("a DataRequest must carry a pull or a push")

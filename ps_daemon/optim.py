@@ -1,9 +1,14 @@
 """Server-side optimizers over shards, equal to torch.optim.
 
 Each step runs torch's fused CPU kernel (`torch._fused_adamw_`, `torch._fused_sgd_`, the
-kernels behind `torch.optim.AdamW(fused=True)` and `SGD(fused=True)`) over one view per
-parameter piece of the shard. Same kernel, same traversal, same inputs: the daemon's
-parameters are bit-identical to an in-process torch.optim run on the same gradients.
+kernels behind `torch.optim.AdamW(fused=True)` and `SGD(fused=True)`) over each parameter
+piece of the shard, never over the shard as one tensor. The kernel's SIMD body and scalar
+tail round differently and it puts the tail at the end of each tensor it is given, so a
+piece that a shard cut leaves inside a parameter is split into kernel runs
+(ps_proto/plan.py, `kernel_runs`): whole aligned blocks in place, a partial block at either
+end in a scratch tensor as long as that block. Same kernel, same loop per element, same
+inputs: the daemon's parameters are bit-identical to an in-process torch.optim run on the
+same gradients, wherever the cuts fall.
 
 A MOMENTUM push (1-bit Adam's compression stage, AdamW only) is applied by `apply_momentum`:
 exp_avg becomes the trainer's momentum, exp_avg_sq stays frozen, and the master takes
@@ -22,7 +27,7 @@ import torch
 
 from ps_offload.daemon.encodings import KERNEL_LOCK, OneBitGradient
 from ps_offload.kernels.fused_adamw import adam_frozen_variance_, onebit_adam_
-from ps_offload.proto.plan import Segment
+from ps_offload.proto.plan import KernelRun, Segment, kernel_runs
 
 
 @dataclass(frozen=True)
@@ -81,10 +86,10 @@ class ShardOptimizer:
         self.config = config
         self.state: list[torch.Tensor] = []  # bound by the shard to its arena (bind())
         self.step = torch.zeros((), dtype=torch.float32)
-        # Segments grouped by weight decay: the fused kernels take one scalar per call.
-        groups: dict[float, list[Segment]] = defaultdict(list)
+        # Kernel runs grouped by weight decay: the fused kernels take one scalar per call.
+        groups: dict[float, list[KernelRun]] = defaultdict(list)
         for segment, decay in zip(segments, weight_decays, strict=True):
-            groups[decay].append(segment)
+            groups[decay].extend(kernel_runs(segment))
         self._groups = dict(groups)
         # The same pieces in shard order, for the 1-bit Adam update: (start, end, decay).
         self._pieces = sorted(
@@ -130,19 +135,34 @@ class ShardOptimizer:
         """One optimizer step: master -= update(grad). `grad` is fp32 with the shard's numel."""
         self.step += 1
         config = self.config
-        for decay, segments in self._groups.items():
-            views = [slice(s.shard_start, s.shard_start + s.numel) for s in segments]
-            params = [master[v] for v in views]
-            grads = [grad[v] for v in views]
+        for decay, runs in self._groups.items():
+            # Per run, the tensors the kernel gets: master, grad, then each state tensor.
+            tensors: list[list[torch.Tensor]] = [[] for _ in range(2 + len(self.state))]
+            scratches = []
+            for run in runs:
+                piece = slice(run.shard_start, run.shard_start + run.numel)
+                sources = [master[piece], grad[piece], *(s[piece] for s in self.state)]
+                if run.context:
+                    # A partial block: zero padding around it (elementwise kernels, so the
+                    # padding only places the elements where the whole parameter has them).
+                    scratch = torch.zeros(len(sources), run.context, dtype=torch.float32)
+                    inner = slice(run.context_start, run.context_start + run.numel)
+                    for row, source in zip(scratch, sources, strict=True):
+                        row[inner] = source
+                    scratches.append((scratch, inner, sources))
+                    sources = list(scratch)
+                for column, tensor in zip(tensors, sources, strict=True):
+                    column.append(tensor)
+            params, grads, *state = tensors
             if isinstance(config, AdamWConfig):
-                m, v = self.state
+                exp_avgs, exp_avg_sqs = state
                 torch._fused_adamw_(
                     params,
                     grads,
-                    [m[s] for s in views],
-                    [v[s] for s in views],
+                    exp_avgs,
+                    exp_avg_sqs,
                     [],
-                    [self.step] * len(views),
+                    [self.step] * len(params),
                     lr=lr,
                     beta1=config.beta1,
                     beta2=config.beta2,
@@ -152,11 +172,10 @@ class ShardOptimizer:
                     maximize=False,
                 )
             else:
-                buffers = [self.state[0][s] for s in views] if config.momentum else []
                 torch._fused_sgd_(
                     params,
                     grads,
-                    buffers,
+                    state[0] if config.momentum else [],
                     weight_decay=decay,
                     momentum=config.momentum,
                     lr=lr,
@@ -165,3 +184,7 @@ class ShardOptimizer:
                     maximize=False,
                     is_first_step=bool(self.step.item() == 1),
                 )
+            for scratch, inner, sources in scratches:
+                for index, (row, target) in enumerate(zip(scratch, sources, strict=True)):
+                    if index != 1:  # all but the gradient, which is only read
+                        target.copy_(row[inner])

@@ -15,7 +15,8 @@ import torch
 
 from ps_offload.daemon import wire
 from ps_offload.daemon.buffers import StagingPool
-from ps_offload.daemon.errors import InvalidArgument, grpc_errors, grpc_errors_stream
+from ps_offload.daemon.errors import InvalidArgument
+from ps_offload.daemon.rpc_errors import grpc_errors, grpc_errors_stream
 from ps_offload.daemon.store import ShardStore
 from ps_offload.proto import codec, ps_pb2
 
@@ -60,12 +61,13 @@ class ParameterServerServicer:
         if first is None or first.header is None:
             raise InvalidArgument("a push stream must start with a chunk that carries the PushHeader")
         header: ps_pb2.PushHeader = first.header
-        duplicate = wire.open_push(self.store, header)
+        push = wire.push_request(header)
+        duplicate = wire.open_push(self.store, push)
         if duplicate is not None:  # applied before: answer without reading the payload
             return duplicate
-        with self.staging.borrow(wire.staging_numel(header)) as staging:
+        with self.staging.borrow(wire.staging_numel(push)) as staging:
             self._receive(header, first, chunks, staging)
-            return wire.apply_push(self.store, header, staging, self.staging)
+            return wire.apply_push(self.store, push, staging, self.staging)
 
     @staticmethod
     def _receive(

@@ -104,6 +104,11 @@ class Watchdog:
         with self._ping_lock:
             self._stopping.set()
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits for the pinging thread to end after stop(); returns whether it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _run(self) -> None:
         period = self.interval / 2
         failing_since: float | None = None

@@ -8,8 +8,12 @@ import torch
 from ps_offload.daemon.buffers import StagingPool
 from ps_offload.daemon.encodings import parse
 from ps_offload.daemon.errors import InvalidArgument
+from ps_offload.daemon.inspect import Verdict
 from ps_offload.daemon.optim import AdamWConfig, SGDConfig
-from ps_offload.daemon.store import SHARD_TENSORS, ModelSpec, ParamSpec, RegisteredModel, ShardStore, Verdict
+from ps_offload.daemon.push import PushRequest
+from ps_offload.daemon.shard import SHARD_TENSORS
+from ps_offload.daemon.spec import ModelSpec, ParamSpec
+from ps_offload.daemon.store import RegisteredModel, ShardStore
 from ps_offload.proto import ps_pb2
 
 DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
@@ -64,65 +68,52 @@ def _placements(model: RegisteredModel) -> list[ps_pb2.ShardPlacement]:
     ]
 
 
-def open_push(store: ShardStore, header: ps_pb2.PushHeader) -> ps_pb2.PushResponse | None:
-    """Validates a push header before its payload is read. Returns the answer for a push
-    that was applied before (its payload need not be read), else None."""
+def push_request(header: ps_pb2.PushHeader) -> PushRequest:
+    """The domain's push for a header, checked as far as the header alone allows."""
     if header.kind not in PUSH_KINDS:
         raise InvalidArgument(f"push kind must be GRADIENT, MOMENTUM or PARAMETERS, got {header.kind}")
     if header.encoding not in ENCODING_NAMES:
         known = ", ".join(ps_pb2.Encoding.Name(e) for e in ENCODING_NAMES)
         raise InvalidArgument(f"push to shard {header.shard_id}: encoding {header.encoding} is unknown; send {known}")
-    dtype = DTYPE_NAMES.get(header.dtype, f"unspecified ({header.dtype})")
-    ack = store.check_push(
+    return PushRequest(
         header.model,
         header.shard_id,
         step=header.step,
         kind=PUSH_KINDS[header.kind],
-        nbytes=header.nbytes,
-        dtype=dtype,
         encoding=ENCODING_NAMES[header.encoding],
-        variance_frozen_at=_variance_frozen_at(header),
+        dtype=DTYPE_NAMES.get(header.dtype, f"unspecified ({header.dtype})"),
+        nbytes=header.nbytes,
+        lr=header.lr if header.HasField("lr") else None,
+        variance_frozen_at=header.variance_frozen_at if header.HasField("variance_frozen_at") else None,
     )
-    if ack is None:
-        return None
-    store.note_duplicate()
-    return ps_pb2.PushResponse(applied=False, version=ack.version)
 
 
-def staging_numel(header: ps_pb2.PushHeader) -> int:
+def open_push(store: ShardStore, push: PushRequest) -> ps_pb2.PushResponse | None:
+    """Validates a push before its payload is read. Returns the answer for a push that was
+    applied before (its payload need not be read), else None."""
+    ack = store.check_push(push)
+    return None if ack is None else ps_pb2.PushResponse(applied=False, version=ack.version)
+
+
+def staging_numel(push: PushRequest) -> int:
     """fp32 elements of the staging buffer that holds a push's payload (nbytes, rounded up)."""
-    return (header.nbytes + 3) // 4
+    return (push.nbytes + 3) // 4
 
 
 def apply_push(
-    store: ShardStore, header: ps_pb2.PushHeader, payload: torch.Tensor, staging: StagingPool
+    store: ShardStore, push: PushRequest, payload: torch.Tensor, staging: StagingPool
 ) -> ps_pb2.PushResponse:
     """Applies a push whose whole payload is in `payload` (an fp32 staging buffer holding
-    header.nbytes bytes, validated by open_push). A compressed gradient that must be
+    push.nbytes bytes, validated by open_push). A compressed gradient that must be
     decompressed first gets a buffer from `staging`."""
-    shard = store.shard(header.model, header.shard_id)
-    data = parse(
-        ENCODING_NAMES[header.encoding], payload, header.nbytes, shard.slice.numel, f"push to shard {header.shard_id}"
-    )
-    result = store.push(
-        header.model,
-        header.shard_id,
-        step=header.step,
-        kind=PUSH_KINDS[header.kind],
-        data=data,
-        lr=header.lr if header.HasField("lr") else None,
-        scratch=staging.borrow,
-        variance_frozen_at=_variance_frozen_at(header),
-    )
+    shard = store.shard(push.model, push.shard_id)
+    data = parse(push.encoding, payload, push.nbytes, shard.slice.numel, push.where)
+    result = store.push(push.with_data(data), scratch=staging.borrow)
     return ps_pb2.PushResponse(applied=result.applied, version=result.version)
 
 
 def shard_header(model: str, shard_id: int, version: int, numel: int) -> ps_pb2.ShardHeader:
     return ps_pb2.ShardHeader(model=model, shard_id=shard_id, version=version, numel=numel, dtype=ps_pb2.FLOAT32)
-
-
-def _variance_frozen_at(header: ps_pb2.PushHeader) -> int | None:
-    return header.variance_frozen_at if header.HasField("variance_frozen_at") else None
 
 
 def pull_tensor(request: ps_pb2.PullRequest) -> str:

@@ -20,16 +20,22 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# Kept equal to ps_offload.trainer.__all__ (tests/trainer/test_config.py checks it).
 _TRAINER_EXPORTS = frozenset(
     {
         "SGD",
         "AdamW",
         "ClientConfig",
         "ClientSecurity",
+        "CompressionConfig",
         "DaemonError",
+        "LocalOptimizer",
+        "OffloadConfig",
         "OffloadOptimizer",
+        "ParallelConfig",
         "PipelineTrainer",
         "ShardedClient",
+        "StepOptimizer",
         "daemon_addresses",
         "init_distributed",
         "offload",

@@ -8,6 +8,10 @@ one fp32 index space of `total_numel` elements. That space is cut into shards of
 [i * shard_numel, min((i + 1) * shard_numel, total_numel)). A large parameter spans
 several shards; small ones share a shard. Shard ids therefore depend only on the layout and
 the shard size, never on the daemon list.
+
+Cuts fall at any offset inside a parameter (no padding, so the flat space, the wire format
+and the NVMe records do not depend on it); `kernel_runs` tells the daemon how to step a
+piece of a parameter so that the result is still bit-identical to torch.optim's.
 """
 
 from __future__ import annotations
@@ -18,6 +22,16 @@ FP32_BYTES = 4
 # Shard sizes are whole 4 KiB pages of fp32, so shard boundaries stay aligned for vector
 # kernels and for O_DIRECT I/O.
 SHARD_ALIGN_BYTES = 4096
+# torch's fused CPU optimizer kernels (_fused_adamw_, _fused_sgd_: what AdamW(fused=True) and
+# SGD(fused=True) run) compute element p of a tensor of n elements in a SIMD body when
+# p < n - n % V and in a scalar tail loop otherwise, V = at::vec::Vectorized<float>::size()
+# (8 on this torch's AVX2 and AVX512 builds, measured; the thread split, in 16-element cache
+# lines, does not move it). The two loops round differently (the compiler contracts a
+# multiply-add in one and not the other), so a piece of a parameter stepped as its own tensor
+# matches torch.optim only if its tail falls where the whole parameter's does. Pieces handed
+# to the kernel therefore start and end on multiples of KERNEL_ALIGN within the parameter
+# (or at its end): exact for every V that divides it, i.e. any SIMD width up to 2048 bits.
+KERNEL_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,22 @@ class Segment:
     shard_start: int  # element offset within the shard
     param_start: int  # element offset within the flattened parameter
     numel: int
+    param_numel: int  # the whole parameter's: where torch's kernel puts its scalar tail (kernel_runs)
+
+
+@dataclass(frozen=True)
+class KernelRun:
+    """One tensor the daemon hands torch's fused kernel for (part of) a segment.
+
+    `context == 0`: the shard's elements [shard_start, shard_start + numel) themselves.
+    Otherwise the elements are copied into a zeroed scratch tensor of `context` elements, at
+    `context_start`, and copied back after the step; the scratch stands for the aligned block
+    of the parameter they lie in (see kernel_runs)."""
+
+    shard_start: int  # element offset within the shard
+    numel: int
+    context: int = 0
+    context_start: int = 0
 
 
 class PlanError(ValueError):
@@ -134,13 +164,106 @@ def validate_plan(shards: list[ShardSlice], *, total_numel: int, shard_numel: in
 
 
 def segments_of(shard: ShardSlice, layouts: list[ParamLayout]) -> list[Segment]:
-    """The parameter pieces inside `shard`, in order. The optimizer runs over these views,
-    one per parameter, so that its kernel walks each parameter exactly as torch.optim does
-    (vector lanes and tails fall in the same places), which makes results bit-identical."""
+    """The parameter pieces inside `shard`, in order. The optimizer steps each piece on its
+    own (never the shard as one tensor), split by kernel_runs where a shard cut falls inside
+    a parameter, so that its kernel computes every element in the same loop as torch.optim's
+    call on the whole parameter, which makes results bit-identical."""
     segments = []
     for layout in layouts:
         start = max(layout.offset, shard.offset)
         end = min(layout.offset + layout.numel, shard.end)
         if start < end:
-            segments.append(Segment(layout.index, start - shard.offset, start - layout.offset, end - start))
+            segments.append(
+                Segment(layout.index, start - shard.offset, start - layout.offset, end - start, layout.numel)
+            )
     return segments
+
+
+def kernel_runs(segment: Segment, align: int = KERNEL_ALIGN) -> list[KernelRun]:
+    """How the daemon steps `segment` so that every element lands in the same kernel loop
+    (SIMD body or scalar tail) as in torch.optim's call on the whole parameter.
+
+    Shard cuts fall anywhere inside a parameter (parameters are packed end to end, and a
+    shard is a whole number of pages of the flat space), so a segment is split at the
+    parameter's `align`-element blocks: the whole blocks in the middle run in place as one
+    tensor; a partial block at either end (the segment starts or stops inside it) runs in
+    a scratch tensor as long as that block, at its place in the block. A segment that is a
+    whole parameter is one run in place. At most three runs: partial, in place, partial."""
+    if align < 1:
+        raise PlanError(f"align must be positive, got {align}")
+    n = segment.param_numel
+    first, end = segment.param_start, segment.param_start + segment.numel
+
+    def block(p: int) -> tuple[int, int]:  # the aligned block of the parameter holding element p
+        start = p - p % align
+        return start, min(start + align, n)
+
+    def run(p: int, stop: int, context: int = 0, context_start: int = 0) -> KernelRun:
+        return KernelRun(segment.shard_start + p - first, stop - p, context, context_start)
+
+    runs, p = [], first
+    if p < end and p % align:  # starts inside a block
+        start, stop = block(p)
+        runs.append(run(p, min(end, stop), stop - start, p - start))
+        p = min(end, stop)
+    # Whole blocks (the parameter's last block counts as whole when the segment reaches it).
+    in_place_end = end if end == n or end % align == 0 else end - end % align
+    if p < in_place_end:
+        runs.append(run(p, in_place_end))
+        p = in_place_end
+    if p < end:  # stops inside a block (p is that block's start here)
+        start, stop = block(p)
+        runs.append(run(p, end, stop - start, 0))
+    validate_kernel_runs(segment, runs, align)
+    return runs
+
+
+def validate_kernel_runs(segment: Segment, runs: list[KernelRun], align: int = KERNEL_ALIGN) -> None:
+    """Invariants of a segment's kernel runs (kernel_runs). The tensor a run hands the
+    kernel stands for parameter elements [lo, hi): lo = the run's own first element in
+    place, that minus `context_start` in a scratch.
+    1. the runs tile the segment's shard range [shard_start, shard_start + numel) in order,
+       none empty;
+    2. lo is a multiple of `align` (a block start of the parameter);
+    3. hi is a multiple of `align` or the parameter's end, and hi <= param_numel;
+    4. a scratch run lies inside its scratch tensor, which is at most one block long;
+    5. at most one run is in place, and scratch runs come only first or last (<= 3 runs).
+    Hence, for any SIMD width V dividing `align`, element j of a run's tensor is the
+    parameter's element lo + j, and j < (hi - lo) - (hi - lo) % V exactly when
+    lo + j < n - n % V: each element goes through the same loop of torch's fused kernel
+    (vector body or scalar tail) as in torch.optim's call on the whole parameter, so the
+    update is bit-identical. Padding a scratch tensor with zeros changes nothing else: the
+    kernels are elementwise."""
+    n = segment.param_numel
+    if segment.param_start < 0 or segment.numel < 1 or segment.param_start + segment.numel > n:
+        raise PlanError(f"segment {segment} lies outside its parameter of {n} elements")
+    position = segment.shard_start
+    in_place = 0
+    for i, r in enumerate(runs):
+        where = f"run {i} {r} of segment {segment}"
+        if r.shard_start != position or r.numel < 1:
+            raise PlanError(f"{where}: runs must tile the segment in order, expected a start of {position}")
+        position += r.numel
+        own = segment.param_start + r.shard_start - segment.shard_start
+        if r.context == 0:
+            in_place += 1
+            lo, hi = own, own + r.numel
+            if r.context_start != 0:
+                raise PlanError(f"{where}: an in-place run has no context_start")
+        else:
+            lo, hi = own - r.context_start, own - r.context_start + r.context
+            if not (0 <= r.context_start and r.context_start + r.numel <= r.context <= align):
+                raise PlanError(f"{where}: must lie inside a scratch of at most one block ({align})")
+            if 0 < i < len(runs) - 1:
+                raise PlanError(f"{where}: scratch runs come only first or last")
+        if lo % align:
+            raise PlanError(f"{where}: its kernel tensor starts at parameter element {lo}, not a multiple of {align}")
+        if hi > n or (hi % align and hi != n):
+            raise PlanError(
+                f"{where}: its kernel tensor ends at parameter element {hi}, "
+                f"neither a multiple of {align} nor the parameter's end {n}"
+            )
+    if position != segment.shard_start + segment.numel:
+        raise PlanError(f"runs of segment {segment} cover {position - segment.shard_start} elements")
+    if in_place > 1:
+        raise PlanError(f"segment {segment}: {in_place} in-place runs, at most one")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import socket
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -30,3 +33,33 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., LocalDaemon]]:
 @pytest.fixture
 def daemon(daemon_factory) -> LocalDaemon:
     return daemon_factory()
+
+
+class Notifications:
+    """An AF_UNIX datagram socket named in $NOTIFY_SOCKET, as systemd's: a daemon started
+    after it tells it STATUS=, READY=1 and STOPPING=1, so a test waits for those moments
+    instead of sleeping. tests/integration/test_systemd_daemon.py tests the messages."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "notify"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(self.path))
+
+    def wait_for(self, prefix: str, timeout: float = 30.0) -> str:
+        """The next message that starts with `prefix` (earlier ones are dropped)."""
+        self.sock.settimeout(timeout)
+        while not (message := self.sock.recv(4096).decode()).startswith(prefix):
+            pass
+        return message
+
+
+@pytest.fixture
+def notifications(monkeypatch) -> Iterator[Notifications]:
+    for name in ("WATCHDOG_USEC", "WATCHDOG_PID"):
+        monkeypatch.delenv(name, raising=False)
+    directory = Path(tempfile.mkdtemp(prefix="psn-"))  # sun_path holds 107 bytes, tmp_path may be longer
+    notes = Notifications(directory)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(notes.path))
+    yield notes
+    notes.sock.close()
+    shutil.rmtree(directory)

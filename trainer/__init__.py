@@ -1,24 +1,58 @@
 """ps-offload trainer library: train a model whose optimizer lives on ps-daemons.
 
-from ps_offload import trainer
-opt = trainer.offload(model, daemons=["127.0.0.1:50051"], optimizer=trainer.AdamW(lr=3e-4))
-loss.backward(); opt.step(); opt.zero_grad()
+    import ps_offload
+
+    opt = ps_offload.offload(
+        model,
+        daemons=["127.0.0.1:50051"],
+        optimizer=ps_offload.AdamW(lr=3e-4),
+        config=ps_offload.OffloadConfig(shard_bytes=4 << 20),  # optional, as the two below
+        compression=ps_offload.CompressionConfig(method="bf16"),
+        client=ps_offload.ClientConfig(rpc_timeout_seconds=120),
+    )
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Pipeline stages x data-parallel replicas, under torchrun:
+
+    ctx = ps_offload.init_distributed(pp=2, dp=2)
+    model = ps_offload.PipelineTrainer(layers, loss_fn, ctx=ctx, optimizer=ps_offload.AdamW(),
+                                       config=ps_offload.ParallelConfig(microbatches=4),
+                                       daemons=ps_offload.daemon_addresses())
+    loss = model.step(inputs, targets)
+
+The same names are in `ps_offload.trainer` (`from ps_offload import trainer`).
 """
 
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.client import DaemonError, ShardedClient
 from ps_offload.trainer.cluster import daemon_addresses
-from ps_offload.trainer.config import SGD, AdamW, ClientConfig
+from ps_offload.trainer.config import (
+    SGD,
+    AdamW,
+    ClientConfig,
+    CompressionConfig,
+    OffloadConfig,
+    ParallelConfig,
+)
 from ps_offload.trainer.offload import OffloadOptimizer, offload
+from ps_offload.trainer.optim import LocalOptimizer, StepOptimizer
+from ps_offload.trainer.parallel import PipelineTrainer, init_distributed
 
 __all__ = [
     "SGD",
     "AdamW",
     "ClientConfig",
     "ClientSecurity",
+    "CompressionConfig",
     "DaemonError",
+    "LocalOptimizer",
+    "OffloadConfig",
     "OffloadOptimizer",
+    "ParallelConfig",
+    "PipelineTrainer",
     "ShardedClient",
+    "StepOptimizer",
     "daemon_addresses",
+    "init_distributed",
     "offload",
 ]

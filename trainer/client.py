@@ -19,6 +19,7 @@ from ps_offload.proto.channel import CHUNK_BYTES, channel_options
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.memory import keep_chunk_buffers_in_heap
 from ps_offload.proto.plan import ShardSlice, layout_params, plan_shards, shard_numel_for
+from ps_offload.proto.pull import read_pull_stream
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.dataplane import DataPlaneClient, DataPlaneError, push_header
@@ -118,21 +119,8 @@ class DaemonClient:
         """Streams shard `shard_id`'s `tensor` (its master values unless told otherwise) into
         `out` (a byte view of exactly the shard's size); returns the version received."""
         request = ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version, tensor=tensor)
-        version, received = -1, 0
-        for chunk in self._pull(request, timeout=timeout):
-            if chunk.header is not None:
-                if chunk.header.numel * 4 != len(out):
-                    raise ValueError(
-                        f"daemon {self.address} sent shard {shard_id} with {chunk.header.numel} elements, "
-                        f"the plan says {len(out) // 4}: trainer and daemon disagree on the plan"
-                    )
-                version = chunk.header.version
-            n = len(chunk.data)
-            out[received : received + n] = chunk.data
-            received += n
-        if received != len(out) or version < 0:
-            raise ValueError(f"daemon {self.address} ended shard {shard_id} after {received} of {len(out)} bytes")
-        return version
+        chunks = self._pull(request, timeout=timeout)
+        return read_pull_stream(chunks, out, what=f"shard {shard_id} from daemon {self.address}")
 
     def push(
         self,

@@ -1,5 +1,16 @@
-"""What a training script configures: the optimizer the daemons run, and how the client
-talks to them. One dataclass per concern; every field says what it is."""
+"""What a training script configures, one dataclass per concern; every field says what it is.
+
+    AdamW, SGD           the optimizer (run by the daemons, or in-process without them)
+    OffloadConfig        how a model is registered with the daemons and stepped through them
+    CompressionConfig    how gradients travel: pushes to the daemons, or the dp all-reduce
+    ParallelConfig       pipeline stages x data-parallel replicas (PipelineTrainer)
+    ClientConfig         how the trainer talks to the daemons (timeouts, retries, transport, TLS)
+
+They hold data only (what a TOML file could say); callables (`no_weight_decay`,
+`reduce_hook`) stay keyword arguments of the objects that run them. Each checks itself in
+`__post_init__`, so a bad value fails where it is written, before a daemon is called.
+tests/trainer/test_config.py freezes the set of fields.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +19,29 @@ from dataclasses import dataclass, field
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.security import ClientSecurity
 
+COMPRESSION_METHODS = ("none", "bf16", "fp16", "onebit", "topk")
+SCHEDULES = ("gpipe", "1f1b")
+SPLITS = ("params", "uniform")
+
 
 @dataclass(frozen=True)
 class AdamW:
     """AdamW as torch.optim.AdamW defines it, run on the daemons."""
 
     lr: float = 1e-3
+    """Learning rate of the first step; `opt.lr = value` between steps follows a schedule."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """Decay rates of the first and second moment estimates."""
     eps: float = 1e-8
+    """Added to the square root of the second moment, for numerical stability."""
     weight_decay: float = 1e-2
+    """Decoupled weight decay; parameters that `no_weight_decay` picks get none."""
+
+    def __post_init__(self) -> None:
+        if not self.lr >= 0 or not self.eps >= 0 or not self.weight_decay >= 0:
+            raise ValueError(f"AdamW lr, eps and weight_decay must be >= 0, got {self}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"AdamW.betas must be two numbers in [0, 1), got {self.betas!r}")
 
     def to_proto(self) -> ps_pb2.OptimizerSpec:
         return ps_pb2.OptimizerSpec(
@@ -31,10 +56,21 @@ class SGD:
     """SGD with momentum as torch.optim.SGD defines it, run on the daemons."""
 
     lr: float = 1e-3
+    """Learning rate of the first step; `opt.lr = value` between steps follows a schedule."""
     momentum: float = 0.0
+    """Momentum factor; 0 keeps no momentum buffer."""
     dampening: float = 0.0
+    """Dampening of the momentum's gradient term."""
     weight_decay: float = 0.0
+    """L2 penalty added to the gradient; parameters that `no_weight_decay` picks get none."""
     nesterov: bool = False
+    """Nesterov momentum (needs momentum > 0 and dampening 0, as torch requires)."""
+
+    def __post_init__(self) -> None:
+        if not self.lr >= 0 or not self.momentum >= 0 or not self.weight_decay >= 0:
+            raise ValueError(f"SGD lr, momentum and weight_decay must be >= 0, got {self}")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("SGD(nesterov=True) needs momentum > 0 and dampening = 0")
 
     def to_proto(self) -> ps_pb2.OptimizerSpec:
         return ps_pb2.OptimizerSpec(
@@ -46,6 +82,143 @@ class SGD:
                 nesterov=self.nesterov,
             )
         )
+
+
+OptimizerConfig = AdamW | SGD
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How a model is registered with the daemons and stepped through them (`offload()`,
+    `OffloadOptimizer`, each stage of a `PipelineTrainer`)."""
+
+    model_name: str = "model"
+    """The model's name on the daemons. Registering the same name and spec again resumes
+    from the daemons' state. A PipelineTrainer registers each stage as `<model_name>.stage<i>`."""
+    shard_bytes: int = 0
+    """fp32 bytes per shard, rounded down to whole 4 KiB pages; 0 takes the first daemon's
+    default (`store.shard_bytes`)."""
+    staleness: int = 0
+    """0: each step computes on the parameters the step before produced. 1: the delayed
+    parameter update (ZeRO-Offload's DPU): step() returns once the gradients are handed
+    over, and the next step computes on the parameters it already has while the daemons
+    apply this one (one step of gradient staleness; a second copy of the parameters and
+    gradients on the trainer)."""
+    push_share: tuple[int, int] = (0, 1)
+    """(i, n): this process pushes every n-th shard from the i-th and only pulls the others,
+    so n processes holding the same reduced gradients (the data-parallel replicas of one
+    stage) push each shard once between them. PipelineTrainer sets it from the grid."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError(f"OffloadConfig.model_name must be a non-empty string, got {self.model_name!r}")
+        if isinstance(self.shard_bytes, bool) or not isinstance(self.shard_bytes, int) or self.shard_bytes < 0:
+            raise ValueError(
+                f"OffloadConfig.shard_bytes must be an int >= 0 (0: the daemon's default), got {self.shard_bytes!r}"
+            )
+        if self.staleness not in (0, 1):
+            raise ValueError(
+                f"OffloadConfig.staleness must be 0 (exact update) or 1 (delayed update), got {self.staleness!r}"
+            )
+        if len(self.push_share) != 2 or not 0 <= self.push_share[0] < self.push_share[1]:
+            raise ValueError(f"OffloadConfig.push_share must be (i, n) with 0 <= i < n, got {self.push_share!r}")
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """How gradients travel, with error feedback: a model's pushes to the daemons
+    (`offload(compression=...)`), or a stage's data-parallel all-reduce
+    (`ParallelConfig.dp_compression`). Everything but "none" keeps what it leaves out in an
+    fp32 error buffer and sends it with later steps."""
+
+    method: str = "none"
+    """"none" (fp32), "bf16", "fp16", "onebit" (signs and a scale per 1024 elements, 1/32
+    of fp32) or "topk" (the `topk_ratio` largest of every 1024 elements, with their
+    indices). Pushes under AdamW with "onebit" are 1-bit Adam: the trainer compresses the
+    momentum instead of the gradient and the daemons freeze the variance after the warm-up."""
+    warmup_steps: int = 0
+    """The first steps go uncompressed. 1-bit Adam needs at least one to estimate the
+    variance, and trains best with 15-25% of the run."""
+    topk_ratio: float = 0.01
+    """The share of each 1024-element block that "topk" sends, 0 < ratio <= 1."""
+
+    def __post_init__(self) -> None:
+        if self.method not in COMPRESSION_METHODS:
+            raise ValueError(
+                f"CompressionConfig.method must be one of {', '.join(map(repr, COMPRESSION_METHODS))}, "
+                f"got {self.method!r}"
+            )
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"CompressionConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        ratio = self.topk_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"CompressionConfig.topk_ratio must be in (0, 1], got {ratio!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Pipeline stages x data-parallel replicas: how a PipelineTrainer splits the layers,
+    schedules the micro-batches and reduces the gradients. The grid itself (pp, dp) comes
+    from `init_distributed(pp=, dp=)`."""
+
+    microbatches: int = 1
+    """Micro-batches per step; each replica's batch is split into this many. 1F1B needs at
+    least as many as there are stages."""
+    schedule: str = "1f1b"
+    """"1f1b" (one forward, one backward: at most pp - s micro-batches of activations on
+    stage s) or "gpipe" (all forwards, then all backwards). Checked when the trainer is
+    built (trainer/pipeline_check.py)."""
+    split: str = "params"
+    """How layers are cut into stages: "params" (the largest stage has the fewest
+    parameters) or "uniform" (layer counts as equal as possible)."""
+    bucket_bytes: int = 25 << 20
+    """Gradient bytes per data-parallel all-reduce bucket; buckets start during backward."""
+    first_bucket_bytes: int = 1 << 20
+    """The first bucket (the last layers' gradients) is smaller, so the network starts early."""
+    max_grad_norm: float | None = None
+    """Clip the whole model's gradient norm (over every stage) to this; None: no clipping."""
+    dp_compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Compression of the data-parallel all-reduce, both ways (trainer/compressed_allreduce.py),
+    after `warmup_steps` plain steps."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"ParallelConfig.microbatches must be an int >= 1, got {self.microbatches!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"ParallelConfig.schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        if self.split not in SPLITS:
+            raise ValueError(f"ParallelConfig.split must be one of {list(SPLITS)}, got {self.split!r}")
+        if self.bucket_bytes < 1 or self.first_bucket_bytes < 1:
+            raise ValueError(
+                f"ParallelConfig.bucket_bytes and first_bucket_bytes must be >= 1, "
+                f"got {self.bucket_bytes} and {self.first_bucket_bytes}"
+            )
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"ParallelConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+        if not isinstance(self.dp_compression, CompressionConfig):
+            raise TypeError(
+                f"ParallelConfig.dp_compression takes a CompressionConfig, e.g. "
+                f'CompressionConfig(method="onebit", warmup_steps=100); got {self.dp_compression!r}'
+            )
+        if self.dp_compression.warmup_steps and not self.dp_compression.enabled:
+            raise ValueError(
+                "ParallelConfig.dp_compression.warmup_steps counts the plain steps before dp_compression "
+                "starts; it needs a dp_compression other than none"
+            )
+
+
+def expect_config(value: object, cls: type, argument: str) -> object:
+    """`value`, or `cls()` for None; a TypeError naming the argument for anything else (the
+    keyword arguments these configs replaced took strings, numbers and ClientConfig)."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise TypeError(f"{argument}= takes {cls.__name__}(...), got {type(value).__name__} {value!r}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@
     loss.backward(); opt.step(); opt.zero_grad()
 
 The model's parameters and gradients are re-pointed into two flat fp32 buffers laid out as
-the shard plan (spec order = `named_parameters()` order, which is the forward order for
-sequential models). A push sends a slice of the gradient buffer as is, and a pull writes
+the shard plan (trainer/flat.py; spec order = `named_parameters()` order, which is the
+forward order for sequential models). A push sends a slice of the gradient buffer as is, and a pull writes
 straight into the parameter buffer, so neither side copies per parameter.
 
 `step()` pushes every shard's gradient and returns once the daemons have acknowledged them;
@@ -15,7 +15,7 @@ forward starts while later shards are still arriving. When the pulls are in, eac
 told which of its shards the next step pushes first (`ClientConfig.prefetch_hints`), so a
 daemon whose state exceeds its RAM reads them back while the trainer computes.
 
-`staleness=1` is the delayed parameter update of the ZeRO-Offload paper: the daemons apply
+`OffloadConfig(staleness=1)` is the delayed parameter update of the ZeRO-Offload paper: the daemons apply
 step t's gradients while the trainer computes step t+1 on the parameters it already has, so
 the optimizer, the pushes and the pulls leave the critical path. Step t+1's gradients are
 then taken at the parameters of step t-1 (one step stale; the first step is exact) and are
@@ -23,9 +23,9 @@ applied to those of step t. It costs a second parameter buffer (the next values 
 while the forward reads the current ones) and a second gradient buffer (the pushes read it
 while backward writes the next gradients).
 
-`compression` sends each shard's gradient as bf16, fp16, 1-bit signs with a scale per 1024
-elements, or the top `topk_ratio` of each 1024 elements, with error feedback
-(trainer/push_compression.py), after `compression_warmup_steps` uncompressed steps. Under
+`CompressionConfig(method=...)` sends each shard's gradient as bf16, fp16, 1-bit signs with a
+scale per 1024 elements, or the top `topk_ratio` of each 1024 elements, with error feedback
+(trainer/push_compression.py), after `warmup_steps` uncompressed steps. Under
 AdamW "onebit" is 1-bit Adam: the trainer keeps the momentum and sends it as signs, the
 daemons freeze the variance and apply the signs with a fused kernel.
 """
@@ -43,90 +43,72 @@ from torch import nn
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.client import ShardedClient
-from ps_offload.trainer.config import SGD, AdamW, ClientConfig
+from ps_offload.trainer.config import (
+    AdamW,
+    ClientConfig,
+    CompressionConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    expect_config,
+)
+from ps_offload.trainer.flat import FlatParams
 from ps_offload.trainer.push_compression import PushCompressor, check_compression
 
 log = logging.getLogger(__name__)
-
-Optimizer = AdamW | SGD
 
 
 def offload(
     model: nn.Module,
     *,
     daemons: list[str],
-    optimizer: Optimizer,
-    model_name: str = "model",
-    shard_bytes: int = 0,
+    optimizer: OptimizerConfig,
     no_weight_decay: Callable[[str, nn.Parameter], bool] | None = None,
-    config: ClientConfig | None = None,
-    push_share: tuple[int, int] = (0, 1),
-    staleness: int = 0,
-    compression: str = "none",
-    compression_warmup_steps: int = 0,
-    topk_ratio: float = 0.01,
+    config: OffloadConfig | None = None,
+    compression: CompressionConfig | None = None,
+    client: ClientConfig | None = None,
 ) -> OffloadOptimizer:
     """Registers `model` with the daemons and returns its optimizer.
 
-    shard_bytes: fp32 bytes per shard; 0 takes the first daemon's default.
+    daemons: the ordered daemon list (part of the shard plan; see `daemon_addresses()`).
+    optimizer: AdamW or SGD, run by the daemons.
     no_weight_decay: (name, param) -> True for parameters that get no weight decay
         (nanoGPT's rule is `param.dim() < 2`).
-    push_share: (i, n): this process pushes every n-th shard from the i-th, and only pulls
-        the others; n processes holding the same reduced gradients (data-parallel replicas
-        of one stage) then push each shard once between them.
-    staleness: 0 (each step computes on the parameters of the step before) or 1 (delayed
-        update: computes on those of two steps before while the daemons apply the last one;
-        see the module docstring).
-    compression: how gradients travel: "none" (fp32), "bf16", "fp16", "onebit" (signs and a
-        scale per 1024 elements, 1/32 of fp32) or "topk" (the `topk_ratio` largest of every
-        1024 elements, with their indices); all but "none" keep what they leave out in an
-        error buffer and send it with later steps. Under AdamW "onebit" is 1-bit Adam: the
-        momentum is compressed instead of the gradient, and the variance is frozen after the
-        warm-up. `opt.bytes_pushed` counts what was sent.
-    compression_warmup_steps: the first steps go uncompressed (1-bit Adam's warm-up; "onebit"
-        under AdamW needs at least one, and trains best with 15-25% of the run).
-    topk_ratio: the share of each 1024-element block "topk" sends, 0 < ratio <= 1.
+    config: model name, shard size, staleness (delayed update), push share.
+    compression: how the gradients travel; `opt.bytes_pushed` counts what was sent.
+    client: timeouts, retries, transport, TLS and token.
     """
     return OffloadOptimizer(
         model,
         daemons=daemons,
         optimizer=optimizer,
-        model_name=model_name,
-        shard_bytes=shard_bytes,
         no_weight_decay=no_weight_decay,
         config=config,
-        push_share=push_share,
-        staleness=staleness,
         compression=compression,
-        compression_warmup_steps=compression_warmup_steps,
-        topk_ratio=topk_ratio,
+        client=client,
     )
 
 
 class OffloadOptimizer:
+    """A StepOptimizer (trainer/optim.py) whose state and update live on the daemons."""
+
     def __init__(
         self,
         model: nn.Module,
         *,
         daemons: list[str],
-        optimizer: Optimizer,
-        model_name: str,
-        shard_bytes: int,
-        no_weight_decay: Callable[[str, nn.Parameter], bool] | None,
-        config: ClientConfig | None,
-        push_share: tuple[int, int] = (0, 1),
-        staleness: int = 0,
+        optimizer: OptimizerConfig,
+        no_weight_decay: Callable[[str, nn.Parameter], bool] | None = None,
+        config: OffloadConfig | None = None,
+        compression: CompressionConfig | None = None,
+        client: ClientConfig | None = None,
         before_push: Callable[[], None] | None = None,
-        compression: str = "none",
-        compression_warmup_steps: int = 0,
-        topk_ratio: float = 0.01,
     ) -> None:
-        check_compression(compression, compression_warmup_steps, topk_ratio, adam=isinstance(optimizer, AdamW))
-        share, of = push_share
-        if not 0 <= share < of:
-            raise ValueError(f"push_share must be (i, n) with 0 <= i < n, got {push_share}")
-        if staleness not in (0, 1):
-            raise ValueError(f"staleness must be 0 or 1, got {staleness}")
+        """`before_push`: called on every step just before the pushes (see below)."""
+        config = expect_config(config, OffloadConfig, "config")
+        compression = expect_config(compression, CompressionConfig, "compression")
+        client = expect_config(client, ClientConfig, "client")
+        adam = isinstance(optimizer, AdamW)
+        check_compression(compression.method, compression.warmup_steps, compression.topk_ratio, adam=adam)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -135,12 +117,13 @@ class OffloadOptimizer:
                 raise ValueError(
                     f"parameter {name!r} is {p.dtype} on {p.device}; this release offloads float32 CPU parameters only"
                 )
+        share, of = config.push_share
+        self.config = config
         self.optimizer = optimizer
         self.lr = optimizer.lr  # set it between steps to follow a schedule
-        self.client = ShardedClient(daemons, config=config)
-        self.params = [p for _, p in named]
+        self.client = ShardedClient(daemons, config=client)
 
-        spec = ps_pb2.ModelSpec(model=model_name, optimizer=optimizer.to_proto(), shard_bytes=shard_bytes)
+        spec = ps_pb2.ModelSpec(model=config.model_name, optimizer=optimizer.to_proto(), shard_bytes=config.shard_bytes)
         for name, p in named:
             param = spec.params.add(name=name, shape=list(p.shape), dtype=ps_pb2.FLOAT32)
             if no_weight_decay is not None and no_weight_decay(name, p):
@@ -149,40 +132,34 @@ class OffloadOptimizer:
         self._pushes = {s.shard_id for i, s in enumerate(self.plan) if i % of == share}
         self._hints = share == 0
 
-        total = sum(p.numel() for p in self.params)
-        self.flat_params = torch.empty(total, dtype=torch.float32)
-        self.flat_grads = torch.zeros(total, dtype=torch.float32)
-        self._offsets: list[int] = []
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                self.flat_params[offset : offset + n].copy_(p.reshape(-1))
-                p.data = self.flat_params[offset : offset + n].view_as(p)
-                p.grad = self.flat_grads[offset : offset + n].view_as(p)
-                self._offsets.append(offset)
-                offset += n
-        self._param_bytes = _byte_view(self.flat_params)
-        self.staleness = staleness
+        self.flat = FlatParams(named)
+        if self.flat.numel != self.plan[-1].end:
+            raise RuntimeError(
+                f"the flat buffers hold {self.flat.numel} elements, the shard plan {self.plan[-1].end}: "
+                "trainer/flat.py and ps_proto/plan.py disagree on the layout"
+            )
+        self.params = self.flat.params
+        self._param_bytes = _byte_view(self.flat.values)
+        self.staleness = config.staleness
         # Each shard's gradient payload (compressed with error feedback, or the raw slice).
         self._compressor = PushCompressor(
-            compression,
-            total,
-            warmup_steps=compression_warmup_steps,
-            topk_ratio=topk_ratio,
-            adam_beta1=optimizer.betas[0] if isinstance(optimizer, AdamW) else None,
+            compression.method,
+            self.flat.numel,
+            warmup_steps=compression.warmup_steps,
+            topk_ratio=compression.topk_ratio,
+            adam_beta1=optimizer.betas[0] if adam else None,
         )
         # Payload bytes of this process's gradient pushes that the daemons applied: each
         # (shard, step) once, headers and resent attempts not counted.
         self.bytes_pushed = 0
         self._bytes_lock = threading.Lock()
-        # Called on every step just before the pushes. Data-parallel replicas that share a
-        # stage's pushes pass a barrier over their group: under staleness=1 no replica may
-        # push step t+1 before every replica has pulled the parameters of step t.
+        # Data-parallel replicas that share a stage's pushes pass a barrier over their
+        # group here: under staleness=1 no replica may push step t+1 before every replica
+        # has pulled the parameters of step t.
         self._before_push = before_push
-        if staleness:
-            self._next_params = torch.empty_like(self.flat_params)
-            self._sent_grads = torch.empty_like(self.flat_grads)
+        if self.staleness:
+            self._next_params = torch.empty_like(self.flat.values)
+            self._sent_grads = torch.empty_like(self.flat.grads)
             self._next_param_bytes = _byte_view(self._next_params)
         # staleness=1: the step whose pushes and pulls are under way, (step, lr, their
         # futures); futures None means they failed and are to be submitted again.
@@ -246,8 +223,7 @@ class OffloadOptimizer:
         return hooks
 
     def _shards_of(self, param_index: int) -> list[ShardSlice]:
-        start = self._offsets[param_index]
-        end = start + self.params[param_index].numel()
+        start, end = self.flat.param_range(param_index)
         return [s for s in self.plan if s.offset < end and start < s.end] if end > start else []
 
     # -- the training loop ---------------------------------------------------------------
@@ -267,21 +243,7 @@ class OffloadOptimizer:
         self._settle_delayed()
 
     def zero_grad(self) -> None:
-        self._adopt_grads()
-        self.flat_grads.zero_()
-
-    def _adopt_grads(self) -> None:
-        """Re-points gradients that someone replaced (e.g. model.zero_grad(set_to_none=True)
-        then backward) back into the flat buffer. A missing gradient counts as zero."""
-        for p, offset in zip(self.params, self._offsets, strict=True):
-            view = self.flat_grads[offset : offset + p.numel()].view_as(p)
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-            else:
-                continue
-            p.grad = view
+        self.flat.zero_grads()
 
     def step(self) -> None:
         """Pushes all gradients of this step (returns when the daemons acknowledged them)
@@ -291,11 +253,11 @@ class OffloadOptimizer:
             self._step_delayed()
             return
         self.synchronize()
-        self._adopt_grads()
+        self.flat.adopt_grads()
         if self._before_push is not None:
             self._before_push()
         step, lr = self.step_count, float(self.lr)
-        pushes, pulls = self._submit(step, lr, grads=self.flat_grads, params=self._param_bytes)
+        pushes, pulls = self._submit(step, lr, grads=self.flat.grads, params=self._param_bytes)
         self._pending_pulls.update(pulls)
         wait(pushes)
         error = _first_error(pushes)
@@ -312,11 +274,11 @@ class OffloadOptimizer:
         # The previous step's update must be in before this step's gradients go out: a
         # daemon applies step t only at version t.
         self._settle_delayed()
-        self._adopt_grads()
+        self.flat.adopt_grads()
         if self._before_push is not None:
             self._before_push()
         # Backward writes the next step's gradients while these are on the wire.
-        self._sent_grads.copy_(self.flat_grads)
+        self._sent_grads.copy_(self.flat.grads)
         step, lr = self.step_count, float(self.lr)
         _, pulls = self._submit(step, lr, grads=self._sent_grads, params=self._next_param_bytes)
         self._delayed = (step, lr, list(pulls.values()))
@@ -339,7 +301,7 @@ class OffloadOptimizer:
             self._delayed = (step, lr, None)
             raise error
         self._delayed = None
-        self.flat_params.copy_(self._next_params)
+        self.flat.values.copy_(self._next_params)
 
     def _submit(
         self, step: int, lr: float, *, grads: torch.Tensor, params: memoryview

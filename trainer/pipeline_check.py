@@ -137,17 +137,37 @@ def _check_no_deadlock(order: Order, stages: int) -> None:
             next_step[stage] += 1
 
 
-def check_torch_schedule(schedule, *, stages: int, microbatches: int, name: str) -> None:
-    """Checks the order a torch single-stage schedule (ScheduleGPipe, Schedule1F1B) plans.
-
-    torch 2.13's Schedule1F1B plans its last stage's forwards one micro-batch ahead (F1 B0 F2 ...)
-    and fails here, though it runs F0 B0 F1 ...; tests/trainer/test_pipeline_check.py pins both."""
+def _planned_order(schedule) -> Order:
     plan = getattr(schedule, "pipeline_order", None)
     if plan is None:
         plan = schedule._get_pipeline_order()
     if plan is None:
         raise ScheduleError(f"{type(schedule).__name__} publishes no pipeline_order to check")
-    check_schedule(compute_order(plan), stages=stages, microbatches=microbatches, schedule=name)
+    return compute_order(plan)
+
+
+def check_torch_schedule(schedule, *, stages: int, microbatches: int, name: str) -> None:
+    """Checks the order a torch single-stage schedule (ScheduleGPipe, Schedule1F1B) plans.
+
+    torch 2.13's Schedule1F1B plans its last stage's forwards one micro-batch ahead (F1 B0 F2 ...)
+    and fails here, though it runs F0 B0 F1 ...; tests/trainer/test_pipeline_check.py pins both."""
+    check_schedule(_planned_order(schedule), stages=stages, microbatches=microbatches, schedule=name)
+
+
+def check_planned_schedule(schedule, *, stages: int, microbatches: int, name: str) -> None:
+    """Checks the order a torch single-stage schedule will run; PipelineTrainer calls it
+    when it is built, so a bad order fails with its grid before the first step hangs.
+
+    Like check_torch_schedule, but the last 1F1B stage is read as torch runs it: torch
+    2.13 plans it F1 B0 F2 B1 ... and runs F0 B0 F1 B1 ... (tests/trainer/test_pipeline_check.py
+    pins both). Any other plan, a fixed torch's included, is checked as planned."""
+    order = _planned_order(schedule)
+    last = stages - 1
+    runs = [(kind, mb) for mb in range(microbatches) for kind in "FB"]
+    planned_ahead = [(kind, mb + 1 if kind == "F" else mb) for kind, mb in runs]
+    if name == "1f1b" and order.get(last) == planned_ahead:
+        order[last] = runs
+    check_schedule(order, stages=stages, microbatches=microbatches, schedule=name)
 
 
 class ScheduleRecorder:

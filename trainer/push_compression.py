@@ -63,13 +63,14 @@ def check_compression(compression: str, warmup_steps: int, topk_ratio: float, *,
     if compression not in ENCODINGS:
         raise ValueError(f"compression must be one of {', '.join(map(repr, ENCODINGS))}, got {compression!r}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"compression_warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     if isinstance(topk_ratio, bool) or not isinstance(topk_ratio, (int, float)) or not 0 < topk_ratio <= 1:
         raise ValueError(f"topk_ratio must be a number with 0 < topk_ratio <= 1, got {topk_ratio!r}")
     if adam and compression == "onebit" and warmup_steps < 1:
         raise ValueError(
-            "compression='onebit' under AdamW is 1-bit Adam: it freezes the second moment after the "
-            "uncompressed warm-up, so it needs compression_warmup_steps >= 1 (1-bit Adam uses 15-25% of the run)"
+            "CompressionConfig(method='onebit') under AdamW is 1-bit Adam: it freezes the second moment after "
+            "the uncompressed warm-up, so it needs CompressionConfig.warmup_steps >= 1 (1-bit Adam uses 15-25% "
+            "of the run)"
         )
 
 

@@ -1,7 +1,7 @@
 """Shards at rest: one arena file per model under `nvme_dir`, O_DIRECT, crc32c-checked.
 
 Layout. A model's file is a row of equal slots, each a 4 KiB header block followed by room
-for the model's largest shard arena (master, then optimizer state: ps_daemon.store):
+for the model's largest shard arena (master, then optimizer state: ps_daemon.shard):
 
     [slot 0][slot 1] ... [slot N-1][spare 0] ... [spare K-1]
 
@@ -35,13 +35,13 @@ import time
 import urllib.parse
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
 import torch
 
-from ps_offload.daemon.optim import AdamWConfig, SGDConfig
+from ps_offload.daemon.spec import ModelSpec, spec_from_dict, spec_to_dict
 
 log = logging.getLogger(__name__)
 
@@ -175,45 +175,23 @@ def _injected_write_fault() -> _WriteFault | None:
     return _WriteFault(getattr(errno, name), int(after or 0))
 
 
-def _optimizer_to_json(config: AdamWConfig | SGDConfig) -> dict:
-    return {"type": "adamw" if isinstance(config, AdamWConfig) else "sgd", **asdict(config)}
-
-
-def _optimizer_from_json(data: dict) -> AdamWConfig | SGDConfig:
-    kind = data.pop("type")
-    return AdamWConfig(**data) if kind == "adamw" else SGDConfig(**data)
-
-
-def spec_to_json(spec, daemon_index: int, layout: FileLayout) -> str:
+def spec_to_json(spec: ModelSpec, daemon_index: int, layout: FileLayout) -> str:
     return json.dumps(
         {
             "format": FORMAT_VERSION,
             "daemon_index": daemon_index,
             "layout": {"slot_bytes": layout.slot_bytes, "slots": layout.slots},
-            "model": spec.model,
-            "params": [
-                {"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "weight_decay": p.weight_decay}
-                for p in spec.params
-            ],
-            "optimizer": _optimizer_to_json(spec.optimizer),
-            "shard_bytes": spec.shard_bytes,
-            "daemons": list(spec.daemons),
+            **spec_to_dict(spec),
         },
         indent=1,
     )
 
 
-def spec_from_json(text: str):
-    from ps_offload.daemon.store import ModelSpec, ParamSpec  # the store imports this module
-
+def spec_from_json(text: str) -> tuple[ModelSpec, int, FileLayout]:
     data = json.loads(text)
     if data.get("format") != FORMAT_VERSION:
         raise ValueError(f"format {data.get('format')}, this daemon reads format {FORMAT_VERSION}")
-    params = tuple(ParamSpec(p["name"], tuple(p["shape"]), p["dtype"], p["weight_decay"]) for p in data["params"])
-    spec = ModelSpec(
-        data["model"], params, _optimizer_from_json(data["optimizer"]), data["shard_bytes"], tuple(data["daemons"])
-    )
-    return spec, data["daemon_index"], FileLayout(**data["layout"])
+    return spec_from_dict(data), data["daemon_index"], FileLayout(**data["layout"])
 
 
 class NoCapacity(Exception):

@@ -15,7 +15,6 @@ import torch
 
 from ps_offload import trainer
 from ps_offload.trainer.debug_models import mlp
-from ps_offload.trainer.parallel import PipelineTrainer, init_distributed
 from ps_offload.trainer.pipeline_check import ScheduleRecorder, compute_order
 
 SIZES = (32, 64, 64, 64, 10)
@@ -54,13 +53,16 @@ def main() -> None:
     p.add_argument("--compression-warmup-steps", type=int, default=0)
     p.add_argument("--save-replicas", action="store_true", help="every replica saves stage<s>.replica<r>.pt")
     args = p.parse_args()
-    ctx = init_distributed(args.pp, args.dp)
-    model = PipelineTrainer(
-        layers(), loss_fn, ctx=ctx, microbatches=args.microbatches, schedule=args.schedule,
-        optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
-        daemons=args.daemons.split(",") if args.daemons else None, shard_bytes=4096,
-        staleness=args.staleness, max_grad_norm=args.max_grad_norm, dp_compression=args.dp_compression,
-        compression_warmup_steps=args.compression_warmup_steps,
+    ctx = trainer.init_distributed(args.pp, args.dp)
+    dp_compression = trainer.CompressionConfig(method=args.dp_compression, warmup_steps=args.compression_warmup_steps)
+    model = trainer.PipelineTrainer(
+        layers(), loss_fn, ctx=ctx, optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
+        config=trainer.ParallelConfig(
+            microbatches=args.microbatches, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
+            dp_compression=dp_compression,
+        ),
+        daemons=args.daemons.split(",") if args.daemons else None,
+        offload=trainer.OffloadConfig(shard_bytes=4096, staleness=args.staleness),
     )  # fmt: skip
     recorder = ScheduleRecorder(model.stage) if args.trace else None
     ran: list[list[tuple[str, int]]] = []

@@ -14,7 +14,7 @@ from ps_offload import trainer
 from ps_offload.proto import ps_pb2
 from ps_offload.trainer.client import DaemonClient
 from ps_offload.trainer.debug_models import mlp
-from tests.ps_daemon.test_admin_cli import run_admin
+from tests.ps_admin.test_cli import run_admin
 
 STEPS = 3
 SHARD_BYTES = 4096
@@ -25,7 +25,10 @@ def _train(addresses: list[str]) -> torch.nn.Module:
     model = mlp((32, 48, 40, 10))  # 3954 parameters: 4 shards over 2 daemons; shards cut through weights
     g = torch.Generator().manual_seed(1)
     with trainer.offload(
-        model, daemons=addresses, optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1), shard_bytes=SHARD_BYTES
+        model,
+        daemons=addresses,
+        optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
+        config=trainer.OffloadConfig(shard_bytes=SHARD_BYTES),
     ) as opt:
         for _ in range(STEPS):
             opt.zero_grad()

@@ -20,7 +20,7 @@ from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.tiers.nvme import PAGE, SlotHeader
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.trainer.debug_models import mlp
-from tests.ps_daemon.test_admin_cli import admin_json, run_admin
+from tests.ps_admin.test_cli import admin_json, run_admin
 
 SHARD_BYTES = 4096
 STEPS = 3
@@ -33,7 +33,12 @@ def _nvme_daemon(tmp_path: Path, *extra: str) -> LocalDaemon:
 def _train(address: str, steps: int) -> list:
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 40)  # 2600 parameters: 3 shards of 4 KiB
-    with trainer.offload(model, daemons=[address], optimizer=trainer.AdamW(lr=1e-2), shard_bytes=SHARD_BYTES) as opt:
+    with trainer.offload(
+        model,
+        daemons=[address],
+        optimizer=trainer.AdamW(lr=1e-2),
+        config=trainer.OffloadConfig(shard_bytes=SHARD_BYTES),
+    ) as opt:
         for _ in range(steps):
             opt.zero_grad()
             model(torch.randn(8, 64)).pow(2).mean().backward()
@@ -165,7 +170,10 @@ def test_verify_while_training_reports_no_false_bad_shards(tmp_path):
         model = mlp((256, 512, 512, 10))  # about 400k parameters: 25 shards of 16384
         g = torch.Generator().manual_seed(1)
         with trainer.offload(
-            model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-3), shard_bytes=16 * SHARD_BYTES
+            model,
+            daemons=[daemon.address],
+            optimizer=trainer.AdamW(lr=1e-3),
+            config=trainer.OffloadConfig(shard_bytes=16 * SHARD_BYTES),
         ) as opt:
             done = threading.Event()
 

@@ -3,32 +3,34 @@ input, nothing applied by a broken stream, garbage dropped without harm, SIGTERM
 
 from __future__ import annotations
 
+import itertools
 import signal
 import socket
 import struct
 import threading
-import time
 
 import grpc
 import pytest
 import torch
 
+from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import recv_message, send_message
 from ps_offload.trainer.client import DaemonClient
 from ps_offload.trainer.dataplane import DataPlaneClient, DataPlaneError
 
 NUMEL = 1024
+_models = itertools.count()
 
 
 def _bytes(values: torch.Tensor) -> memoryview:
     return memoryview(values.numpy()).cast("B")
 
 
-def _register(daemon, numel=3 * NUMEL, shard_bytes=NUMEL * 4):
+def _register(daemon, model="m", numel=3 * NUMEL, shard_bytes=NUMEL * 4):
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     spec = ps_pb2.ModelSpec(
-        model="m",
+        model=model,
         params=[ps_pb2.ParamSpec(name="w", shape=[numel], dtype=ps_pb2.FLOAT32)],
         optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)),
         shard_bytes=shard_bytes,
@@ -40,28 +42,40 @@ def _register(daemon, numel=3 * NUMEL, shard_bytes=NUMEL * 4):
     return client, data, response
 
 
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory):
+    """One daemon for the tests that leave it serving; each registers its own model."""
+    daemon = LocalDaemon(tmp_path_factory.mktemp("daemon"))
+    try:
+        yield daemon
+    finally:
+        daemon.kill()
+
+
 @pytest.fixture
-def plane(daemon):
-    client, data, response = _register(daemon)
+def plane(shared_daemon):
+    daemon, model = shared_daemon, f"m{next(_models)}"
+    client, data, response = _register(daemon, model)
+    client.close()
     for shard in response.shards:
-        data.push("m", shard.shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(shard.numel)),
+        data.push(model, shard.shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(shard.numel)),
                   lr=None, timeout=10)  # fmt: skip
-    ack = data.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(NUMEL)), lr=None, timeout=10)
+    ack = data.push(model, 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(NUMEL)), lr=None, timeout=10)
     assert ack.applied and ack.version == 1
-    yield daemon, data, response
+    yield model, data, response
     # Still serving on both paths, and shard 0 holds exactly one SGD step: 1 - 0.1 * 1.
     out = torch.empty(NUMEL)
-    assert data.pull_into("m", 0, min_version=1, out=_bytes(out), timeout=10) == 1
+    assert data.pull_into(model, 0, min_version=1, out=_bytes(out), timeout=10) == 1
     assert torch.equal(out, torch.full((NUMEL,), 1 - 0.1, dtype=torch.float32))
     grpc_out = torch.empty(NUMEL)
-    assert client_pull(daemon, grpc_out) == 1 and torch.equal(grpc_out, out)
+    assert client_pull(daemon, model, grpc_out) == 1 and torch.equal(grpc_out, out)
     data.close()
 
 
-def client_pull(daemon, out):
+def client_pull(daemon, model, out):
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     try:
-        return client.pull_into("m", 0, min_version=0, out=_bytes(out), timeout=10)
+        return client.pull_into(model, 0, min_version=0, out=_bytes(out), timeout=10)
     finally:
         client.close()
 
@@ -73,33 +87,37 @@ def _status(call):
 
 
 def test_bad_input_gets_the_same_statuses_as_grpc(plane):
-    _, data, _ = plane
-    code, details = _status(lambda: data.pull_into("m", 99, min_version=0, out=_bytes(torch.empty(1)), timeout=5))
+    m, data, _ = plane
+    code, details = _status(lambda: data.pull_into(m, 99, min_version=0, out=_bytes(torch.empty(1)), timeout=5))
     assert code == grpc.StatusCode.NOT_FOUND and "no shard 99" in details
     code, details = _status(
-        lambda: data.push("m", 0, step=1, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(10)), lr=None, timeout=5)
+        lambda: data.push(m, 0, step=1, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(10)), lr=None, timeout=5)
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "40 bytes" in details
     code, details = _status(
-        lambda: data.push("m", 0, step=4, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(NUMEL)), lr=None, timeout=5)
+        lambda: data.push(m, 0, step=4, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(NUMEL)), lr=None, timeout=5)
     )
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "step 4" in details
-    code, _ = _status(lambda: data.pull_into("m", 0, min_version=9, out=_bytes(torch.empty(NUMEL)), timeout=0.5))
+    code, _ = _status(lambda: data.pull_into(m, 0, min_version=9, out=_bytes(torch.empty(NUMEL)), timeout=0.5))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     # A retried, already applied step: acknowledged without effect (the fixture checks values).
-    ack = data.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.full((NUMEL,), 9.0)), lr=None, timeout=5)
+    ack = data.push(m, 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.full((NUMEL,), 9.0)), lr=None, timeout=5)
     assert not ack.applied and ack.version == 1
 
 
 def test_push_cut_off_mid_payload_applies_nothing(plane):
-    _, _, response = plane
+    m, _, response = plane
     with socket.create_connection(("127.0.0.1", response.data_port)) as sock:
-        header = ps_pb2.PushHeader(model="m", shard_id=0, step=1, kind=ps_pb2.GRADIENT, encoding=ps_pb2.RAW,
+        header = ps_pb2.PushHeader(model=m, shard_id=0, step=1, kind=ps_pb2.GRADIENT, encoding=ps_pb2.RAW,
                                    dtype=ps_pb2.FLOAT32, nbytes=NUMEL * 4)  # fmt: skip
         send_message(sock, ps_pb2.DataRequest(push=header))
         assert recv_message(sock, ps_pb2.DataResponse).send_payload
         sock.sendall(bytes(NUMEL * 2))  # half the payload, then hang up
-    time.sleep(0.2)  # the fixture's teardown checks shard 0 is still at version 1
+        sock.shutdown(socket.SHUT_WR)
+        # The daemon closes its end once it has dropped the push: only then may the
+        # fixture's teardown check that shard 0 is still at version 1.
+        sock.settimeout(10)
+        assert sock.recv(1) == b""
 
 
 @pytest.mark.parametrize(
@@ -114,7 +132,8 @@ def test_garbage_closes_the_connection_and_harms_nothing(plane, garbage):
         assert sock.recv(1) == b""  # closed by the daemon
 
 
-def test_sigterm_lets_an_in_flight_data_plane_push_finish(daemon):
+def test_sigterm_lets_an_in_flight_data_plane_push_finish(daemon_factory, notifications):
+    daemon = daemon_factory()
     numel = 4 << 20
     _, data, response = _register(daemon, numel=numel, shard_bytes=numel * 4)
     data.push("m", 0, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.zeros(numel)), lr=None, timeout=10)
@@ -124,9 +143,9 @@ def test_sigterm_lets_an_in_flight_data_plane_push_finish(daemon):
     send_message(sock, ps_pb2.DataRequest(push=header))
     assert recv_message(sock, ps_pb2.DataResponse).send_payload
     payload = _bytes(torch.ones(numel))
-    sock.sendall(payload[: len(payload) // 2])
+    sock.sendall(payload[: len(payload) // 2])  # the daemon is reading the payload: in flight
     daemon.process.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    notifications.wait_for("STOPPING=1")  # the drain has begun
     sender = threading.Thread(target=lambda: sock.sendall(payload[len(payload) // 2 :]))
     sender.start()
     answer = recv_message(sock, ps_pb2.DataResponse)

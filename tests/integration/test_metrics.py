@@ -42,7 +42,13 @@ def _train(address: str, transport: str) -> tuple[int, int]:
     model = mlp((64, 64, 10))
     numel = sum(p.numel() for p in model.parameters())
     config = trainer.ClientConfig(transport=transport)
-    with trainer.offload(model, daemons=[address], optimizer=trainer.AdamW(), shard_bytes=8192, config=config) as opt:
+    with trainer.offload(
+        model,
+        daemons=[address],
+        optimizer=trainer.AdamW(),
+        config=trainer.OffloadConfig(shard_bytes=8192),
+        client=config,
+    ) as opt:
         for _ in range(STEPS):
             opt.zero_grad()
             model(torch.randn(8, 64)).pow(2).mean().backward()

@@ -64,7 +64,10 @@ def test_state_three_times_ram_trains_exactly_within_the_budget(tmp_path):
 
         sampler = threading.Thread(target=sample)
         with trainer.offload(
-            model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-3, weight_decay=0.1), shard_bytes=1 << 20
+            model,
+            daemons=[daemon.address],
+            optimizer=trainer.AdamW(lr=1e-3, weight_decay=0.1),
+            config=trainer.OffloadConfig(shard_bytes=1 << 20),
         ) as opt:
             assert len(opt.plan) * (3 << 20) > 3 * RAM_BYTES
             sampler.start()
@@ -107,7 +110,9 @@ def test_admin_evict_and_prefetch_move_shards_between_tiers(tmp_path):
     daemon = LocalDaemon(tmp_path / "d", "--nvme-dir", str(tmp_path / "nvme"), "--ram-bytes", str(RAM_BYTES))
     try:
         model = torch.nn.Linear(64, 64)
-        with trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(), shard_bytes=4096) as opt:
+        with trainer.offload(
+            model, daemons=[daemon.address], optimizer=trainer.AdamW(), config=trainer.OffloadConfig(shard_bytes=4096)
+        ) as opt:
             opt.zero_grad()
             model(torch.randn(2, 64)).sum().backward()
             opt.step()
@@ -135,7 +140,9 @@ def test_evict_without_nvme_tier_is_failed_precondition(tmp_path):
     daemon = LocalDaemon(tmp_path / "d")
     try:
         model = torch.nn.Linear(8, 8)
-        with trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(), shard_bytes=4096):
+        with trainer.offload(
+            model, daemons=[daemon.address], optimizer=trainer.AdamW(), config=trainer.OffloadConfig(shard_bytes=4096)
+        ):
             pass
         result = _admin(daemon, "evict", "0")
         assert result.returncode == 1 and "FAILED_PRECONDITION" in result.stderr and "nvme_dir" in result.stderr
@@ -149,7 +156,9 @@ def test_trainer_prefetch_hint_brings_evicted_shards_back(tmp_path):
     daemon = LocalDaemon(tmp_path / "d", "--nvme-dir", str(tmp_path / "nvme"), "--ram-bytes", str(RAM_BYTES))
     try:
         model = torch.nn.Linear(64, 64)
-        with trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(), shard_bytes=4096) as opt:
+        with trainer.offload(
+            model, daemons=[daemon.address], optimizer=trainer.AdamW(), config=trainer.OffloadConfig(shard_bytes=4096)
+        ) as opt:
             assert _admin(daemon, "evict", "0", "1", "2").returncode == 0
             opt.client.prefetch([2, 0])
             deadline = time.monotonic() + 10
@@ -182,7 +191,11 @@ def test_trainer_hints_bring_the_next_steps_first_shards_back_after_each_step(tm
         model = torch.nn.Linear(64, 64)
         client = trainer.ClientConfig(prefetch_hints=hints)
         with trainer.offload(
-            model, daemons=[daemon.address], optimizer=trainer.AdamW(), shard_bytes=4096, config=client
+            model,
+            daemons=[daemon.address],
+            optimizer=trainer.AdamW(),
+            config=trainer.OffloadConfig(shard_bytes=4096),
+            client=client,
         ) as opt:
             for _ in range(2):
                 opt.zero_grad()
@@ -216,7 +229,12 @@ def test_registration_past_nvme_bytes_is_resource_exhausted(tmp_path):
     try:
         model = torch.nn.Linear(256, 256)  # 65792 parameters: 776 KiB of AdamW state, 1.2 MiB with slots
         with pytest.raises(trainer.DaemonError) as info:
-            trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(), shard_bytes=64 << 10)
+            trainer.offload(
+                model,
+                daemons=[daemon.address],
+                optimizer=trainer.AdamW(),
+                config=trainer.OffloadConfig(shard_bytes=64 << 10),
+            )
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "store.nvme_bytes is 1048576" in str(info.value) and "spare" in str(info.value)
         assert not list((tmp_path / "nvme").glob("*.arena"))

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -63,7 +62,7 @@ def _train(opt, model, batches):
 def _offload(model, address):
     return trainer.offload(
         model, daemons=[address], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
-        shard_bytes=SHARD_BYTES, config=CLIENT,
+        config=trainer.OffloadConfig(shard_bytes=SHARD_BYTES), client=CLIENT,
     )  # fmt: skip
 
 
@@ -107,11 +106,13 @@ def test_sigkill_mid_training_loses_nothing_acknowledged(tmp_path):
     port = daemons[0].port
     kills = []
 
+    stepped = threading.Condition()
+
     def killer(opt):
         # Kill when the trainer is mid-run (after some steps), twice, and restart each time.
         for when in (6, 15):
-            while opt.step_count < when:
-                time.sleep(0.001)
+            with stepped:
+                assert stepped.wait_for(lambda when=when: opt.step_count >= when, timeout=120)
             daemons[-1].process.send_signal(signal.SIGKILL)
             daemons[-1].process.wait()
             kills.append(opt.step_count)
@@ -119,6 +120,14 @@ def test_sigkill_mid_training_loses_nothing_acknowledged(tmp_path):
 
     try:
         with _offload(model, daemons[0].address) as opt:
+            step = opt.step
+
+            def step_and_tell() -> None:  # the killer waits on this, not on a clock
+                step()
+                with stepped:
+                    stepped.notify_all()
+
+            opt.step = step_and_tell
             thread = threading.Thread(target=killer, args=(opt,))
             thread.start()
             _train(opt, model, batches)

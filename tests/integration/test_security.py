@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -77,8 +76,9 @@ def _train(address: str, security: ClientSecurity, *, transport: str = "auto", s
     config = trainer.ClientConfig(
         security=security, transport=transport, max_attempts=2, backoff_seconds=0.05, register_timeout_seconds=2.0
     )
-    with trainer.offload(model, daemons=[address], optimizer=trainer.AdamW(lr=0.01), shard_bytes=4096,
-                         model_name=name, config=config) as opt:  # fmt: skip
+    offload = trainer.OffloadConfig(shard_bytes=4096, model_name=name)
+    with trainer.offload(model, daemons=[address], optimizer=trainer.AdamW(lr=0.01), config=offload,
+                         client=config) as opt:  # fmt: skip
         for _ in range(steps):
             opt.zero_grad()
             model(torch.randn(8, 16)).pow(2).mean().backward()
@@ -195,7 +195,7 @@ def test_token_on_every_call_covers_the_data_plane_and_spares_health(daemon_fact
     assert daemon.process.poll() is None
 
 
-def test_sighup_rereads_the_token(daemon_factory, tmp_path):
+def test_sighup_rereads_the_token(daemon_factory, notifications, tmp_path):
     token = tmp_path / "token"
     daemon = _daemon(daemon_factory, tmp_path, auth={"token_file": _token_file(token, "first")})
     old = ClientSecurity(token_file=_token_file(tmp_path / "old", "first"))
@@ -205,9 +205,9 @@ def test_sighup_rereads_the_token(daemon_factory, tmp_path):
     assert _admin(daemon.address, old, "Load", load).tier == "ram"
     _token_file(token, "second")
     daemon.process.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + 20
-    while "re-read the token" not in daemon.log() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    notifications.wait_for("RELOADING=1")
+    notifications.wait_for("READY=1")  # the reload is done
+    assert "re-read the token" in daemon.log()
     assert _code(lambda: _admin(daemon.address, old, "Load", load))[0] == grpc.StatusCode.PERMISSION_DENIED
     assert _admin(daemon.address, new, "Load", load).tier == "ram"
 

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import grpc
 import torch
 
-from ps_offload.proto import codec, ps_pb2
+from ps_offload.proto import codec, ps_pb2, ps_pb2_grpc
 from ps_offload.trainer.client import DaemonClient
 
 NUMEL = 4 << 20  # 16 MiB shard: 16 chunks
 
 
-def test_sigterm_finishes_in_flight_push_and_exits_zero(daemon):
+def test_sigterm_finishes_in_flight_push_and_exits_zero(daemon_factory, notifications):
+    daemon = daemon_factory()
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     spec = ps_pb2.ModelSpec(
         model="m",
@@ -38,21 +38,27 @@ def test_sigterm_finishes_in_flight_push_and_exits_zero(daemon):
         nbytes=NUMEL * 4,
     )
     grad = memoryview(torch.ones(NUMEL).numpy()).cast("B")
-    first_chunk_sent = threading.Event()
+    first_chunk_sent, drain_started = threading.Event(), threading.Event()
 
-    def slow_chunks():
-        # A push that is still streaming when SIGTERM arrives: 16 chunks, 0.1 s apart.
+    def held_chunks():
+        # A push that is still streaming when SIGTERM arrives: the first of its 16 chunks,
+        # then the rest once the daemon has begun to drain.
         for i, start in enumerate(range(0, len(grad), 1 << 20)):
             yield codec.push_chunks.encode(header if i == 0 else None, grad[start : start + (1 << 20)])
-            first_chunk_sent.set()
-            time.sleep(0.1)
+            if i == 0:
+                first_chunk_sent.set()
+                assert drain_started.wait(30)
 
     result = {}
-    pusher = threading.Thread(target=lambda: result.setdefault("ack", client._push(slow_chunks(), timeout=30)))
+    pusher = threading.Thread(target=lambda: result.setdefault("ack", client._push(held_chunks(), timeout=30)))
     pusher.start()
     assert first_chunk_sent.wait(10)
-    time.sleep(0.2)
+    # A call started after the push, on the same connection, answered: the daemon has taken
+    # the push's stream (HTTP/2 streams open in order), so it is in progress, not queued.
+    ps_pb2_grpc.AdminStub(client.channel).Stats(ps_pb2.StatsRequest(), timeout=10)
     daemon.process.send_signal(signal.SIGTERM)
+    notifications.wait_for("STOPPING=1")
+    drain_started.set()
     pusher.join(30)
 
     assert result["ack"].applied and result["ack"].version == 1

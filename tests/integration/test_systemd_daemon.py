@@ -46,7 +46,6 @@ class Notifications:
         self.path = self.dir / "notify"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(str(self.path))
-        self._sock.settimeout(0.1)
         self.notes: list[Note] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -54,11 +53,10 @@ class Notifications:
         self._thread.start()
 
     def _receive(self) -> None:
-        while not self._closed:
-            try:
-                data = self._sock.recv(4096)
-            except TimeoutError:
-                continue
+        while True:
+            data = self._sock.recv(4096)
+            if self._closed:
+                return
             note = Note(time.monotonic(), data.decode(), self.port_file.exists())
             with self._cond:
                 self.notes.append(note)
@@ -79,6 +77,8 @@ class Notifications:
 
     def close(self) -> None:
         self._closed = True
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as waker:  # wakes the blocked recv()
+            waker.sendto(b"", str(self.path))
         self._thread.join()
         self._sock.close()
         shutil.rmtree(self.dir)
@@ -192,9 +192,9 @@ def test_sighup_reloads_the_log_level_and_survives_a_broken_file(daemon_factory,
     assert abs(int(fields["MONOTONIC_USEC"]) - time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000) < 10e6
     assert ready.message.endswith("; config changed, restart to apply server.max_pull_wait_seconds")
     log = daemon.log()
-    assert "INFO ps_daemon.server: reload: log.level 'INFO' -> 'DEBUG', applied" in log
-    assert "WARNING ps_daemon.server: reload: server.max_pull_wait_seconds 600.0 -> 60.0 needs a restart" in log
-    assert "DEBUG ps_daemon.server: reload: running with" in log  # the new level is in force
+    assert "INFO ps_offload.daemon.server: reload: log.level 'INFO' -> 'DEBUG', applied" in log
+    assert "WARNING ps_offload.daemon.server: reload: server.max_pull_wait_seconds 600.0 -> 60.0 needs a restart" in log
+    assert "DEBUG ps_offload.daemon.server: reload: running with" in log  # the new level is in force
 
     for broken in ('[log\nlevel = "INFO"\n', '[log]\nlevel = "LOUD"\n', "[server]\nlisten_port = 1\n"):
         config.write_text(broken)
@@ -202,7 +202,9 @@ def test_sighup_reloads_the_log_level_and_survives_a_broken_file(daemon_factory,
         assert "last reload failed (" in ready.message and "running on the previous config" in ready.message
         assert daemon.process.poll() is None
         assert _health(daemon.address) == health_pb2.HealthCheckResponse.SERVING
-    assert daemon.log().count("ERROR ps_daemon.server: reload failed, still running with the previous config") == 3
+    assert (
+        daemon.log().count("ERROR ps_offload.daemon.server: reload failed, still running with the previous config") == 3
+    )
 
     assert daemon.stop() == 0
     assert notes.wait_for(lambda n: "STOPPING=1" in n.message)
@@ -245,9 +247,9 @@ def test_watchdog_stops_pinging_while_rpc_threads_are_stuck(daemon_factory, syst
     freed_at = time.monotonic()
     notes.wait_for(lambda n: n.message.startswith("STATUS=Serving on"), after=not_serving.at, timeout=5)
     log = daemon.log()
-    assert "ERROR ps_daemon.systemd: watchdog: a health check got no answer in 0.2s" in log
+    assert "ERROR ps_offload.daemon.systemd: watchdog: a health check got no answer in 0.2s" in log
     assert "not pinging systemd, which restarts the daemon 1s after the last ping" in log
-    assert "WARNING ps_daemon.systemd: watchdog: serving again after" in log
+    assert "WARNING ps_offload.daemon.systemd: watchdog: serving again after" in log
 
     # What systemd then does to a hung daemon: SIGABRT. The log shows where the threads were.
     threads = stick_both_threads()

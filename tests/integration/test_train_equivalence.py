@@ -103,9 +103,9 @@ def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, transport, d
         model,
         daemons=[d.address for d in daemons],
         optimizer=trainer.AdamW(lr=3e-3, weight_decay=0.1),
-        shard_bytes=8192,
         no_weight_decay=_no_decay,
-        config=trainer.ClientConfig(transport=transport),
+        config=trainer.OffloadConfig(shard_bytes=8192),
+        client=trainer.ClientConfig(transport=transport),
     ) as opt:
         assert len(opt.plan) >= 2 * n_daemons
         uses_data_plane = [isinstance(t, DataPlaneClient) for t in opt.client.transports]
@@ -148,8 +148,7 @@ def test_staleness_one_is_the_delayed_update_exactly(n_daemons, daemon_factory):
         model,
         daemons=[d.address for d in daemons],
         optimizer=trainer.AdamW(lr=3e-3),
-        shard_bytes=8192,
-        staleness=1,
+        config=trainer.OffloadConfig(shard_bytes=8192, staleness=1),
     ) as opt:
         losses = _train_offloaded(model, batches, loss_fn, opt)
         assert opt.step_count == STEPS
@@ -173,8 +172,8 @@ def test_staleness_one_failed_step_raises_and_is_submitted_again(daemon_factory,
     config = trainer.ClientConfig(max_attempts=2, backoff_seconds=0.01)
     raised = []
     with trainer.offload(
-        model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=3e-3), shard_bytes=8192, staleness=1,
-        config=config,
+        model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=3e-3),
+        config=trainer.OffloadConfig(shard_bytes=8192, staleness=1), client=config,
     ) as opt:  # fmt: skip
         for step, batch in enumerate(batches):
             opt.zero_grad()
@@ -204,7 +203,7 @@ def test_sgd_momentum_through_daemon_matches_torch_fused(daemon):
         model,
         daemons=[daemon.address],
         optimizer=trainer.SGD(lr=0.05, momentum=0.9, weight_decay=1e-4),
-        shard_bytes=4096,
+        config=trainer.OffloadConfig(shard_bytes=4096),
     ) as opt:
         _train_offloaded(model, batches, loss_fn, opt)
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
@@ -223,7 +222,10 @@ def test_lr_schedule_is_applied_per_step(daemon):
         loss_fn(reference, batch).backward()
         torch_opt.step()
     with trainer.offload(
-        model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.0), shard_bytes=8192
+        model,
+        daemons=[daemon.address],
+        optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.0),
+        config=trainer.OffloadConfig(shard_bytes=8192),
     ) as opt:
         for lr, batch in zip(schedule, batches, strict=True):
             opt.lr = lr
@@ -237,11 +239,21 @@ def test_lr_schedule_is_applied_per_step(daemon):
 def test_second_trainer_resumes_from_daemon_state(daemon):
     """Registering the same spec again attaches to the daemon's current parameters."""
     model, batches, loss_fn = _mlp_case()
-    with trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-2), shard_bytes=8192) as opt:
+    with trainer.offload(
+        model,
+        daemons=[daemon.address],
+        optimizer=trainer.AdamW(lr=1e-2),
+        config=trainer.OffloadConfig(shard_bytes=8192),
+    ) as opt:
         _train_offloaded(model, batches[:5], loss_fn, opt)
         trained = [p.detach().clone() for p in model.parameters()]
     fresh, _, _ = _mlp_case()  # different object, initial values
-    with trainer.offload(fresh, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-2), shard_bytes=8192) as opt:
+    with trainer.offload(
+        fresh,
+        daemons=[daemon.address],
+        optimizer=trainer.AdamW(lr=1e-2),
+        config=trainer.OffloadConfig(shard_bytes=8192),
+    ) as opt:
         assert opt.step_count == 5
         for ours, theirs in zip(fresh.parameters(), trained, strict=True):
             assert torch.equal(ours, theirs)
@@ -253,7 +265,10 @@ def test_lr_zero_is_honoured_not_replaced_by_the_registered_lr(daemon):
     model, batches, loss_fn = _mlp_case()
     before = [p.detach().clone() for p in model.parameters()]
     with trainer.offload(
-        model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.0), shard_bytes=8192
+        model,
+        daemons=[daemon.address],
+        optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.0),
+        config=trainer.OffloadConfig(shard_bytes=8192),
     ) as opt:
         opt.lr = 0.0
         opt.zero_grad()
@@ -273,7 +288,12 @@ def test_daemon_without_data_plane_is_used_over_grpc(daemon_factory, tmp_path):
     reference = copy.deepcopy(model)
     torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
     _train_reference(reference, batches[:10], loss_fn, torch_opt)
-    with trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-2), shard_bytes=8192) as opt:
+    with trainer.offload(
+        model,
+        daemons=[daemon.address],
+        optimizer=trainer.AdamW(lr=1e-2),
+        config=trainer.OffloadConfig(shard_bytes=8192),
+    ) as opt:
         assert not any(isinstance(t, DataPlaneClient) for t in opt.client.transports)
         _train_offloaded(model, batches[:10], loss_fn, opt)
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):

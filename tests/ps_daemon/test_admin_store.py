@@ -11,6 +11,7 @@ import torch
 
 from ps_offload.daemon.errors import NotFound
 from ps_offload.daemon.optim import SGDConfig
+from ps_offload.daemon.push import PushRequest
 from ps_offload.daemon.store import VERIFY_ATTEMPTS, ModelSpec, ParamSpec, ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
 
@@ -26,13 +27,15 @@ def _store(tmp_path=None, *, shards: int = 2) -> ShardStore:
     spec = ModelSpec("m", (ParamSpec("w", (shards * NUMEL,)),), SGDConfig(lr=0.1), NUMEL * 4, ("d",))
     store.register(spec, 0)
     for shard_id in range(shards):
-        store.push("m", shard_id, step=0, kind="parameters", data=torch.full((NUMEL,), float(shard_id)), lr=None)
+        store.push(
+            PushRequest("m", shard_id, step=0, kind="parameters", data=torch.full((NUMEL,), float(shard_id)), lr=None)
+        )
     return store
 
 
 def _step(store: ShardStore, shard_id: int) -> None:
     version = store.shard("m", shard_id).version
-    store.push("m", shard_id, step=version, kind="gradient", data=torch.ones(NUMEL), lr=None)
+    store.push(PushRequest("m", shard_id, step=version, kind="gradient", data=torch.ones(NUMEL), lr=None))
 
 
 def _close(store: ShardStore) -> None:
@@ -118,7 +121,7 @@ def test_verify_without_nvme_checks_memory_and_says_nothing_is_at_rest():
     store = _store()
     values = torch.zeros(NUMEL)
     values[[3, 5]] = torch.tensor([math.nan, math.inf])
-    store.push("m", 1, step=0, kind="parameters", data=values, lr=None)
+    store.push(PushRequest("m", 1, step=0, kind="parameters", data=values, lr=None))
     assert store.verify_bytes(store.shards_to_verify()) == 0
     verdicts = list(store.verify(store.shards_to_verify()))
     assert [(v.status, v.nonfinite, v.bytes_read) for v in verdicts] == [("not_at_rest", 0, 0), ("not_at_rest", 2, 0)]
@@ -130,7 +133,7 @@ def test_histogram_counts_finite_values_in_equal_bins():
     store = _store(shards=1)
     values = torch.arange(NUMEL, dtype=torch.float32)
     values[:2] = torch.tensor([math.nan, -math.inf])
-    store.push("m", 0, step=0, kind="parameters", data=values, lr=None)
+    store.push(PushRequest("m", 0, step=0, kind="parameters", data=values, lr=None))
     stats = store.value_stats(store.shard("m", 0), bins=4)
     assert (stats.histogram_low, stats.histogram_high) == (2.0, NUMEL - 1.0)
     assert sum(stats.histogram) == NUMEL - 2 and len(stats.histogram) == 4
@@ -138,11 +141,11 @@ def test_histogram_counts_finite_values_in_equal_bins():
     assert stats.nan_count == 1 and stats.min == -math.inf  # min/max keep the infinities
     assert store.value_stats(store.shard("m", 0)).histogram == ()  # only when asked for
 
-    store.push("m", 0, step=0, kind="parameters", data=torch.full((NUMEL,), 0.5), lr=None)
+    store.push(PushRequest("m", 0, step=0, kind="parameters", data=torch.full((NUMEL,), 0.5), lr=None))
     one = store.value_stats(store.shard("m", 0), bins=4)
     assert (one.histogram, one.histogram_low, one.histogram_high) == ((NUMEL,), 0.5, 0.5)
 
-    store.push("m", 0, step=0, kind="parameters", data=torch.full((NUMEL,), math.nan), lr=None)
+    store.push(PushRequest("m", 0, step=0, kind="parameters", data=torch.full((NUMEL,), math.nan), lr=None))
     assert store.value_stats(store.shard("m", 0), bins=4).histogram == ()
 
 

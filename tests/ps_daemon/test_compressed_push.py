@@ -11,6 +11,7 @@ from ps_offload import kernels
 from ps_offload.daemon.encodings import check_size, onebit_nbytes, parse
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument
 from ps_offload.daemon.optim import AdamWConfig, SGDConfig
+from ps_offload.daemon.push import PushRequest
 from ps_offload.daemon.store import ModelSpec, ParamSpec, ShardStore
 
 # Two parameters with different weight decay in one 12 KiB shard (3072 elements), and a
@@ -26,7 +27,9 @@ def _store(optimizer, name="m"):
     torch.manual_seed(0)
     initial = torch.randn(sum(NUMELS))
     for shard_id, (start, n) in enumerate(zip((0, NUMELS[0]), NUMELS, strict=True)):
-        store.push(name, shard_id, step=0, kind="parameters", data=initial[start : start + n].clone(), lr=None)
+        store.push(
+            PushRequest(name, shard_id, step=0, kind="parameters", data=initial[start : start + n].clone(), lr=None)
+        )
     return store
 
 
@@ -56,10 +59,10 @@ def _apply(store, encoding, shard_id, step, grad, name="m", kind="gradient", var
     n = NUMELS[shard_id]
     check_size(encoding, nbytes, n, "test")
     frozen = dict(variance_frozen_at=variance_frozen_at)
-    assert store.check_push(name, shard_id, step=step, kind=kind, nbytes=nbytes, dtype="float32",
-                            encoding=encoding, **frozen) is None  # fmt: skip
+    header = PushRequest(name, shard_id, step=step, kind=kind, nbytes=nbytes, encoding=encoding, **frozen)
+    assert store.check_push(header) is None
     data = parse(encoding, staging, nbytes, n, "t")
-    return store.push(name, shard_id, step=step, kind=kind, data=data, lr=0.01, **frozen)
+    return store.push(PushRequest(name, shard_id, step=step, kind=kind, data=data, lr=0.01, **frozen))
 
 
 def _state(store, name="m"):
@@ -80,7 +83,7 @@ def test_compressed_gradients_apply_exactly_what_raw_would(encoding):
             staging, nbytes = _payload(encoding, grad)
             decompressed = parse(encoding, staging, nbytes, n, "t").decompress(torch.empty(n))
             assert _apply(ours, encoding, shard_id, step, grad).applied
-            raw.push("m", shard_id, step=step, kind="gradient", data=decompressed, lr=0.01)
+            raw.push(PushRequest("m", shard_id, step=step, kind="gradient", data=decompressed, lr=0.01))
     for a, b in zip(_state(ours), _state(raw), strict=True):
         assert torch.equal(a, b)
 
@@ -88,7 +91,7 @@ def test_compressed_gradients_apply_exactly_what_raw_would(encoding):
 def _warm_up(store, steps):
     for step in range(steps):
         for shard_id, n in enumerate(NUMELS):
-            store.push("m", shard_id, step=step, kind="gradient", data=_grad(n, step), lr=0.01)
+            store.push(PushRequest("m", shard_id, step=step, kind="gradient", data=_grad(n, step), lr=0.01))
 
 
 def test_onebit_momentum_is_fused_and_matches_the_decompressed_momentum():
@@ -107,7 +110,9 @@ def test_onebit_momentum_is_fused_and_matches_the_decompressed_momentum():
             result = _apply(ours, "onebit", shard_id, step, momentum, kind="momentum", variance_frozen_at=3)
             assert result.applied and result.version == step + 1
             decompressed = payload.decompress(torch.empty(n))
-            raw.push("m", shard_id, step=step, kind="momentum", data=decompressed, lr=0.01, variance_frozen_at=3)
+            raw.push(
+                PushRequest("m", shard_id, step=step, kind="momentum", data=decompressed, lr=0.01, variance_frozen_at=3)
+            )
             m = ours.shard("m", shard_id).optimizer.state[0]
             assert torch.equal(m, decompressed)
     for shard, v in zip(ours.model("m").shards.values(), frozen, strict=True):
@@ -128,11 +133,13 @@ def test_momentum_pushes_need_a_variance_frozen_within_the_steps_taken(frozen, s
     store = _store(AdamWConfig())
     _warm_up(store, step)
     with pytest.raises(InvalidArgument, match=message):
-        store.check_push("m", 0, step=step, kind="momentum", nbytes=onebit_nbytes(3072), dtype="float32",
-                         encoding="onebit", variance_frozen_at=frozen)  # fmt: skip
+        store.check_push(PushRequest("m", 0, step=step, kind="momentum", nbytes=onebit_nbytes(3072),
+                                     encoding="onebit", variance_frozen_at=frozen))  # fmt: skip
     before = _state(store)
     with pytest.raises(InvalidArgument, match=message):
-        store.push("m", 0, step=step, kind="momentum", data=torch.zeros(3072), lr=0.01, variance_frozen_at=frozen)
+        store.push(
+            PushRequest("m", 0, step=step, kind="momentum", data=torch.zeros(3072), lr=0.01, variance_frozen_at=frozen)
+        )
     assert all(torch.equal(a, b) for a, b in zip(before, _state(store), strict=True))
 
 
@@ -140,9 +147,13 @@ def test_momentum_pushes_are_refused_for_sgd_and_the_frozen_step_for_gradients()
     store = _store(SGDConfig(lr=0.1, momentum=0.9))
     _warm_up(store, 1)
     with pytest.raises(FailedPrecondition, match="need an AdamW model; model 'm' runs SGDConfig"):
-        store.check_push("m", 0, step=1, kind="momentum", nbytes=4 * 3072, dtype="float32", variance_frozen_at=1)
+        store.check_push(
+            PushRequest("m", 0, step=1, kind="momentum", nbytes=4 * 3072, dtype="float32", variance_frozen_at=1)
+        )
     with pytest.raises(InvalidArgument, match="variance_frozen_at is for MOMENTUM pushes only, this is GRADIENT"):
-        store.check_push("m", 0, step=1, kind="gradient", nbytes=4 * 3072, dtype="float32", variance_frozen_at=1)
+        store.check_push(
+            PushRequest("m", 0, step=1, kind="gradient", nbytes=4 * 3072, dtype="float32", variance_frozen_at=1)
+        )
 
 
 def test_compressed_retry_of_an_applied_step_changes_nothing():
@@ -150,13 +161,19 @@ def test_compressed_retry_of_an_applied_step_changes_nothing():
     assert _apply(store, "onebit", 0, 0, _grad(3072, 0)).version == 1
     before = _state(store)
     staging, nbytes = _payload("onebit", _grad(3072, 7))  # a retry carrying other bytes
-    ack = store.check_push("m", 0, step=0, kind="gradient", nbytes=nbytes, dtype="float32", encoding="onebit")
+    ack = store.check_push(
+        PushRequest("m", 0, step=0, kind="gradient", nbytes=nbytes, dtype="float32", encoding="onebit")
+    )
     assert ack is not None and not ack.applied and ack.version == 1  # answered before the payload
-    late = store.push("m", 0, step=0, kind="gradient", data=parse("onebit", staging, nbytes, 3072, "t"), lr=0.01)
+    late = store.push(
+        PushRequest("m", 0, step=0, kind="gradient", data=parse("onebit", staging, nbytes, 3072, "t"), lr=0.01)
+    )
     assert not late.applied and late.version == 1  # a retry that raced past the header check
     assert all(torch.equal(a, b) for a, b in zip(before, _state(store), strict=True))
     with pytest.raises(FailedPrecondition, match="step 5"):
-        store.check_push("m", 0, step=5, kind="gradient", nbytes=nbytes, dtype="float32", encoding="onebit")
+        store.check_push(
+            PushRequest("m", 0, step=5, kind="gradient", nbytes=nbytes, dtype="float32", encoding="onebit")
+        )
 
 
 @pytest.mark.parametrize(
@@ -174,7 +191,9 @@ def test_compressed_retry_of_an_applied_step_changes_nothing():
 def test_wrong_sizes_are_refused_naming_the_shard_and_what_it_needs(encoding, nbytes, message):
     store = _store(AdamWConfig())
     with pytest.raises(InvalidArgument, match="push to shard 0") as info:
-        store.check_push("m", 0, step=0, kind="gradient", nbytes=nbytes, dtype="float32", encoding=encoding)
+        store.check_push(
+            PushRequest("m", 0, step=0, kind="gradient", nbytes=nbytes, dtype="float32", encoding=encoding)
+        )
     assert message in str(info.value)
 
 
@@ -182,8 +201,7 @@ def test_compressed_parameters_are_refused():
     store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=SHARD_BYTES)
     store.register(ModelSpec("m", PARAMS, AdamWConfig(), SHARD_BYTES, ("d",)), 0)
     with pytest.raises(InvalidArgument, match="PARAMETERS must be RAW float32.*ONEBIT"):
-        store.check_push("m", 0, step=0, kind="parameters", nbytes=onebit_nbytes(3072), dtype="float32",
-                         encoding="onebit")  # fmt: skip
+        store.check_push(PushRequest("m", 0, step=0, kind="parameters", nbytes=onebit_nbytes(3072), encoding="onebit"))
 
 
 def _topk_staging(k_said, indices, values):

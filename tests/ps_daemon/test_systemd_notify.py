@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,34 +101,58 @@ def test_watchdog_interval(monkeypatch):
     assert systemd.watchdog_interval() is None
 
 
+class _LogSeen(logging.Handler):
+    """Sets `event` when a record containing `text` is logged."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
 def test_watchdog_pings_only_while_the_check_passes(receiver, caplog):
-    state = {"problem": None}
+    state = {"problem": None, "checks": 0}
+    checked = threading.Condition()
     timeouts = []
 
     def check(timeout: float) -> str | None:
         timeouts.append(timeout)
+        with checked:
+            state["checks"] += 1
+            checked.notify_all()
         return state["problem"]
 
+    def wait_for_checks(n: int) -> None:
+        with checked:
+            assert checked.wait_for(lambda: state["checks"] >= n, timeout=10), f"only {state['checks']} checks"
+
+    failing_logged = _LogSeen("not pinging systemd")
+    systemd.log.addHandler(failing_logged)
     interval = 0.4  # pings every 0.2s
     dog = systemd.Watchdog(interval, check)
-    with caplog.at_level(logging.INFO):
-        dog.start()
-        assert [receiver.recv(4096) for _ in range(3)] == [b"WATCHDOG=1"] * 3
+    try:
+        with caplog.at_level(logging.INFO):
+            dog.start()
+            assert [receiver.recv(4096) for _ in range(3)] == [b"WATCHDOG=1"] * 3
 
-        state["problem"] = "a health check got no answer"
-        deadline = time.monotonic() + 5
-        while not any("not pinging systemd" in r.message for r in caplog.records):
-            assert time.monotonic() < deadline, "the failing check was not logged"
-            time.sleep(0.01)
-        _pending(receiver)  # a ping from a check that passed before the switch
-        time.sleep(3 * interval)
-        assert _pending(receiver) == []
+            state["problem"] = "a health check got no answer"
+            assert failing_logged.event.wait(5), "the failing check was not logged"
+            _pending(receiver)  # a ping from a check that passed before the switch
+            # Three more failing checks: when the third starts, the second's tick is over.
+            wait_for_checks(state["checks"] + 3)
+            assert _pending(receiver) == []
 
-        state["problem"] = None
-        assert receiver.recv(4096) == b"WATCHDOG=1"
-        dog.stop()
-    _pending(receiver)
-    time.sleep(2 * interval)
+            state["problem"] = None
+            assert receiver.recv(4096) == b"WATCHDOG=1"
+            dog.stop()
+    finally:
+        systemd.log.removeHandler(failing_logged)
+    _pending(receiver)  # pings sent before stop() returned
+    assert dog.join(5)  # the thread is gone: no ping can follow
     assert _pending(receiver) == []
     assert set(timeouts) == {interval / 4}
     errors = [r.message for r in caplog.records if r.levelno == logging.ERROR]
@@ -144,11 +169,11 @@ def test_journal_formatter_prefixes_every_line_with_its_priority():
     def line(level: int, message: str) -> str:
         return formatter.format(logging.LogRecord("ps_offload.daemon.server", level, __file__, 1, message, None, None))
 
-    assert line(logging.ERROR, "reload failed") == "<3>ERROR ps_daemon.server: reload failed"
+    assert line(logging.ERROR, "reload failed") == "<3>ERROR ps_offload.daemon.server: reload failed"
     assert line(logging.WARNING, "x").startswith("<4>WARNING")
     assert line(logging.INFO, "x").startswith("<6>INFO")
     assert line(logging.DEBUG, "x").startswith("<7>DEBUG")
-    assert line(logging.CRITICAL, "a\nb") == "<2>CRITICAL ps_daemon.server: a\n<2>b"
+    assert line(logging.CRITICAL, "a\nb") == "<2>CRITICAL ps_offload.daemon.server: a\n<2>b"
 
 
 def test_stdout_is_journal_only_when_journal_stream_names_stdout(monkeypatch, tmp_path):

@@ -1,4 +1,5 @@
-"""Unit tests for ps_daemon/plan.py: layouts, shard sizes, plans, plan invariants, segments."""
+"""Unit tests for ps_proto/plan.py: layouts, shard sizes, plans, plan invariants, segments,
+kernel runs."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ import numpy as np
 import pytest
 
 from ps_offload.proto.plan import (
+    KERNEL_ALIGN,
+    KernelRun,
     ParamLayout,
     PlanError,
     Segment,
     ShardSlice,
+    kernel_runs,
     layout_params,
     plan_shards,
     segments_of,
     shard_numel_for,
+    validate_kernel_runs,
     validate_plan,
 )
 
@@ -298,9 +303,9 @@ def test_segments_hand_example():
     layouts = layout_params([("a", (3,), None), ("b", (2, 4), None), ("c", (), None)])  # 3 + 8 + 1 = 12
     plan = plan_shards(12, 5, 2)
     assert [segments_of(s, layouts) for s in plan] == [
-        [Segment(0, 0, 0, 3), Segment(1, 3, 0, 2)],
-        [Segment(1, 0, 2, 5)],
-        [Segment(1, 0, 7, 1), Segment(2, 1, 0, 1)],
+        [Segment(0, 0, 0, 3, 3), Segment(1, 3, 0, 2, 8)],
+        [Segment(1, 0, 2, 5, 8)],
+        [Segment(1, 0, 7, 1, 8), Segment(2, 1, 0, 1, 1)],
     ]
 
 
@@ -327,6 +332,7 @@ def _check_segments(layouts: list[ParamLayout], shard_numel: int, num_daemons: i
             piece = shard_values[seg.shard_start : seg.shard_start + seg.numel]
             expected = own[seg.param_index][seg.param_start : seg.param_start + seg.numel]
             np.testing.assert_array_equal(piece, expected)
+            assert seg.param_numel == layouts[seg.param_index].numel
             covered[seg.param_index].append((seg.param_start, seg.numel))
     # Over all shards, every parameter is covered exactly once, in order.
     for layout, pieces in zip(layouts, covered, strict=True):
@@ -365,4 +371,139 @@ def test_segments_random_layouts():
 def test_segments_skip_empty_parameters():
     layouts = layout_params([("a", (4,), None), ("empty", (0,), None), ("b", (4,), None)])
     (shard,) = plan_shards(8, 8, 1)
-    assert segments_of(shard, layouts) == [Segment(0, 0, 0, 4), Segment(2, 4, 0, 4)]
+    assert segments_of(shard, layouts) == [Segment(0, 0, 0, 4, 4), Segment(2, 4, 0, 4, 4)]
+
+
+# -- kernel_runs -----------------------------------------------------------------------------
+
+
+def _in_torch_tail(p: int, n: int, v: int) -> bool:
+    """Whether torch's fused kernel computes element p of an n-element tensor in its scalar
+    tail, for SIMD width v (the rule ps_proto/plan.py's KERNEL_ALIGN comment states)."""
+    return p >= n - n % v
+
+
+def _check_runs_place_every_element_as_the_whole_parameter(segment: Segment, runs: list[KernelRun]) -> None:
+    """The property the invariants exist for, checked element by element for every SIMD
+    width that divides KERNEL_ALIGN."""
+    for run in runs:
+        length = run.context or run.numel
+        for j in range(run.numel):
+            in_tensor = run.context_start + j
+            in_param = segment.param_start + run.shard_start - segment.shard_start + j
+            for v in (1, 2, 4, 8, 16, 32, 64):
+                assert _in_torch_tail(in_tensor, length, v) == _in_torch_tail(in_param, segment.param_numel, v), (
+                    segment,
+                    run,
+                    j,
+                    v,
+                )
+
+
+def test_kernel_runs_hand_examples():
+    # A whole parameter, aligned or not in length: one run in place.
+    assert kernel_runs(Segment(0, 5, 0, 333, 333)) == [KernelRun(5, 333)]
+    # A cut at 919 inside a 4329-element parameter (Linear(13, 333).weight after 105
+    # elements, 4 KiB shards): blocks [0, 896) in place, [896, 919) in a 64-element scratch.
+    assert kernel_runs(Segment(3, 105, 0, 919, 4329)) == [KernelRun(105, 896), KernelRun(105 + 896, 23, 64, 0)]
+    # The rest of it from 919: scratch [919, 960) of block [896, 960), then in place to the end.
+    assert kernel_runs(Segment(3, 0, 919, 4329 - 919, 4329)) == [
+        KernelRun(0, 41, 64, 23),
+        KernelRun(41, 4329 - 960),
+    ]
+    # Inside one block, touching neither of its ends: one scratch run.
+    assert kernel_runs(Segment(0, 7, 70, 10, 4329)) == [KernelRun(7, 10, 64, 6)]
+    # Inside the short last block (4329 = 67 * 64 + 41), reaching the end: the scratch is as
+    # long as that block, so the scalar tail stays where it is.
+    assert kernel_runs(Segment(0, 0, 4300, 29, 4329)) == [KernelRun(0, 29, 41, 12)]
+    # From a block start to the parameter's end: in place.
+    assert kernel_runs(Segment(0, 0, 4288, 41, 4329)) == [KernelRun(0, 41)]
+    # Both ends inside blocks, whole blocks between.
+    assert kernel_runs(Segment(1, 3, 10, 200, 1000)) == [
+        KernelRun(3, 54, 64, 10),
+        KernelRun(57, 128),
+        KernelRun(185, 18, 64, 0),
+    ]
+
+
+def test_kernel_runs_random_segments_keep_every_element_in_its_loop():
+    rng = random.Random(7)
+    for _ in range(3000):
+        n = rng.choice([1, 7, 13, 63, 64, 65, 91, 128, 333, 1000, 4329, rng.randint(1, 5000)])
+        start = rng.randrange(n)
+        numel = rng.randint(1, n - start)
+        segment = Segment(0, rng.randint(0, 100), start, numel, n)
+        runs = kernel_runs(segment)
+        assert len(runs) <= 3
+        assert sum(1 for r in runs if r.context) <= 2
+        _check_runs_place_every_element_as_the_whole_parameter(segment, runs)
+
+
+def test_kernel_runs_of_every_plan_segment():
+    """Every segment of real plans (odd shapes, odd and page-sized shards) splits validly."""
+    layouts = layout_params(
+        [("fc1.w", (13, 7), None), ("fc1.b", (13,), 0.0), ("g", (1,), 0.0), ("fc2.w", (333, 13), None),
+         ("fc2.b", (333,), 0.0), ("fc3.w", (7, 333), None), ("fc3.b", (7,), 0.0)]
+    )  # fmt: skip
+    total = sum(lo.numel for lo in layouts)
+    for shard_numel in (1, 7, 64, 100, 1000, 1024, 2048, 3072, total):
+        for shard in plan_shards(total, shard_numel, 2):
+            for segment in segments_of(shard, layouts):
+                runs = kernel_runs(segment)
+                validate_kernel_runs(segment, runs)
+                _check_runs_place_every_element_as_the_whole_parameter(segment, runs)
+
+
+def test_kernel_runs_with_other_alignments():
+    rng = random.Random(3)
+    for align in (1, 8, 16):
+        for _ in range(300):
+            n = rng.randint(1, 300)
+            start = rng.randrange(n)
+            segment = Segment(0, 0, start, rng.randint(1, n - start), n)
+            runs = kernel_runs(segment, align)
+            validate_kernel_runs(segment, runs, align)
+            if align == 1:
+                assert runs == [KernelRun(0, segment.numel)]
+
+
+_SEG = Segment(0, 10, 10, 200, 1000)  # runs: [10, 64) scratch, [64, 192) in place, [192, 210) scratch
+
+
+@pytest.mark.parametrize(
+    ("runs", "match"),
+    [
+        ([], "cover 0 elements"),
+        ([KernelRun(10, 54, 64, 10), KernelRun(64, 128)], "cover 182"),
+        ([KernelRun(11, 54, 64, 10)], "tile the segment"),
+        ([KernelRun(10, 0), KernelRun(10, 200)], "tile the segment"),
+        ([KernelRun(10, 200)], "starts at parameter element 10"),  # in place from inside a block
+        ([KernelRun(10, 54, 64, 9), KernelRun(64, 146)], "starts at parameter element 1, "),  # off its block
+        ([KernelRun(10, 54, 64, 10), KernelRun(64, 146)], "ends at parameter element 210"),  # tail moved
+        ([KernelRun(10, 54, 64, 10), KernelRun(64, 128), KernelRun(192, 18, 30, 0)], "ends at parameter element 222"),
+        ([KernelRun(10, 54, 60, 10), KernelRun(64, 146)], "inside a scratch"),
+        ([KernelRun(10, 54, 128, 10), KernelRun(64, 146)], "at most one block"),
+        (
+            [KernelRun(10, 54, 64, 10), KernelRun(64, 64), KernelRun(128, 64), KernelRun(192, 18, 64, 0)],
+            "in-place runs",
+        ),
+        (
+            [KernelRun(10, 54, 64, 10), KernelRun(64, 64, 64, 0), KernelRun(128, 64), KernelRun(192, 18, 64, 0)],
+            "only first or last",
+        ),
+        ([KernelRun(10, 200, 0, 3)], "no context_start"),
+    ],
+)
+def test_validate_kernel_runs_rejects_broken_runs(runs, match):
+    with pytest.raises(PlanError, match=match):
+        validate_kernel_runs(_SEG, runs)
+
+
+def test_validate_kernel_runs_rejects_a_segment_outside_its_parameter():
+    with pytest.raises(PlanError, match="outside its parameter"):
+        validate_kernel_runs(Segment(0, 0, 990, 20, 1000), [KernelRun(0, 20)])
+
+
+def test_kernel_align_covers_every_simd_width_of_fp32():
+    # AVX2: 8 lanes, AVX-512: 16, SVE at most 2048 bits: 64.
+    assert KERNEL_ALIGN % 64 == 0

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from ps_offload import kernels
 from ps_offload.trainer.compressed_allreduce import CompressedAllReduce
-from ps_offload.trainer.config import AdamW
+from ps_offload.trainer.config import AdamW, CompressionConfig, ParallelConfig
 from ps_offload.trainer.parallel import PipelineTrainer, RankGrid
 
 SIZES = (1, 13, 1000, 3000, 4099)  # below one block, not a multiple of 8 or of BLOCK, W > chunks
@@ -172,10 +172,11 @@ def _trainer_ranks(rank: int, world: int, rendezvous: str, out: str) -> None:
     for compression in ("none", "onebit"):
         torch.manual_seed(0)
         layers = [torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)]
-        options = {"dp_compression": "onebit", "compression_warmup_steps": 2} if compression == "onebit" else {}
+        dp = CompressionConfig(method="onebit", warmup_steps=2) if compression == "onebit" else CompressionConfig()
         model = PipelineTrainer(
-            layers, torch.nn.functional.cross_entropy, ctx=ctx, microbatches=2, optimizer=AdamW(lr=1e-2), **options
-        )
+            layers, torch.nn.functional.cross_entropy, ctx=ctx, optimizer=AdamW(lr=1e-2),
+            config=ParallelConfig(microbatches=2, dp_compression=dp),
+        )  # fmt: skip
         steps = []
         for x, y in data:
             model.step(x, y)
@@ -206,14 +207,21 @@ def test_bad_options_are_refused():
     ctx = types.SimpleNamespace(grid=RankGrid(1, 1, 0))
     layers, loss = [torch.nn.Linear(2, 2)], torch.nn.functional.mse_loss
     bad = {
-        "dp_compression must be one of": {"dp_compression": "2bit"},
-        "give reduce_hook or dp_compression='onebit', not both": {
-            "dp_compression": "onebit", "reduce_hook": lambda bucket, group: None
+        "CompressionConfig.method must be one of": lambda: {"dp_compression": CompressionConfig(method="2bit")},
+        "give reduce_hook or dp_compression='onebit', not both": lambda: {
+            "dp_compression": CompressionConfig(method="onebit"), "reduce_hook": lambda bucket, group: None
         },
-        "compression_warmup_steps must be an int >= 0": {"dp_compression": "onebit", "compression_warmup_steps": -1},
-        "it needs a dp_compression other than none": {"compression_warmup_steps": 3},
-        r"topk_ratio must be in \(0, 1\]": {"dp_compression": "topk", "dp_topk_ratio": 0.0},
+        "warmup_steps must be an int >= 0": lambda: {
+            "dp_compression": CompressionConfig(method="onebit", warmup_steps=-1)
+        },
+        "it needs a dp_compression other than none": lambda: {"dp_compression": CompressionConfig(warmup_steps=3)},
+        r"topk_ratio must be in \(0, 1\]": lambda: {
+            "dp_compression": CompressionConfig(method="topk", topk_ratio=0.0)
+        },
     }  # fmt: skip
     for message, options in bad.items():
         with pytest.raises(ValueError, match=message):
-            PipelineTrainer(layers, loss, ctx=ctx, microbatches=1, optimizer=AdamW(), **options)
+            given = options()
+            hook = given.pop("reduce_hook", None)
+            config = ParallelConfig(microbatches=1, **given)
+            PipelineTrainer(layers, loss, ctx=ctx, optimizer=AdamW(), config=config, reduce_hook=hook)

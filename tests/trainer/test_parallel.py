@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ps_offload.trainer.flat import FlatParams
 from ps_offload.trainer.parallel import GradReducer, RankGrid, split_layers
 
 
@@ -45,10 +46,8 @@ def single_process_group(tmp_path):
 
 def test_buckets_form_from_the_end_with_a_small_first_one(single_process_group):
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (1000, 1000, 1000, 300)]
-    flat = torch.zeros(3300)
-    reducer = GradReducer(
-        params, flat, single_process_group, microbatches=2, bucket_bytes=8000, first_bucket_bytes=1000
-    )
+    flat = FlatParams((f"p{i}", p) for i, p in enumerate(params))
+    reducer = GradReducer(flat, single_process_group, microbatches=2, bucket_bytes=8000, first_bucket_bytes=1000)
     # Backward order: the 300-element parameter alone (1200 bytes >= 1000), then 8000 bytes each.
     assert [(lo, hi) for lo, hi, _ in reducer.buckets] == [(3000, 3300), (1000, 3000), (0, 1000)]
     reducer.close()
@@ -56,13 +55,8 @@ def test_buckets_form_from_the_end_with_a_small_first_one(single_process_group):
 
 def test_a_bucket_starts_once_every_gradient_in_it_has_its_last_micro_batch(single_process_group):
     layer = torch.nn.Linear(4, 4)
-    params = list(layer.parameters())
-    flat = torch.zeros(20)
-    at = 0
-    for p in params:
-        p.grad = flat[at : at + p.numel()].view_as(p)
-        at += p.numel()
-    reducer = GradReducer(params, flat, single_process_group, microbatches=2, bucket_bytes=1 << 20)
+    flat = FlatParams(layer.named_parameters())
+    reducer = GradReducer(flat, single_process_group, microbatches=2, bucket_bytes=1 << 20)
     layer(torch.ones(1, 4)).sum().backward()
     assert reducer._works == {}  # one micro-batch of two: nothing complete yet
     layer(torch.ones(1, 4)).sum().backward()

@@ -171,3 +171,22 @@ def test_the_recorder_sees_what_a_real_stage_runs_and_lets_go(single_process_gro
     assert not {"forward_one_chunk", "backward_one_chunk"} & stage.__dict__.keys()
     schedule.step(torch.randn(6, 4), target=torch.randn(6, 2))
     assert recorder.actions == []
+
+
+def test_a_pipeline_trainer_checks_its_schedule_when_it_is_built(single_process_group, monkeypatch):
+    from ps_offload.trainer import AdamW, ParallelConfig, PipelineTrainer
+    from ps_offload.trainer.parallel import RankGrid
+
+    ctx = SimpleNamespace(
+        grid=RankGrid(1, 1, 0), pp_group=single_process_group, dp_group=single_process_group, device=torch.device("cpu")
+    )
+    layers, loss = [torch.nn.Linear(2, 2)], torch.nn.functional.mse_loss
+    for name in ("gpipe", "1f1b"):  # torch's own plans pass (1F1B's last stage as it runs)
+        config = ParallelConfig(microbatches=3, schedule=name)
+        PipelineTrainer(layers, loss, ctx=ctx, optimizer=AdamW(), config=config).close()
+    broken = {0: [_Action(0, _ComputationType.FORWARD, 0), _Action(0, _ComputationType.FULL_BACKWARD, 1)]}
+    monkeypatch.setattr(ScheduleGPipe, "_get_pipeline_order", lambda self: broken)
+    with pytest.raises(ScheduleError, match=r"backward after its forward \(stage 0, step 1\)"):
+        PipelineTrainer(
+            layers, loss, ctx=ctx, optimizer=AdamW(), config=ParallelConfig(microbatches=2, schedule="gpipe")
+        )

@@ -76,17 +76,20 @@ def test_warm_up_and_none_send_the_gradient_buffer_itself():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"compression": "int8"}, "compression must be one of"),
-        ({"compression": "onebit", "compression_warmup_steps": -1}, "compression_warmup_steps"),
-        ({"compression": "topk", "topk_ratio": 0.0}, "topk_ratio"),
-        ({"compression": "topk", "topk_ratio": 1.5}, "topk_ratio"),
-        ({"compression": "onebit"}, "1-bit Adam.*needs compression_warmup_steps >= 1"),
+        (lambda: {"compression": trainer.CompressionConfig(method="int8")}, "CompressionConfig.method must be one of"),
+        (lambda: {"compression": trainer.CompressionConfig(method="onebit", warmup_steps=-1)}, "warmup_steps"),
+        (lambda: {"compression": trainer.CompressionConfig(method="topk", topk_ratio=0.0)}, "topk_ratio"),
+        (lambda: {"compression": trainer.CompressionConfig(method="topk", topk_ratio=1.5)}, "topk_ratio"),
+        (
+            lambda: {"compression": trainer.CompressionConfig(method="onebit")},
+            r"1-bit Adam.*needs CompressionConfig.warmup_steps >= 1",
+        ),
     ],
 )
 def test_offload_refuses_bad_options_before_calling_a_daemon(options, message):
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match=message):
-        trainer.offload(model, daemons=["127.0.0.1:1"], optimizer=trainer.AdamW(), **options)
+        trainer.offload(model, daemons=["127.0.0.1:1"], optimizer=trainer.AdamW(), **options())
 
 
 def test_topk_payload_carries_k_then_indices_then_values():

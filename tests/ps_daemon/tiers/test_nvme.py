@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from ps_offload.daemon.optim import SGDConfig
-from ps_offload.daemon.store import ModelSpec, ParamSpec
+from ps_offload.daemon.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, FileLayout, NoCapacity, NvmeFiles, SlotHeader, aligned_empty
 
 SHARDS = 4
@@ -118,3 +118,16 @@ def test_a_record_of_another_format_stops_recovery_with_its_path(tmp_path):
     record.write_text(record.read_text().replace('"format": 2', '"format": 1'))
     with pytest.raises(OSError, match="m.json is not a model record this daemon can read"):
         _files(tmp_path).recorded_models()
+
+
+def test_the_tiers_import_nothing_of_the_store():
+    """The tiers sit below the store: they may know the model spec, never the store or a shard
+    (anywhere in the file, function bodies included; they once imported each other)."""
+    import ast
+    from pathlib import Path
+
+    above = ("store", "shard", "push", "prefetch", "inspect", "servicer", "wire", "dataplane", "server")
+    for path in sorted((Path(__file__).parents[3] / "ps_daemon" / "tiers").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ps_offload.daemon."):
+                assert node.module.removeprefix("ps_offload.daemon.") not in above, f"{path.name} imports {node.module}"

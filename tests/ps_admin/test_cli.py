@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ps_offload import trainer
-from ps_offload.admin import cli as admin
+from ps_offload.admin import views
 from ps_offload.daemon.optim import AdamWConfig
 from ps_offload.daemon.store import shard_resident_bytes
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
@@ -63,8 +63,7 @@ def train(address: str, model_name: str = "model") -> Trained:
         model,
         daemons=[address],
         optimizer=trainer.AdamW(lr=1e-2),
-        model_name=model_name,
-        shard_bytes=SHARD_BYTES,
+        config=trainer.OffloadConfig(model_name=model_name, shard_bytes=SHARD_BYTES),
     ) as opt:
         for _ in range(STEPS):
             opt.zero_grad()
@@ -267,11 +266,11 @@ def test_stats_rates_from_counters():
     first.update(prefetched=0, tier_misses=0, tier_hits=0)
     last = {"uptime_seconds": 12.0, "pushes_applied": 9, "pulls": 13, "bytes_pushed": 300, "bytes_pulled": 50}
     last.update(prefetched=3, tier_misses=1, tier_hits=6)
-    r = admin.rates(last, first)
+    r = views.rates(last, first)
     assert (r["rates_seconds"], r["pushes_per_second"], r["pulls_per_second"]) == (2.0, 2.0, 4.0)
     assert (r["bytes_in_per_second"], r["bytes_out_per_second"]) == (100.0, 0.0)
     assert r["prefetch_hit_rate"] == 0.75 and r["ram_hit_rate"] == 6 / 7
-    assert admin.rates(last)["pushes_per_second"] == 9 / 12.0
+    assert views.rates(last)["pushes_per_second"] == 9 / 12.0
 
 
 # -- models ----------------------------------------------------------------------------

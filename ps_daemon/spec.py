@@ -1,0 +1,154 @@
+"""What RegisterModel declares: the model's parameters, optimizer, shard size and daemons;
+its validation, and its JSON form (kept with each model's files under nvme_dir).
+
+Numeric bounds. Every number a model or a push carries must be finite, and in range:
+* lr in [0, MAX_LR]. The kernels take lr as fp32, so a larger double does not even convert
+  (lr = 1e300 used to fail with INTERNAL after the update had begun). Beyond that, a step is
+  lr times a quantity that does not grow with the gradient for AdamW (|m_hat / (sqrt(v_hat)
+  + eps)| is bounded by the betas: tens for common ones; 1-bit Adam caps it at R, 7.3 for
+  (0.9, 0.999)), and the decay factor is 1 - lr * wd. With lr <= 1e3 and wd <= 1e3 both stay
+  below 1e6 in magnitude, 32 orders short of fp32's 3.4e38, so a step of a finite shard
+  stays finite; SGD's step, lr * g, stays finite for every |g| below 3.4e35. Published
+  schedules use lr <= 10: the bound refuses only mistakes (a step count or a loss sent as lr).
+* weight_decay in [0, MAX_WEIGHT_DECAY], the same reasoning (decay is lr * wd per step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ps_offload.daemon.errors import InvalidArgument
+from ps_offload.daemon.optim import AdamWConfig, OptimizerConfig, SGDConfig, validate_optimizer
+from ps_offload.proto.plan import PlanError, layout_params, shard_numel_for
+
+SUPPORTED_COMPUTE_DTYPES = ("float32",)
+MAX_LR = 1e3
+MAX_WEIGHT_DECAY = 1e3
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    weight_decay: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What RegisterModel declares. Two registrations are the same iff their `identity()`
+    is: the daemon addresses may change (a daemon restarted on another port, a host name
+    instead of an address) as long as there are as many, because the plan depends only on
+    their number and order."""
+
+    model: str
+    params: tuple[ParamSpec, ...]
+    optimizer: OptimizerConfig
+    shard_bytes: int
+    daemons: tuple[str, ...]
+
+    def identity(self) -> tuple:
+        return (self.model, self.params, self.optimizer, self.shard_bytes, len(self.daemons))
+
+
+def check_number(value: float, name: str, *, low: float, high: float = math.inf) -> str:
+    """'' if `value` is finite and within [low, high], else why not (for a message)."""
+    if not math.isfinite(value):
+        return f"{name} must be finite, got {value}"
+    if not low <= value <= high:
+        return f"{name} must be in [{low:g}, {high:g}], got {value:g}"
+    return ""
+
+
+def validate_spec(spec: ModelSpec, daemon_index: int) -> None:
+    """Raises InvalidArgument naming the first field that is wrong."""
+    if not spec.model:
+        raise InvalidArgument("the model name is empty")
+    if not spec.params:
+        raise InvalidArgument(f"model {spec.model!r} has no parameters")
+    if not spec.daemons:
+        raise InvalidArgument("the daemon list is empty")
+    if not 0 <= daemon_index < len(spec.daemons):
+        raise InvalidArgument(f"daemon_index {daemon_index} is outside the daemon list of {len(spec.daemons)}")
+    for param in spec.params:
+        if param.dtype not in SUPPORTED_COMPUTE_DTYPES:
+            raise InvalidArgument(
+                f"parameter {param.name!r}: compute dtype {param.dtype} is not supported yet "
+                f"(supported: {', '.join(SUPPORTED_COMPUTE_DTYPES)})"
+            )
+        if param.weight_decay is not None:
+            if not param.weight_decay >= 0:
+                raise InvalidArgument(f"parameter {param.name!r}: weight_decay must be >= 0")
+            problem = check_number(param.weight_decay, "weight_decay", low=0, high=MAX_WEIGHT_DECAY)
+            if problem:
+                raise InvalidArgument(f"parameter {param.name!r}: {problem}")
+    problem = _optimizer_problem(spec.optimizer)
+    if problem:
+        raise InvalidArgument(f"model {spec.model!r}: optimizer {problem}")
+    try:
+        validate_optimizer(spec.optimizer)
+        shard_numel_for(spec.shard_bytes)
+        layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
+    except (ValueError, PlanError) as exc:
+        raise InvalidArgument(f"model {spec.model!r}: {exc}") from exc
+
+
+def _optimizer_problem(config: OptimizerConfig) -> str:
+    """The bounds of the module docstring, on the numbers validate_optimizer leaves open
+    (it refuses what torch.optim refuses; NaN and inf pass some of its comparisons)."""
+    if not config.lr >= 0 or not config.weight_decay >= 0:
+        return ""  # validate_optimizer says it in torch's words
+    bounds = [("lr", 0.0, MAX_LR), ("weight_decay", 0.0, MAX_WEIGHT_DECAY)]
+    if isinstance(config, AdamWConfig):
+        bounds += [("eps", 0.0, math.inf)]
+    else:
+        bounds += [("momentum", 0.0, math.inf), ("dampening", -math.inf, math.inf)]
+    for name, low, high in bounds:
+        problem = check_number(getattr(config, name), name, low=low, high=high)
+        if problem:
+            return problem
+    return ""
+
+
+def spec_difference(old: ModelSpec, new: ModelSpec, old_index: int, new_index: int) -> str:
+    """What makes a registration differ from the one before (for FAILED_PRECONDITION)."""
+    if old_index != new_index:
+        return f"this daemon is index {old_index}, the new request says {new_index}"
+    if len(old.daemons) != len(new.daemons):
+        return f"{len(old.daemons)} daemons before, {len(new.daemons)} now"
+    for name in ("params", "optimizer", "shard_bytes"):
+        if getattr(old, name) != getattr(new, name):
+            if name == "params":
+                for a, b in zip(old.params, new.params, strict=False):  # lengths may differ
+                    if a != b:
+                        return f"parameter {a.name!r} was {a}, now {b}"
+                return f"{len(old.params)} parameters before, {len(new.params)} now"
+            return f"{name} was {getattr(old, name)}, now {getattr(new, name)}"
+    return "unknown difference"
+
+
+# -- the JSON form -------------------------------------------------------------------------
+
+
+def spec_to_dict(spec: ModelSpec) -> dict:
+    """The spec as JSON-ready values (ps_daemon.tiers.nvme writes it next to the model's slots)."""
+    return {
+        "model": spec.model,
+        "params": [
+            {"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "weight_decay": p.weight_decay}
+            for p in spec.params
+        ],
+        "optimizer": {"type": "adamw" if isinstance(spec.optimizer, AdamWConfig) else "sgd", **asdict(spec.optimizer)},
+        "shard_bytes": spec.shard_bytes,
+        "daemons": list(spec.daemons),
+    }
+
+
+def spec_from_dict(data: dict) -> ModelSpec:
+    """The inverse of spec_to_dict."""
+    params = tuple(ParamSpec(p["name"], tuple(p["shape"]), p["dtype"], p["weight_decay"]) for p in data["params"])
+    optimizer = dict(data["optimizer"])
+    kind = optimizer.pop("type")
+    config = AdamWConfig(**optimizer) if kind == "adamw" else SGDConfig(**optimizer)
+    return ModelSpec(data["model"], params, config, data["shard_bytes"], tuple(data["daemons"]))

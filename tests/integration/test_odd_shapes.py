@@ -1,0 +1,173 @@
+"""Bit-identical to torch.optim wherever the shard cuts fall inside parameters.
+
+torch's fused CPU kernels (AdamW(fused=True), SGD(fused=True)) compute the last n % 8
+elements of each tensor in a scalar loop that rounds differently from their SIMD body. The
+plan packs parameters end to end and cuts shards at page multiples of the flat space, so
+with odd parameter sizes a cut lands at any offset inside a parameter; a piece stepped as
+its own tensor would put a tail where the whole parameter has none (and off by ~1e-8 after
+a few dozen steps). The daemon steps such pieces through ps_proto/plan.py's kernel_runs.
+The model here has odd sizes (1, 7, 13, 91, 333, 4329, 2331 elements, Linear(7, 13) first),
+so every shard size below cuts parameters at offsets that are not multiples of 8.
+
+Any difference at all is a bug, hence torch.equal rather than a tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ps_offload import trainer
+from ps_offload.daemon.optim import AdamWConfig, SGDConfig, ShardOptimizer
+from ps_offload.proto.plan import layout_params, plan_shards, segments_of, shard_numel_for
+from tests.integration.test_train_equivalence import _train_offloaded, _train_reference
+
+STEPS = 30
+
+
+class _Scale(nn.Module):
+    """A 1-element parameter, which moves every later parameter to an odd flat offset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+def _odd_case(steps: int = STEPS):
+    torch.manual_seed(0)
+    # Flat offsets: fc1.w 0 (91), fc1.b 91 (13), gain 104 (1), fc2.w 105 (4329), fc2.b 4434
+    # (333), fc3.w 4767 (2331), fc3.b 7098 (7); 7105 elements.
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), _Scale(), nn.Linear(13, 333), nn.Tanh(), nn.Linear(333, 7))
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(7, 7, generator=g)
+    inputs = [torch.randn(16, 7, generator=g) for _ in range(steps)]
+    batches = [(x, torch.tanh(x @ teacher)) for x in inputs]
+
+    def loss_fn(m, batch):
+        x, y = batch
+        return nn.functional.mse_loss(m(x), y)
+
+    return model, batches, loss_fn
+
+
+def _no_decay(name, p):
+    return p.dim() < 2
+
+
+def _odd_cuts(model: nn.Module, shard_numel: int) -> list[tuple[str, int]]:
+    """(parameter, offset) of every shard cut inside a parameter at an offset that is not a
+    multiple of 8: the cases the fix is for."""
+    layouts = layout_params([(name, tuple(p.shape), None) for name, p in model.named_parameters()])
+    total = sum(lo.numel for lo in layouts)
+    cuts = []
+    for shard in plan_shards(total, shard_numel, 1):
+        for seg in segments_of(shard, layouts):
+            end = seg.param_start + seg.numel
+            if end < seg.param_numel and end % 8:
+                cuts.append((layouts[seg.param_index].name, end))
+    return cuts
+
+
+def _optimizers(kind: str, reference: nn.Module):
+    """(torch.optim in-process on `reference`, the trainer's config for the daemons)."""
+    if kind == "adamw":
+        decay = [p for n, p in reference.named_parameters() if not _no_decay(n, p)]
+        no_decay = [p for n, p in reference.named_parameters() if _no_decay(n, p)]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=3e-3, fused=True), trainer.AdamW(lr=3e-3, weight_decay=0.1)
+    torch_opt = torch.optim.SGD(
+        reference.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=True, fused=True
+    )
+    return torch_opt, trainer.SGD(lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=True)
+
+
+def _assert_equal(model: nn.Module, reference: nn.Module, where: str) -> None:
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs), f"{where}, {name}: max |diff| {(ours - theirs).abs().max().item()}"
+
+
+# 4, 8 and 12 KiB shards: cuts inside fc2.weight at 919, 1943, 2967, 3991 and inside
+# fc3.weight at 353, 1377 (in elements), none a multiple of 8.
+SHARD_BYTES = (4096, 8192, 12288)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("n_daemons", [1, 2])
+def test_odd_shapes_through_daemons_match_torch_fused(kind, n_daemons, daemon_factory):
+    daemons = [daemon_factory() for _ in range(n_daemons)]
+    for shard_bytes in SHARD_BYTES:
+        model, batches, loss_fn = _odd_case()
+        assert _odd_cuts(model, shard_numel_for(shard_bytes)), shard_bytes  # the case under test
+        reference = copy.deepcopy(model)
+        torch_opt, optimizer = _optimizers(kind, reference)
+        _train_reference(reference, batches, loss_fn, torch_opt)
+        with trainer.offload(
+            model,
+            daemons=[d.address for d in daemons],
+            optimizer=optimizer,
+            no_weight_decay=_no_decay if kind == "adamw" else None,
+            config=trainer.OffloadConfig(model_name=f"odd-{kind}-{shard_bytes}", shard_bytes=shard_bytes),
+        ) as opt:
+            assert {s.daemon_index for s in opt.plan} == set(range(n_daemons))
+            losses = _train_offloaded(model, batches, loss_fn, opt)
+        assert losses[-1] < losses[0]
+        _assert_equal(model, reference, f"{kind}, {n_daemons} daemon(s), shard_bytes {shard_bytes}")
+
+
+# -- the daemon's optimizer alone, at shard sizes the daemon never uses (any cut) ---------
+
+
+def _shard_optimizer_run(kind: str, shard_numel: int, steps: int = 20) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Steps the odd model's parameters with torch.optim (in process) and, on the same
+    gradients, with one ShardOptimizer per shard of `shard_numel` elements; returns the
+    reference parameters and the shards' flat master values."""
+    model, _, _ = _odd_case(0)
+    named = list(model.named_parameters())
+    reference = [p.detach().clone().requires_grad_() for _, p in named]
+    decays = [0.0 if _no_decay(n, p) else (0.1 if kind == "adamw" else 1e-4) for n, p in named]
+    groups = [{"params": [r], "weight_decay": d} for r, d in zip(reference, decays, strict=True)]
+    if kind == "adamw":
+        torch_opt = torch.optim.AdamW(groups, lr=3e-3, fused=True)
+        config = AdamWConfig(lr=3e-3)
+    else:
+        torch_opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9, fused=True)
+        config = SGDConfig(lr=0.05, momentum=0.9)
+
+    layouts = layout_params([(n, tuple(p.shape), d) for (n, p), d in zip(named, decays, strict=True)])
+    flat = torch.cat([p.detach().reshape(-1) for _, p in named])
+    shards = []
+    for shard in plan_shards(flat.numel(), shard_numel, 1):
+        segments = segments_of(shard, layouts)
+        optimizer = ShardOptimizer(config, segments, [layouts[s.param_index].weight_decay for s in segments])
+        optimizer.bind([torch.zeros(shard.numel) for _ in range(config.state_per_param)])
+        shards.append((shard, optimizer))
+
+    g = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        # Gradients over several orders of magnitude, so the two loops' roundings show.
+        grads = [
+            torch.randn(p.shape, generator=g) * 10.0 ** torch.randint(-3, 2, p.shape, generator=g) for p in reference
+        ]
+        for r, grad in zip(reference, grads, strict=True):
+            r.grad = grad.clone()
+        torch_opt.step()
+        flat_grad = torch.cat([grad.reshape(-1) for grad in grads])
+        for shard, optimizer in shards:
+            optimizer.apply(flat[shard.offset : shard.end], flat_grad[shard.offset : shard.end].clone(), config.lr)
+    return reference, flat
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("shard_numel", [37, 100, 1000, 1024, 3072, 7105])
+def test_shard_optimizer_matches_torch_fused_at_any_cut(kind, shard_numel):
+    reference, flat = _shard_optimizer_run(kind, shard_numel)
+    assert torch.equal(flat, torch.cat([r.detach().reshape(-1) for r in reference])), (
+        f"{kind}, shard_numel {shard_numel}: max |diff| "
+        f"{(flat - torch.cat([r.detach().reshape(-1) for r in reference])).abs().max().item()}"
+    )
