@@ -28,6 +28,21 @@ from tests.integration.test_train_equivalence import _train_offloaded, _train_re
 STEPS = 30
 
 
+@pytest.fixture(autouse=True)
+def threads(monkeypatch, request):
+    """One torch thread here and in the daemons started by the test (OMP_NUM_THREADS is
+    read at their start): on a loaded machine the kernels' OpenMP barriers on these tiny
+    tensors cost 10x the work. The thread count cannot move a tail (the kernels split work
+    in whole 16-element cache lines); test_shard_optimizer_matches_torch_fused_at_any_cut
+    checks that with 2 threads too (`threads` parameter)."""
+    count = getattr(request, "param", 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(count))
+    yield count
+    torch.set_num_threads(before)
+
+
 class _Scale(nn.Module):
     """A 1-element parameter, which moves every later parameter to an odd flat offset."""
 
@@ -123,7 +138,7 @@ def test_odd_shapes_through_daemons_match_torch_fused(kind, n_daemons, daemon_fa
 # -- the daemon's optimizer alone, at shard sizes the daemon never uses (any cut) ---------
 
 
-def _shard_optimizer_run(kind: str, shard_numel: int, steps: int = 20) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _shard_optimizer_run(kind: str, shard_numel: int, steps: int = STEPS) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Steps the odd model's parameters with torch.optim (in process) and, on the same
     gradients, with one ShardOptimizer per shard of `shard_numel` elements; returns the
     reference parameters and the shards' flat master values."""
@@ -164,8 +179,12 @@ def _shard_optimizer_run(kind: str, shard_numel: int, steps: int = 20) -> tuple[
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
-@pytest.mark.parametrize("shard_numel", [37, 100, 1000, 1024, 3072, 7105])
-def test_shard_optimizer_matches_torch_fused_at_any_cut(kind, shard_numel):
+@pytest.mark.parametrize(
+    ("shard_numel", "threads"),
+    [(37, 1), (100, 1), (1000, 1), (1024, 1), (3072, 1), (3072, 2), (7105, 1)],
+    indirect=["threads"],
+)
+def test_shard_optimizer_matches_torch_fused_at_any_cut(kind, shard_numel, threads):
     reference, flat = _shard_optimizer_run(kind, shard_numel)
     assert torch.equal(flat, torch.cat([r.detach().reshape(-1) for r in reference])), (
         f"{kind}, shard_numel {shard_numel}: max |diff| "
