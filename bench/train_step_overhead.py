@@ -9,11 +9,13 @@ Ratio = our step time over the in-process one (lower is better). Reported; the t
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import torch
 
-from bench.common import REPO, BenchDaemon, median, record, timed
+from bench.common import REPO, BenchDaemon, median, quick, record, spread, timed
 
 sys.path.insert(0, str(REPO / "examples"))
 import train_gpt  # noqa: E402
@@ -21,7 +23,15 @@ import train_gpt  # noqa: E402
 from ps_offload import trainer  # noqa: E402
 
 BLOCK_STEPS = 10
-BLOCKS = 8
+BLOCKS = quick(8, 2)
+PHASES = ("forward", "backward", "clip", "step")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> dict:
@@ -43,21 +53,42 @@ def main() -> dict:
         )
         batches = [data.batch(args.batch_size) for _ in range(BLOCK_STEPS)]
 
+        # Where a step goes, per phase (ms lists): forward (offloaded, it includes waiting for
+        # the pulls of the step before), backward, clip, optimizer step (offloaded: pushes
+        # until the daemon acknowledged them). And the daemon's CPU time over each block.
+        phases = {"ours": {k: [] for k in PHASES}, "in_process": {k: [] for k in PHASES}}
+        daemon_cpu: list[float] = []
+
         def steps(model, opt):
+            times = phases["ours" if opt is remote_opt else "in_process"]
+
             def run() -> None:
+                cpu = _cpu_seconds(daemon.process.pid)
                 for x, y in batches:
+                    t0 = time.perf_counter()
                     _, loss = model(x, y)
+                    t1 = time.perf_counter()
                     opt.zero_grad()
                     loss.backward()
+                    t2 = time.perf_counter()
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    t3 = time.perf_counter()
                     opt.step()
+                    t4 = time.perf_counter()
+                    for k, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                        times[k].append(1000 * dt)
                 if opt is remote_opt:
                     opt.synchronize()
+                    daemon_cpu.append(1000 * (_cpu_seconds(daemon.process.pid) - cpu) / len(batches))
 
             return run
 
         ours, peer = steps(remote_model, remote_opt), steps(local_model, local_opt)
         ours(), peer()  # warm-up
+        for times in phases.values():
+            for v in times.values():
+                v.clear()
+        daemon_cpu.clear()
         ours_t, peer_t = [], []
         for block in range(BLOCKS):
             pair = [(ours, ours_t), (peer, peer_t)]
@@ -65,6 +96,7 @@ def main() -> dict:
                 times.append(timed(fn) / BLOCK_STEPS)
         remote_opt.close()
     n_params = sum(p.numel() for p in local_model.parameters())
+    paired = [o / p for o, p in zip(ours_t, peer_t, strict=True)]
     return record(
         "train_step_overhead",
         ours=1000 * median(ours_t),
@@ -72,8 +104,16 @@ def main() -> dict:
         unit="ms/step",
         target=1.10,
         higher_is_better=False,
+        # Per block pair (next to each other in time), so the machine's drift cancels.
+        ratio=median(paired),
+        extra={
+            "ratio_spread": spread(paired),
+            "ratio_of_medians": round(median(ours_t) / median(peer_t), 3),
+            "phase_ms": {who: {k: round(median(v), 2) for k, v in t.items()} for who, t in phases.items()},
+            "daemon_cpu_ms_per_step": round(median(daemon_cpu), 2),
+        },
         notes=f"{n_params / 1e6:.2f}M-param char GPT, {len(remote_opt.plan)} shards of {args.shard_bytes} B, "
-        f"one local daemon; median of {BLOCKS} ABBA blocks of {BLOCK_STEPS} steps",
+        f"one local daemon; {BLOCKS} ABBA blocks of {BLOCK_STEPS} steps; ratio: median of the per-pair block ratios",
     )
 
 

@@ -26,11 +26,12 @@ SHARD_ALIGN_BYTES = 4096
 # SGD(fused=True) run) compute element p of a tensor of n elements in a SIMD body when
 # p < n - n % V and in a scalar tail loop otherwise, V = at::vec::Vectorized<float>::size()
 # (8 on this torch's AVX2 and AVX512 builds, measured; the thread split, in 16-element cache
-# lines, does not move it). The two loops round differently (the compiler contracts a
-# multiply-add in one and not the other), so a piece of a parameter stepped as its own tensor
-# matches torch.optim only if its tail falls where the whole parameter's does. Pieces handed
-# to the kernel therefore start and end on multiples of KERNEL_ALIGN within the parameter
-# (or at its end): exact for every V that divides it, i.e. any SIMD width up to 2048 bits.
+# lines, does not move it). The two loops round differently (they agree when torch runs its
+# no-FMA build, ATEN_CPU_CAPABILITY=default: a fused multiply-add in one of them, it seems),
+# so a piece of a parameter stepped as its own tensor matches torch.optim only if its tail
+# falls where the whole parameter's does. Pieces handed to the kernel therefore start and
+# end on multiples of KERNEL_ALIGN within the parameter (or at its end): exact for every V
+# that divides it, i.e. any SIMD width up to 2048 bits.
 KERNEL_ALIGN = 64
 
 

@@ -28,7 +28,7 @@ def test_gpt_example_trains_with_pp_dp_and_staleness_over_a_cluster_file(tmp_pat
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
              "examples/train_gpt.py", "--pp", "2", "--dp", "2", "--staleness", "1", "--steps", "50",
              "--n-layer", "2", "--warmup", "5"],
-            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+            capture_output=True, text=True, timeout=150, cwd=ROOT, env=env,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-4000:]
         assert "2 stages x 2 replicas" in result.stdout and daemons[1].address in result.stdout

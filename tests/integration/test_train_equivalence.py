@@ -3,8 +3,9 @@
 Exactness: bit-identical. The daemon runs the same fused kernel as
 torch.optim.AdamW(fused=True) / SGD(fused=True) (torch._fused_adamw_ / _fused_sgd_), on one
 view per parameter piece (so vector lanes and scalar tails fall on the same elements), with
-the same fp32 gradients (sent as raw bytes) and the same step counts. Shard boundaries that
-cut a parameter are multiples of 1024 elements, so they cannot move a tail either. Any
+the same fp32 gradients (sent as raw bytes) and the same step counts. Where a shard boundary
+cuts a parameter at an offset that is not a multiple of 64, the daemon steps the cut block in a
+scratch (ps_proto/plan.py, kernel_runs; test_odd_shapes.py covers odd shapes). Any
 difference at all is a bug, hence torch.equal rather than a tolerance.
 """
 
