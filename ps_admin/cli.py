@@ -28,8 +28,6 @@ from rich.progress import Progress
 
 from ps_offload.admin import client, views
 from ps_offload.admin.client import AdminError
-from ps_offload.admin.export import FORMATS as EXPORT_FORMATS
-from ps_offload.admin.export import export_file
 from ps_offload.admin.views import SortKey, Tier
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.security import ClientSecurity
@@ -306,6 +304,10 @@ def export(
     timeout: TimeoutOpt = 600.0,
 ) -> None:
     """Write a model's current parameters, pulled from all its daemons, to a file."""
+    # Imported here: export loads torch, which costs every other command ~2 s of start-up.
+    from ps_offload.admin.export import FORMATS as EXPORT_FORMATS
+    from ps_offload.admin.export import export_file
+
     if file_format not in EXPORT_FORMATS:
         _fail(f"unknown --format {file_format!r}; supported: {', '.join(EXPORT_FORMATS)}")
         raise typer.Exit(2)
