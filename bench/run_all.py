@@ -67,9 +67,8 @@ def _pct(x: float) -> str:
 
 def _head(r: dict) -> str:
     target = f"{'≥' if r['higher_is_better'] else '≤'} {r['target']}"
-    spread = (
-        f", per-round ratios {r['ratio_spread']['min']}–{r['ratio_spread']['max']}" if r.get("ratio_spread") else ""
-    )
+    s = r.get("ratio_spread")
+    spread = f", paired ratios {s['min']}–{s['max']} over {s['n']}" if s else ""
     return (
         f"**`{r['name']}` ({target}): {'met' if r['target_met'] else 'not met'}, {r['ratio']}×** "
         f"({r['ours']} against {r['peer']} {r['unit']}{spread}; {r['date']})."

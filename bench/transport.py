@@ -191,6 +191,7 @@ def main() -> list[dict]:
         peer_note = f"iperf3 -P {streams} (C) moving the same bytes on loopback" if have_iperf3 else "raw TCP"
         extra = {
             "connections": streams,
+            "ratio_spread": spread(vs[head]),
             "raw_tcp_gbps": round(gbps["raw_tcp"], 3),
             "ratio_vs_raw_tcp": round(median(vs["raw_tcp"]), 3),
             "ratio_vs_raw_tcp_spread": spread(vs["raw_tcp"]),

@@ -1,0 +1,35 @@
+"""The benchmarks' shared machinery: ABC CBA interleaving, and the doc's generated parts."""
+
+from __future__ import annotations
+
+from bench import run_all
+from bench.common import interleaved_many, spread
+
+
+def test_interleaved_many_alternates_the_order_and_takes_reported_seconds():
+    calls: list[str] = []
+
+    def contender(name: str, reported: float | None = None):
+        def run():
+            calls.append(name)
+            return reported
+
+        return run
+
+    times = interleaved_many({"a": contender("a"), "b": contender("b", 0.5), "c": contender("c")}, reps=2, warmup=0)
+    assert calls == ["a", "b", "c", "c", "b", "a"]
+    assert times["b"] == [0.5, 0.5]  # an external tool's own timing is kept
+    assert len(times["a"]) == len(times["c"]) == 2
+
+
+def test_generated_table_and_status_quote_the_result_file():
+    r = {
+        "name": "nvme_read", "ours": 1.0, "peer": 2.0, "unit": "GB/s", "ratio": 0.5, "target": 0.9,
+        "higher_is_better": True, "target_met": False, "date": "2026-01-01", "ratio_spread": spread([0.4, 0.5, 0.6]),
+        "bytes": 1 << 30, "gbps": {"ours": 1.0, "fio": 2.0}, "ratio_vs_fio": 0.5,
+        "peer_missing": {"deepspeed": "not installed"}, "bench_seconds": 12.3,
+    }  # fmt: skip
+    table = run_all.table({"nvme_read": r})
+    assert "| `nvme_read` | 1.0 | 2.0 | GB/s | **0.5** | 0.4–0.6 (3) | ≥ 0.9 | no | 2026-01-01 | 12.3 |" in table
+    status = run_all.status({"nvme_read": r})
+    assert "not met, 0.5×" in status and "fio 2.0" in status and "deepspeed (not installed)" in status
