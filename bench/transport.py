@@ -3,9 +3,10 @@ and pushed over loopback by the trainer's client (ShardedClient on the daemon's 
 plane, `streams_per_daemon` connections and as many threads, as OffloadOptimizer uses) from/to
 a ps-daemon process, against two peers given the same connections and the same bytes:
 
-* iperf3 (C) with as many parallel streams (`-P`) moving the same total bytes (`-n`), pushes
-  client to server and pulls reversed (`-R`): what loopback TCP does with no interpreter in
-  the way. The headline ratio is ours over it; target >= 0.85.
+* iperf3 (C) over as many connections, one iperf3 process per connection (so it gets as many
+  threads as ours; see Iperf3), moving the same total bytes (`-n`), pushes client to server
+  and pulls reversed (`-R`): what loopback TCP does with no interpreter in the way. The
+  headline ratio is ours over it; target >= 0.85.
 * raw TCP in Python: a server process with one thread per connection `sendall`s from /
   `recv_into`s a preallocated buffer, and the client moves the same four 64 MiB pieces over
   the same number of persistent connections from a pool of as many threads. This is the
@@ -128,42 +129,71 @@ class TcpPeer:
 
 
 class Iperf3:
-    """iperf3 on loopback with `streams` parallel streams moving NBYTES in all; a server
-    process kept for the whole run, one client process per transfer."""
+    """iperf3 on loopback moving NBYTES in all over `streams` connections, one iperf3 server
+    and one client process per connection, all at once. iperf3 before 3.16 (Debian's is
+    3.12) runs every `--parallel` stream of a client in one thread, which would give the peer
+    one core against our `streams` threads; separate processes give it as many as ours."""
 
     def __init__(self, streams: int) -> None:
         self.streams = streams
-        with socket.create_server(("127.0.0.1", 0)) as s:  # a free port for the server
-            self.port = s.getsockname()[1]
-        self.server = subprocess.Popen(
-            ["iperf3", "--server", "--bind", "127.0.0.1", "--port", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        for _ in range(100):  # wait until it listens
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        time.sleep(0.2)  # the probe above counts as a client to iperf3; let it reset
+        self.ports, self.servers = [], []
+        for _ in range(streams):
+            with socket.create_server(("127.0.0.1", 0)) as s:  # a free port for each server
+                port = s.getsockname()[1]
+            self.ports.append(port)
+            self.servers.append(subprocess.Popen(
+                ["iperf3", "--server", "--bind", "127.0.0.1", "--port", str(port)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))  # fmt: skip
+        for port in self.ports:
+            for _ in range(100):  # wait until it listens
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+        time.sleep(0.2)  # the probes above count as clients to iperf3; let the servers reset
         self.seconds = {"transport_pull": [], "transport_push": []}
 
     def run(self, reverse: bool) -> float:
-        """Seconds iperf3 reports for moving the bytes (its test time, not its process start)."""
+        """Seconds for all connections to move NBYTES between them: the slowest client's own
+        test time (iperf3's figure, not its process start)."""
+        share = NBYTES // self.streams
         for attempt in range(5):
-            cmd = ["iperf3", "--client", "127.0.0.1", "--port", str(self.port), "--parallel", str(self.streams),
-                   "--bytes", str(NBYTES), "--length", "1M", "--json", *(["--reverse"] if reverse else [])]  # fmt: skip
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            data = json.loads(out.stdout or "{}")
-            if out.returncode == 0 and "error" not in data:
-                got = data["end"]["sum_received"]
-                return got["seconds"] * NBYTES / got["bytes"]
+            clients = [
+                subprocess.Popen(
+                    [
+                        "iperf3",
+                        "--client",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--bytes",
+                        str(share),
+                        "--length",
+                        "1M",
+                        "--json",
+                        *(["--reverse"] if reverse else []),
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )  # fmt: skip
+                for port in self.ports
+            ]
+            outs = [(client.communicate(), client.returncode) for client in clients]
+            reports = [json.loads(out or "{}") for (out, _), _ in outs]
+            if all(code == 0 and "error" not in data for (_, code), data in zip(outs, reports, strict=True)):
+                return max(
+                    d["end"]["sum_received"]["seconds"] * share / d["end"]["sum_received"]["bytes"] for d in reports
+                )
             time.sleep(0.2 * (attempt + 1))  # "the server is busy running a test": it was still resetting
-        raise RuntimeError(f"iperf3 failed: {out.stdout[-500:]} {out.stderr[-500:]}")
+        raise RuntimeError(f"iperf3 failed: {[out[-300:] for (out, _), _ in outs]}")
 
     def close(self) -> None:
-        self.server.terminate()
-        self.server.wait(10)
+        for server in self.servers:
+            server.terminate()
+            server.wait(10)
 
 
 def main() -> list[dict]:
@@ -188,7 +218,11 @@ def main() -> list[dict]:
         # Per round, ours over each peer (throughput ratio = their time over ours).
         vs = {who: [p / o for o, p in zip(t["ours"], t[who], strict=True)] for who in t if who != "ours"}
         head = "iperf3" if have_iperf3 else "raw_tcp"
-        peer_note = f"iperf3 -P {streams} (C) moving the same bytes on loopback" if have_iperf3 else "raw TCP"
+        peer_note = (
+            f"iperf3 (C), {streams} processes of one connection each, moving the same bytes on loopback"
+            if have_iperf3
+            else "raw TCP"
+        )
         extra = {
             "connections": streams,
             "ratio_spread": spread(vs[head]),
