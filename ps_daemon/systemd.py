@@ -115,16 +115,16 @@ class Watchdog:
         while not self._stopping.is_set():
             started = time.monotonic()
             problem = self.check(period / 2)
+            if problem is None and failing_since is not None:
+                # Logged before the ping, so whoever sees the ping can already read the line.
+                log.warning("watchdog: serving again after %.1fs; pinging systemd again", started - failing_since)
+                failing_since = None
             with self._ping_lock:
                 if self._stopping.is_set():
                     break  # the drain makes the check fail; that is not a hang
                 if problem is None:
                     notify("WATCHDOG=1")
-            if problem is None:
-                if failing_since is not None:
-                    log.warning("watchdog: serving again after %.1fs; pinging systemd again", started - failing_since)
-                    failing_since = None
-            elif failing_since is None:
+            if problem is not None and failing_since is None:
                 failing_since = started
                 log.error(
                     "watchdog: %s; not pinging systemd, which restarts the daemon %.3gs after the last ping",

@@ -245,7 +245,9 @@ def test_watchdog_stops_pinging_while_rpc_threads_are_stuck(daemon_factory, syst
     for thread in threads:
         thread.join(timeout=10)
     freed_at = time.monotonic()
-    notes.wait_for(lambda n: n.message.startswith("STATUS=Serving on"), after=not_serving.at, timeout=5)
+    serving = notes.wait_for(lambda n: n.message.startswith("STATUS=Serving on"), after=not_serving.at, timeout=5)
+    # The recovery is logged before the first ping that follows it (the STATUS line comes earlier).
+    notes.wait_for(lambda n: n.message == "WATCHDOG=1", after=serving.at, timeout=5)
     log = daemon.log()
     assert "ERROR ps_offload.daemon.systemd: watchdog: a health check got no answer in 0.2s" in log
     assert "not pinging systemd, which restarts the daemon 1s after the last ping" in log
