@@ -90,6 +90,7 @@ class Daemon:
                         chunk_bytes=CHUNK_BYTES,
                         staging=staging,
                         data_port=self.data_plane.port if self.data_plane else 0,
+                        nvme_tier=self.files is not None,
                     )
                 ),
                 admin_handler(AdminServicer(self.store)),

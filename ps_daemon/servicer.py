@@ -23,18 +23,26 @@ from ps_offload.proto import codec, ps_pb2
 
 class ParameterServerServicer:
     def __init__(
-        self, store: ShardStore, *, max_pull_wait: float, chunk_bytes: int, staging: StagingPool, data_port: int = 0
+        self,
+        store: ShardStore,
+        *,
+        max_pull_wait: float,
+        chunk_bytes: int,
+        staging: StagingPool,
+        data_port: int = 0,
+        nvme_tier: bool = False,
     ) -> None:
         self.store = store
         self.staging = staging
         self.data_port = data_port  # advertised in RegisterModel; 0: no TCP data plane
+        self.nvme_tier = nvme_tier  # advertised too: only then are prefetch hints worth sending
         self.max_pull_wait = max_pull_wait
         self.chunk_bytes = chunk_bytes
 
     @grpc_errors
     def RegisterModel(self, request: ps_pb2.RegisterModelRequest, context: grpc.ServicerContext):
         model, created = self.store.register(wire.spec_from_proto(request.spec), request.daemon_index)
-        return wire.plan_to_proto(model, created, data_port=self.data_port)
+        return wire.plan_to_proto(model, created, data_port=self.data_port, nvme_tier=self.nvme_tier)
 
     @grpc_errors_stream
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:

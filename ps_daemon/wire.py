@@ -52,10 +52,13 @@ def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
     return ModelSpec(spec.model, tuple(params), optimizer, spec.shard_bytes, tuple(spec.daemons))
 
 
-def plan_to_proto(model: RegisteredModel, created: bool, *, data_port: int) -> ps_pb2.RegisterModelResponse:
+def plan_to_proto(
+    model: RegisteredModel, created: bool, *, data_port: int, nvme_tier: bool
+) -> ps_pb2.RegisterModelResponse:
     return ps_pb2.RegisterModelResponse(
         created=created,
         data_port=data_port,
+        nvme_tier=nvme_tier,
         shard_bytes=model.spec.shard_bytes,
         shards=_placements(model),
     )

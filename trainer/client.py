@@ -173,6 +173,8 @@ class ShardedClient:
         self.model = ""
         self.plan: list[ShardSlice] = []
         self.created: list[bool] = []
+        # The daemons with an NVMe tier: only their Prefetch hints can save a read.
+        self.nvme_daemons: set[int] = set()
         # Per daemon, what carries pulls and pushes: its data plane when it has one (and the
         # config allows it), else the gRPC client. Both offer pull_into() and push().
         self.transports: list[DaemonClient | DataPlaneClient] = list(self.clients)
@@ -202,6 +204,10 @@ class ShardedClient:
                     "are all daemons and trainers running the same ps-offload version?"
                 )
             self.created.append(response.created)
+            if response.nvme_tier:
+                self.nvme_daemons.add(index)
+            else:
+                self.nvme_daemons.discard(index)
             self._use_data_plane(index, response.data_port)
         return self.plan
 
@@ -301,9 +307,12 @@ class ShardedClient:
             self._call("prefetch", index, lambda c=client, m=mine: c.prefetch(self.model, m, timeout=5.0))
 
     def hint(self, shard_ids: list[int]) -> None:
-        """Like prefetch, but once and without raising: a lost hint costs only its speed-up,
-        and a daemon that is down is for the next push to find (and retry)."""
+        """Like prefetch, but once, without raising, and only to daemons with an NVMe tier
+        (on a RAM-only one it would be a call on each side for nothing): a lost hint costs
+        only its speed-up, and a daemon that is down is for the next push to find (and retry)."""
         for index, client, mine in self._by_daemon(shard_ids):
+            if index not in self.nvme_daemons:
+                continue
             try:
                 client.prefetch(self.model, mine, timeout=5.0)
             except grpc.RpcError as error:

@@ -331,7 +331,7 @@ class OffloadOptimizer:
         return pushes, pulls
 
     def _hint_after(self, pulls: list[Future]) -> None:
-        if self.client.config.prefetch_hints and self._hints:
+        if self.client.config.prefetch_hints and self._hints and self.client.nvme_daemons:
             # Submitted after the pulls, so they have all left the queue (FIFO) when this
             # task starts waiting on them: it cannot hold up a pull it waits for.
             self._pool.submit(self._hint_next_step, pulls)

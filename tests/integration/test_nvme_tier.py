@@ -222,6 +222,33 @@ def test_trainer_hints_bring_the_next_steps_first_shards_back_after_each_step(tm
         daemon.kill()
 
 
+def test_hints_go_only_to_daemons_with_an_nvme_tier(tmp_path):
+    """A RAM-only daemon has nothing to prefetch: the registration says which daemons have an
+    NVMe tier, and the end-of-step hint goes to those only (on the others it was a gRPC call
+    on each side per step for nothing)."""
+    ram_only = LocalDaemon(tmp_path / "ram")
+    with_nvme = LocalDaemon(tmp_path / "nvme", "--nvme-dir", str(tmp_path / "files"))
+    try:
+        model = torch.nn.Linear(64, 64)
+        addresses = [ram_only.address, with_nvme.address]
+        opt = trainer.offload(
+            model, daemons=addresses, optimizer=trainer.AdamW(), config=trainer.OffloadConfig(shard_bytes=4096)
+        )
+        with opt:
+            assert opt.client.nvme_daemons == {1}
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(2, 64)).sum().backward()
+                opt.step()
+        # close() waited for the hint tasks, so every hint sent has been counted.
+        on_nvme = sum(1 for s in opt.plan if s.daemon_index == 1)
+        assert _stats(ram_only.address).prefetch_hints == 0
+        assert _stats(with_nvme.address).prefetch_hints == 3 * on_nvme
+    finally:
+        ram_only.kill()
+        with_nvme.kill()
+
+
 def test_registration_past_nvme_bytes_is_resource_exhausted(tmp_path):
     daemon = LocalDaemon(
         tmp_path / "d", "--nvme-dir", str(tmp_path / "nvme"), "--ram-bytes", str(RAM_BYTES), "--nvme-bytes", "1MiB"
