@@ -65,16 +65,18 @@ VERIFY_BAD: VerifyStatus
 VERIFY_NOT_AT_REST: VerifyStatus
 
 class ParamSpec(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "weight_decay")
+    __slots__ = ("name", "shape", "dtype", "weight_decay", "group")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     weight_decay: float
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+    group: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., weight_decay: _Optional[float] = ..., group: _Optional[int] = ...) -> None: ...
 
 class AdamWSpec(_message.Message):
     __slots__ = ("lr", "beta1", "beta2", "eps", "weight_decay")
@@ -161,16 +163,18 @@ class RegisterModelResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., created: _Optional[bool] = ..., shard_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., nvme_tier: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "shard_id", "min_version", "tensor")
+    __slots__ = ("model", "shard_id", "min_version", "tensor", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     shard_id: int
     min_version: int
     tensor: ShardTensor
-    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., min_version: _Optional[int] = ..., tensor: _Optional[_Union[ShardTensor, str]] = ...) -> None: ...
+    dtype: DType
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., min_version: _Optional[int] = ..., tensor: _Optional[_Union[ShardTensor, str]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class ShardHeader(_message.Message):
     __slots__ = ("model", "shard_id", "version", "numel", "dtype")
@@ -194,8 +198,26 @@ class PullChunk(_message.Message):
     data: bytes
     def __init__(self, header: _Optional[_Union[ShardHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class GroupHyperparams(_message.Message):
+    __slots__ = ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "dampening")
+    LR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    DAMPENING_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    momentum: float
+    dampening: float
+    def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ...) -> None: ...
+
 class PushHeader(_message.Message):
-    __slots__ = ("model", "shard_id", "step", "kind", "encoding", "dtype", "nbytes", "lr", "variance_frozen_at")
+    __slots__ = ("model", "shard_id", "step", "kind", "encoding", "dtype", "nbytes", "lr", "variance_frozen_at", "groups", "grad_multiplier")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +227,8 @@ class PushHeader(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     VARIANCE_FROZEN_AT_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     model: str
     shard_id: int
     step: int
@@ -214,7 +238,9 @@ class PushHeader(_message.Message):
     nbytes: int
     lr: float
     variance_frozen_at: int
-    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., lr: _Optional[float] = ..., variance_frozen_at: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[GroupHyperparams]
+    grad_multiplier: float
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., lr: _Optional[float] = ..., variance_frozen_at: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparams, _Mapping]]] = ..., grad_multiplier: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -12,8 +12,15 @@ from collections.abc import Iterable
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.codec import Chunk
 
-ELEMENT_BYTES = 4
-"""Every tensor a Pull streams (master values, AdamW's moments) is fp32."""
+ELEMENT_BYTES = {ps_pb2.DTYPE_UNSPECIFIED: 4, ps_pb2.FLOAT32: 4, ps_pb2.BFLOAT16: 2, ps_pb2.FLOAT16: 2}
+"""Bytes per element of a Pull by PullRequest.dtype (unset: fp32, as the daemon stores it)."""
+
+
+def element_bytes(dtype: int) -> int:
+    try:
+        return ELEMENT_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"no such DType {dtype}") from None
 
 
 class PullStreamError(ValueError):
@@ -21,9 +28,16 @@ class PullStreamError(ValueError):
     plan, or the stream was cut short."""
 
 
-def read_pull_stream(chunks: Iterable[Chunk[ps_pb2.ShardHeader]], out: memoryview | bytearray, *, what: str) -> int:
-    """Copies a shard's Pull stream into `out` (exactly the shard's bytes) and returns the
-    version its header names. `what` names the shard in errors ("shard 3 from daemon ...").
+def read_pull_stream(
+    chunks: Iterable[Chunk[ps_pb2.ShardHeader]],
+    out: memoryview | bytearray,
+    *,
+    what: str,
+    dtype: int = ps_pb2.FLOAT32,
+) -> int:
+    """Copies a shard's Pull stream into `out` (exactly the shard's bytes in `dtype`, the
+    PullRequest's) and returns the version its header names. `what` names the shard in
+    errors ("shard 3 from daemon ...").
 
     Invariants checked: the header's element count is `out`'s; no more bytes arrive than `out`
     holds; the stream ends with `out` full and a header seen. A chunk that breaks one raises
@@ -31,21 +45,34 @@ def read_pull_stream(chunks: Iterable[Chunk[ps_pb2.ShardHeader]], out: memoryvie
     stream pass through unchanged, for the caller's retry policy to judge.
     """
     view = memoryview(out).cast("B")
-    size = view.nbytes
+    size, width = view.nbytes, element_bytes(dtype)
     version, received = -1, 0
     for chunk in chunks:
         if chunk.header is not None:
-            if chunk.header.numel * ELEMENT_BYTES != size:
-                raise PullStreamError(
-                    f"{what} came with {chunk.header.numel} elements, the plan says {size // ELEMENT_BYTES}: "
-                    "the two ends disagree on the plan"
-                )
+            check_pull_header(chunk.header, size, dtype, what)
             version = chunk.header.version
         n = len(chunk.data)
         if received + n > size:
-            raise PullStreamError(f"{what} came with more than its {size // ELEMENT_BYTES} elements")
+            raise PullStreamError(f"{what} came with more than its {size // width} elements")
         view[received : received + n] = chunk.data
         received += n
     if received != size or version < 0:
         raise PullStreamError(f"{what} ended after {received} of {size} bytes")
     return version
+
+
+def check_pull_header(header: ps_pb2.ShardHeader, size: int, dtype: int, what: str) -> None:
+    """The daemon's answer to a pull of `size` bytes in `dtype` names as many elements, in
+    that dtype (a daemon that ignored PullRequest.dtype would send fp32)."""
+    width = element_bytes(dtype)
+    sent = header.dtype or ps_pb2.FLOAT32
+    if sent != (dtype or ps_pb2.FLOAT32):
+        raise PullStreamError(
+            f"{what} came as {ps_pb2.DType.Name(sent)}, {ps_pb2.DType.Name(dtype or ps_pb2.FLOAT32)} was asked for: "
+            "is the daemon older than this trainer?"
+        )
+    if header.numel * width != size:
+        raise PullStreamError(
+            f"{what} came with {header.numel} elements, the plan says {size // width}: "
+            "the two ends disagree on the plan"
+        )

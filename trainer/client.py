@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -115,12 +115,16 @@ class DaemonClient:
         out: memoryview,
         timeout: float,
         tensor: int = ps_pb2.MASTER,
+        dtype: int = ps_pb2.FLOAT32,
     ) -> int:
-        """Streams shard `shard_id`'s `tensor` (its master values unless told otherwise) into
-        `out` (a byte view of exactly the shard's size); returns the version received."""
-        request = ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version, tensor=tensor)
+        """Streams shard `shard_id`'s `tensor` (its master values unless told otherwise) in
+        `dtype` into `out` (a byte view of exactly the shard's size in that dtype); returns
+        the version received."""
+        request = ps_pb2.PullRequest(
+            model=model, shard_id=shard_id, min_version=min_version, tensor=tensor, dtype=dtype
+        )
         chunks = self._pull(request, timeout=timeout)
-        return read_pull_stream(chunks, out, what=f"shard {shard_id} from daemon {self.address}")
+        return read_pull_stream(chunks, out, what=f"shard {shard_id} from daemon {self.address}", dtype=dtype)
 
     def push(
         self,
@@ -134,12 +138,14 @@ class DaemonClient:
         timeout: float,
         encoding: int = ps_pb2.RAW,
         variance_frozen_at: int | None = None,
+        groups: Sequence[ps_pb2.GroupHyperparams] = (),
+        grad_multiplier: float | None = None,
     ) -> ps_pb2.PushResponse:
         """Streams one shard's payload, laid out as `encoding`. `lr` None keeps the
-        registered learning rate."""
+        registered learning rate (see push_header for the rest)."""
         header = push_header(
             model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding,
-            variance_frozen_at=variance_frozen_at,
+            variance_frozen_at=variance_frozen_at, groups=groups, grad_multiplier=grad_multiplier,
         )  # fmt: skip
 
         def chunks():
@@ -261,6 +267,8 @@ class ShardedClient:
         lr: float | None,
         encoding: int = ps_pb2.RAW,
         variance_frozen_at: int | None = None,
+        groups: Sequence[ps_pb2.GroupHyperparams] = (),
+        grad_multiplier: float | None = None,
     ) -> ps_pb2.PushResponse:
         """Pushes one shard's payload (retried as a whole, the same bytes each attempt)."""
         return self._call(
@@ -276,11 +284,22 @@ class ShardedClient:
                 timeout=self.config.rpc_timeout_seconds,
                 encoding=encoding,
                 variance_frozen_at=variance_frozen_at,
+                groups=groups,
+                grad_multiplier=grad_multiplier,
             ),
         )
 
-    def pull(self, shard: ShardSlice, *, min_version: int, out: memoryview, tensor: int = ps_pb2.MASTER) -> int:
-        """Pulls the shard's `tensor` (master values by default) into `out`; returns its version."""
+    def pull(
+        self,
+        shard: ShardSlice,
+        *,
+        min_version: int,
+        out: memoryview,
+        tensor: int = ps_pb2.MASTER,
+        dtype: int = ps_pb2.FLOAT32,
+    ) -> int:
+        """Pulls the shard's `tensor` (master values by default) in `dtype` into `out`;
+        returns its version."""
         what = "" if tensor == ps_pb2.MASTER else f" {ps_pb2.ShardTensor.Name(tensor)}"
         return self._call(
             f"pull of shard {shard.shard_id}{what} (version >= {min_version})",
@@ -292,6 +311,7 @@ class ShardedClient:
                 out=out,
                 timeout=self.config.rpc_timeout_seconds,
                 tensor=tensor,
+                dtype=dtype,
             ),
             PULL_RETRYABLE,
         )

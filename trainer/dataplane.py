@@ -13,12 +13,13 @@ import contextlib
 import queue
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import FrameError, recv_exact_into, recv_message, send_message
+from ps_offload.proto.pull import PullStreamError, check_pull_header
 from ps_offload.proto.security import ClientSecurity
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -113,21 +114,23 @@ class DataPlaneClient:
         out: memoryview,
         timeout: float,
         tensor: int = ps_pb2.MASTER,
+        dtype: int = ps_pb2.FLOAT32,
     ) -> int:
         request = ps_pb2.DataRequest(
-            pull=ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version, tensor=tensor),
+            pull=ps_pb2.PullRequest(
+                model=model, shard_id=shard_id, min_version=min_version, tensor=tensor, dtype=dtype
+            ),
             timeout_ms=max(1, int(timeout * 1000)),
             authorization=self._authorization,
         )
         with _daemon_status(), self._connection(timeout + 5.0) as sock:
             send_message(sock, request)
             header = self._answer(sock).shard
-            if header.numel * 4 != len(out):
+            try:
+                check_pull_header(header, len(out), dtype, f"shard {shard_id}")
+            except PullStreamError as exc:
                 # Read and drop nothing: close the connection, the plan is wrong.
-                raise FrameError(
-                    f"shard {shard_id} has {header.numel} elements on the daemon, the plan says {len(out) // 4}: "
-                    "trainer and daemon disagree on the plan"
-                )
+                raise FrameError(str(exc)) from None
             recv_exact_into(sock, out)
             return header.version
 
@@ -143,10 +146,12 @@ class DataPlaneClient:
         timeout: float,
         encoding: int = ps_pb2.RAW,
         variance_frozen_at: int | None = None,
+        groups: Sequence[ps_pb2.GroupHyperparams] = (),
+        grad_multiplier: float | None = None,
     ) -> ps_pb2.PushResponse:
         header = push_header(
             model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding,
-            variance_frozen_at=variance_frozen_at,
+            variance_frozen_at=variance_frozen_at, groups=groups, grad_multiplier=grad_multiplier,
         )  # fmt: skip
         with _daemon_status(), self._connection(timeout) as sock:
             send_message(sock, ps_pb2.DataRequest(push=header, authorization=self._authorization))
@@ -171,13 +176,18 @@ def push_header(
     lr: float | None,
     encoding: int = ps_pb2.RAW,
     variance_frozen_at: int | None = None,
+    groups: Sequence[ps_pb2.GroupHyperparams] = (),
+    grad_multiplier: float | None = None,
 ) -> ps_pb2.PushHeader:
     """The header of a push of `nbytes` laid out as `encoding` (RAW: fp32 values; the others:
-    compressed, see proto/ps.proto); `lr` None leaves the optional field unset (the daemon
-    then uses the registered learning rate); `variance_frozen_at` is for MOMENTUM pushes."""
+    compressed or half precision, see proto/ps.proto); `lr` None leaves the optional field
+    unset (the daemon then uses the registered learning rate); `variance_frozen_at` is for
+    MOMENTUM pushes; `groups` (every param group's settings for this step) and
+    `grad_multiplier` (1/loss scale) for GRADIENT pushes."""
     return ps_pb2.PushHeader(
         model=model, shard_id=shard_id, step=step, kind=kind, encoding=encoding, dtype=ps_pb2.FLOAT32,
-        nbytes=nbytes, lr=lr, variance_frozen_at=variance_frozen_at,
+        nbytes=nbytes, lr=lr, variance_frozen_at=variance_frozen_at, groups=list(groups),
+        grad_multiplier=grad_multiplier,
     )  # fmt: skip
 
 
