@@ -118,17 +118,12 @@ class _Handler(socketserver.BaseRequestHandler):
             if refusal is not None:
                 raise from_status(*refusal)
         if kind == "pull":
-            pull = request.pull
             cap = self.server.max_pull_wait
             timeout = min(request.timeout_ms / 1000, cap) if request.timeout_ms else cap
-            held = store.pull(
-                pull.model, pull.shard_id, min_version=pull.min_version, timeout=timeout, tensor=wire.pull_tensor(pull)
-            )
-            with held as (tensor, version):
-                header = wire.shard_header(pull.model, pull.shard_id, version, tensor.numel())
+            with wire.pull_bytes(store, request.pull, timeout=timeout, staging=self.server.staging) as (header, raw):
                 send_message(sock, ps_pb2.DataResponse(shard=header))
-                # Under the read hold: the bytes sent are one version, never half an update.
-                sock.sendall(memoryview(tensor.numpy()).cast("B"))
+                # Still held: the bytes sent are one version, never half an update.
+                sock.sendall(raw)
             return True
         if kind == "push":
             push = wire.push_request(request.push)

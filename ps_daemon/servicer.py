@@ -48,17 +48,9 @@ class ParameterServerServicer:
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         remaining = context.time_remaining()
         timeout = self.max_pull_wait if remaining is None else min(remaining, self.max_pull_wait)
-        pull = self.store.pull(
-            request.model,
-            request.shard_id,
-            min_version=request.min_version,
-            timeout=timeout,
-            tensor=wire.pull_tensor(request),
-        )
-        with pull as (tensor, version):
-            header = wire.shard_header(request.model, request.shard_id, version, tensor.numel())
-            # The read hold lasts while chunks are encoded, so a pull never sees half an update.
-            raw = memoryview(tensor.numpy()).cast("B")
+        # Held while chunks are encoded (an fp32 pull under the shard's read hold), so a pull
+        # never sees half an update.
+        with wire.pull_bytes(self.store, request, timeout=timeout, staging=self.staging) as (header, raw):
             for start in range(0, len(raw), self.chunk_bytes):
                 yield codec.pull_chunks.encode(header if start == 0 else None, raw[start : start + self.chunk_bytes])
 

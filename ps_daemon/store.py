@@ -37,6 +37,7 @@ from ps_offload.daemon.errors import (
 )
 from ps_offload.daemon.inspect import VERIFY_ATTEMPTS, StatsSnapshot, StoreStats, ValueStats, Verdict
 from ps_offload.daemon.prefetch import Prefetcher
+from ps_offload.daemon.pull_rounding import check_pull_dtype, element_bytes, rounded
 from ps_offload.daemon.push import PushRequest, PushResult, check_step_locked
 from ps_offload.daemon.shard import (
     ARENA_STAGGER,
@@ -281,17 +282,36 @@ class ShardStore:
 
     @contextlib.contextmanager
     def pull(
-        self, model: str, shard_id: int, *, min_version: int, timeout: float, tensor: str = "master"
+        self,
+        model: str,
+        shard_id: int,
+        *,
+        min_version: int,
+        timeout: float,
+        tensor: str = "master",
+        dtype: str = "float32",
+        scratch: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
     ) -> Iterator[tuple[torch.Tensor, int]]:
         """Holds the shard for reading at min_version or later: yields (its `tensor`, version),
-        the tensor one of SHARD_TENSORS. The caller streams the tensor inside the block."""
+        the tensor one of SHARD_TENSORS. The caller streams the tensor inside the block.
+        `dtype` bfloat16 or float16 (master only; ps_daemon.pull_rounding): yields the master
+        values rounded under the hold into a buffer from `scratch(n)` (as push's), and the
+        hold ends there."""
         shard = self.shard(model, shard_id)
         shard.check_tensor(tensor)
-        with self._using(shard), shard.reading(min_version, timeout) as version:
-            yield shard.tensor(tensor), version
+        check_pull_dtype(dtype, tensor, f"pull of shard {shard_id} of model {model!r}")
+        if dtype == "float32":
+            with self._using(shard), shard.reading(min_version, timeout) as version:
+                yield shard.tensor(tensor), version
+        else:
+            with contextlib.ExitStack() as sending:
+                with self._using(shard), shard.reading(min_version, timeout) as version:
+                    values = sending.enter_context(rounded(shard.master, dtype, scratch))
+                # The rounded copy is this pull's own: the next update need not wait for the send.
+                yield values, version
         with self._lock:
             self.stats.pulls += 1
-            self.stats.bytes_pulled += shard.nbytes
+            self.stats.bytes_pulled += shard.slice.numel * element_bytes(dtype)  # the bytes sent
 
     def check_push(self, push: PushRequest) -> PushResult | None:
         """Validates a push before its payload is read (`push.data` None: its announced

@@ -3,6 +3,9 @@ servicer and the TCP data plane), so both validate and answer identically."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from ps_offload.daemon.buffers import StagingPool
@@ -10,6 +13,7 @@ from ps_offload.daemon.encodings import parse
 from ps_offload.daemon.errors import InvalidArgument
 from ps_offload.daemon.inspect import Verdict
 from ps_offload.daemon.optim import AdamWConfig, SGDConfig
+from ps_offload.daemon.pull_rounding import PULL_DTYPES, tensor_bytes
 from ps_offload.daemon.push import PushRequest
 from ps_offload.daemon.shard import SHARD_TENSORS
 from ps_offload.daemon.spec import ModelSpec, ParamSpec
@@ -115,8 +119,47 @@ def apply_push(
     return ps_pb2.PushResponse(applied=result.applied, version=result.version)
 
 
-def shard_header(model: str, shard_id: int, version: int, numel: int) -> ps_pb2.ShardHeader:
-    return ps_pb2.ShardHeader(model=model, shard_id=shard_id, version=version, numel=numel, dtype=ps_pb2.FLOAT32)
+@contextlib.contextmanager
+def pull_bytes(
+    store: ShardStore, request: ps_pb2.PullRequest, *, timeout: float, staging: StagingPool
+) -> Iterator[tuple[ps_pb2.ShardHeader, memoryview]]:
+    """Holds a pull for the block: yields its ShardHeader and the bytes to send after it.
+    fp32: the shard's own bytes, under its read hold for the whole send; bf16 or fp16: a copy
+    rounded under that hold into a buffer from `staging`. Either way, one version."""
+    held = store.pull(
+        request.model,
+        request.shard_id,
+        min_version=request.min_version,
+        timeout=timeout,
+        tensor=pull_tensor(request),
+        dtype=pull_dtype(request),
+        scratch=staging.borrow,
+    )
+    with held as (values, version):
+        yield shard_header(request.model, request.shard_id, version, values), tensor_bytes(values)
+
+
+_SENT_DTYPES = {PULL_DTYPES[name]: value for value, name in DTYPE_NAMES.items()}  # torch dtype -> DType
+
+
+def shard_header(model: str, shard_id: int, version: int, values: torch.Tensor) -> ps_pb2.ShardHeader:
+    """The header of a pull that sends `values`: their element count and dtype, read off the
+    tensor itself so that the header cannot disagree with the bytes."""
+    dtype = _SENT_DTYPES[values.dtype]
+    return ps_pb2.ShardHeader(model=model, shard_id=shard_id, version=version, numel=values.numel(), dtype=dtype)
+
+
+def pull_dtype(request: ps_pb2.PullRequest) -> str:
+    """The store's name of the dtype a pull asks to travel in (unset: float32). Whether the
+    tensor pulled may travel in it is the store's rule (ps_daemon.pull_rounding)."""
+    if request.dtype == ps_pb2.DTYPE_UNSPECIFIED:
+        return "float32"
+    if request.dtype not in DTYPE_NAMES:  # proto3 enums are open: any int32 arrives
+        known = ", ".join(ps_pb2.DType.Name(d) for d in DTYPE_NAMES)
+        raise InvalidArgument(
+            f"pull of shard {request.shard_id}: dtype {request.dtype} is unknown; ask for {known} (unset: FLOAT32)"
+        )
+    return DTYPE_NAMES[request.dtype]
 
 
 def pull_tensor(request: ps_pb2.PullRequest) -> str:
