@@ -10,6 +10,12 @@ end in a scratch tensor as long as that block. Same kernel, same loop per elemen
 inputs: the daemon's parameters are bit-identical to an in-process torch.optim run on the
 same gradients, wherever the cuts fall.
 
+A GRADIENT push may carry the settings of every param group for its step (a torch LR
+scheduler changes them between steps): each parameter's runs are then stepped with its own
+group's lr, weight decay and betas, eps (AdamW) or momentum, dampening (SGD), one kernel call
+per group as torch.optim.AdamW(param_groups, fused=True) makes one per group. Without them
+the registered settings apply, with each parameter's weight decay and the push's lr.
+
 A MOMENTUM push (1-bit Adam's compression stage, AdamW only) is applied by `apply_momentum`:
 exp_avg becomes the trainer's momentum, exp_avg_sq stays frozen, and the master takes
 AdamW's step. In ONEBIT encoding it runs kernels.fused_adamw.onebit_adam_, which reads the
@@ -21,6 +27,7 @@ arrives decompressed to fp32. Compressed GRADIENT pushes reach `apply` decompres
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +64,20 @@ class SGDConfig:
 OptimizerConfig = AdamWConfig | SGDConfig
 
 
+@dataclass(frozen=True)
+class GroupHyperparams:
+    """One param group's settings for one step (proto GroupHyperparams). AdamW reads lr,
+    weight_decay, beta1, beta2 and eps; SGD reads lr, weight_decay, momentum and dampening."""
+
+    lr: float
+    weight_decay: float
+    beta1: float = 0.0
+    beta2: float = 0.0
+    eps: float = 0.0
+    momentum: float = 0.0
+    dampening: float = 0.0
+
+
 def validate_optimizer(config: OptimizerConfig) -> None:
     """Raises ValueError with an actionable message for values torch.optim would refuse."""
     if not config.lr >= 0:
@@ -82,15 +103,31 @@ class ShardOptimizer:
     Invariant: `state` tensors have the shard's numel; `step` counts applied updates and
     equals the shard's version."""
 
-    def __init__(self, config: OptimizerConfig, segments: list[Segment], weight_decays: list[float]) -> None:
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        segments: list[Segment],
+        weight_decays: list[float],
+        groups: list[int] | None = None,
+        *,
+        group_count: int = 1,
+    ) -> None:
+        """Per segment: its parameter's weight decay (registered) and param group (an index
+        below `group_count`, the model's number of groups; all 0 if None)."""
         self.config = config
+        self.group_count = group_count
         self.state: list[torch.Tensor] = []  # bound by the shard to its arena (bind())
         self.step = torch.zeros((), dtype=torch.float32)
-        # Kernel runs grouped by weight decay: the fused kernels take one scalar per call.
-        groups: dict[float, list[KernelRun]] = defaultdict(list)
-        for segment, decay in zip(segments, weight_decays, strict=True):
-            groups[decay].extend(kernel_runs(segment))
-        self._groups = dict(groups)
+        groups = [0] * len(segments) if groups is None else groups
+        # Kernel runs by weight decay (registered settings) and by param group (a push's
+        # settings): the fused kernels take one scalar of each per call.
+        by_decay: dict[float, list[KernelRun]] = defaultdict(list)
+        by_group: dict[int, list[KernelRun]] = defaultdict(list)
+        for segment, decay, group in zip(segments, weight_decays, groups, strict=True):
+            by_decay[decay].extend(kernel_runs(segment))
+            by_group[group].extend(kernel_runs(segment))
+        self._runs_by_decay = dict(by_decay)
+        self._runs_by_group = dict(by_group)
         # The same pieces in shard order, for the 1-bit Adam update: (start, end, decay).
         self._pieces = sorted(
             (s.shard_start, s.shard_start + s.numel, d) for s, d in zip(segments, weight_decays, strict=True)
@@ -131,60 +168,84 @@ class ShardOptimizer:
         else:
             adam_frozen_variance_(master, m, v, momentum, **args)
 
-    def apply(self, master: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
-        """One optimizer step: master -= update(grad). `grad` is fp32 with the shard's numel."""
+    def apply(
+        self, master: torch.Tensor, grad: torch.Tensor, lr: float, groups: Sequence[GroupHyperparams] = ()
+    ) -> None:
+        """One optimizer step: master -= update(grad). `grad` is fp32 with the shard's numel.
+        `groups` empty: the registered settings with `lr` and each parameter's weight decay;
+        else `groups[g]` for the parameters of group g (all `group_count` of them, checked
+        by the push) and `lr` is not read."""
         self.step += 1
+        if groups:
+            calls = [(runs, groups[group]) for group, runs in self._runs_by_group.items()]
+        else:
+            calls = [(runs, self._registered(lr, decay)) for decay, runs in self._runs_by_decay.items()]
+        for runs, settings in calls:
+            self._step_runs(master, grad, runs, settings)
+
+    def _registered(self, lr: float, weight_decay: float) -> GroupHyperparams:
         config = self.config
-        for decay, runs in self._groups.items():
-            # Per run, the tensors the kernel gets: master, grad, then each state tensor.
-            tensors: list[list[torch.Tensor]] = [[] for _ in range(2 + len(self.state))]
-            scratches = []
-            for run in runs:
-                piece = slice(run.shard_start, run.shard_start + run.numel)
-                sources = [master[piece], grad[piece], *(s[piece] for s in self.state)]
-                if run.context:
-                    # A partial block: zero padding around it (elementwise kernels, so the
-                    # padding only places the elements where the whole parameter has them).
-                    scratch = torch.zeros(len(sources), run.context, dtype=torch.float32)
-                    inner = slice(run.context_start, run.context_start + run.numel)
-                    for row, source in zip(scratch, sources, strict=True):
-                        row[inner] = source
-                    scratches.append((scratch, inner, sources))
-                    sources = list(scratch)
-                for column, tensor in zip(tensors, sources, strict=True):
-                    column.append(tensor)
-            params, grads, *state = tensors
-            if isinstance(config, AdamWConfig):
-                exp_avgs, exp_avg_sqs = state
-                torch._fused_adamw_(
-                    params,
-                    grads,
-                    exp_avgs,
-                    exp_avg_sqs,
-                    [],
-                    [self.step] * len(params),
-                    lr=lr,
-                    beta1=config.beta1,
-                    beta2=config.beta2,
-                    weight_decay=decay,
-                    eps=config.eps,
-                    amsgrad=False,
-                    maximize=False,
-                )
-            else:
-                torch._fused_sgd_(
-                    params,
-                    grads,
-                    state[0] if config.momentum else [],
-                    weight_decay=decay,
-                    momentum=config.momentum,
-                    lr=lr,
-                    dampening=config.dampening,
-                    nesterov=config.nesterov,
-                    maximize=False,
-                    is_first_step=bool(self.step.item() == 1),
-                )
-            for scratch, inner, sources in scratches:
-                for index, (row, target) in enumerate(zip(scratch, sources, strict=True)):
-                    if index != 1:  # all but the gradient, which is only read
-                        target.copy_(row[inner])
+        if isinstance(config, AdamWConfig):
+            return GroupHyperparams(lr, weight_decay, beta1=config.beta1, beta2=config.beta2, eps=config.eps)
+        return GroupHyperparams(lr, weight_decay, momentum=config.momentum, dampening=config.dampening)
+
+    def _step_runs(
+        self, master: torch.Tensor, grad: torch.Tensor, runs: list[KernelRun], settings: GroupHyperparams
+    ) -> None:
+        """One fused kernel call over `runs` with one group's settings."""
+        config = self.config
+        # Per run, the tensors the kernel gets: master, grad, then each state tensor.
+        tensors: list[list[torch.Tensor]] = [[] for _ in range(2 + len(self.state))]
+        scratches = []
+        for run in runs:
+            piece = slice(run.shard_start, run.shard_start + run.numel)
+            sources = [master[piece], grad[piece], *(s[piece] for s in self.state)]
+            if run.context:
+                # A partial block: zero padding around it (elementwise kernels, so the
+                # padding only places the elements where the whole parameter has them).
+                scratch = torch.zeros(len(sources), run.context, dtype=torch.float32)
+                inner = slice(run.context_start, run.context_start + run.numel)
+                for row, source in zip(scratch, sources, strict=True):
+                    row[inner] = source
+                scratches.append((scratch, inner, sources))
+                sources = list(scratch)
+            for column, tensor in zip(tensors, sources, strict=True):
+                column.append(tensor)
+        params, grads, *state = tensors
+        if isinstance(config, AdamWConfig):
+            exp_avgs, exp_avg_sqs = state
+            torch._fused_adamw_(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                [self.step] * len(params),
+                lr=settings.lr,
+                beta1=settings.beta1,
+                beta2=settings.beta2,
+                weight_decay=settings.weight_decay,
+                eps=settings.eps,
+                amsgrad=False,
+                maximize=False,
+            )
+        else:
+            # The buffer is the registered momentum's; a push's groups keep its momentum
+            # nonzero exactly when the registered one is (ps_daemon.push), so torch's
+            # "first step" is this shard's first update, as here.
+            torch._fused_sgd_(
+                params,
+                grads,
+                state[0] if config.momentum else [],
+                weight_decay=settings.weight_decay,
+                momentum=settings.momentum,
+                lr=settings.lr,
+                dampening=settings.dampening,
+                nesterov=config.nesterov,
+                maximize=False,
+                is_first_step=bool(self.step.item() == 1),
+            )
+        for scratch, inner, sources in scratches:
+            for index, (row, target) in enumerate(zip(scratch, sources, strict=True)):
+                if index != 1:  # all but the gradient, which is only read
+                    target.copy_(row[inner])

@@ -2,15 +2,28 @@
 (ps_daemon.wire builds it from a PushHeader) to the optimizer, and its validation.
 
 A push is checked completely before anything changes. Building a PushRequest checks what
-it says on its own (kind, dtype, step, lr, variance_frozen_at against the kind); `check_shard`
-what depends on the shard it names (size, optimizer); the store then checks the step against
-the shard's version under the shard's lock (`check_step_locked`), and only then applies it.
-The numeric bounds are ps_daemon.spec's (its docstring says why MAX_LR).
+it says on its own (kind, dtype, step, lr, variance_frozen_at, groups and grad_multiplier
+against the kind, each group's lr and weight decay); `check_shard` what depends on the shard
+it names (size, optimizer, the number of param groups and the settings its optimizer reads);
+the store then checks the step against the shard's version under the shard's lock
+(`check_step_locked`), and only then applies it. The numeric bounds are ps_daemon.spec's (its
+docstring says why MAX_LR).
+
+Param groups (GRADIENT pushes only; a MOMENTUM push's fused 1-bit Adam kernel takes one lr
+and one pair of betas, so it keeps the header's lr): every group's settings, with the header's
+lr unset. AdamW's betas in [0, 1) and eps finite and > 0 (torch allows eps 0; with a zero
+second moment that step is 0 / 0). SGD's momentum is nonzero exactly when the registered one
+is: the daemon keeps a momentum buffer only then, from the shard's first update, and torch's
+fused SGD starts a buffer (its "first step") the first time a group's momentum is nonzero; a
+zero where the buffer exists, or the reverse, would part from torch.optim.SGD. Nesterov (a
+registered setting) needs dampening 0, as torch requires.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
@@ -18,8 +31,8 @@ import torch
 
 from ps_offload.daemon.encodings import CompressedGradient, OneBitGradient, TopKGradient, check_size
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument
-from ps_offload.daemon.optim import AdamWConfig
-from ps_offload.daemon.spec import MAX_LR, check_number
+from ps_offload.daemon.optim import AdamWConfig, GroupHyperparams, ShardOptimizer
+from ps_offload.daemon.spec import MAX_LR, MAX_WEIGHT_DECAY, check_number
 
 if TYPE_CHECKING:
     from ps_offload.daemon.shard import Shard
@@ -43,6 +56,8 @@ class PushRequest:
     nbytes: int | None = None
     lr: float | None = None  # None: the registered one
     variance_frozen_at: int | None = None  # MOMENTUM only: updates after which exp_avg_sq froze
+    groups: tuple[GroupHyperparams, ...] = ()  # GRADIENT only: each param group's settings
+    grad_multiplier: float | None = None  # GRADIENT only: times the decoded fp32 gradient
     data: torch.Tensor | CompressedGradient | None = None
 
     def __post_init__(self) -> None:
@@ -71,6 +86,32 @@ class PushRequest:
             raise InvalidArgument(
                 f"{where}: variance_frozen_at is for MOMENTUM pushes only, this is {self.kind.upper()}"
             )
+        self._check_gradient_fields()
+
+    def _check_gradient_fields(self) -> None:
+        """groups and grad_multiplier: on a GRADIENT only, and what they say on their own."""
+        where = self.where
+        for name in ("groups", "grad_multiplier"):
+            if self.kind != "gradient" and getattr(self, name) not in ((), None):
+                raise InvalidArgument(f"{where}: {name} is for GRADIENT pushes only, this is {self.kind.upper()}")
+        if self.groups and self.lr is not None:
+            raise InvalidArgument(
+                f"{where}: lr must be unset when groups are given (each group carries its lr), got lr {self.lr:g}"
+            )
+        for index, group in enumerate(self.groups):
+            for name, high in (("lr", MAX_LR), ("weight_decay", MAX_WEIGHT_DECAY)):
+                problem = check_number(getattr(group, name), f"groups[{index}].{name}", low=0.0, high=high)
+                if problem:
+                    raise InvalidArgument(f"{where}: {problem}")
+        multiplier = self.grad_multiplier
+        if multiplier is not None:
+            # It multiplies fp32 values as an fp32 number: 1e300 would be inf, 1e-50 zero.
+            as_fp32 = float(torch.tensor(multiplier, dtype=torch.float32))
+            if not (math.isfinite(as_fp32) and as_fp32 > 0):
+                raise InvalidArgument(
+                    f"{where}: grad_multiplier must be finite and > 0 as a float32 (it multiplies the fp32 "
+                    f"gradient; fp16 loss scaling sends 1/scale), got {multiplier:g}"
+                )
 
     @property
     def where(self) -> str:
@@ -100,6 +141,8 @@ class PushRequest:
                     f"{where}: a MOMENTUM push for step {self.step} needs variance_frozen_at in [1, {self.step}] "
                     f"(the uncompressed warm-up steps after which exp_avg_sq stopped), got {frozen}"
                 )
+        if self.groups:
+            _check_groups(self.groups, shard.optimizer, f"{where} of model {shard.model!r}")
         if data is None:
             check_size(self.encoding, self.nbytes or 0, numel, where)
         elif self.compressed:
@@ -107,6 +150,24 @@ class PushRequest:
                 raise InvalidArgument(f"{where}: got {data.numel} elements, expected {numel}")
         elif data.dtype != torch.float32 or data.numel() != numel:
             raise InvalidArgument(f"{where}: got {data.numel()} {data.dtype}, expected {numel} float32")
+
+    def values(self, borrow: Callable[[], torch.Tensor]) -> torch.Tensor | OneBitGradient:
+        """What the optimizer takes (after check_shard): a ONEBIT momentum as it is (its fused
+        kernel reads the signs), else fp32 with the shard's numel. Compressed values are
+        decompressed, and a gradient multiplied by grad_multiplier, into `borrow()` (an fp32
+        buffer of at least that numel, this push's own), so the payload is never changed."""
+        data = self.data
+        if self.kind == "momentum" and isinstance(data, OneBitGradient):
+            return data
+        if not self.compressed and self.grad_multiplier is None:
+            return data
+        out = borrow()[: data.numel if self.compressed else data.numel()]
+        if self.compressed:
+            data = data.decompress(out)
+        if self.grad_multiplier is not None:
+            # As torch.amp.GradScaler's unscale_: the fp32 gradient times an fp32 scalar.
+            data = torch.mul(data, torch.tensor(self.grad_multiplier, dtype=torch.float32), out=out)
+        return data
 
     @property
     def payload_bytes(self) -> int:
@@ -121,6 +182,40 @@ class PushRequest:
         if isinstance(data, TopKGradient):
             return 4 + 8 * data.indices.numel()
         return data.values.numel() * data.values.element_size()
+
+
+def _check_groups(groups: tuple[GroupHyperparams, ...], optimizer: ShardOptimizer, where: str) -> None:
+    """Raises unless `groups` holds every param group of the model, each with settings its
+    optimizer may take (the module docstring; lr and weight decay are checked on building)."""
+    count, config = optimizer.group_count, optimizer.config
+    if len(groups) != count:
+        raise InvalidArgument(
+            f"{where}: groups has {len(groups)} entries, the model has {count} param groups "
+            f"(ParamSpec.group 0..{count - 1}); send every group's settings"
+        )
+    for index, group in enumerate(groups):
+        name = f"groups[{index}]"
+        if isinstance(config, AdamWConfig):
+            for beta in ("beta1", "beta2"):
+                if not 0.0 <= getattr(group, beta) < 1.0:
+                    raise InvalidArgument(f"{where}: {name}.{beta} must be in [0, 1), got {getattr(group, beta)}")
+            if not (math.isfinite(group.eps) and group.eps > 0):
+                raise InvalidArgument(f"{where}: {name}.eps must be finite and > 0, got {group.eps}")
+            continue
+        for field, low in (("momentum", 0.0), ("dampening", -math.inf)):
+            problem = check_number(getattr(group, field), f"{name}.{field}", low=low)
+            if problem:
+                raise InvalidArgument(f"{where}: {problem}")
+        if (group.momentum > 0) != (config.momentum > 0):
+            raise InvalidArgument(
+                f"{where}: {name}.momentum must be {'> 0' if config.momentum else '0'} (the model was registered "
+                f"with momentum {config.momentum:g}, which decides whether the daemon keeps a momentum buffer), "
+                f"got {group.momentum:g}"
+            )
+        if config.nesterov and group.dampening != 0:
+            raise InvalidArgument(
+                f"{where}: {name}.dampening must be 0 with nesterov momentum, got {group.dampening:g}"
+            )
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,9 @@ class Shard:
         optimizer: OptimizerConfig,
         *,
         persistent: bool,
+        param_groups: tuple[int, ...] = (),
     ):
+        """`param_groups`: each parameter's param group, in layout order (empty: all 0)."""
         segments = segments_of(slice_, layouts)
         self.model = model
         self.slice = slice_
@@ -66,7 +68,14 @@ class Shard:
             else optimizer.weight_decay
             for s in segments
         ]
-        self.optimizer = ShardOptimizer(optimizer, segments, decays)
+        param_groups = param_groups or (0,) * len(layouts)
+        self.optimizer = ShardOptimizer(
+            optimizer,
+            segments,
+            decays,
+            [param_groups[s.param_index] for s in segments],
+            group_count=max(param_groups, default=0) + 1,
+        )
         self.arena_bytes = arena_numel(slice_.numel, optimizer.state_per_param) * FP32_BYTES
         self.arena: torch.Tensor | None = None
         self.io_view: memoryview | None = None

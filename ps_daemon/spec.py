@@ -11,6 +11,11 @@ Numeric bounds. Every number a model or a push carries must be finite, and in ra
   stays finite; SGD's step, lr * g, stays finite for every |g| below 3.4e35. Published
   schedules use lr <= 10: the bound refuses only mistakes (a step count or a loss sent as lr).
 * weight_decay in [0, MAX_WEIGHT_DECAY], the same reasoning (decay is lr * wd per step).
+
+Param groups: ParamSpec.group numbers each parameter's group (torch.optim's param_groups) for
+the per-step settings a push may carry (ps_daemon.push). A model has max(group) + 1 groups and
+each of them holds a parameter: a number left out is a trainer's bug (groups misnumbered, or a
+parameter left out of the spec), refused at registration rather than found at the first push.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: str = "float32"
     weight_decay: float | None = None
+    group: int = 0  # the param group: an index into a push's groups
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,11 @@ class ModelSpec:
 
     def identity(self) -> tuple:
         return (self.model, self.params, self.optimizer, self.shard_bytes, len(self.daemons))
+
+    @property
+    def group_count(self) -> int:
+        """The number of param groups (validate_spec: every one of them holds a parameter)."""
+        return max(p.group for p in self.params) + 1
 
 
 def check_number(value: float, name: str, *, low: float, high: float = math.inf) -> str:
@@ -83,6 +94,7 @@ def validate_spec(spec: ModelSpec, daemon_index: int) -> None:
             problem = check_number(param.weight_decay, "weight_decay", low=0, high=MAX_WEIGHT_DECAY)
             if problem:
                 raise InvalidArgument(f"parameter {param.name!r}: {problem}")
+    _check_groups(spec)
     problem = _optimizer_problem(spec.optimizer)
     if problem:
         raise InvalidArgument(f"model {spec.model!r}: optimizer {problem}")
@@ -92,6 +104,20 @@ def validate_spec(spec: ModelSpec, daemon_index: int) -> None:
         layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
     except (ValueError, PlanError) as exc:
         raise InvalidArgument(f"model {spec.model!r}: {exc}") from exc
+
+
+def _check_groups(spec: ModelSpec) -> None:
+    """Every group number from 0 to the largest holds a parameter (the module docstring)."""
+    used = sorted({p.group for p in spec.params})
+    if used[0] < 0:
+        raise InvalidArgument(f"model {spec.model!r}: ParamSpec.group must be >= 0, got {used[0]}")
+    missing = next((number for number, group in enumerate(used) if number != group), None)
+    if missing is not None:  # (not a set of range(max + 1): a group may say 4e9)
+        numbers = ", ".join(map(str, used[:8])) + (", ..." if len(used) > 8 else "")
+        raise InvalidArgument(
+            f"model {spec.model!r}: parameter groups must be numbered 0..N-1, each holding a parameter; "
+            f"ParamSpec.group {missing} has none (the parameters use groups {numbers})"
+        )
 
 
 def _optimizer_problem(config: OptimizerConfig) -> str:
@@ -136,7 +162,7 @@ def spec_to_dict(spec: ModelSpec) -> dict:
     return {
         "model": spec.model,
         "params": [
-            {"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "weight_decay": p.weight_decay}
+            {"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "weight_decay": p.weight_decay, "group": p.group}
             for p in spec.params
         ],
         "optimizer": {"type": "adamw" if isinstance(spec.optimizer, AdamWConfig) else "sgd", **asdict(spec.optimizer)},
@@ -146,8 +172,11 @@ def spec_to_dict(spec: ModelSpec) -> dict:
 
 
 def spec_from_dict(data: dict) -> ModelSpec:
-    """The inverse of spec_to_dict."""
-    params = tuple(ParamSpec(p["name"], tuple(p["shape"]), p["dtype"], p["weight_decay"]) for p in data["params"])
+    """The inverse of spec_to_dict (files written before param groups: every group 0)."""
+    params = tuple(
+        ParamSpec(p["name"], tuple(p["shape"]), p["dtype"], p["weight_decay"], p.get("group", 0))
+        for p in data["params"]
+    )
     optimizer = dict(data["optimizer"])
     kind = optimizer.pop("type")
     config = AdamWConfig(**optimizer) if kind == "adamw" else SGDConfig(**optimizer)

@@ -156,8 +156,9 @@ class ShardStore:
         total = sum(p.numel for p in layouts)
         plan = plan_shards(total, shard_numel_for(spec.shard_bytes), len(spec.daemons))
         persistent = self.files is not None
+        groups = tuple(p.group for p in spec.params)
         shards = {
-            s.shard_id: Shard(spec.model, s, layouts, spec.optimizer, persistent=persistent)
+            s.shard_id: Shard(spec.model, s, layouts, spec.optimizer, persistent=persistent, param_groups=groups)
             for s in plan
             if s.daemon_index == daemon_index
         }
@@ -335,20 +336,19 @@ class ShardStore:
         """Applies a gradient or a momentum (1-bit Adam), or writes initial values, held in
         `push.data`: fp32 with the shard's numel, or compressed (ps_daemon.encodings).
         Compressed values that the optimizer does not take as they are (all but a ONEBIT
-        momentum) are first decompressed into an fp32 buffer from `scratch(numel)` (a
-        StagingPool's borrow; a fresh tensor if None). Everything is checked before the
-        shard changes."""
+        momentum) are first decompressed, and a gradient with a grad_multiplier multiplied,
+        into an fp32 buffer from `scratch(numel)` (a StagingPool's borrow; a fresh tensor if
+        None): PushRequest.values. Everything is checked before the shard changes."""
         if push.data is None:
             raise ValueError("push() needs the payload (PushRequest.with_data)")
         shard = self.shard(push.model, push.shard_id)
         push.check_shard(shard)
-        numel, data = shard.slice.numel, push.data
-        fused = push.kind == "momentum" and isinstance(data, OneBitGradient)
+        numel = shard.slice.numel
         with contextlib.ExitStack() as held:
-            if push.compressed and not fused:
-                # Outside the shard's lock: the payload and the buffer are this push's own.
-                out = held.enter_context(scratch(numel)) if scratch else torch.empty(numel, dtype=torch.float32)
-                data = data.decompress(out[:numel])
+            # Outside the shard's lock: the payload and the buffer are this push's own.
+            data = push.values(
+                lambda: held.enter_context(scratch(numel)) if scratch else torch.empty(numel, dtype=torch.float32)
+            )
             if push.kind != "parameters":
                 self.prefetcher.pushed(shard, push.step, lambda: self._models[shard.model].shards)
             with self._using(shard), shard.writing_lock():
@@ -383,7 +383,7 @@ class ShardStore:
             if push.kind == "momentum":
                 shard.optimizer.apply_momentum(shard.master, data, lr, push.variance_frozen_at)
             else:
-                shard.optimizer.apply(shard.master, data, lr)
+                shard.optimizer.apply(shard.master, data, lr, push.groups)
         except BaseException:
             # Validation should leave nothing to fail here. If a kernel does, the shard must
             # not keep half a step under its old version (later steps would apply on top):

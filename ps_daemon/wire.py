@@ -12,7 +12,7 @@ from ps_offload.daemon.buffers import StagingPool
 from ps_offload.daemon.encodings import parse
 from ps_offload.daemon.errors import InvalidArgument
 from ps_offload.daemon.inspect import Verdict
-from ps_offload.daemon.optim import AdamWConfig, SGDConfig
+from ps_offload.daemon.optim import AdamWConfig, GroupHyperparams, SGDConfig
 from ps_offload.daemon.pull_rounding import PULL_DTYPES, tensor_bytes
 from ps_offload.daemon.push import PushRequest
 from ps_offload.daemon.shard import SHARD_TENSORS
@@ -42,6 +42,7 @@ def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
                 shape=tuple(p.shape),
                 dtype=DTYPE_NAMES[p.dtype],
                 weight_decay=p.weight_decay if p.HasField("weight_decay") else None,
+                group=p.group,
             )
         )
     which = spec.optimizer.WhichOneof("kind")
@@ -92,6 +93,11 @@ def push_request(header: ps_pb2.PushHeader) -> PushRequest:
         nbytes=header.nbytes,
         lr=header.lr if header.HasField("lr") else None,
         variance_frozen_at=header.variance_frozen_at if header.HasField("variance_frozen_at") else None,
+        groups=tuple(
+            GroupHyperparams(g.lr, g.weight_decay, g.beta1, g.beta2, g.eps, g.momentum, g.dampening)
+            for g in header.groups
+        ),
+        grad_multiplier=header.grad_multiplier if header.HasField("grad_multiplier") else None,
     )
 
 
@@ -181,7 +187,9 @@ def spec_to_proto(spec: ModelSpec) -> ps_pb2.ModelSpec:
     """The inverse of spec_from_proto."""
     dtypes = {name: value for value, name in DTYPE_NAMES.items()}
     params = [
-        ps_pb2.ParamSpec(name=p.name, shape=list(p.shape), dtype=dtypes[p.dtype], weight_decay=p.weight_decay)
+        ps_pb2.ParamSpec(
+            name=p.name, shape=list(p.shape), dtype=dtypes[p.dtype], weight_decay=p.weight_decay, group=p.group
+        )
         for p in spec.params
     ]
     o = spec.optimizer

@@ -1,0 +1,268 @@
+"""Param groups' settings with each push, through real daemons, on both transports.
+
+A model of odd shapes in three param groups (ParamSpec.group), cut into small shards over two
+daemons (cuts fall inside parameters): every GRADIENT push carries each group's lr, weight
+decay, betas and eps (AdamW) or momentum and dampening (SGD), changing every step as a
+scheduler changes them, and the pulled master (and AdamW's moments) must equal, bit for bit,
+torch.optim.AdamW / SGD(param_groups, fused=True) run in process on the same gradients with
+the same group settings. With fp16 loss scaling the gradient travels as FP16 times 2**16 and
+grad_multiplier 2**-16 brings it back, as GradScaler's unscale_ does (grad.float() times an
+fp32 scalar).
+
+Bad groups or multipliers are INVALID_ARGUMENT naming the field over gRPC and the data plane,
+and change nothing: the shard's version, master, exp_avg and exp_avg_sq as pulled before, and
+the next valid step still matches torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+import torch
+
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.client import DaemonClient, ShardedClient
+from ps_offload.trainer.config import ClientConfig
+from ps_offload.trainer.dataplane import DataPlaneClient
+from tests.ps_daemon.test_group_steps import (
+    GROUP_OF,
+    SHAPES,
+    Reference,
+    gradients,
+    initial_values,
+    proto_groups,
+)
+
+MOMENTS = (ps_pb2.EXP_AVG, ps_pb2.EXP_AVG_SQ)
+LOSS_SCALE = 2.0**16
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory):
+    """Two daemons for the whole file (starting one costs more than these models' steps),
+    one OpenMP thread each: tiny tensors on a loaded machine (tests/integration/test_odd_shapes.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        started = [LocalDaemon(tmp_path_factory.mktemp(f"daemon{i}")) for i in range(2)]
+    yield [d.address for d in started]
+    for daemon in started:
+        daemon.kill()
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy())
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflat(flat: torch.Tensor) -> list[torch.Tensor]:
+    sizes = [math.prod(shape) for shape in SHAPES]
+    return [piece.reshape(shape) for piece, shape in zip(flat.split(sizes), SHAPES, strict=True)]
+
+
+def _spec(name: str, kind: str, *, shard_bytes: int, groups=GROUP_OF) -> ps_pb2.ModelSpec:
+    """Registered settings that no push below uses: every push carries its groups'."""
+    if kind == "adamw":
+        optimizer = ps_pb2.OptimizerSpec(
+            adamw=ps_pb2.AdamWSpec(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.5)
+        )
+    else:
+        optimizer = ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.5, momentum=0.5))
+    params = [
+        ps_pb2.ParamSpec(name=f"p{i}", shape=list(shape), dtype=ps_pb2.FLOAT32, group=group)
+        for i, (shape, group) in enumerate(zip(SHAPES, groups, strict=True))
+    ]
+    return ps_pb2.ModelSpec(model=name, params=params, optimizer=optimizer, shard_bytes=shard_bytes, daemons=["d0"])
+
+
+CASES = [("adamw", ps_pb2.RAW, None), ("sgd", ps_pb2.RAW, None), ("adamw", ps_pb2.FP16, 1 / LOSS_SCALE)]
+
+
+@pytest.mark.parametrize("transport", ["grpc", "auto"])
+def test_group_settings_each_step_match_torch_fused(daemons, transport):
+    """4 KiB shards (1024 elements): 7 shards over 2 daemons, cuts inside p3 and p5."""
+    for kind, encoding, multiplier in CASES:
+        what = f"{kind} {ps_pb2.Encoding.Name(encoding)} over {transport}"
+        name = f"groups-{kind}-{ps_pb2.Encoding.Name(encoding)}-{transport}"
+        client = ShardedClient(daemons, config=ClientConfig(transport=transport))
+        plan = client.register(_spec(name, kind, shard_bytes=4096))
+        assert len(plan) == 7 and {s.daemon_index for s in plan} == {0, 1}
+        assert all(isinstance(t, DataPlaneClient) == (transport == "auto") for t in client.transports)
+        initial = initial_values()
+        reference = Reference(kind, initial)
+        flat = _flat(initial)
+        for shard in plan:
+            client.push(shard, step=0, kind=ps_pb2.PARAMETERS, data=_view(flat[shard.offset : shard.end]), lr=None)
+        steps = 4
+        for step in range(steps):
+            grad = _flat(gradients(step))
+            if multiplier is not None:
+                sent = (grad * LOSS_SCALE).half()  # the scaled loss's fp16 gradient
+                grad = sent.float() * torch.tensor(multiplier, dtype=torch.float32)
+                assert torch.isfinite(sent).all() and not torch.equal(grad, sent.float())
+            else:
+                sent = grad
+            reference.step(step, _unflat(grad))
+            for shard in plan:
+                client.push(
+                    shard, step=step, kind=ps_pb2.GRADIENT, data=_view(sent[shard.offset : shard.end]), lr=None,
+                    encoding=encoding, groups=proto_groups(kind, step), grad_multiplier=multiplier,
+                )  # fmt: skip
+        _assert_pulled_equal(client, plan, reference, kind, steps, what)
+        client.close()
+
+
+def _assert_pulled_equal(client, plan: list[ShardSlice], reference: Reference, kind: str, version: int, what: str):
+    tensors = [(ps_pb2.MASTER, "")] + (
+        [(ps_pb2.EXP_AVG, "exp_avg"), (ps_pb2.EXP_AVG_SQ, "exp_avg_sq")] * (kind == "adamw")
+    )
+    for tensor, state in tensors:
+        pulled = torch.empty(sum(s.numel for s in plan))
+        for shard in plan:
+            out = pulled[shard.offset : shard.end]
+            assert client.pull(shard, min_version=version, out=_view(out), tensor=tensor) == version
+        expected = reference.flat(state)
+        assert torch.equal(pulled, expected), (
+            f"{what}, {ps_pb2.ShardTensor.Name(tensor)}: max |diff| {(pulled - expected).abs().max().item()}"
+        )
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+SHARD_NUMEL = 2048  # 8 KiB shards: 4 of them, on one daemon
+TENSORS = (ps_pb2.MASTER, *MOMENTS)
+
+
+class GroupModel:
+    """An AdamW model in three groups on one daemon, and its torch twin, both at version 1
+    (initial values and step 0 with groups)."""
+
+    def __init__(self, address: str, name: str) -> None:
+        self.name = name
+        self.client = DaemonClient(address, max_message_bytes=8 << 20)
+        response = self.client.register(_spec(name, "adamw", shard_bytes=4 * SHARD_NUMEL), 0, timeout=10)
+        self.plan = [ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel) for s in response.shards]
+        self.plane = DataPlaneClient("127.0.0.1", response.data_port, max_connections=1)
+        initial = initial_values()
+        self.reference = Reference("adamw", initial)
+        for shard in self.plan:
+            self._push(self.client, shard, step=0, kind=ps_pb2.PARAMETERS, data=_flat(initial))
+        self.step(0)
+
+    def _push(self, transport, shard: ShardSlice, *, data: torch.Tensor, **push) -> ps_pb2.PushResponse:
+        piece = _view(data[shard.offset : shard.end])
+        return transport.push(self.name, shard.shard_id, data=piece, timeout=30, **({"lr": None} | push))
+
+    def step(self, step: int) -> None:
+        grads = gradients(step)
+        self.reference.step(step, grads)
+        for shard in self.plan:
+            ack = self._push(
+                self.client,
+                shard,
+                step=step,
+                kind=ps_pb2.GRADIENT,
+                data=_flat(grads),
+                groups=proto_groups("adamw", step),
+            )
+            assert ack.applied and ack.version == step + 1
+
+    def shard0(self) -> tuple[list[int], list[torch.Tensor]]:
+        versions, tensors = [], []
+        for tensor in TENSORS:
+            out = torch.empty(SHARD_NUMEL)
+            versions.append(
+                self.client.pull_into(self.name, 0, min_version=0, out=_view(out), timeout=10, tensor=tensor)
+            )
+            tensors.append(out)
+        return versions, tensors
+
+    def refuse_on_both_transports(self, field: str, **push) -> None:
+        before = self.shard0()
+        assert before[0] == [1, 1, 1]
+        for transport in (self.client, self.plane):
+            with pytest.raises(grpc.RpcError) as info:
+                self._push(transport, self.plan[0], **push)
+            details = info.value.details()
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details
+            assert field in details and "shard 0" in details, details
+            after = self.shard0()
+            assert after[0] == before[0]
+            assert all(torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
+
+    def matches_reference(self, version: int) -> None:
+        for tensor, state in zip(TENSORS, ("", "exp_avg", "exp_avg_sq"), strict=True):
+            pulled = torch.empty(self.plan[-1].end)
+            for shard in self.plan:
+                out = _view(pulled[shard.offset : shard.end])
+                assert self.client.pull_into(self.name, shard.shard_id, min_version=version, out=out, timeout=10,
+                                             tensor=tensor) == version  # fmt: skip
+            assert torch.equal(pulled, self.reference.flat(state)), ps_pb2.ShardTensor.Name(tensor)
+
+    def close(self) -> None:
+        self.plane.close()
+        self.client.close()
+
+
+def _groups_with(index: int, **fields) -> list[ps_pb2.GroupHyperparams]:
+    groups = proto_groups("adamw", 1)
+    for name, value in fields.items():
+        setattr(groups[index], name, value)
+    return groups
+
+
+GRADIENT = _flat(gradients(1))
+BAD_PUSHES = {
+    "too-few-groups": ("groups has 2 entries, the model has 3", dict(groups=proto_groups("adamw", 1, count=2))),
+    "too-many-groups": ("groups has 4 entries", dict(groups=proto_groups("adamw", 1, count=4))),
+    "lr-nan": ("groups[1].lr must be finite", dict(groups=_groups_with(1, lr=math.nan))),
+    "lr-inf": ("groups[2].lr must be finite", dict(groups=_groups_with(2, lr=math.inf))),
+    "lr-negative": ("groups[0].lr must be in [0, 1000]", dict(groups=_groups_with(0, lr=-1e-3))),
+    "beta1-one": ("groups[0].beta1 must be in [0, 1)", dict(groups=_groups_with(0, beta1=1.0))),
+    "eps-zero": ("groups[2].eps must be finite and > 0", dict(groups=_groups_with(2, eps=0.0))),
+    "eps-negative": ("groups[1].eps must be finite and > 0", dict(groups=_groups_with(1, eps=-1e-8))),
+    "lr-and-groups": ("lr must be unset when groups are given", dict(lr=1e-3, groups=proto_groups("adamw", 1))),
+    "multiplier-zero": ("grad_multiplier must be finite and > 0", dict(grad_multiplier=0.0)),
+    "multiplier-nan": ("grad_multiplier must be finite and > 0", dict(grad_multiplier=math.nan)),
+    "multiplier-inf": ("grad_multiplier must be finite and > 0", dict(grad_multiplier=math.inf)),
+    "groups-on-parameters": (
+        "groups is for GRADIENT pushes only, this is PARAMETERS",
+        dict(kind=ps_pb2.PARAMETERS, groups=proto_groups("adamw", 1)),
+    ),
+    "multiplier-on-parameters": (
+        "grad_multiplier is for GRADIENT pushes only",
+        dict(kind=ps_pb2.PARAMETERS, groups=(), grad_multiplier=0.5),
+    ),
+    "groups-on-momentum": (
+        "groups is for GRADIENT pushes only, this is MOMENTUM",
+        dict(kind=ps_pb2.MOMENTUM, variance_frozen_at=1, groups=proto_groups("adamw", 1)),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PUSHES))
+def test_bad_groups_and_multipliers_are_refused_and_change_nothing(daemons, case):
+    field, bad = BAD_PUSHES[case]
+    model = GroupModel(daemons[0], f"bad-{case}")
+    push = dict(step=1, kind=ps_pb2.GRADIENT, data=GRADIENT, groups=proto_groups("adamw", 1)) | bad
+    model.refuse_on_both_transports(field, **push)
+    model.step(1)
+    model.matches_reference(2)
+    model.close()
+
+
+def test_a_gap_in_the_group_numbers_is_refused_at_registration(daemons):
+    client = DaemonClient(daemons[0], max_message_bytes=8 << 20)
+    gap = tuple(2 if group == 1 else group for group in GROUP_OF)  # groups 0 and 2, no 1
+    with pytest.raises(grpc.RpcError) as info:
+        client.register(_spec("gap", "adamw", shard_bytes=8192, groups=gap), 0, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ParamSpec.group 1 has none" in info.value.details(), info.value.details()
+    assert client.register(_spec("gap", "adamw", shard_bytes=8192), 0, timeout=10).created  # nothing kept
+    client.close()
