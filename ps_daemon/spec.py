@@ -27,7 +27,10 @@ from ps_offload.daemon.errors import InvalidArgument
 from ps_offload.daemon.optim import AdamWConfig, OptimizerConfig, SGDConfig, validate_optimizer
 from ps_offload.proto.plan import PlanError, layout_params, shard_numel_for
 
-SUPPORTED_COMPUTE_DTYPES = ("float32",)
+# The trainer's compute dtypes: whichever, the daemon keeps fp32 master values and state; a
+# bf16 or fp16 trainer pushes its gradients in that dtype (widened here exactly) and pulls
+# the master rounded to it (PullRequest.dtype).
+SUPPORTED_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 MAX_LR = 1e3
 MAX_WEIGHT_DECAY = 1e3
 

@@ -31,6 +31,8 @@ from ps_offload.trainer.config import (
     AdamW,
     ClientConfig,
     CompressionConfig,
+    DeviceConfig,
+    LossScaling,
     OffloadConfig,
     ParallelConfig,
 )
@@ -45,7 +47,9 @@ __all__ = [
     "ClientSecurity",
     "CompressionConfig",
     "DaemonError",
+    "DeviceConfig",
     "LocalOptimizer",
+    "LossScaling",
     "OffloadConfig",
     "OffloadOptimizer",
     "ParallelConfig",

@@ -2,6 +2,8 @@
 
     AdamW, SGD           the optimizer (run by the daemons, or in-process without them)
     OffloadConfig        how a model is registered with the daemons and stepped through them
+    DeviceConfig         how shards move between the trainer's device and the wire
+    LossScaling          dynamic loss scaling for float16 parameters
     CompressionConfig    how gradients travel: pushes to the daemons, or the dp all-reduce
     ParallelConfig       pipeline stages x data-parallel replicas (PipelineTrainer)
     ClientConfig         how the trainer talks to the daemons (timeouts, retries, transport, TLS)
@@ -122,6 +124,57 @@ class OffloadConfig:
             )
         if len(self.push_share) != 2 or not 0 <= self.push_share[0] < self.push_share[1]:
             raise ValueError(f"OffloadConfig.push_share must be (i, n) with 0 <= i < n, got {self.push_share!r}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """How shards move between the trainer's device and the wire (trainer/device.py)."""
+
+    host_buffers: int = 4
+    """Host buffers of one shard each (in the compute dtype) that carry pushes and pulls
+    between an accelerator and the wire, at most this many shards in flight. They are pinned
+    memory, so this bounds it: host_buffers x the largest shard's bytes in the compute dtype,
+    checked against RLIMIT_MEMLOCK at start. Not used on the CPU unless staging="always"."""
+    staging: str = "auto"
+    """"auto": a CPU model pushes and pulls its own buffers in place, an accelerator's go
+    through the host buffers; "always": through the host buffers on the CPU too (the
+    accelerator's path, without one)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.host_buffers, bool) or not isinstance(self.host_buffers, int) or self.host_buffers < 1:
+            raise ValueError(f"DeviceConfig.host_buffers must be an int >= 1, got {self.host_buffers!r}")
+        if self.staging not in ("auto", "always"):
+            raise ValueError(f'DeviceConfig.staging must be "auto" or "always", got {self.staging!r}')
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """Dynamic loss scaling for float16 parameters, by torch.amp.GradScaler's rules: the loss
+    is multiplied by `scale` before backward (`opt.scale_loss(loss)`); a step whose gradients
+    hold an inf or a NaN on any rank is skipped everywhere and the scale shrinks; after
+    `growth_interval` good steps in a row it grows. The daemons unscale in fp32."""
+
+    init_scale: float = 2.0**16
+    """The first scale."""
+    growth_factor: float = 2.0
+    """The scale is multiplied by this after `growth_interval` steps without an overflow."""
+    backoff_factor: float = 0.5
+    """And by this after a step with one."""
+    growth_interval: int = 2000
+    """Good steps in a row before the scale grows."""
+
+    def __post_init__(self) -> None:
+        if not (0 < self.init_scale < float("inf")):
+            raise ValueError(f"LossScaling.init_scale must be finite and > 0, got {self.init_scale!r}")
+        if not self.growth_factor > 1 or not 0 < self.backoff_factor < 1:
+            raise ValueError(
+                f"LossScaling needs growth_factor > 1 and 0 < backoff_factor < 1, got {self.growth_factor!r} "
+                f"and {self.backoff_factor!r}"
+            )
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
+            raise ValueError(f"LossScaling.growth_interval must be an int >= 1, got {self.growth_interval!r}")
+        if self.growth_interval < 1:
+            raise ValueError(f"LossScaling.growth_interval must be an int >= 1, got {self.growth_interval!r}")
 
 
 @dataclass(frozen=True)

@@ -1,41 +1,60 @@
-"""`offload(model, daemons=..., optimizer=...)`: an optimizer whose state lives on the daemons.
+"""`offload(model, daemons=..., optimizer=...)`: a torch optimizer whose state lives on the daemons.
 
-    opt = trainer.offload(model, daemons=["127.0.0.1:50051"], optimizer=trainer.AdamW(lr=3e-4))
-    loss.backward(); opt.step(); opt.zero_grad()
+    model = build_model().to("cuda", dtype=torch.bfloat16)      # or fp32, fp16; or the CPU
+    opt = ps_offload.offload(model, daemons=["127.0.0.1:50051"], optimizer=ps_offload.AdamW(lr=3e-4))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10_000)
+    loss.backward(); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step(); opt.zero_grad(); sched.step()
 
-The model's parameters and gradients are re-pointed into two flat fp32 buffers laid out as
-the shard plan (trainer/flat.py; spec order = `named_parameters()` order, which is the
-forward order for sequential models). A push sends a slice of the gradient buffer as is, and a pull writes
-straight into the parameter buffer, so neither side copies per parameter.
+The daemons keep the fp32 master values and the optimizer state; the trainer keeps only its
+compute copy, in the model's dtype on its device. The model's parameters and gradients are
+re-pointed into two flat buffers laid out as the shard plan (trainer/flat.py; spec order =
+`named_parameters()` order, the forward order for sequential models), and a shard is one
+slice of each. Shards travel in the compute dtype (trainer/device.py): a bf16 model pushes
+bf16 gradients, which the daemon widens exactly, and pulls bf16 values, which the daemon
+rounds from its master as `Tensor.to` does. So a bf16 model trained here equals, bit for bit,
+one trained in process with an fp32 master copy and torch.optim.AdamW(fused=True).
+
+It is a torch.optim.Optimizer: `param_groups` (lr, betas, eps, weight_decay; SGD's momentum
+and dampening) go to the daemons with every step (trainer/param_groups.py), so torch's LR
+schedulers and Hugging Face's Trainer drive it as they drive torch.optim.AdamW.
+`clip_grad_norm_` on the model works as usual: the gradients are read at `step()`.
 
 `step()` pushes every shard's gradient and returns once the daemons have acknowledged them;
 the pulls of the new parameters run on in the background, in forward order, and each
 module's forward pre-hook waits only for the shards its own parameters live in, so the next
-forward starts while later shards are still arriving. When the pulls are in, each daemon is
-told which of its shards the next step pushes first (`ClientConfig.prefetch_hints`), so a
-daemon whose state exceeds its RAM reads them back while the trainer computes.
+forward starts while later shards are still arriving. When the pulls are in, each daemon
+with an NVMe tier is told which of its shards the next step pushes first
+(`ClientConfig.prefetch_hints`), so it reads them back while the trainer computes.
 
-`OffloadConfig(staleness=1)` is the delayed parameter update of the ZeRO-Offload paper: the daemons apply
-step t's gradients while the trainer computes step t+1 on the parameters it already has, so
-the optimizer, the pushes and the pulls leave the critical path. Step t+1's gradients are
-then taken at the parameters of step t-1 (one step stale; the first step is exact) and are
-applied to those of step t. It costs a second parameter buffer (the next values land there
-while the forward reads the current ones) and a second gradient buffer (the pushes read it
-while backward writes the next gradients).
+float16 parameters get dynamic loss scaling (`opt.scale_loss(loss).backward()`,
+trainer/loss_scale.py): a step with an inf or a NaN in its gradients is skipped, nothing
+is pushed and no version moves.
 
-`CompressionConfig(method=...)` sends each shard's gradient as bf16, fp16, 1-bit signs with a
-scale per 1024 elements, or the top `topk_ratio` of each 1024 elements, with error feedback
-(trainer/push_compression.py), after `warmup_steps` uncompressed steps. Under
-AdamW "onebit" is 1-bit Adam: the trainer keeps the momentum and sends it as signs, the
+`state_dict()` has torch's shape ("state", "param_groups") and names, under "ps_offload", the
+model and the version on the daemons it belongs to; the optimizer state itself stays on the
+daemons, which keep their newest version durably. `load_state_dict()` restores the groups
+(and the loss scale) and refuses a state dict of another version than the daemons hold.
+
+`OffloadConfig(staleness=1)` is the delayed parameter update of the ZeRO-Offload paper: the
+daemons apply step t's gradients while the trainer computes step t+1 on the parameters it
+already has, so the optimizer, the pushes and the pulls leave the critical path. Step t+1's
+gradients are then taken at the parameters of step t-1 (one step stale; the first step is
+exact) and are applied to those of step t. It costs a second parameter buffer and a second
+gradient buffer on the trainer's device.
+
+`CompressionConfig(method=...)` (fp32 CPU models) sends each shard's gradient as bf16, fp16,
+1-bit signs with a scale per 1024 elements, or the top `topk_ratio` of each 1024 elements,
+with error feedback (trainer/push_compression.py), after `warmup_steps` uncompressed steps.
+Under AdamW "onebit" is 1-bit Adam: the trainer keeps the momentum and sends it as signs, the
 daemons freeze the variance and apply the signs with a fused kernel.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 
 import torch
 from torch import nn
@@ -47,12 +66,18 @@ from ps_offload.trainer.config import (
     AdamW,
     ClientConfig,
     CompressionConfig,
+    DeviceConfig,
+    LossScaling,
     OffloadConfig,
     OptimizerConfig,
     expect_config,
 )
+from ps_offload.trainer.device import ShardMover
 from ps_offload.trainer.flat import FlatParams
+from ps_offload.trainer.loss_scale import LossScaler, found_inf
+from ps_offload.trainer.param_groups import GroupTracker, defaults_of, initial_groups
 from ps_offload.trainer.push_compression import PushCompressor, check_compression
+from ps_offload.trainer.shard_io import ShardIO, first_error
 
 log = logging.getLogger(__name__)
 
@@ -66,30 +91,30 @@ def offload(
     config: OffloadConfig | None = None,
     compression: CompressionConfig | None = None,
     client: ClientConfig | None = None,
+    device: DeviceConfig | None = None,
+    loss_scaling: LossScaling | None = None,
 ) -> OffloadOptimizer:
-    """Registers `model` with the daemons and returns its optimizer.
+    """Registers `model` with the daemons and returns its optimizer (a torch.optim.Optimizer).
 
     daemons: the ordered daemon list (part of the shard plan; see `daemon_addresses()`).
     optimizer: AdamW or SGD, run by the daemons.
-    no_weight_decay: (name, param) -> True for parameters that get no weight decay
-        (nanoGPT's rule is `param.dim() < 2`).
+    no_weight_decay: (name, param) -> True for parameters that get no weight decay (they
+        form param group 1; nanoGPT's rule is `param.dim() < 2`).
     config: model name, shard size, staleness (delayed update), push share.
     compression: how the gradients travel; `opt.bytes_pushed` counts what was sent.
     client: timeouts, retries, transport, TLS and token.
+    device: the host buffers that carry shards to and from an accelerator.
+    loss_scaling: for float16 parameters (default LossScaling()); None elsewhere.
     """
     return OffloadOptimizer(
-        model,
-        daemons=daemons,
-        optimizer=optimizer,
-        no_weight_decay=no_weight_decay,
-        config=config,
-        compression=compression,
-        client=client,
-    )
+        model, daemons=daemons, optimizer=optimizer, no_weight_decay=no_weight_decay, config=config,
+        compression=compression, client=client, device=device, loss_scaling=loss_scaling,
+    )  # fmt: skip
 
 
-class OffloadOptimizer:
-    """A StepOptimizer (trainer/optim.py) whose state and update live on the daemons."""
+class OffloadOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer, and a StepOptimizer (trainer/optim.py), whose state and
+    update live on the daemons."""
 
     def __init__(
         self,
@@ -101,36 +126,45 @@ class OffloadOptimizer:
         config: OffloadConfig | None = None,
         compression: CompressionConfig | None = None,
         client: ClientConfig | None = None,
+        device: DeviceConfig | None = None,
+        loss_scaling: LossScaling | None = None,
         before_push: Callable[[], None] | None = None,
+        any_rank: Callable[[bool], bool] | None = None,
     ) -> None:
-        """`before_push`: called on every step just before the pushes (see below)."""
+        """`before_push`: called on every step just before the pushes (see below).
+        `any_rank(flag)`: whether `flag` is set on any rank of the job (a PipelineTrainer's
+        all-reduce), so an overflow on one rank skips the step on all."""
         config = expect_config(config, OffloadConfig, "config")
         compression = expect_config(compression, CompressionConfig, "compression")
         client = expect_config(client, ClientConfig, "client")
+        device = expect_config(device, DeviceConfig, "device")
         adam = isinstance(optimizer, AdamW)
         check_compression(compression.method, compression.warmup_steps, compression.topk_ratio, adam=adam)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
-        for name, p in named:
-            if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise ValueError(
-                    f"parameter {name!r} is {p.dtype} on {p.device}; this release offloads float32 CPU parameters only"
-                )
+        _check_uniform(named, compression)
+        compute_dtype = named[0][1].dtype
+        if loss_scaling is None and compute_dtype == torch.float16:
+            loss_scaling = LossScaling()
+        self.loss_scaler = None
+        if loss_scaling is not None:  # expect_config would make a default one of None
+            self.loss_scaler = LossScaler(expect_config(loss_scaling, LossScaling, "loss_scaling"))
+        groups, group_of = initial_groups(named, no_weight_decay)
+        super().__init__(groups, defaults_of(optimizer))
+        self._groups = GroupTracker(self.param_groups, optimizer)
+
         share, of = config.push_share
         self.config = config
         self.optimizer = optimizer
-        self.lr = optimizer.lr  # set it between steps to follow a schedule
         self.client = ShardedClient(daemons, config=client)
-
         spec = ps_pb2.ModelSpec(model=config.model_name, optimizer=optimizer.to_proto(), shard_bytes=config.shard_bytes)
-        for name, p in named:
-            param = spec.params.add(name=name, shape=list(p.shape), dtype=ps_pb2.FLOAT32)
-            if no_weight_decay is not None and no_weight_decay(name, p):
+        wire_dtype = {torch.float32: ps_pb2.FLOAT32, torch.bfloat16: ps_pb2.BFLOAT16, torch.float16: ps_pb2.FLOAT16}
+        for (name, p), group in zip(named, group_of, strict=True):
+            param = spec.params.add(name=name, shape=list(p.shape), dtype=wire_dtype.get(p.dtype, 0), group=group)
+            if group == 1:
                 param.weight_decay = 0.0
         self.plan: list[ShardSlice] = self.client.register(spec)
-        self._pushes = {s.shard_id for i, s in enumerate(self.plan) if i % of == share}
-        self._hints = share == 0
 
         self.flat = FlatParams(named)
         if self.flat.numel != self.plan[-1].end:
@@ -139,76 +173,38 @@ class OffloadOptimizer:
                 "trainer/flat.py and ps_proto/plan.py disagree on the layout"
             )
         self.params = self.flat.params
-        self._param_bytes = _byte_view(self.flat.values)
+        self.mover = ShardMover(self.flat.values, max(s.numel for s in self.plan), config=device)
         self.staleness = config.staleness
-        # Each shard's gradient payload (compressed with error feedback, or the raw slice).
-        self._compressor = PushCompressor(
-            compression.method,
-            self.flat.numel,
-            warmup_steps=compression.warmup_steps,
-            topk_ratio=compression.topk_ratio,
-            adam_beta1=optimizer.betas[0] if adam else None,
-        )
-        # Payload bytes of this process's gradient pushes that the daemons applied: each
-        # (shard, step) once, headers and resent attempts not counted.
-        self.bytes_pushed = 0
-        self._bytes_lock = threading.Lock()
+        self.io = ShardIO(
+            self.client,
+            self.mover,
+            pushes={s.shard_id for i, s in enumerate(self.plan) if i % of == share},
+            hints=share == 0,
+            # Each shard's gradient payload, compressed with error feedback (fp32 CPU models).
+            compressor=PushCompressor(
+                compression.method, self.flat.numel, warmup_steps=compression.warmup_steps,
+                topk_ratio=compression.topk_ratio, adam_beta1=optimizer.betas[0] if adam else None,
+            ) if compression.method != "none" else None,
+        )  # fmt: skip
         # Data-parallel replicas that share a stage's pushes pass a barrier over their
         # group here: under staleness=1 no replica may push step t+1 before every replica
         # has pulled the parameters of step t.
         self._before_push = before_push
+        self._any_rank = any_rank
         if self.staleness:
             self._next_params = torch.empty_like(self.flat.values)
             self._sent_grads = torch.empty_like(self.flat.grads)
-            self._next_param_bytes = _byte_view(self._next_params)
-        # staleness=1: the step whose pushes and pulls are under way, (step, lr, their
-        # futures); futures None means they failed and are to be submitted again.
-        self._delayed: tuple[int, float, list[Future] | None] | None = None
+        # staleness=1: the step whose pushes and pulls are under way, (step, its groups,
+        # multiplier, futures); futures None means they failed and are to be submitted again.
+        self._delayed: tuple[int, list, float | None, list[Future] | None] | None = None
 
-        workers = max(2, self.client.config.streams_per_daemon * len(daemons))
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ps-io")
         self._pending_pulls: dict[int, Future] = {}
         self._hooks = self._install_forward_hooks(model)
-        self.step_count = self._attach()
+        self.step_count = self.io.attach(self.flat.values)
+        if self.step_count:
+            log.info("resumed model %r at step %d", self.client.model, self.step_count)
 
     # -- start-up ------------------------------------------------------------------------
-
-    def _attach(self) -> int:
-        """Fresh model: pushes this process's initial values. Known model: resumes from the
-        daemons' values (every shard must be at the same version)."""
-        created = self.client.created
-        if all(created):
-            initial = ps_pb2.PARAMETERS
-            self._run_all(lambda s: self.client.push(s, step=0, kind=initial, data=self._params_of(s), lr=None))
-            return 0
-        if any(created):
-            fresh = [self.client.daemons[i] for i, c in enumerate(created) if c]
-            raise RuntimeError(
-                f"daemons {fresh} did not know model {self.client.model!r} while the others did: "
-                "their state was lost (restarted without persistence?). Re-register under a new name."
-            )
-        versions = self._run_all(lambda s: self._pull(s, 0, self._params_of(s)))
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"shards are at different versions {sorted(set(versions))}; cannot resume")
-        momentum = self._compressor.momentum
-        if momentum is not None:  # 1-bit Adam goes on from the daemons' exp_avg
-            into = _byte_view(momentum)
-            self._run_all(
-                lambda s: (
-                    self.client.pull(s, min_version=0, out=_shard_bytes(into, s), tensor=ps_pb2.EXP_AVG)
-                    if s.shard_id in self._pushes
-                    else None
-                )
-            )
-        log.info("resumed model %r at step %d", self.client.model, versions[0])
-        return versions[0]
-
-    def _params_of(self, shard: ShardSlice) -> memoryview:
-        return _shard_bytes(self._param_bytes, shard)
-
-    def _run_all(self, fn: Callable[[ShardSlice], object]) -> list:
-        futures = [self._pool.submit(fn, s) for s in self.plan]
-        return [f.result() for f in futures]
 
     def _install_forward_hooks(self, model: nn.Module) -> list:
         """A pre-hook on every module that owns parameters: wait for their shards' pulls."""
@@ -226,6 +222,76 @@ class OffloadOptimizer:
         start, end = self.flat.param_range(param_index)
         return [s for s in self.plan if s.offset < end and start < s.end] if end > start else []
 
+    # -- the torch.optim.Optimizer face ----------------------------------------------------
+
+    @property
+    def bytes_pushed(self) -> int:
+        """Payload bytes of this process's gradient pushes that the daemons applied."""
+        return self.io.bytes_pushed
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Bytes of host buffers (pinned on an accelerator) this optimizer holds; bounded by
+        DeviceConfig.host_buffers shards."""
+        return self.mover.host_bytes
+
+    @property
+    def lr(self) -> float:
+        """Group 0's learning rate; setting it sets every group's (a StepOptimizer's schedule)."""
+        return float(self.param_groups[0]["lr"])
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = value
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "_groups"):  # after __init__: the daemons' grouping is fixed
+            raise ValueError("param groups cannot be added after offload(): the daemons were registered with them")
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's: gradients become None (backward then makes new ones, which step() copies
+        into the flat buffer), or zeros in the flat buffer itself."""
+        if set_to_none:
+            for p in self.params:
+                p.grad = None
+        else:
+            self.flat.zero_grads()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward() on: times the loss scale for float16 parameters, as is
+        otherwise."""
+        return self.loss_scaler.scale_loss(loss) if self.loss_scaler else loss
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        self.synchronize()
+        state["ps_offload"] = {
+            "model": self.client.model,
+            "version": self.step_count,
+            "daemons": list(self.client.daemons),
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores the param groups and the loss scale; the daemons must hold the version the
+        state dict was taken at (they keep only their newest)."""
+        saved = state_dict.get("ps_offload")
+        if saved is None:
+            raise ValueError("not a ps-offload optimizer state dict (no 'ps_offload' entry)")
+        self.synchronize()
+        if saved["model"] != self.client.model or saved["version"] != self.step_count:
+            raise ValueError(
+                f"the state dict is of model {saved['model']!r} at version {saved['version']}, the daemons hold "
+                f"{self.client.model!r} at version {self.step_count}: the daemons keep only their newest state, "
+                "so resume from the checkpoint saved last"
+            )
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "ps_offload"})
+        if self.loss_scaler and saved["loss_scaler"]:
+            self.loss_scaler.load_state_dict(saved["loss_scaler"])
+
     # -- the training loop ---------------------------------------------------------------
 
     def _wait_for(self, shard_ids: list[int]) -> None:
@@ -242,25 +308,47 @@ class OffloadOptimizer:
         self._wait_for(list(self._pending_pulls))
         self._settle_delayed()
 
-    def zero_grad(self) -> None:
-        self.flat.zero_grads()
-
-    def step(self) -> None:
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Pushes all gradients of this step (returns when the daemons acknowledged them)
         and starts pulling the updated parameters in forward order. Under staleness=1 it
         returns at once: the pushes and pulls run during the next forward and backward."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = self._groups.hyperparams(self.param_groups)  # refuses what the daemons cannot follow
         if self.staleness:
-            self._step_delayed()
-            return
-        self.synchronize()
+            self._settle_delayed()  # the daemons apply step t only at version t
         self.flat.adopt_grads()
+        multiplier = None
+        if self.loss_scaler is not None:
+            overflow = found_inf(self.flat.grads)
+            if self._any_rank is not None:
+                overflow = self._any_rank(overflow)
+            if overflow:
+                self.loss_scaler.update(True)
+                log.info("step %d skipped: inf or NaN in the gradients; loss scale now %g",
+                         self.step_count, self.loss_scaler.scale)  # fmt: skip
+                return loss
+            multiplier = self.loss_scaler.grad_multiplier
+        if not self.staleness:
+            self.synchronize()
         if self._before_push is not None:
             self._before_push()
-        step, lr = self.step_count, float(self.lr)
-        pushes, pulls = self._submit(step, lr, grads=self.flat.grads, params=self._param_bytes)
+        step = self.step_count
+        if self.staleness:
+            self._sent_grads.copy_(self.flat.grads)  # backward writes the next gradients meanwhile
+            _, pulls = self.io.submit(step, (groups, multiplier), grads=self._sent_grads, params=self._next_params)
+            self._delayed = (step, groups, multiplier, list(pulls.values()))
+            self.step_count = step + 1
+            self._finish_step(multiplier)
+            self.io.hint_after(self._delayed[3])
+            return loss
+        pushes, pulls = self.io.submit(step, (groups, multiplier), grads=self.flat.grads, params=self.flat.values)
         self._pending_pulls.update(pulls)
         wait(pushes)
-        error = _first_error(pushes)
+        error = first_error(pushes)
         if error is not None:
             # The step did not happen as a whole: drop its pulls (they fail with their push)
             # so the error is raised once, here, and the caller may retry step().
@@ -268,22 +356,13 @@ class OffloadOptimizer:
             self._pending_pulls.clear()
             raise error
         self.step_count = step + 1
-        self._hint_after(list(pulls.values()))
+        self._finish_step(multiplier)
+        self.io.hint_after(list(pulls.values()))
+        return loss
 
-    def _step_delayed(self) -> None:
-        # The previous step's update must be in before this step's gradients go out: a
-        # daemon applies step t only at version t.
-        self._settle_delayed()
-        self.flat.adopt_grads()
-        if self._before_push is not None:
-            self._before_push()
-        # Backward writes the next step's gradients while these are on the wire.
-        self._sent_grads.copy_(self.flat.grads)
-        step, lr = self.step_count, float(self.lr)
-        _, pulls = self._submit(step, lr, grads=self._sent_grads, params=self._next_param_bytes)
-        self._delayed = (step, lr, list(pulls.values()))
-        self.step_count = step + 1
-        self._hint_after(self._delayed[2])
+    def _finish_step(self, multiplier: float | None) -> None:
+        if multiplier is not None:
+            self.loss_scaler.update(False)
 
     def _settle_delayed(self) -> None:
         """Waits for the delayed step's pushes and pulls and moves its parameters in. If
@@ -291,96 +370,17 @@ class OffloadOptimizer:
         at most once per (shard, step), so resubmitting all of them is safe)."""
         if self._delayed is None:
             return
-        step, lr, tasks = self._delayed
+        step, groups, multiplier, tasks = self._delayed
         if tasks is None:
-            _, pulls = self._submit(step, lr, grads=self._sent_grads, params=self._next_param_bytes)
+            _, pulls = self.io.submit(step, (groups, multiplier), grads=self._sent_grads, params=self._next_params)
             tasks = list(pulls.values())
         wait(tasks)
-        error = _first_error(tasks)
+        error = first_error(tasks)
         if error is not None:
-            self._delayed = (step, lr, None)
+            self._delayed = (step, groups, multiplier, None)
             raise error
         self._delayed = None
         self.flat.values.copy_(self._next_params)
-
-    def _submit(
-        self, step: int, lr: float, *, grads: torch.Tensor, params: memoryview
-    ) -> tuple[list[Future], dict[int, Future]]:
-        """One task per shard, in forward order: push its gradient (this process's share)
-        and then pull its new version, or only pull the version another process pushes.
-        Returns the push acknowledgements and, per shard, the pull.
-
-        Push and pull share a task because, on a daemon whose state exceeds its RAM, the
-        shard is still resident right after its push; pulled later, it would be read back
-        from disk (measured: twice the state read per step instead of once)."""
-        pushes: list[Future] = []
-        pulls: dict[int, Future] = {}
-        # Once one shard's call has failed (after its retries), the step has failed: the
-        # shards still queued give up at once instead of each waiting out its own retries
-        # against a daemon that is down.
-        failed = threading.Event()
-        for shard in self.plan:
-            into = _shard_bytes(params, shard)
-            if shard.shard_id in self._pushes:
-                pushed = Future()
-                pushes.append(pushed)
-                task = self._pool.submit(self._push_then_pull, shard, step, lr, grads, into, pushed, failed)
-            else:
-                task = self._pool.submit(self._pull, shard, step + 1, into, failed)
-            pulls[shard.shard_id] = task
-        return pushes, pulls
-
-    def _hint_after(self, pulls: list[Future]) -> None:
-        if self.client.config.prefetch_hints and self._hints and self.client.nvme_daemons:
-            # Submitted after the pulls, so they have all left the queue (FIFO) when this
-            # task starts waiting on them: it cannot hold up a pull it waits for.
-            self._pool.submit(self._hint_next_step, pulls)
-
-    def _hint_next_step(self, pulls: list[Future]) -> None:
-        """Once this step's pulls are in, the daemons are idle until the next step's
-        pushes: hint those, in push order (plan order)."""
-        wait(pulls)
-        if all(f.exception() is None for f in pulls):
-            self.client.hint([s.shard_id for s in self.plan])
-
-    def _push_then_pull(
-        self,
-        shard: ShardSlice,
-        step: int,
-        lr: float,
-        grads: torch.Tensor,
-        into: memoryview,
-        pushed: Future,
-        failed: threading.Event,
-    ) -> int:
-        try:
-            if failed.is_set():
-                raise StepAbandoned(f"push of shard {shard.shard_id} step {step} not sent: another shard failed")
-            # Compressed here, in the pool: shard i is compressed while shard i-1 is on the wire.
-            payload = self._compressor.payload(shard, step, grads)
-            ack = self.client.push(
-                shard, step=step, kind=payload.kind, data=payload.data, lr=lr, encoding=payload.encoding,
-                variance_frozen_at=payload.variance_frozen_at,
-            )  # fmt: skip
-            if ack.applied:
-                with self._bytes_lock:
-                    self.bytes_pushed += len(payload.data)
-        except BaseException as exc:
-            failed.set()
-            pushed.set_exception(exc)
-            raise
-        pushed.set_result(ack)
-        return self._pull(shard, step + 1, into, failed)
-
-    def _pull(self, shard: ShardSlice, version: int, into: memoryview, failed: threading.Event | None = None) -> int:
-        if failed is not None and failed.is_set():
-            raise StepAbandoned(f"pull of shard {shard.shard_id} version {version} not sent: another shard failed")
-        try:
-            return self.client.pull(shard, min_version=version, out=into)
-        except BaseException:
-            if failed is not None:
-                failed.set()
-            raise
 
     def close(self) -> None:
         try:
@@ -388,8 +388,7 @@ class OffloadOptimizer:
         finally:
             for hook in self._hooks:
                 hook.remove()
-            self._pool.shutdown(wait=True)
-            self.client.close()
+            self.io.close()
 
     def __enter__(self) -> OffloadOptimizer:
         return self
@@ -398,19 +397,18 @@ class OffloadOptimizer:
         self.close()
 
 
-class StepAbandoned(RuntimeError):
-    """A shard's call not made because another shard of the same step had failed."""
-
-
-def _first_error(futures: list[Future]) -> BaseException | None:
-    """The error that failed the step (not the calls abandoned because of it)."""
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    return next((e for e in errors if not isinstance(e, StepAbandoned)), errors[0] if errors else None)
-
-
-def _byte_view(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.numpy()).cast("B")
-
-
-def _shard_bytes(view: memoryview, shard: ShardSlice) -> memoryview:
-    return view[shard.offset * 4 : shard.end * 4]
+def _check_uniform(named: list[tuple[str, nn.Parameter]], compression: CompressionConfig) -> None:
+    """One device and one dtype for all parameters (one flat buffer each); compression only
+    on fp32 CPU models (its kernels run on the flat fp32 gradient on the host)."""
+    first_name, first = named[0]
+    for name, p in named:
+        if p.device != first.device or p.dtype != first.dtype:
+            raise ValueError(
+                f"parameter {name!r} is {p.dtype} on {p.device}, {first_name!r} is {first.dtype} on {first.device}: "
+                "offload() takes a model whose parameters share one device and one dtype"
+            )
+    if compression.method != "none" and (first.device.type != "cpu" or first.dtype != torch.float32):
+        raise ValueError(
+            f"CompressionConfig(method={compression.method!r}) compresses float32 gradients on the CPU; this "
+            f"model is {first.dtype} on {first.device} (push as is: its gradients already travel in its dtype)"
+        )

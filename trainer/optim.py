@@ -31,8 +31,9 @@ class StepOptimizer(Protocol):
     lr: float
     """The learning rate of the next step(); set it between steps to follow a schedule."""
 
-    def zero_grad(self) -> None:
-        """Points every `.grad` into `flat.grads` and zeroes it."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch.optim's; with set_to_none=False every `.grad` points into `flat.grads`,
+        zeroed (no copy at the next step)."""
 
     def step(self) -> None:
         """Applies `flat.grads` to the parameters."""
@@ -81,8 +82,12 @@ class LocalOptimizer:
         for group in self.torch_optimizer.param_groups:
             group["lr"] = value
 
-    def zero_grad(self) -> None:
-        self.flat.zero_grads()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if set_to_none:
+            for p in self.flat.params:
+                p.grad = None
+        else:
+            self.flat.zero_grads()
 
     def step(self) -> None:
         self.flat.adopt_grads()

@@ -329,7 +329,7 @@ class PipelineTrainer:
         grid = self.ctx.grid
         if self.compression:
             self.compression.enabled = self.steps >= self.config.dp_compression.warmup_steps
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(set_to_none=False)  # the reducer works in the flat buffer
         losses: list[torch.Tensor] = []
         args = (inputs,) if grid.first_stage else ()
         if grid.last_stage:

@@ -270,7 +270,7 @@ def test_a_resent_compressed_push_is_acknowledged_without_effect(shared):
 
         before = state()
         for shard in opt.plan:
-            kept = opt._compressor.payload(shard, step, torch.zeros(numel))  # kept, not compressed again
+            kept = opt.io.compressor.payload(shard, step, torch.zeros(numel))  # kept, not compressed again
             assert kept.kind == ps_pb2.MOMENTUM
             ack = opt.client.push(
                 shard, step=step, kind=kept.kind, data=kept.data, lr=LR, encoding=kept.encoding,
@@ -330,7 +330,7 @@ def test_a_resumed_one_bit_adam_trainer_takes_its_momentum_from_the_daemons(shar
                 nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
             opt.synchronize()
-            momentum = opt._compressor.momentum.clone()
+            momentum = opt.io.compressor.momentum.clone()
             variance = torch.empty_like(momentum)
             for shard in opt.plan:
                 into = memoryview(variance[shard.offset : shard.end].numpy()).cast("B")
@@ -341,4 +341,4 @@ def test_a_resumed_one_bit_adam_trainer_takes_its_momentum_from_the_daemons(shar
         expected = torch.where(variance > 0, momentum, 0.0)
         with _offload(copy.deepcopy(model), shared.address, name, "onebit", client=client) as resumed:
             assert resumed.step_count == len(batches)
-            assert torch.equal(resumed._compressor.momentum, expected), transport
+            assert torch.equal(resumed.io.compressor.momentum, expected), transport

@@ -18,6 +18,8 @@ FIELDS = {
     "AdamW": ["lr", "betas", "eps", "weight_decay"],
     "SGD": ["lr", "momentum", "dampening", "weight_decay", "nesterov"],
     "OffloadConfig": ["model_name", "shard_bytes", "staleness", "push_share"],
+    "DeviceConfig": ["host_buffers", "staging"],
+    "LossScaling": ["init_scale", "growth_factor", "backoff_factor", "growth_interval"],
     "CompressionConfig": ["method", "warmup_steps", "topk_ratio"],
     "ParallelConfig": [
         "microbatches",
@@ -87,6 +89,11 @@ def test_configs_are_frozen_and_keyword_friendly():
         (lambda: trainer.ParallelConfig(split="memory"), "split must be one of"),
         (lambda: trainer.ParallelConfig(max_grad_norm=0.0), "max_grad_norm must be > 0 or None"),
         (lambda: trainer.AdamW(betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\)"),
+        (lambda: trainer.DeviceConfig(host_buffers=0), "host_buffers must be an int >= 1"),
+        (lambda: trainer.DeviceConfig(staging="never"), 'staging must be "auto" or "always"'),
+        (lambda: trainer.LossScaling(init_scale=float("inf")), "init_scale must be finite and > 0"),
+        (lambda: trainer.LossScaling(backoff_factor=1.0), "0 < backoff_factor < 1"),
+        (lambda: trainer.LossScaling(growth_interval=0), "growth_interval must be an int >= 1"),
         (lambda: trainer.SGD(nesterov=True), "needs momentum > 0 and dampening = 0"),
     ],
 )
