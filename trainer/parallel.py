@@ -275,7 +275,12 @@ class PipelineTrainer:
         sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         self.bounds = split_layers(sizes, grid.pp, by=config.split)
         start, end = self.bounds[grid.stage]
-        self.module = nn.Sequential(*layers[start:end]).to(ctx.device)
+        self.module = nn.Sequential(*layers[start:end]).to(ctx.device)  # in the layers' own dtype
+        half = {p.dtype for p in self.module.parameters()} & {torch.bfloat16, torch.float16}
+        if half and not daemons:
+            raise ValueError(
+                f"a {half.pop()} stage needs daemons: they keep the fp32 master values (in process there is none)"
+            )
         self.optimizer: StepOptimizer
         if daemons:
             self.optimizer = self._offload(daemons, optimizer, no_weight_decay, offload, client)
@@ -287,6 +292,13 @@ class PipelineTrainer:
         )  # fmt: skip
         self.stage = PipelineStage(self.module, grid.stage, grid.pp, ctx.device, group=ctx.pp_group)
         # Unscaled: the reducer divides once, by dp x micro-batches, after the sum.
+        self.loss_scaler = getattr(self.optimizer, "loss_scaler", None)  # fp16 stages
+        if self.loss_scaler is not None:
+            unscaled = loss_fn
+
+            def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                return self.loss_scaler.scale_loss(unscaled(output, target))
+
         self.schedule = SCHEDULES[config.schedule](self.stage, config.microbatches, loss_fn=loss_fn, scale_grads=False)
         # A wrong order hangs or overruns memory instead of failing where it is wrong: check
         # the plan before the first step runs it.
@@ -306,13 +318,21 @@ class PipelineTrainer:
         )
         kwargs = dict(
             daemons=daemons, optimizer=optimizer, no_weight_decay=no_weight_decay, config=stage_config,
-            client=client, before_push=barrier,
+            client=client, before_push=barrier, any_rank=self._any_rank,
         )  # fmt: skip
         # Replica 0 registers the stage and pushes its initial values; the others then find
         # the model known and take those values (so every replica starts equal).
         first = OffloadOptimizer(self.module, **kwargs) if grid.replica == 0 else None
         dist.barrier(group=self.ctx.dp_group)
         return first or OffloadOptimizer(self.module, **kwargs)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank of the job: an fp16 overflow on one rank skips the
+        step on every rank (each stage's replicas and every other stage), as GradScaler's
+        found_inf does across a job."""
+        found = torch.tensor([float(flag)], device=self.ctx.device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return bool(found.item())
 
     @property
     def lr(self) -> float:
@@ -339,9 +359,10 @@ class PipelineTrainer:
         self.reducer.finish()
         if self.max_grad_norm is not None:
             self._clip_grad_norm()
+        scale = self.loss_scaler.scale if self.loss_scaler else 1.0  # before step() moves it
         self.optimizer.step()
         self.steps += 1
-        return float(torch.stack(losses).mean()) if losses else None
+        return float(torch.stack(losses).float().mean()) / scale if losses else None
 
     def _clip_grad_norm(self) -> None:
         """torch.nn.utils.clip_grad_norm_ over the whole model: every replica of a stage
@@ -350,7 +371,8 @@ class PipelineTrainer:
         flat = self.optimizer.flat.grads
         squared = flat.double().pow(2).sum().reshape(1)
         dist.all_reduce(squared, group=self.ctx.pp_group)
-        norm = float(squared.sqrt())
+        # fp16 gradients are still loss-scaled here (the daemons unscale): the norm is not.
+        norm = float(squared.sqrt()) / (self.loss_scaler.scale if self.loss_scaler else 1.0)
         self.grad_norm = norm
         scale = self.max_grad_norm / (norm + 1e-6)
         if scale < 1.0:

@@ -33,7 +33,19 @@ def layers() -> list[torch.nn.Module]:
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(output, target)
+    return torch.nn.functional.cross_entropy(output.float(), target)
+
+
+def inject_overflow(model: trainer.PipelineTrainer, at_step: int) -> None:
+    """An inf in this rank's reduced gradients at one step (its dp peer's stay finite)."""
+    finish = model.reducer.finish
+
+    def finish_then_overflow() -> None:
+        finish()
+        if model.steps == at_step:
+            model.optimizer.flat.grads[0] = float("inf")
+
+    model.reducer.finish = finish_then_overflow
 
 
 def main() -> None:
@@ -52,11 +64,14 @@ def main() -> None:
     p.add_argument("--dp-compression", default="none")
     p.add_argument("--compression-warmup-steps", type=int, default=0)
     p.add_argument("--save-replicas", action="store_true", help="every replica saves stage<s>.replica<r>.pt")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--overflow", default="", help="RANK@STEP: an inf in that rank's gradients at that step")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
     ctx = trainer.init_distributed(args.pp, args.dp)
     dp_compression = trainer.CompressionConfig(method=args.dp_compression, warmup_steps=args.compression_warmup_steps)
     model = trainer.PipelineTrainer(
-        layers(), loss_fn, ctx=ctx, optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
+        [layer.to(dtype) for layer in layers()], loss_fn, ctx=ctx, optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
         config=trainer.ParallelConfig(
             microbatches=args.microbatches, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
             dp_compression=dp_compression,
@@ -64,6 +79,9 @@ def main() -> None:
         daemons=args.daemons.split(",") if args.daemons else None,
         offload=trainer.OffloadConfig(shard_bytes=4096, staleness=args.staleness),
     )  # fmt: skip
+    overflow_rank, _, overflow_step = args.overflow.partition("@")
+    if args.overflow and ctx.grid.rank == int(overflow_rank):
+        inject_overflow(model, int(overflow_step))
     recorder = ScheduleRecorder(model.stage) if args.trace else None
     ran: list[list[tuple[str, int]]] = []
     per_replica = GLOBAL_BATCH // args.dp
@@ -72,7 +90,7 @@ def main() -> None:
         if args.die and ctx.grid.rank == int(die_rank) and step == int(die_step):
             os._exit(17)  # as a crash would: no clean-up, no goodbye to the others
         mine = slice(ctx.grid.replica * per_replica, (ctx.grid.replica + 1) * per_replica)
-        model.step(x[mine], y[mine])
+        model.step(x[mine].to(dtype), y[mine])
         if recorder:
             ran.append(recorder.take())
     model.synchronize()
@@ -81,6 +99,10 @@ def main() -> None:
         planned = compute_order(model.schedule.pipeline_order)[ctx.grid.stage]
         trace = {"stage": ctx.grid.stage, "replica": ctx.grid.replica, "planned": planned, "steps": ran}
         (Path(args.out) / f"trace{ctx.grid.rank}.json").write_text(json.dumps(trace))
+    if model.loss_scaler is not None:
+        scaler = {"skipped": model.loss_scaler.skipped_steps, "scale": model.loss_scaler.scale,
+                  "version": model.optimizer.step_count}  # fmt: skip
+        (Path(args.out) / f"scaler{ctx.grid.rank}.json").write_text(json.dumps(scaler))
     if ctx.grid.replica == 0 or args.save_replicas:
         start, _ = model.bounds[ctx.grid.stage]
         state = {

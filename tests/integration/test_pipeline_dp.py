@@ -111,6 +111,74 @@ def test_delayed_update_with_clipping_matches_its_single_process_spelling(tmp_pa
             daemon.kill()
 
 
+def _reference_half(dtype: torch.dtype, *, overflow_at: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Single-process mixed precision: the model in `dtype`, fp32 masters with fused AdamW,
+    cast back each step, the gradients summed in `dtype` as the pp x dp job sums them; fp16
+    with GradScaler's rules (scaled loss, a step with an inf or NaN gradient skipped, the
+    scale halved), with an inf put into the gradients at `overflow_at`. Returns the
+    parameters and what the loss scaler did."""
+    model = torch.nn.Sequential(*(layer.to(dtype) for layer in worker.layers()))
+    params = list(model.parameters())
+    masters = [p.detach().float().clone() for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
+    scaled = dtype == torch.float16
+    scale, skipped, updates = 2.0**16 if scaled else 1.0, 0, 0
+    for step, (x, y) in enumerate(worker.batches(STEPS)):
+        # As the job accumulates: each replica sums its micro-batches' gradients in `dtype`,
+        # the replicas' sums are added (the all-reduce), and the total divided by dp x m.
+        sums = []
+        for replica_x, replica_y in zip(x.chunk(DP), y.chunk(DP), strict=True):
+            model.zero_grad()
+            for mx, my in zip(replica_x.chunk(MICROBATCHES), replica_y.chunk(MICROBATCHES), strict=True):
+                loss = worker.loss_fn(model(mx.to(dtype)), my)
+                (loss * torch.tensor(scale, dtype=torch.float32)).backward()
+            sums.append([p.grad.clone() for p in params])
+        for p, *parts in zip(params, *sums, strict=True):
+            p.grad = sum(parts[1:], parts[0]).div_(DP * MICROBATCHES)
+        if step == overflow_at:
+            params[0].grad.view(-1)[0] = float("inf")
+        if scaled and not all(torch.isfinite(p.grad).all() for p in params):
+            scale, skipped = scale / 2, skipped + 1
+            continue
+        inverse = torch.tensor(scale, dtype=torch.float64).reciprocal().float()
+        for master, p in zip(masters, params, strict=True):
+            master.grad = p.grad.float() * inverse
+        opt.step()
+        updates += 1
+        with torch.no_grad():
+            for master, p in zip(masters, params, strict=True):
+                p.copy_(master)
+    return model.state_dict(), {"skipped": skipped, "scale": scale, "version": updates}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_stages_over_daemons_match_mixed_precision_in_one_process(tmp_path, dtype):
+    """bf16 and fp16 stages (gloo moves the half-precision activations and all-reduces the
+    half-precision gradients); fp16 with an inf injected into rank 3's gradients at step 2:
+    every rank skips that step (no daemon version moves), every rank's loss scale backs off,
+    and the run ends, bit for bit, where single-process mixed precision ends when it sums the
+    micro-batch and replica gradients in half precision in the same order."""
+    daemons = [LocalDaemon(tmp_path / f"d{i}") for i in range(2)]
+    try:
+        addresses = ",".join(d.address for d in daemons)
+        overflow = ["--overflow", "3@2"] if dtype == "float16" else []
+        result = _torchrun(tmp_path, "--daemons", addresses, "--dtype", dtype, *overflow)
+        assert result.returncode == 0, result.stderr[-4000:]
+        got = {**torch.load(tmp_path / "stage0.pt"), **torch.load(tmp_path / "stage1.pt")}
+        reference, scaler = _reference_half(getattr(torch, dtype), overflow_at=2 if overflow else None)
+        for name, expected in reference.items():
+            assert got[name].dtype == expected.dtype
+            assert torch.equal(got[name], expected), name  # bit for bit: the same sums in the same order
+        if overflow:
+            scalers = [json.loads((tmp_path / f"scaler{rank}.json").read_text()) for rank in range(PP * DP)]
+            assert scalers == [scaler] * (PP * DP)
+            assert scaler["skipped"] >= 1  # the injected overflow at least (fp16 may overflow early on its own)
+    finally:
+        for daemon in daemons:
+            daemon.kill()
+
+
 @pytest.mark.slow
 def test_in_process_optimizer_path_matches_too(tmp_path):
     result = _torchrun(tmp_path, "--schedule", "1f1b")
