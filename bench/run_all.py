@@ -25,8 +25,10 @@ from bench import (
     optimizer_step,
     pipeline_efficiency,
     ps_overhead_pp_dp,
+    pull_bytes_bf16,
     staleness_convergence,
     train_step_overhead,
+    train_step_overhead_bf16,
     transport,
 )
 from bench.common import QUICK, REPO, RESULTS
@@ -195,6 +197,7 @@ DETAILS: dict[str, Callable[[dict], str]] = {
     "compression_convergence": _convergence,
     "staleness_convergence": _convergence,
     "train_step_overhead": _train_step_overhead,
+    "train_step_overhead_bf16": _train_step_overhead,
     "pipeline_efficiency": _pipeline,
     "ps_overhead_pp_dp": _ps_overhead,
     "compress_cpu": _compress_cpu,
@@ -245,6 +248,8 @@ def main() -> None:
     _timed("optimizer_step", optimizer_step.main, seconds)
     _timed("transport", transport.main, seconds)
     _timed("train_step_overhead", train_step_overhead.main, seconds)
+    _timed("train_step_overhead_bf16", train_step_overhead_bf16.main, seconds)
+    _timed("pull_bytes_bf16", pull_bytes_bf16.main, seconds)
     _timed("pipeline_efficiency", lambda: pipeline_efficiency.main([]), seconds)
     _timed("ps_overhead_pp_dp", lambda: ps_overhead_pp_dp.main([]), seconds)
     _timed("staleness_convergence", staleness_convergence.main, seconds)
