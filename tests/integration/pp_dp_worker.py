@@ -90,7 +90,7 @@ def main() -> None:
         if args.die and ctx.grid.rank == int(die_rank) and step == int(die_step):
             os._exit(17)  # as a crash would: no clean-up, no goodbye to the others
         mine = slice(ctx.grid.replica * per_replica, (ctx.grid.replica + 1) * per_replica)
-        model.step(x[mine].to(dtype), y[mine])
+        model.step(x[mine].to(ctx.device, dtype), y[mine].to(ctx.device))
         if recorder:
             ran.append(recorder.take())
     model.synchronize()
