@@ -1,15 +1,18 @@
-"""One push: the request that carries a gradient, a momentum or initial values from the wire
-(ps_daemon.wire builds it from a PushHeader) to the optimizer, and its validation.
+"""One push: the request that carries a gradient (whole, or a part of one, or the APPLY of
+the parts: ps_daemon.accumulate), a momentum or initial values from the wire (ps_daemon.wire
+builds it from a PushHeader) to the optimizer, and its validation.
 
 A push is checked completely before anything changes. Building a PushRequest checks what
-it says on its own (kind, dtype, step, lr, variance_frozen_at, groups and grad_multiplier
-against the kind, each group's lr and weight decay); `check_shard` what depends on the shard
+it says on its own (kind, dtype, step, lr, variance_frozen_at, groups, grad_multiplier, part
+and parts against the kind, a part's encoding, APPLY's empty payload, each group's lr and
+weight decay); `check_shard` what depends on the shard
 it names (size, optimizer, the number of param groups and the settings its optimizer reads);
 the store then checks the step against the shard's version under the shard's lock
-(`check_step_locked`), and only then applies it. The numeric bounds are ps_daemon.spec's (its
+(`check_step_locked`; a part's place and APPLY's count: ps_daemon.accumulate), and only
+then applies it. The numeric bounds are ps_daemon.spec's (its
 docstring says why MAX_LR).
 
-Param groups (GRADIENT pushes only; a MOMENTUM push's fused 1-bit Adam kernel takes one lr
+Param groups (GRADIENT and APPLY pushes only; a MOMENTUM push's fused 1-bit Adam kernel takes one lr
 and one pair of betas, so it keeps the header's lr): every group's settings, with the header's
 lr unset. AdamW's betas in [0, 1) and eps finite and > 0 (torch allows eps 0; with a zero
 second moment that step is 0 / 0). SGD's momentum is nonzero exactly when the registered one
@@ -37,7 +40,12 @@ from ps_offload.daemon.spec import MAX_LR, MAX_WEIGHT_DECAY, check_number
 if TYPE_CHECKING:
     from ps_offload.daemon.shard import Shard
 
-KINDS = ("gradient", "parameters", "momentum")
+KINDS = ("gradient", "parameters", "momentum", "gradient_part", "apply")
+# A part is added to an fp32 sum: it travels as values (RAW) or as halves widened exactly. The
+# compressed encodings are for whole gradients (their error feedback is the trainer's, per push).
+PART_ENCODINGS = ("raw", "bf16", "fp16")
+# What steps the optimizer with the gradient's settings (groups, grad_multiplier).
+STEPPING_GRADIENT = ("gradient", "apply")
 
 
 @dataclass(frozen=True)
@@ -56,8 +64,10 @@ class PushRequest:
     nbytes: int | None = None
     lr: float | None = None  # None: the registered one
     variance_frozen_at: int | None = None  # MOMENTUM only: updates after which exp_avg_sq froze
-    groups: tuple[GroupHyperparams, ...] = ()  # GRADIENT only: each param group's settings
-    grad_multiplier: float | None = None  # GRADIENT only: times the decoded fp32 gradient
+    groups: tuple[GroupHyperparams, ...] = ()  # GRADIENT and APPLY only: each param group's settings
+    grad_multiplier: float | None = None  # GRADIENT and APPLY only: times the decoded fp32 gradient
+    part: int = 0  # GRADIENT_PART only: which part of the step's gradient, from 0
+    parts: int = 0  # APPLY only: how many parts the step's gradient has (>= 1)
     data: torch.Tensor | CompressedGradient | None = None
 
     def __post_init__(self) -> None:
@@ -86,14 +96,43 @@ class PushRequest:
             raise InvalidArgument(
                 f"{where}: variance_frozen_at is for MOMENTUM pushes only, this is {self.kind.upper()}"
             )
+        self._check_parts()
         self._check_gradient_fields()
 
+    def _check_parts(self) -> None:
+        """part and parts against the kind; a part's encoding and lr, APPLY's empty payload."""
+        where, kind = self.where, self.kind.upper()
+        if self.kind != "gradient_part" and self.part:
+            raise InvalidArgument(f"{where}: part is for GRADIENT_PART pushes only, this is {kind}")
+        if self.kind != "apply" and self.parts:
+            raise InvalidArgument(f"{where}: parts is for APPLY pushes only, this is {kind}")
+        if self.kind == "gradient_part":
+            if self.encoding not in PART_ENCODINGS or isinstance(self.data, OneBitGradient | TopKGradient):
+                raise InvalidArgument(
+                    f"{where}: a GRADIENT_PART must be RAW, BF16 or FP16 (it is added to an fp32 sum), got encoding "
+                    f"{self.encoding.upper()}; compressed encodings are for whole GRADIENT pushes"
+                )
+            if self.lr is not None:
+                raise InvalidArgument(f"{where}: lr is for the APPLY of a step pushed in parts, not its GRADIENT_PART")
+        if self.kind == "apply":
+            if self.parts < 1:
+                raise InvalidArgument(
+                    f"{where}: APPLY needs parts >= 1 (how many parts step {self.step} has), got {self.parts}"
+                )
+            if self.nbytes or self.data is not None:
+                raise InvalidArgument(
+                    f"{where}: APPLY carries no payload (the parts held are its gradient), "
+                    f"got {self.payload_bytes} bytes"
+                )
+
     def _check_gradient_fields(self) -> None:
-        """groups and grad_multiplier: on a GRADIENT only, and what they say on their own."""
+        """groups and grad_multiplier: on a GRADIENT or an APPLY only, and what they say on their own."""
         where = self.where
         for name in ("groups", "grad_multiplier"):
-            if self.kind != "gradient" and getattr(self, name) not in ((), None):
-                raise InvalidArgument(f"{where}: {name} is for GRADIENT pushes only, this is {self.kind.upper()}")
+            if self.kind not in STEPPING_GRADIENT and getattr(self, name) not in ((), None):
+                raise InvalidArgument(
+                    f"{where}: {name} is for GRADIENT and APPLY pushes only, this is {self.kind.upper()}"
+                )
         if self.groups and self.lr is not None:
             raise InvalidArgument(
                 f"{where}: lr must be unset when groups are given (each group carries its lr), got lr {self.lr:g}"
@@ -143,6 +182,8 @@ class PushRequest:
                 )
         if self.groups:
             _check_groups(self.groups, shard.optimizer, f"{where} of model {shard.model!r}")
+        if self.kind == "apply":  # no payload (checked on building)
+            return
         if data is None:
             check_size(self.encoding, self.nbytes or 0, numel, where)
         elif self.compressed:
@@ -165,8 +206,7 @@ class PushRequest:
         if self.compressed:
             data = data.decompress(out)
         if self.grad_multiplier is not None:
-            # As torch.amp.GradScaler's unscale_: the fp32 gradient times an fp32 scalar.
-            data = torch.mul(data, torch.tensor(self.grad_multiplier, dtype=torch.float32), out=out)
+            data = multiplied(data, self.grad_multiplier, out)
         return data
 
     @property
@@ -182,6 +222,12 @@ class PushRequest:
         if isinstance(data, TopKGradient):
             return 4 + 8 * data.indices.numel()
         return data.values.numel() * data.values.element_size()
+
+
+def multiplied(grad: torch.Tensor, multiplier: float, out: torch.Tensor) -> torch.Tensor:
+    """`grad` times grad_multiplier into `out`, as torch.amp.GradScaler's unscale_: the fp32
+    gradient times an fp32 scalar."""
+    return torch.mul(grad, torch.tensor(multiplier, dtype=torch.float32), out=out)
 
 
 def _check_groups(groups: tuple[GroupHyperparams, ...], optimizer: ShardOptimizer, where: str) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ps_offload.daemon.accumulate import GradientParts
 from ps_offload.daemon.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from ps_offload.daemon.optim import AdamWConfig, OptimizerConfig, ShardOptimizer
 from ps_offload.daemon.tiers.nvme import arena_tensor
@@ -95,6 +96,8 @@ class Shard:
         self.writing = False
         self.writers_waiting = 0
         self.corrupt = ""  # why the shard's bytes on disk cannot be trusted; "" when fine
+        # The step being pushed in parts (its own lock; in RAM even while the arena is not).
+        self.parts = GradientParts()
 
     def attach(self, buffer: tuple[torch.Tensor, memoryview | None]) -> None:
         """Places master and optimizer state in `buffer` (arena tensor, O_DIRECT view)."""

@@ -10,7 +10,8 @@ Versions: a shard's version is the number of gradient updates applied to it. A g
 push for `step` is applied only when step == version, then version becomes step + 1; a push
 for step < version was applied before and is acknowledged without effect (so retries are
 safe); a push for step > version is from the future and refused. Initial values are pushed
-once, before the first update, and mark the shard `initialized`; pulls wait for that.
+once, before the first update, and mark the shard `initialized`; pulls wait for that. A
+gradient pushed in parts is held beside the shard until its APPLY (ps_daemon.accumulate).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ps_offload.daemon import inspect
+from ps_offload.daemon.accumulate import add_part
 from ps_offload.daemon.encodings import OneBitGradient
 from ps_offload.daemon.errors import (
     DataLoss,
@@ -246,10 +248,13 @@ class ShardStore:
             ) from exc
 
     def _resident_bytes_locked(self) -> int:
-        """RAM held by shards: resident arenas, plus the tier's pooled buffers."""
+        """RAM held by shards: resident arenas, plus the tier's pooled buffers, plus the sums
+        of steps pushed in parts (not bounded by the tier's budget: ps_daemon.accumulate)."""
+        shards = [s for m in self._models.values() for s in m.shards.values()]
+        parts = sum(s.parts.nbytes for s in shards)
         if self.tier is not None:
-            return self.tier.used + self.tier.pooled
-        return sum(s.resident_bytes for m in self._models.values() for s in m.shards.values())
+            return self.tier.used + self.tier.pooled + parts
+        return sum(s.resident_bytes for s in shards) + parts
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -322,6 +327,8 @@ class ShardStore:
         push.check_shard(shard)
         with shard.cond:
             ack = check_step_locked(shard, push)
+        if ack is None and push.kind in ("gradient_part", "apply"):
+            ack = shard.parts.check(push, shard.version)
         if ack is not None:
             with self._lock:
                 self.stats.pushes_duplicate += 1
@@ -334,24 +341,35 @@ class ShardStore:
         scratch: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
     ) -> PushResult:
         """Applies a gradient or a momentum (1-bit Adam), or writes initial values, held in
-        `push.data`: fp32 with the shard's numel, or compressed (ps_daemon.encodings).
+        `push.data`: fp32 with the shard's numel, or compressed (ps_daemon.encodings); adds a
+        GRADIENT_PART to the step's sum, or applies that sum (APPLY, no data).
         Compressed values that the optimizer does not take as they are (all but a ONEBIT
         momentum) are first decompressed, and a gradient with a grad_multiplier multiplied,
         into an fp32 buffer from `scratch(numel)` (a StagingPool's borrow; a fresh tensor if
         None): PushRequest.values. Everything is checked before the shard changes."""
-        if push.data is None:
+        if push.data is None and push.kind != "apply":
             raise ValueError("push() needs the payload (PushRequest.with_data)")
         shard = self.shard(push.model, push.shard_id)
         push.check_shard(shard)
         numel = shard.slice.numel
         with contextlib.ExitStack() as held:
+
+            def borrow() -> torch.Tensor:
+                return held.enter_context(scratch(numel)) if scratch else torch.empty(numel, dtype=torch.float32)
+
+            if push.kind == "gradient_part":  # no update, nor the shard's values: its sum only
+                result = add_part(shard, push, borrow)
+                with self._lock:
+                    if result.applied:
+                        self.stats.bytes_pushed += push.payload_bytes
+                    else:
+                        self.stats.pushes_duplicate += 1
+                return result
             # Outside the shard's lock: the payload and the buffer are this push's own.
-            data = push.values(
-                lambda: held.enter_context(scratch(numel)) if scratch else torch.empty(numel, dtype=torch.float32)
-            )
+            data = None if push.kind == "apply" else push.values(borrow)
             if push.kind != "parameters":
                 self.prefetcher.pushed(shard, push.step, lambda: self._models[shard.model].shards)
-            with self._using(shard), shard.writing_lock():
+            with self._using(shard), shard.writing_lock(), shard.parts.lock:
                 # Re-checked under the lock: a retry may have raced the first attempt.
                 ack = check_step_locked(shard, push)
                 if ack is not None:
@@ -363,8 +381,11 @@ class ShardStore:
                     shard.initialized = True
                     self._commit(shard)
                 else:
+                    if push.kind == "apply":
+                        data = shard.parts.gradient_locked(push, borrow)
                     elapsed = self._update(shard, push, data)
                     self._commit(shard)
+                    shard.parts.drop_applied_locked(shard.version)  # committed: the parts are spent
                     with self._lock:
                         self.stats.optimizer_seconds += elapsed
                         self.stats.pushes_applied += 1

@@ -21,7 +21,13 @@ from ps_offload.daemon.store import RegisteredModel, ShardStore
 from ps_offload.proto import ps_pb2
 
 DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
-PUSH_KINDS = {ps_pb2.GRADIENT: "gradient", ps_pb2.PARAMETERS: "parameters", ps_pb2.MOMENTUM: "momentum"}
+PUSH_KINDS = {
+    ps_pb2.GRADIENT: "gradient",
+    ps_pb2.PARAMETERS: "parameters",
+    ps_pb2.MOMENTUM: "momentum",
+    ps_pb2.GRADIENT_PART: "gradient_part",
+    ps_pb2.APPLY: "apply",
+}
 ENCODING_NAMES = {
     ps_pb2.RAW: "raw",
     ps_pb2.ONEBIT: "onebit",
@@ -79,7 +85,8 @@ def _placements(model: RegisteredModel) -> list[ps_pb2.ShardPlacement]:
 def push_request(header: ps_pb2.PushHeader) -> PushRequest:
     """The domain's push for a header, checked as far as the header alone allows."""
     if header.kind not in PUSH_KINDS:
-        raise InvalidArgument(f"push kind must be GRADIENT, MOMENTUM or PARAMETERS, got {header.kind}")
+        known = ", ".join(ps_pb2.PushKind.Name(k) for k in PUSH_KINDS)
+        raise InvalidArgument(f"push to shard {header.shard_id}: kind {header.kind} is unknown; send {known}")
     if header.encoding not in ENCODING_NAMES:
         known = ", ".join(ps_pb2.Encoding.Name(e) for e in ENCODING_NAMES)
         raise InvalidArgument(f"push to shard {header.shard_id}: encoding {header.encoding} is unknown; send {known}")
@@ -98,6 +105,8 @@ def push_request(header: ps_pb2.PushHeader) -> PushRequest:
             for g in header.groups
         ),
         grad_multiplier=header.grad_multiplier if header.HasField("grad_multiplier") else None,
+        part=header.part,
+        parts=header.parts,
     )
 
 
@@ -117,11 +126,12 @@ def apply_push(
     store: ShardStore, push: PushRequest, payload: torch.Tensor, staging: StagingPool
 ) -> ps_pb2.PushResponse:
     """Applies a push whose whole payload is in `payload` (an fp32 staging buffer holding
-    push.nbytes bytes, validated by open_push). A compressed gradient that must be
-    decompressed first gets a buffer from `staging`."""
-    shard = store.shard(push.model, push.shard_id)
-    data = parse(push.encoding, payload, push.nbytes, shard.slice.numel, push.where)
-    result = store.push(push.with_data(data), scratch=staging.borrow)
+    push.nbytes bytes, validated by open_push; none for an APPLY). A compressed gradient that
+    must be decompressed first gets a buffer from `staging`."""
+    if push.kind != "apply":
+        shard = store.shard(push.model, push.shard_id)
+        push = push.with_data(parse(push.encoding, payload, push.nbytes, shard.slice.numel, push.where))
+    result = store.push(push, scratch=staging.borrow)
     return ps_pb2.PushResponse(applied=result.applied, version=result.version)
 
 

@@ -232,15 +232,15 @@ BAD_PUSHES = {
     "multiplier-nan": ("grad_multiplier must be finite and > 0", dict(grad_multiplier=math.nan)),
     "multiplier-inf": ("grad_multiplier must be finite and > 0", dict(grad_multiplier=math.inf)),
     "groups-on-parameters": (
-        "groups is for GRADIENT pushes only, this is PARAMETERS",
+        "groups is for GRADIENT and APPLY pushes only, this is PARAMETERS",
         dict(kind=ps_pb2.PARAMETERS, groups=proto_groups("adamw", 1)),
     ),
     "multiplier-on-parameters": (
-        "grad_multiplier is for GRADIENT pushes only",
+        "grad_multiplier is for GRADIENT and APPLY pushes only",
         dict(kind=ps_pb2.PARAMETERS, groups=(), grad_multiplier=0.5),
     ),
     "groups-on-momentum": (
-        "groups is for GRADIENT pushes only, this is MOMENTUM",
+        "groups is for GRADIENT and APPLY pushes only, this is MOMENTUM",
         dict(kind=ps_pb2.MOMENTUM, variance_frozen_at=1, groups=proto_groups("adamw", 1)),
     ),
 }

@@ -89,10 +89,10 @@ def _bad_group(**fields) -> tuple[GroupHyperparams, ...]:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        (dict(kind="parameters", groups=(ADAMW,)), "groups is for GRADIENT pushes only, this is PARAMETERS"),
-        (dict(kind="momentum", groups=(ADAMW,)), "groups is for GRADIENT pushes only, this is MOMENTUM"),
-        (dict(kind="parameters", grad_multiplier=1.0), "grad_multiplier is for GRADIENT pushes only"),
-        (dict(kind="momentum", grad_multiplier=0.5), "grad_multiplier is for GRADIENT pushes only"),
+        (dict(kind="parameters", groups=(ADAMW,)), "groups is for GRADIENT and APPLY pushes only, this is PARAMETERS"),
+        (dict(kind="momentum", groups=(ADAMW,)), "groups is for GRADIENT and APPLY pushes only, this is MOMENTUM"),
+        (dict(kind="parameters", grad_multiplier=1.0), "grad_multiplier is for GRADIENT and APPLY pushes only"),
+        (dict(kind="momentum", grad_multiplier=0.5), "grad_multiplier is for GRADIENT and APPLY pushes only"),
         (dict(lr=0.1, groups=(ADAMW,)), "lr must be unset when groups are given"),
         (dict(groups=_bad_group(lr=math.nan)), "groups[1].lr must be finite, got nan"),
         (dict(groups=_bad_group(lr=math.inf)), "groups[1].lr must be finite"),
