@@ -29,6 +29,8 @@ class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GRADIENT: _ClassVar[PushKind]
     PARAMETERS: _ClassVar[PushKind]
     MOMENTUM: _ClassVar[PushKind]
+    GRADIENT_PART: _ClassVar[PushKind]
+    APPLY: _ClassVar[PushKind]
 
 class ShardTensor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -56,6 +58,8 @@ PUSH_KIND_UNSPECIFIED: PushKind
 GRADIENT: PushKind
 PARAMETERS: PushKind
 MOMENTUM: PushKind
+GRADIENT_PART: PushKind
+APPLY: PushKind
 MASTER: ShardTensor
 EXP_AVG: ShardTensor
 EXP_AVG_SQ: ShardTensor
@@ -217,7 +221,7 @@ class GroupHyperparams(_message.Message):
     def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "shard_id", "step", "kind", "encoding", "dtype", "nbytes", "lr", "variance_frozen_at", "groups", "grad_multiplier")
+    __slots__ = ("model", "shard_id", "step", "kind", "encoding", "dtype", "nbytes", "lr", "variance_frozen_at", "groups", "grad_multiplier", "part", "parts")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +233,8 @@ class PushHeader(_message.Message):
     VARIANCE_FROZEN_AT_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     GRAD_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     shard_id: int
     step: int
@@ -240,7 +246,9 @@ class PushHeader(_message.Message):
     variance_frozen_at: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupHyperparams]
     grad_multiplier: float
-    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., lr: _Optional[float] = ..., variance_frozen_at: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparams, _Mapping]]] = ..., grad_multiplier: _Optional[float] = ...) -> None: ...
+    part: int
+    parts: int
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., lr: _Optional[float] = ..., variance_frozen_at: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparams, _Mapping]]] = ..., grad_multiplier: _Optional[float] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -140,12 +140,15 @@ class DaemonClient:
         variance_frozen_at: int | None = None,
         groups: Sequence[ps_pb2.GroupHyperparams] = (),
         grad_multiplier: float | None = None,
+        part: int = 0,
+        parts: int = 0,
     ) -> ps_pb2.PushResponse:
         """Streams one shard's payload, laid out as `encoding`. `lr` None keeps the
         registered learning rate (see push_header for the rest)."""
         header = push_header(
             model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding,
-            variance_frozen_at=variance_frozen_at, groups=groups, grad_multiplier=grad_multiplier,
+            variance_frozen_at=variance_frozen_at, groups=groups, grad_multiplier=grad_multiplier, part=part,
+            parts=parts,
         )  # fmt: skip
 
         def chunks():
@@ -269,6 +272,8 @@ class ShardedClient:
         variance_frozen_at: int | None = None,
         groups: Sequence[ps_pb2.GroupHyperparams] = (),
         grad_multiplier: float | None = None,
+        part: int = 0,
+        parts: int = 0,
     ) -> ps_pb2.PushResponse:
         """Pushes one shard's payload (retried as a whole, the same bytes each attempt)."""
         return self._call(
@@ -286,6 +291,8 @@ class ShardedClient:
                 variance_frozen_at=variance_frozen_at,
                 groups=groups,
                 grad_multiplier=grad_multiplier,
+                part=part,
+                parts=parts,
             ),
         )
 

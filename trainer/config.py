@@ -110,6 +110,12 @@ class OffloadConfig:
     """(i, n): this process pushes every n-th shard from the i-th and only pulls the others,
     so n processes holding the same reduced gradients (the data-parallel replicas of one
     stage) push each shard once between them. PipelineTrainer sets it from the grid."""
+    push_in_backward: bool = False
+    """Push each shard's gradient as soon as backward has finished all of it, overlapping the
+    rest of backward; step() then only applies it (trainer/backward_push.py). A gradient
+    changed after backward (clip_grad_norm_) or a second backward before step() is noticed,
+    and step() sends the whole gradient again: the result is the same either way. offload()
+    only, with staleness=0 and no compression."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -124,6 +130,10 @@ class OffloadConfig:
             )
         if len(self.push_share) != 2 or not 0 <= self.push_share[0] < self.push_share[1]:
             raise ValueError(f"OffloadConfig.push_share must be (i, n) with 0 <= i < n, got {self.push_share!r}")
+        if self.push_in_backward and self.staleness:
+            raise ValueError(
+                "OffloadConfig.push_in_backward needs staleness=0 (the delayed update pushes after backward)"
+            )
 
 
 @dataclass(frozen=True)

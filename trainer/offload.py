@@ -61,6 +61,7 @@ from torch import nn
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.backward_push import BackwardPushes
 from ps_offload.trainer.client import ShardedClient
 from ps_offload.trainer.config import (
     AdamW,
@@ -140,6 +141,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         device = expect_config(device, DeviceConfig, "device")
         adam = isinstance(optimizer, AdamW)
         check_compression(compression.method, compression.warmup_steps, compression.topk_ratio, adam=adam)
+        if config.push_in_backward and compression.method != "none":
+            raise ValueError("OffloadConfig.push_in_backward sends gradients as they are: not with compression")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -201,6 +204,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._pending_pulls: dict[int, Future] = {}
         self._hooks = self._install_forward_hooks(model)
         self.step_count = self.io.attach(self.flat.values)
+        self._backward_pushes: BackwardPushes | None = None
+        if config.push_in_backward:
+            self._backward_pushes = BackwardPushes(
+                self.flat,
+                [s for s in self.plan if s.shard_id in self.io.pushes],
+                self._shards_of,
+                lambda shard: self.io.push_part(shard, self.step_count, self.flat.grads),
+            )
         if self.step_count:
             log.info("resumed model %r at step %d", self.client.model, self.step_count)
 
@@ -318,6 +329,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         groups = self._groups.hyperparams(self.param_groups)  # refuses what the daemons cannot follow
+        parts: dict[int, Future] = {}
+        if self._backward_pushes is not None:  # before adopt_grads, which may write (zeros)
+            parts = self._backward_pushes.usable_parts()
+            self._backward_pushes.reset()
         if self.staleness:
             self._settle_delayed()  # the daemons apply step t only at version t
         self.flat.adopt_grads()
@@ -328,6 +343,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 overflow = self._any_rank(overflow)
             if overflow:
                 self.loss_scaler.update(True)
+                if self._backward_pushes is not None:
+                    self._backward_pushes.skipped()
                 log.info("step %d skipped: inf or NaN in the gradients; loss scale now %g",
                          self.step_count, self.loss_scaler.scale)  # fmt: skip
                 return loss
@@ -345,7 +362,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._finish_step(multiplier)
             self.io.hint_after(self._delayed[3])
             return loss
-        pushes, pulls = self.io.submit(step, (groups, multiplier), grads=self.flat.grads, params=self.flat.values)
+        pushes, pulls = self.io.submit(
+            step, (groups, multiplier), grads=self.flat.grads, params=self.flat.values, parts=parts
+        )
         self._pending_pulls.update(pulls)
         wait(pushes)
         error = first_error(pushes)
@@ -388,6 +407,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         finally:
             for hook in self._hooks:
                 hook.remove()
+            if self._backward_pushes is not None:
+                self._backward_pushes.close()
             self.io.close()
 
     def __enter__(self) -> OffloadOptimizer:

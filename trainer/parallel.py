@@ -250,6 +250,10 @@ class PipelineTrainer:
         client = expect_config(client, ClientConfig, "client")
         if offload.push_share != (0, 1):
             raise ValueError("PipelineTrainer sets push_share from the grid; leave OffloadConfig.push_share out")
+        if offload.push_in_backward:
+            raise ValueError(
+                "OffloadConfig.push_in_backward is for offload(): a PipelineTrainer pushes the dp-reduced gradients"
+            )
         if offload.staleness and not daemons:
             raise ValueError("staleness=1 (delayed update) needs daemons: the in-process optimizer has no delay")
         dp_compression = config.dp_compression

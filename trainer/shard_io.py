@@ -94,12 +94,37 @@ class ShardIO:
 
     # -- a step --------------------------------------------------------------------------
 
+    def push_part(self, shard: ShardSlice, step: int, grads: torch.Tensor) -> Future:
+        """Starts pushing the shard's gradient as part 0 of `step` (GRADIENT_PART: the daemon
+        holds it until an APPLY); the future gives the acknowledgement."""
+        after = self.mover.mark_compute()  # the copy follows the backward that wrote it
+        return self.pool.submit(self._push_part, shard, step, grads, after)
+
+    def _push_part(self, shard: ShardSlice, step: int, grads: torch.Tensor, after: object) -> ps_pb2.PushResponse:
+        with self.mover.host_view(grads, shard, after) as data:
+            ack = self.client.push(
+                shard, step=step, kind=ps_pb2.GRADIENT_PART, data=data, lr=None,
+                encoding=self.mover.gradient_encoding, part=0,
+            )  # fmt: skip
+            if ack.applied:
+                with self._bytes_lock:
+                    self.bytes_pushed += len(data)
+            return ack
+
     def submit(
-        self, step: int, settings: StepSettings, *, grads: torch.Tensor, params: torch.Tensor
+        self,
+        step: int,
+        settings: StepSettings,
+        *,
+        grads: torch.Tensor,
+        params: torch.Tensor,
+        parts: dict[int, Future] | None = None,
     ) -> tuple[list[Future], dict[int, Future]]:
         """One task per shard, in forward order: push its gradient (this process's share)
         and then pull its new version into `params`, or only pull the version another process
-        pushes. Returns the push acknowledgements and, per shard, the pull.
+        pushes. A shard with an early part in `parts` (pushed during backward) is applied
+        with an APPLY instead of pushed whole. Returns the push acknowledgements and, per
+        shard, the pull.
 
         Push and pull share a task because, on a daemon whose state exceeds its RAM, the
         shard is still resident right after its push; pulled later, it would be read back
@@ -111,13 +136,15 @@ class ShardIO:
         # shards still queued give up at once instead of each waiting out its own retries
         # against a daemon that is down.
         failed = threading.Event()
+        parts = parts or {}
         for shard in self.plan:
             if shard.shard_id in self.pushes:
                 pushed = Future()
                 pushes.append(pushed)
                 task = self.pool.submit(
-                    self._push_then_pull, shard, step, settings, grads, params, after, pushed, failed
-                )
+                    self._push_then_pull, shard, step, settings, grads, params, after, pushed, failed,
+                    parts.get(shard.shard_id),
+                )  # fmt: skip
             else:
                 task = self.pool.submit(self.pull, shard, step + 1, params, after, failed)
             pulls[shard.shard_id] = task
@@ -146,14 +173,22 @@ class ShardIO:
         after: object,
         pushed: Future,
         failed: threading.Event,
+        part: Future | None = None,
     ) -> int:
         try:
             if failed.is_set():
                 raise StepAbandoned(f"push of shard {shard.shard_id} step {step} not sent: another shard failed")
-            ack, nbytes = self._push_gradient(shard, step, settings, grads, after)
-            if ack.applied:
-                with self._bytes_lock:
-                    self.bytes_pushed += nbytes
+            if part is not None and part.exception() is None:  # waits for the early part
+                groups, multiplier = settings
+                ack = self.client.push(
+                    shard, step=step, kind=ps_pb2.APPLY, data=memoryview(b""), lr=None, groups=groups,
+                    grad_multiplier=multiplier, parts=1,
+                )  # fmt: skip
+            else:  # no early part, or it failed: the whole gradient (it replaces any part held)
+                ack, nbytes = self._push_gradient(shard, step, settings, grads, after)
+                if ack.applied:
+                    with self._bytes_lock:
+                        self.bytes_pushed += nbytes
         except BaseException as exc:
             failed.set()
             pushed.set_exception(exc)

@@ -17,7 +17,7 @@ from ps_offload.trainer import config
 FIELDS = {
     "AdamW": ["lr", "betas", "eps", "weight_decay"],
     "SGD": ["lr", "momentum", "dampening", "weight_decay", "nesterov"],
-    "OffloadConfig": ["model_name", "shard_bytes", "staleness", "push_share"],
+    "OffloadConfig": ["model_name", "shard_bytes", "staleness", "push_share", "push_in_backward"],
     "DeviceConfig": ["host_buffers", "staging"],
     "LossScaling": ["init_scale", "growth_factor", "backoff_factor", "growth_interval"],
     "CompressionConfig": ["method", "warmup_steps", "topk_ratio"],
