@@ -204,6 +204,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._pending_pulls: dict[int, Future] = {}
         self._hooks = self._install_forward_hooks(model)
         self.step_count = self.io.attach(self.flat.values)
+        self._clip_coefficient: float | None = None  # from clip_grad_norm_, for the next step
         self._backward_pushes: BackwardPushes | None = None
         if config.push_in_backward:
             self._backward_pushes = BackwardPushes(
@@ -269,6 +270,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 p.grad = None
         else:
             self.flat.zero_grads()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's parameters, with the scaling
+        left to the daemons: the gradients stay as backward left them (so shards pushed during
+        backward stay usable) and the next step() multiplies them by the clip coefficient, in
+        fp32, on the daemons. Returns the total norm (of the unscaled gradients under fp16
+        loss scaling). For fp32 gradients the update is torch's clip_grad_norm_ and step,
+        bit for bit: the same norm, coefficient and fp32 product. For bf16/fp16 gradients the
+        product is taken in fp32 on the daemon, where torch's clip rounds it to the gradient's
+        dtype."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        if self.loss_scaler is not None:
+            total = total / self.loss_scaler.scale
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's own expression
+        self._clip_coefficient = float(coefficient.float())
+        return total
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward() on: times the loss scale for float16 parameters, as is
@@ -343,12 +362,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 overflow = self._any_rank(overflow)
             if overflow:
                 self.loss_scaler.update(True)
+                self._clip_coefficient = None
                 if self._backward_pushes is not None:
                     self._backward_pushes.skipped()
                 log.info("step %d skipped: inf or NaN in the gradients; loss scale now %g",
                          self.step_count, self.loss_scaler.scale)  # fmt: skip
                 return loss
             multiplier = self.loss_scaler.grad_multiplier
+        if self._clip_coefficient is not None:
+            clip, self._clip_coefficient = self._clip_coefficient, None
+            # fp32 product, as the daemons take the multiplier (1/scale is a power of two).
+            multiplier = float(torch.tensor(clip if multiplier is None else clip * multiplier, dtype=torch.float32))
         if not self.staleness:
             self.synchronize()
         if self._before_push is not None:
@@ -359,7 +383,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             _, pulls = self.io.submit(step, (groups, multiplier), grads=self._sent_grads, params=self._next_params)
             self._delayed = (step, groups, multiplier, list(pulls.values()))
             self.step_count = step + 1
-            self._finish_step(multiplier)
+            self._finish_step()
             self.io.hint_after(self._delayed[3])
             return loss
         pushes, pulls = self.io.submit(
@@ -375,12 +399,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._pending_pulls.clear()
             raise error
         self.step_count = step + 1
-        self._finish_step(multiplier)
+        self._finish_step()
         self.io.hint_after(list(pulls.values()))
         return loss
 
-    def _finish_step(self, multiplier: float | None) -> None:
-        if multiplier is not None:
+    def _finish_step(self) -> None:
+        if self.loss_scaler is not None:
             self.loss_scaler.update(False)
 
     def _settle_delayed(self) -> None:

@@ -50,6 +50,30 @@ def test_pushing_during_backward_trains_exactly_as_pushing_after(dtype, transpor
         mixed._assert_same(model, reference, opt, masters)
 
 
+@pytest.mark.parametrize("transport", ["auto", "grpc"], ids=["data-plane", "grpc"])
+def test_the_optimizers_clip_keeps_the_early_parts_and_equals_torchs_clip(transport, daemon_factory):
+    """opt.clip_grad_norm_ leaves the gradients alone and has the daemons multiply by the
+    coefficient: the parts pushed during backward stay usable, and for fp32 the result is
+    torch's clip_grad_norm_ and fused AdamW, bit for bit."""
+    model, batches = mixed._case(torch.float32)
+    reference = copy.deepcopy(model)
+    masters, _, _ = mixed._train_reference(reference, batches)  # clips with torch's clip_grad_norm_(1.0)
+    daemons = [daemon_factory(), daemon_factory()]
+    with _offload(model, daemons, client=trainer.ClientConfig(transport=transport)) as opt:
+        used = []
+        for batch in batches:
+            opt.zero_grad()
+            mixed._loss(model, batch).backward()
+            norm = opt.clip_grad_norm_(1.0)
+            assert norm > 0
+            # Still the gradients backward left: every early part is used (an APPLY each).
+            used.append(set(opt._backward_pushes.usable_parts()) == {s.shard_id for s in opt.plan})
+            opt.step()
+        opt.synchronize()
+        assert all(used)
+        mixed._assert_same(model, reference, opt, masters)
+
+
 def test_parts_are_used_only_while_the_gradients_are_what_backward_left(daemon_factory):
     model, batches = mixed._case(torch.float32)
     daemons = [daemon_factory()]
