@@ -20,6 +20,7 @@ from bench import (
     compression_convergence,
     deepspeed_ops,
     fused_decompress_adamw,
+    gpu_step_vs_torchao,
     nvme_io,
     nvme_train_step,
     optimizer_step,
@@ -255,6 +256,7 @@ def main() -> None:
     _timed("staleness_convergence", staleness_convergence.main, seconds)
     _timed("compress_cpu", compress_cpu.main, seconds)
     _timed("compress_gpu", compress_gpu.main, seconds)  # says so and records nothing without CUDA
+    _timed("gpu_step_vs_torchao", gpu_step_vs_torchao.main, seconds)  # the same, and without torchao
     _timed("fused_decompress_adamw", fused_decompress_adamw.main, seconds)
     _timed("compression_convergence", compression_convergence.main, seconds)
     if shutil.which("fio"):
