@@ -1,7 +1,8 @@
 """Shards held by one daemon: registration, recovery, pull, push with (shard, step) dedup,
 commit. The pieces it composes: ps_daemon.spec (what a model is), ps_daemon.shard (one
 shard and its hold), ps_daemon.push (one push, validated), ps_daemon.prefetch (what to load
-ahead), ps_daemon.inspect (admin statistics and verify), ps_daemon.tiers (RAM over NVMe).
+ahead), ps_daemon.inspect (admin statistics and verify), ps_daemon.tiers (RAM over NVMe),
+ps_daemon.persistence (a shard's committed copy: load, commit, roll back a failed update).
 
 No gRPC here: the servicer translates protobuf to these calls, and ps_daemon.rpc_errors the
 typed errors of ps_daemon.errors back to status codes.
@@ -18,8 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import logging
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,14 +30,9 @@ import torch
 from ps_offload.daemon import inspect
 from ps_offload.daemon.accumulate import add_part
 from ps_offload.daemon.encodings import OneBitGradient
-from ps_offload.daemon.errors import (
-    DataLoss,
-    FailedPrecondition,
-    NotFound,
-    ResourceExhausted,
-    StorageError,
-)
+from ps_offload.daemon.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
 from ps_offload.daemon.inspect import VERIFY_ATTEMPTS, StatsSnapshot, StoreStats, ValueStats, Verdict
+from ps_offload.daemon.persistence import commit, create_files, load_into, roll_back
 from ps_offload.daemon.prefetch import Prefetcher
 from ps_offload.daemon.pull_rounding import check_pull_dtype, element_bytes, rounded
 from ps_offload.daemon.push import PushRequest, PushResult, check_step_locked
@@ -50,7 +45,7 @@ from ps_offload.daemon.shard import (
     shard_resident_bytes,
 )
 from ps_offload.daemon.spec import ModelSpec, ParamSpec, spec_difference, validate_spec
-from ps_offload.daemon.tiers.nvme import CorruptShard, NoCapacity, NoFreeSlot, NvmeFiles
+from ps_offload.daemon.tiers.nvme import NvmeFiles
 from ps_offload.daemon.tiers.ram import RamTier, TierFull
 from ps_offload.proto.plan import ParamLayout, ShardSlice, layout_params, plan_shards, shard_numel_for
 
@@ -60,8 +55,6 @@ __all__ = [
     "RegisteredModel", "ShardStore", "StatsSnapshot", "ValueStats", "Verdict", "allocate_arena", "arena_numel",
     "shard_resident_bytes",
 ]  # fmt: skip
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,7 +73,9 @@ class ShardStore:
         self.ram_bytes = ram_bytes
         self.files = files  # None: RAM only, nothing survives a restart
         self.tier = (
-            RamTier(budget=ram_bytes, allocate=allocate_arena, load=self._load_into) if files is not None else None
+            RamTier(budget=ram_bytes, allocate=allocate_arena, load=functools.partial(load_into, files))
+            if files is not None
+            else None
         )
         self.prefetcher = Prefetcher(self.tier, depth=prefetch_depth)
         self.default_shard_bytes = default_shard_bytes
@@ -111,25 +106,9 @@ class ShardStore:
             registered = self._build(spec, daemon_index)
             self._check_ram(spec.model, registered)
             if self.files is not None:
-                self._create_files(spec, daemon_index, registered)
+                create_files(self.files, spec, daemon_index, registered.shards)
             self._models[spec.model] = registered
             return registered, True
-
-    def _create_files(self, spec: ModelSpec, daemon_index: int, model: RegisteredModel) -> None:
-        arena_bytes = {sid: shard.arena_bytes for sid, shard in model.shards.items()}
-        where = f"model {spec.model!r} on this daemon"
-        try:
-            self.files.create_model(spec, daemon_index, arena_bytes)
-        except NoCapacity as exc:
-            raise ResourceExhausted(f"{where}: {exc}. Raise store.nvme_bytes or add daemons") from exc
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                layout = self.files.layout_for(arena_bytes)
-                raise ResourceExhausted(
-                    f"{where}: nvme_dir {self.files.dir} has no room for its {layout.size} bytes "
-                    f"({layout.slots} slots of {layout.slot_bytes}); free space or add daemons"
-                ) from exc
-            raise StorageError(f"{where}: cannot create its files: {exc}") from exc
 
     def _check_ram(self, name: str, model: RegisteredModel) -> None:
         """RAM only: every shard must fit. With an NVMe tier: the largest shard must (the
@@ -186,66 +165,6 @@ class ShardStore:
             with self._lock:
                 self._models[spec.model] = model
         return recovered
-
-    def _load_into(self, shard: Shard, buffer: tuple[torch.Tensor, memoryview]) -> None:
-        """The RAM tier's loader: attaches `buffer` and reads the committed version into it."""
-        shard.attach(buffer)
-        try:
-            self._load(shard)
-        except BaseException:
-            shard.detach()
-            raise
-
-    def _load(self, shard: Shard) -> None:
-        """Sets the shard to its last committed version on disk (zeros if none). Raises
-        DataLoss, and marks the shard, when those bytes fail their checksum."""
-        try:
-            header = self.files.load(shard.model, shard.slice.shard_id, shard.io_view)
-        except CorruptShard as exc:
-            shard.corrupt = (
-                f"shard {shard.slice.shard_id} of model {shard.model!r} is corrupt on disk ({exc}); "
-                "restore it from a checkpoint or re-register the model"
-            )
-            log.error("%s", shard.corrupt)
-            raise DataLoss(shard.corrupt) from exc
-        if header is None:
-            shard.arena.zero_()
-            shard.set_version(0, initialized=False)
-        else:
-            shard.set_version(header.version, initialized=header.initialized)
-
-    def _commit(self, shard: Shard) -> None:
-        """Persists the shard's new version before it is acknowledged. On a write error the
-        shard goes back to its last committed version and the push fails."""
-        if self.files is None:
-            return
-        try:
-            self.files.commit(
-                shard.model,
-                shard.slice.shard_id,
-                shard.io_view,
-                version=shard.version,
-                initialized=shard.initialized,
-                numel=shard.slice.numel,
-            )
-        except NoFreeSlot as exc:
-            self._load(shard)
-            raise StorageError(
-                f"shard {shard.slice.shard_id} of model {shard.model!r}: {exc} (failed writes take slots "
-                f"out of use until restart); the update was not applied, the shard keeps version {shard.version}"
-            ) from exc
-        except OSError as exc:
-            self._load(shard)  # back to the last committed version
-            where = f"shard {shard.slice.shard_id} of model {shard.model!r}"
-            if exc.errno == errno.ENOSPC:
-                raise ResourceExhausted(
-                    f"{where}: nvme_dir is full; the update was not applied and the shard keeps "
-                    f"version {shard.version}. Free space, then retry the push"
-                ) from exc
-            raise StorageError(
-                f"{where}: writing the update failed ({exc}); it was not applied and the shard "
-                f"keeps version {shard.version}"
-            ) from exc
 
     def _resident_bytes_locked(self) -> int:
         """RAM held by shards: resident arenas, plus the tier's pooled buffers, plus the sums
@@ -379,12 +298,12 @@ class ShardStore:
                 if push.kind == "parameters":
                     shard.master.copy_(data)
                     shard.initialized = True
-                    self._commit(shard)
+                    commit(self.files, shard)
                 else:
                     if push.kind == "apply":
                         data = shard.parts.gradient_locked(push, borrow)
                     elapsed = self._update(shard, push, data)
-                    self._commit(shard)
+                    commit(self.files, shard)
                     shard.parts.drop_applied_locked(shard.version)  # committed: the parts are spent
                     with self._lock:
                         self.stats.optimizer_seconds += elapsed
@@ -406,19 +325,7 @@ class ShardStore:
             else:
                 shard.optimizer.apply(shard.master, data, lr, push.groups)
         except BaseException:
-            # Validation should leave nothing to fail here. If a kernel does, the shard must
-            # not keep half a step under its old version (later steps would apply on top):
-            # back to the last committed version with NVMe; RAM only there is no copy, so
-            # the shard is refused (DATA_LOSS) from now on.
-            if self.files is not None:
-                self._load(shard)
-            else:
-                shard.optimizer.step.fill_(shard.version)
-                shard.corrupt = (
-                    f"shard {shard.slice.shard_id} of model {shard.model!r}: an update failed midway and its "
-                    "values cannot be trusted; restart the daemon and push the model's values again"
-                )
-                log.error("%s", shard.corrupt)
+            roll_back(self.files, shard)  # validation should leave nothing to fail here; a kernel did
             raise
         shard.version += 1
         return time.perf_counter() - started
