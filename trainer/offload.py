@@ -73,7 +73,7 @@ from ps_offload.trainer.config import (
     OptimizerConfig,
     expect_config,
 )
-from ps_offload.trainer.device import ShardMover
+from ps_offload.trainer.device import WIRE_DTYPES, ShardMover
 from ps_offload.trainer.flat import FlatParams
 from ps_offload.trainer.loss_scale import LossScaler, found_inf
 from ps_offload.trainer.param_groups import GroupTracker, defaults_of, initial_groups
@@ -154,6 +154,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if loss_scaling is not None:  # expect_config would make a default one of None
             self.loss_scaler = LossScaler(expect_config(loss_scaling, LossScaling, "loss_scaling"))
         groups, group_of = initial_groups(named, no_weight_decay)
+        # The groups' own weight decay (no_weight_decay's 0), before torch fills in defaults.
+        decay_overrides = [group.get("weight_decay") for group in groups]
         super().__init__(groups, defaults_of(optimizer))
         self._groups = GroupTracker(self.param_groups, optimizer)
 
@@ -162,11 +164,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.client = ShardedClient(daemons, config=client)
         spec = ps_pb2.ModelSpec(model=config.model_name, optimizer=optimizer.to_proto(), shard_bytes=config.shard_bytes)
-        wire_dtype = {torch.float32: ps_pb2.FLOAT32, torch.bfloat16: ps_pb2.BFLOAT16, torch.float16: ps_pb2.FLOAT16}
         for (name, p), group in zip(named, group_of, strict=True):
-            param = spec.params.add(name=name, shape=list(p.shape), dtype=wire_dtype.get(p.dtype, 0), group=group)
-            if group == 1:
-                param.weight_decay = 0.0
+            param = spec.params.add(name=name, shape=list(p.shape), dtype=WIRE_DTYPES.get(p.dtype, 0), group=group)
+            if decay_overrides[group] is not None:  # for pushes without groups (1-bit Adam's)
+                param.weight_decay = decay_overrides[group]
         self.plan: list[ShardSlice] = self.client.register(spec)
 
         self.flat = FlatParams(named)
