@@ -63,3 +63,15 @@ def notifications(monkeypatch) -> Iterator[Notifications]:
     yield notes
     notes.sock.close()
     shutil.rmtree(directory)
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory) -> Iterator[list[str]]:
+    """Two RAM daemons shared by a whole test file (starting one costs more than the tiny
+    models' steps), one OpenMP thread each: tiny tensors on a loaded machine. Their addresses."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        started = [LocalDaemon(tmp_path_factory.mktemp(f"daemon{i}")) for i in range(2)]
+    yield [d.address for d in started]
+    for daemon in started:
+        daemon.kill()

@@ -20,7 +20,6 @@ import grpc
 import pytest
 import torch
 
-from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
 from ps_offload.trainer.client import DaemonError, ShardedClient
 from ps_offload.trainer.config import ClientConfig
@@ -31,17 +30,6 @@ from tests.ps_daemon.test_group_steps import Reference, gradients, initial_value
 TENSORS = ((ps_pb2.MASTER, ""), (ps_pb2.EXP_AVG, "exp_avg"), (ps_pb2.EXP_AVG_SQ, "exp_avg_sq"))
 LOSS_SCALE = 2.0**16
 NOTHING = memoryview(b"")  # APPLY's payload
-
-
-@pytest.fixture(scope="module")
-def daemons(tmp_path_factory):
-    """Two RAM daemons for the whole file, one OpenMP thread each (tiny tensors, shared cores)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        started = [LocalDaemon(tmp_path_factory.mktemp(f"daemon{i}")) for i in range(2)]
-    yield [d.address for d in started]
-    for daemon in started:
-        daemon.kill()
 
 
 class Model:

@@ -22,7 +22,6 @@ import grpc
 import pytest
 import torch
 
-from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.client import DaemonClient, ShardedClient
@@ -39,18 +38,6 @@ from tests.ps_daemon.test_group_steps import (
 
 MOMENTS = (ps_pb2.EXP_AVG, ps_pb2.EXP_AVG_SQ)
 LOSS_SCALE = 2.0**16
-
-
-@pytest.fixture(scope="module")
-def daemons(tmp_path_factory):
-    """Two daemons for the whole file (starting one costs more than these models' steps),
-    one OpenMP thread each: tiny tensors on a loaded machine (tests/integration/test_odd_shapes.py)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        started = [LocalDaemon(tmp_path_factory.mktemp(f"daemon{i}")) for i in range(2)]
-    yield [d.address for d in started]
-    for daemon in started:
-        daemon.kill()
 
 
 def _view(t: torch.Tensor) -> memoryview:
