@@ -43,7 +43,8 @@ gradients are then taken at the parameters of step t-1 (one step stale; the firs
 exact) and are applied to those of step t. It costs a second parameter buffer and a second
 gradient buffer on the trainer's device.
 
-`CompressionConfig(method=...)` (fp32 CPU models) sends each shard's gradient as bf16, fp16,
+`CompressionConfig(method=...)` sends each shard's gradient (widened to fp32 when the model is
+bf16 or fp16, compressed on its device, error feedback there) as bf16, fp16,
 1-bit signs with a scale per 1024 elements, or the top `topk_ratio` of each 1024 elements,
 with error feedback (trainer/push_compression.py), after `warmup_steps` uncompressed steps.
 Under AdamW "onebit" is 1-bit Adam: the trainer keeps the momentum and sends it as signs, the
@@ -146,7 +147,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
-        _check_uniform(named, compression)
+        _check_uniform(named)
         compute_dtype = named[0][1].dtype
         if loss_scaling is None and compute_dtype == torch.float16:
             loss_scaling = LossScaling()
@@ -184,10 +185,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.mover,
             pushes={s.shard_id for i, s in enumerate(self.plan) if i % of == share},
             hints=share == 0,
-            # Each shard's gradient payload, compressed with error feedback (fp32 CPU models).
+            # Each shard's gradient payload, compressed with error feedback on the gradients' device.
             compressor=PushCompressor(
                 compression.method, self.flat.numel, warmup_steps=compression.warmup_steps,
                 topk_ratio=compression.topk_ratio, adam_beta1=optimizer.betas[0] if adam else None,
+                device=self.flat.grads.device,
             ) if compression.method != "none" else None,
         )  # fmt: skip
         # Data-parallel replicas that share a stage's pushes pass a barrier over their
@@ -443,9 +445,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.close()
 
 
-def _check_uniform(named: list[tuple[str, nn.Parameter]], compression: CompressionConfig) -> None:
-    """One device and one dtype for all parameters (one flat buffer each); compression only
-    on fp32 CPU models (its kernels run on the flat fp32 gradient on the host)."""
+def _check_uniform(named: list[tuple[str, nn.Parameter]]) -> None:
+    """One device and one dtype for all parameters (one flat buffer each)."""
     first_name, first = named[0]
     for name, p in named:
         if p.device != first.device or p.dtype != first.dtype:
@@ -453,8 +454,3 @@ def _check_uniform(named: list[tuple[str, nn.Parameter]], compression: Compressi
                 f"parameter {name!r} is {p.dtype} on {p.device}, {first_name!r} is {first.dtype} on {first.device}: "
                 "offload() takes a model whose parameters share one device and one dtype"
             )
-    if compression.method != "none" and (first.device.type != "cpu" or first.dtype != torch.float32):
-        raise ValueError(
-            f"CompressionConfig(method={compression.method!r}) compresses float32 gradients on the CPU; this "
-            f"model is {first.dtype} on {first.device} (push as is: its gradients already travel in its dtype)"
-        )

@@ -93,16 +93,20 @@ class PushCompressor:
         warmup_steps: int = 0,
         topk_ratio: float = 0.01,
         adam_beta1: float | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
-        """`adam_beta1`: AdamW's beta1 when the optimizer is AdamW (None otherwise)."""
+        """`adam_beta1`: AdamW's beta1 when the optimizer is AdamW (None otherwise); `device`:
+        the gradients' (the kernels run there: Numba CUDA on a GPU, so only the compressed
+        bytes cross to the host; the error and momentum live there too)."""
         check_compression(compression, warmup_steps, topk_ratio, adam=adam_beta1 is not None)
         self.compression = compression
         self.warmup_steps = warmup_steps
         self.topk_ratio = float(topk_ratio)
-        self.error = torch.zeros(numel, dtype=torch.float32) if compression != "none" else None
+        fp32 = {"dtype": torch.float32, "device": device}
+        self.error = torch.zeros(numel, **fp32) if compression != "none" else None
         self.beta1 = adam_beta1
         one_bit_adam = compression == "onebit" and adam_beta1 is not None
-        self.momentum = torch.zeros(numel, dtype=torch.float32) if one_bit_adam else None
+        self.momentum = torch.zeros(numel, **fp32) if one_bit_adam else None
         self._kept: dict[int, tuple[int, Payload]] = {}
         # Numba's parallel kernels already use every core, and its workqueue threading layer
         # (the fallback without OpenMP or TBB) aborts on concurrent launches: one at a time.
@@ -111,14 +115,17 @@ class PushCompressor:
     def compresses(self, step: int) -> bool:
         return self.compression != "none" and step >= self.warmup_steps
 
-    def payload(self, shard: ShardSlice, step: int, grads: torch.Tensor) -> Payload:
-        """The push of `shard` at `step`, from `grads` (the flat fp32 gradient buffer)."""
+    def payload(self, shard: ShardSlice, step: int, grads: torch.Tensor) -> Payload | None:
+        """The push of `shard` at `step`, from `grads` (the flat gradient buffer, in the
+        compute dtype on its device); None: send the gradient as it is (a warm-up step)."""
         grad = grads[shard.offset : shard.end]
         if self.momentum is None and not self.compresses(step):
-            return Payload(ps_pb2.RAW, _bytes(grad))  # the gradient buffer itself, no copy
+            return None
         kept = self._kept.get(shard.shard_id)
         if kept is not None and kept[0] == step:
             return kept[1]
+        if grad.dtype != torch.float32:
+            grad = grad.float()  # exact; the kernels and the error feedback work in fp32
         if self.momentum is not None:
             payload = self._one_bit_adam(grad, shard, step)
         else:
@@ -131,7 +138,7 @@ class PushCompressor:
         momentum = self.momentum[shard.offset : shard.end]
         momentum.lerp_(grad, 1 - self.beta1)  # AdamW's first moment, as the daemon computes it
         if not self.compresses(step):
-            return Payload(ps_pb2.RAW, _bytes(grad))  # warm-up: the daemon runs AdamW on g
+            return None  # warm-up: the gradient as it is, the daemon runs AdamW on g
         with self._kernel_lock:
             bits, scales = kernels.onebit_compress(momentum, self.error[shard.offset : shard.end])
             kernels.onebit_decompress(bits, scales, momentum.numel(), out=momentum)  # = the daemon's exp_avg
@@ -168,4 +175,5 @@ def _onebit_wire(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.numpy()).cast("B")
+    """The bytes of a payload, on the host (a GPU's compressed bytes cross here, not before)."""
+    return memoryview(tensor.cpu().numpy()).cast("B")

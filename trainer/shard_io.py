@@ -73,7 +73,8 @@ class ShardIO:
             raise RuntimeError(f"shards are at different versions {sorted(set(versions))}; cannot resume")
         momentum = self.compressor.momentum if self.compressor else None
         if momentum is not None:  # 1-bit Adam goes on from the daemons' exp_avg
-            into = byte_view(momentum)
+            host = torch.zeros_like(momentum, device="cpu")
+            into = byte_view(host)
             self.run_all(
                 lambda s: (
                     self.client.pull(s, min_version=0, out=into[s.offset * 4 : s.end * 4], tensor=ps_pb2.EXP_AVG)
@@ -81,6 +82,7 @@ class ShardIO:
                     else None
                 )
             )
+            momentum.copy_(host)
         return versions[0]
 
     def _push_initial(self, values: torch.Tensor, shard: ShardSlice) -> None:
@@ -200,9 +202,9 @@ class ShardIO:
         self, shard: ShardSlice, step: int, settings: StepSettings, grads: torch.Tensor, after: object
     ) -> tuple[ps_pb2.PushResponse, int]:
         groups, multiplier = settings
-        if self.compressor is not None:
-            # Compressed here, in the pool: shard i is compressed while shard i-1 is on the wire.
-            payload = self.compressor.payload(shard, step, grads)
+        # Compressed here, in the pool: shard i is compressed while shard i-1 is on the wire.
+        payload = self.compressor.payload(shard, step, grads) if self.compressor is not None else None
+        if payload is not None:
             momentum = payload.kind == ps_pb2.MOMENTUM  # 1-bit Adam: one lr, no groups
             ack = self.client.push(
                 shard, step=step, kind=payload.kind, data=payload.data, encoding=payload.encoding,

@@ -31,7 +31,7 @@ from ps_offload.kernels.fused_adamw import onebit_adam_
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.trainer.config import CompressionConfig, OffloadConfig
 from ps_offload.trainer.debug_models import mlp
-from ps_offload.trainer.push_compression import PushCompressor
+from ps_offload.trainer.push_compression import Payload, PushCompressor
 
 STEPS, WARMUP = 12, 4
 LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.999), 1e-8
@@ -99,6 +99,15 @@ def _train(model, batches, address, name, compression, *, staleness=0, client=No
 # --- the in-process reference -------------------------------------------------------------
 
 
+def _pushed(compressor: PushCompressor, shard, step: int, grads: torch.Tensor) -> Payload:
+    """What the trainer pushes: the compressed payload, or (None: a warm-up step) the fp32
+    gradient as it is."""
+    payload = compressor.payload(shard, step, grads)
+    if payload is None:
+        payload = Payload(ps_pb2.RAW, memoryview(grads[shard.offset : shard.end].numpy()).cast("B"))
+    return payload
+
+
 def _decode(payload, numel: int) -> torch.Tensor:
     """A GRADIENT payload as fp32, read from the wire layout (proto/ps.proto)."""
     data = bytearray(payload.data)
@@ -151,7 +160,7 @@ def _reference(model, batches, plan, compression: str, *, staleness: int = 0) ->
         loss.backward()
         losses.append(loss.item())
         grads = torch.cat([p.grad.reshape(-1) for p in params])
-        payloads = [compressor.payload(shard, step, grads) for shard in plan]
+        payloads = [_pushed(compressor, shard, step, grads) for shard in plan]
         if staleness:
             at = flat.clone()
         if payloads[0].kind == ps_pb2.GRADIENT:

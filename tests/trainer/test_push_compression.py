@@ -60,17 +60,27 @@ def test_one_payload_per_shard_and_step_until_the_next_step():
     assert torch.equal(compressor.error[3000:], torch.zeros(1500))  # shard 1 not compressed yet
 
 
-def test_warm_up_and_none_send_the_gradient_buffer_itself():
+def test_warm_up_and_none_send_the_gradient_as_it_is():
+    # None: the caller pushes the gradient buffer itself, in the compute dtype (no copy).
     grads = _grads()
     compressor = PushCompressor("onebit", NUMEL, warmup_steps=2)
     for step in (0, 1):
-        payload = compressor.payload(SHARDS[1], step, grads)
-        assert payload.encoding == ps_pb2.RAW and len(payload.data) == 1500 * 4
-        assert torch.equal(torch.frombuffer(payload.data, dtype=torch.float32), grads[3000:])
+        assert compressor.payload(SHARDS[1], step, grads) is None
     assert not compressor.error.any()
     assert compressor.payload(SHARDS[1], 2, grads).encoding == ps_pb2.ONEBIT
     plain = PushCompressor("none", NUMEL)
-    assert plain.error is None and plain.payload(SHARDS[0], 5, grads).encoding == ps_pb2.RAW
+    assert plain.error is None and plain.payload(SHARDS[0], 5, grads) is None
+
+
+def test_half_precision_gradients_are_widened_before_compression():
+    """A bf16 gradient is compressed as its exact fp32 widening, with fp32 error feedback."""
+    grads = _grads()
+    half = grads.bfloat16()
+    ours, widened = PushCompressor("onebit", NUMEL), PushCompressor("onebit", NUMEL)
+    for shard in SHARDS:
+        got, expected = ours.payload(shard, 0, half), widened.payload(shard, 0, half.float())
+        assert (got.encoding, bytes(got.data)) == (expected.encoding, bytes(expected.data))
+    assert torch.equal(ours.error, widened.error) and ours.error.any()
 
 
 @pytest.mark.parametrize(
@@ -110,10 +120,8 @@ def test_one_bit_adam_tracks_the_momentum_in_warm_up_and_sends_it_compressed_aft
     expected = torch.zeros(NUMEL)
     for step in range(warmup):
         grads = _grads(step)
-        payload = compressor.payload(shard, step, grads)
-        assert compressor.payload(shard, step, grads * 3) is payload  # a resend folds nothing in twice
-        assert (payload.encoding, payload.kind, payload.variance_frozen_at) == (ps_pb2.RAW, ps_pb2.GRADIENT, None)
-        assert torch.equal(torch.frombuffer(payload.data, dtype=torch.float32), grads[s])
+        assert compressor.payload(shard, step, grads) is None  # warm-up: the gradient as it is
+        assert compressor.payload(shard, step, grads * 3) is None  # a resend folds nothing in twice
         expected[s].lerp_(grads[s], 1 - beta1)
         assert torch.equal(compressor.momentum[s], expected[s])
     assert not compressor.error.any()
