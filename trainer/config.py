@@ -144,7 +144,9 @@ class DeviceConfig:
     """Host buffers of one shard each (in the compute dtype) that carry pushes and pulls
     between an accelerator and the wire, at most this many shards in flight. They are pinned
     memory, so this bounds it: host_buffers x the largest shard's bytes in the compute dtype,
-    checked against RLIMIT_MEMLOCK at start. Not used on the CPU unless staging="always"."""
+    checked against RLIMIT_MEMLOCK at start; it also caps the transfers run at once (so none
+    waits for a buffer while holding one of the I/O threads). Not used on the CPU unless
+    staging="always"."""
     staging: str = "auto"
     """"auto": a CPU model pushes and pulls its own buffers in place, an accelerator's go
     through the host buffers; "always": through the host buffers on the CPU too (the

@@ -70,6 +70,7 @@ class HostBuffers:
     transfer waits for one to come back when all are out. Pinned when `pin`."""
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype, *, pin: bool) -> None:
+        self.count = count
         self.nbytes = count * numel * dtype.itemsize
         if pin:
             check_memlock(self.nbytes)

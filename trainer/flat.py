@@ -71,8 +71,14 @@ class FlatParams:
         for index in range(len(self.params)):
             self.adopt_grad(index)
 
-    def zero_grads(self) -> None:
-        """Re-points every `.grad` and zeroes the buffer (the optimizers' zero_grad)."""
+    def zero_grads(self, set_to_none: bool = False) -> None:
+        """The optimizers' zero_grad, as torch.optim's: every `.grad` None (backward then makes
+        new ones, which adopt_grads copies into the buffer), or re-pointed into the buffer and
+        zeroed (no copy at the next step)."""
+        if set_to_none:
+            for p in self.params:
+                p.grad = None
+            return
         self.adopt_grads()
         self.grads.zero_()
 

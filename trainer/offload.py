@@ -266,13 +266,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's: gradients become None (backward then makes new ones, which step() copies
-        into the flat buffer), or zeros in the flat buffer itself."""
-        if set_to_none:
-            for p in self.params:
-                p.grad = None
-        else:
-            self.flat.zero_grads()
+        """As torch's (FlatParams.zero_grads)."""
+        self.flat.zero_grads(set_to_none)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -83,11 +83,7 @@ class LocalOptimizer:
             group["lr"] = value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if set_to_none:
-            for p in self.flat.params:
-                p.grad = None
-        else:
-            self.flat.zero_grads()
+        self.flat.zero_grads(set_to_none)
 
     def step(self) -> None:
         self.flat.adopt_grads()

@@ -51,6 +51,12 @@ class ShardIO:
         self.bytes_pushed = 0
         self._bytes_lock = threading.Lock()
         workers = max(2, client.config.streams_per_daemon * len(client.daemons))
+        if mover.buffers is not None:
+            # No more tasks at once than host buffers: a running task never waits for a buffer.
+            # Otherwise a pull waiting for a version another replica pushes could hold the
+            # buffer this process's own push needs, while that replica's pull does the same.
+            workers = min(workers, mover.buffers.count)
+        self.workers = workers
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ps-io")
 
     # -- start-up ------------------------------------------------------------------------
@@ -108,10 +114,14 @@ class ShardIO:
                 shard, step=step, kind=ps_pb2.GRADIENT_PART, data=data, lr=None,
                 encoding=self.mover.gradient_encoding, part=0,
             )  # fmt: skip
-            if ack.applied:
-                with self._bytes_lock:
-                    self.bytes_pushed += len(data)
-            return ack
+            return self._counted(ack, len(data))
+
+    def _counted(self, ack: ps_pb2.PushResponse, nbytes: int) -> ps_pb2.PushResponse:
+        """Counts a push's payload in bytes_pushed when the daemon took it (not a duplicate)."""
+        if ack.applied:
+            with self._bytes_lock:
+                self.bytes_pushed += nbytes
+        return ack
 
     def submit(
         self,
@@ -187,10 +197,7 @@ class ShardIO:
                     grad_multiplier=multiplier, parts=1,
                 )  # fmt: skip
             else:  # no early part, or it failed: the whole gradient (it replaces any part held)
-                ack, nbytes = self._push_gradient(shard, step, settings, grads, after)
-                if ack.applied:
-                    with self._bytes_lock:
-                        self.bytes_pushed += nbytes
+                ack = self._counted(*self._push_gradient(shard, step, settings, grads, after))
         except BaseException as exc:
             failed.set()
             pushed.set_exception(exc)

@@ -148,6 +148,8 @@ def test_half_precision_through_daemons_equals_fp32_master_in_process(
     ) as opt:
         assert len(opt.plan) >= 2 * n_daemons  # shards cut through parameters
         assert opt.host_buffer_bytes == (2 * max(s.numel for s in opt.plan) * 2 if staging == "always" else 0)
+        # Staged: no more transfers at once than buffers (2 daemons would give 4 I/O threads).
+        assert opt.io.workers == (2 if staging == "always" else max(2, 2 * n_daemons))
         losses = _train_offloaded(model, batches, opt)
         assert losses[-1] < losses[0]
         _assert_same(model, reference, opt, masters)
