@@ -42,6 +42,7 @@ class ParamSpec:
     dtype: str = "float32"
     weight_decay: float | None = None
     group: int = 0  # the param group: an index into a push's groups
+    starts_shard: bool = False  # a shard begins at its first element (ps_proto/plan.py shard_starts)
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,14 @@ def spec_to_dict(spec: ModelSpec) -> dict:
     return {
         "model": spec.model,
         "params": [
-            {"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "weight_decay": p.weight_decay, "group": p.group}
+            {
+                "name": p.name,
+                "shape": list(p.shape),
+                "dtype": p.dtype,
+                "weight_decay": p.weight_decay,
+                "group": p.group,
+                "starts_shard": p.starts_shard,
+            }
             for p in spec.params
         ],
         "optimizer": {"type": "adamw" if isinstance(spec.optimizer, AdamWConfig) else "sgd", **asdict(spec.optimizer)},
@@ -175,9 +183,12 @@ def spec_to_dict(spec: ModelSpec) -> dict:
 
 
 def spec_from_dict(data: dict) -> ModelSpec:
-    """The inverse of spec_to_dict (files written before param groups: every group 0)."""
+    """The inverse of spec_to_dict (files written before param groups: every group 0; before
+    starts_shard: no flag, the plan of equal shards they were written under)."""
     params = tuple(
-        ParamSpec(p["name"], tuple(p["shape"]), p["dtype"], p["weight_decay"], p.get("group", 0))
+        ParamSpec(
+            p["name"], tuple(p["shape"]), p["dtype"], p["weight_decay"], p.get("group", 0), p.get("starts_shard", False)
+        )
         for p in data["params"]
     )
     optimizer = dict(data["optimizer"])

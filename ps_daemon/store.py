@@ -47,7 +47,7 @@ from ps_offload.daemon.shard import (
 from ps_offload.daemon.spec import ModelSpec, ParamSpec, spec_difference, validate_spec
 from ps_offload.daemon.tiers.nvme import NvmeFiles
 from ps_offload.daemon.tiers.ram import RamTier, TierFull
-from ps_offload.proto.plan import ParamLayout, ShardSlice, layout_params, plan_shards, shard_numel_for
+from ps_offload.proto.plan import ParamLayout, ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
 
 # Names that moved to the modules above and are still imported from here (bench/, tools).
 __all__ = [
@@ -135,7 +135,8 @@ class ShardStore:
     def _build(self, spec: ModelSpec, daemon_index: int) -> RegisteredModel:
         layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
         total = sum(p.numel for p in layouts)
-        plan = plan_shards(total, shard_numel_for(spec.shard_bytes), len(spec.daemons))
+        starts = shard_starts(layouts, [p.starts_shard for p in spec.params])
+        plan = plan_shards(total, shard_numel_for(spec.shard_bytes), len(spec.daemons), starts)
         persistent = self.files is not None
         groups = tuple(p.group for p in spec.params)
         shards = {

@@ -49,6 +49,7 @@ def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
                 dtype=DTYPE_NAMES[p.dtype],
                 weight_decay=p.weight_decay if p.HasField("weight_decay") else None,
                 group=p.group,
+                starts_shard=p.starts_shard,
             )
         )
     which = spec.optimizer.WhichOneof("kind")
@@ -198,7 +199,12 @@ def spec_to_proto(spec: ModelSpec) -> ps_pb2.ModelSpec:
     dtypes = {name: value for value, name in DTYPE_NAMES.items()}
     params = [
         ps_pb2.ParamSpec(
-            name=p.name, shape=list(p.shape), dtype=dtypes[p.dtype], weight_decay=p.weight_decay, group=p.group
+            name=p.name,
+            shape=list(p.shape),
+            dtype=dtypes[p.dtype],
+            weight_decay=p.weight_decay,
+            group=p.group,
+            starts_shard=p.starts_shard,
         )
         for p in spec.params
     ]

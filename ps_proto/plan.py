@@ -3,11 +3,14 @@ owns it. Pure data and pure functions, computed identically by every trainer and
 so no coordinator is needed.
 
 A model's parameters are flattened and concatenated in spec order (the forward order) into
-one fp32 index space of `total_numel` elements. That space is cut into shards of
-`shard_numel` elements (the last one may be shorter): shard i is the contiguous slice
-[i * shard_numel, min((i + 1) * shard_numel, total_numel)). A large parameter spans
-several shards; small ones share a shard. Shard ids therefore depend only on the layout and
-the shard size, never on the daemon list.
+one fp32 index space of `total_numel` elements. That space is cut at the chosen starts (the
+first element of every parameter whose ParamSpec says starts_shard: a streamed block and
+what follows it begin on a shard of their own; see `shard_starts`) and, from each cut on,
+every `shard_numel` elements: shards of exactly `shard_numel` elements, the last one before
+a cut or the end shorter. Without starts, shard i is the contiguous slice
+[i * shard_numel, min((i + 1) * shard_numel, total_numel)). A large parameter spans several
+shards; small ones share a shard. Shard ids therefore depend only on the layout, the starts
+and the shard size, never on the daemon list.
 
 Cuts fall at any offset inside a parameter (no padding, so the flat space, the wire format
 and the NVMe records do not depend on it); `kernel_runs` tells the daemon how to step a
@@ -16,11 +19,13 @@ piece of a parameter so that the result is still bit-identical to torch.optim's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 FP32_BYTES = 4
-# Shard sizes are whole 4 KiB pages of fp32, so shard boundaries stay aligned for vector
-# kernels and for O_DIRECT I/O.
+# Shard sizes are whole 4 KiB pages of fp32, so shard arenas are whole pages for vector
+# kernels and for O_DIRECT I/O (a shard that ends at a chosen start or at the model's end is
+# shorter; the arena rounds it up).
 SHARD_ALIGN_BYTES = 4096
 # torch's fused CPU optimizer kernels (_fused_adamw_, _fused_sgd_: what AdamW(fused=True) and
 # SGD(fused=True) run) compute element p of a tensor of n elements in a SIMD body when
@@ -115,34 +120,69 @@ def layout_params(
     return layouts
 
 
-def plan_shards(total_numel: int, shard_numel: int, num_daemons: int) -> list[ShardSlice]:
+def shard_starts(layouts: Sequence[ParamLayout], flags: Sequence[bool]) -> list[int]:
+    """The offsets at which a shard must start, from the per-parameter starts_shard flags
+    (ParamSpec.starts_shard, one per layout): each flagged parameter's first element, sorted,
+    without duplicates, and neither 0 nor the end of the flat space (a flag on the first
+    parameter, or on parameters of 0 elements at the end: nothing to cut there). A flagged parameter of 0
+    elements elsewhere cuts where the next parameter begins."""
+    if len(flags) != len(layouts):
+        raise PlanError(f"{len(flags)} starts_shard flags for {len(layouts)} parameters")
+    total = sum(layout.numel for layout in layouts)
+    return sorted(
+        {layout.offset for layout, flag in zip(layouts, flags, strict=True) if flag and 0 < layout.offset < total}
+    )
+
+
+def _cuts(starts: Sequence[int], total_numel: int) -> list[int]:
+    """`starts` sorted, without duplicates and without 0; each must be 0 or inside (0, total_numel)."""
+    outside = [s for s in starts if s != 0 and not 0 < s < total_numel]
+    if outside:
+        raise PlanError(f"shard starts {sorted(outside)[:8]} lie outside the model's (0, {total_numel}) elements")
+    return sorted(set(starts) - {0})
+
+
+def plan_shards(total_numel: int, shard_numel: int, num_daemons: int, starts: Sequence[int] = ()) -> list[ShardSlice]:
     """Cuts [0, total_numel) into shards and assigns each to the daemon holding the fewest
-    bytes so far (ties: the lowest index). With equal shards this is round-robin, so shards
-    that the forward pass needs one after another sit on different daemons and are pulled
-    in parallel."""
+    elements so far (ties: the lowest index). A shard begins at every offset in `starts`
+    (0 and duplicates are ignored; see shard_starts) and every `shard_numel` elements after
+    the previous cut; the piece before a cut or the end may be shorter. With equal shards the
+    assignment is round-robin, so shards that the forward pass needs one after another sit
+    on different daemons and are pulled in parallel. Without starts the plan is the one of
+    equal shards that existing NVMe files were written under."""
     if num_daemons < 1:
         raise PlanError("the daemon list is empty")
     if shard_numel < 1:
         raise PlanError(f"shard_numel must be positive, got {shard_numel}")
+    cuts = _cuts(starts, total_numel)
     load = [0] * num_daemons
-    shards = []
-    for shard_id, offset in enumerate(range(0, total_numel, shard_numel)):
-        numel = min(shard_numel, total_numel - offset)
-        daemon = min(range(num_daemons), key=lambda d: (load[d], d))
-        load[daemon] += numel
-        shards.append(ShardSlice(shard_id, daemon, offset, numel))
-    validate_plan(shards, total_numel=total_numel, shard_numel=shard_numel, num_daemons=num_daemons)
+    shards: list[ShardSlice] = []
+    for begin, stop in zip([0, *cuts], [*cuts, total_numel], strict=True):
+        for offset in range(begin, stop, shard_numel):
+            numel = min(shard_numel, stop - offset)
+            daemon = min(range(num_daemons), key=lambda d: (load[d], d))
+            load[daemon] += numel
+            shards.append(ShardSlice(len(shards), daemon, offset, numel))
+    validate_plan(shards, total_numel=total_numel, shard_numel=shard_numel, num_daemons=num_daemons, starts=cuts)
     return shards
 
 
-def validate_plan(shards: list[ShardSlice], *, total_numel: int, shard_numel: int, num_daemons: int) -> None:
-    """Invariants of a plan:
+def validate_plan(
+    shards: list[ShardSlice], *, total_numel: int, shard_numel: int, num_daemons: int, starts: Sequence[int] = ()
+) -> None:
+    """Invariants of a plan (`starts` as for plan_shards):
     1. ids are 0..n-1 in order;
     2. the slices tile [0, total_numel) in order, without gaps or overlaps;
-    3. every shard but the last has exactly shard_numel elements, the last at most that;
-    4. every daemon index is in range;
-    5. balance: the bytes of any two daemons differ by at most one shard.
+    3. every shard has 1..shard_numel elements;
+    4. a shard shorter than shard_numel ends at a start or at total_numel;
+    5. every start is some shard's offset;
+    6. every daemon index is in range;
+    7. balance: the elements of any two daemons differ by at most shard_numel.
+    2 to 5 leave one plan per (total_numel, shard_numel, starts): no shard straddles a start
+    (5), and between two starts every shard but the last is full (4).
     """
+    cuts = _cuts(starts, total_numel)
+    ends = {*cuts, total_numel}
     expected_offset = 0
     load = [0] * num_daemons
     for position, shard in enumerate(shards):
@@ -151,15 +191,23 @@ def validate_plan(shards: list[ShardSlice], *, total_numel: int, shard_numel: in
             raise PlanError(f"{where}: ids must run 0..n-1 in order")
         if shard.offset != expected_offset:
             raise PlanError(f"{where}: starts at {shard.offset}, expected {expected_offset}")
-        last = position == len(shards) - 1
-        if shard.numel < 1 or shard.numel > shard_numel or (not last and shard.numel != shard_numel):
+        if not 1 <= shard.numel <= shard_numel:
             raise PlanError(f"{where}: has {shard.numel} elements, shard size is {shard_numel}")
+        # (The last shard must end at total_numel, which the coverage check below says.)
+        if shard.numel < shard_numel and shard.end not in ends and position < len(shards) - 1:
+            raise PlanError(
+                f"{where}: has {shard.numel} elements, fewer than {shard_numel}, but ends at {shard.end}, "
+                f"neither a shard start nor the model's end {total_numel}"
+            )
         if not 0 <= shard.daemon_index < num_daemons:
             raise PlanError(f"{where}: daemon index {shard.daemon_index} not in [0, {num_daemons})")
         load[shard.daemon_index] += shard.numel
         expected_offset = shard.end
     if expected_offset != total_numel:
         raise PlanError(f"shards cover {expected_offset} elements, the model has {total_numel}")
+    missed = sorted(set(cuts) - {s.offset for s in shards})
+    if missed:
+        raise PlanError(f"no shard starts at {missed[:8]}, which must begin one")
     if shards and max(load) - min(load) > shard_numel:
         raise PlanError(f"unbalanced plan: elements per daemon {load}")
 
@@ -185,7 +233,7 @@ def kernel_runs(segment: Segment, align: int = KERNEL_ALIGN) -> list[KernelRun]:
     (SIMD body or scalar tail) as in torch.optim's call on the whole parameter.
 
     Shard cuts fall anywhere inside a parameter (parameters are packed end to end, and a
-    shard is a whole number of pages of the flat space), so a segment is split at the
+    shard is a whole number of pages of the flat space from the previous cut), so a segment is split at the
     parameter's `align`-element blocks: the whole blocks in the middle run in place as one
     tensor; a partial block at either end (the segment starts or stops inside it) runs in
     a scratch tensor as long as that block, at its place in the block. A segment that is a

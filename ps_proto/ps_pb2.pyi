@@ -69,18 +69,20 @@ VERIFY_BAD: VerifyStatus
 VERIFY_NOT_AT_REST: VerifyStatus
 
 class ParamSpec(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "weight_decay", "group")
+    __slots__ = ("name", "shape", "dtype", "weight_decay", "group", "starts_shard")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    STARTS_SHARD_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     weight_decay: float
     group: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., weight_decay: _Optional[float] = ..., group: _Optional[int] = ...) -> None: ...
+    starts_shard: bool
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., weight_decay: _Optional[float] = ..., group: _Optional[int] = ..., starts_shard: _Optional[bool] = ...) -> None: ...
 
 class AdamWSpec(_message.Message):
     __slots__ = ("lr", "beta1", "beta2", "eps", "weight_decay")

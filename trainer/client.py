@@ -18,7 +18,7 @@ from ps_offload.proto import codec, ps_pb2
 from ps_offload.proto.channel import CHUNK_BYTES, channel_options
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.memory import keep_chunk_buffers_in_heap
-from ps_offload.proto.plan import ShardSlice, layout_params, plan_shards, shard_numel_for
+from ps_offload.proto.plan import ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
 from ps_offload.proto.pull import read_pull_stream
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.config import ClientConfig
@@ -354,9 +354,11 @@ class ShardedClient:
 
 
 def expected_plan(spec: ps_pb2.ModelSpec, shard_bytes: int) -> list[ShardSlice]:
+    """The plan every daemon must answer with (ps_daemon/store.py computes the same)."""
     layouts = layout_params([(p.name, tuple(p.shape), None) for p in spec.params])
     total = sum(layout.numel for layout in layouts)
-    return plan_shards(total, shard_numel_for(shard_bytes), len(spec.daemons))
+    starts = shard_starts(layouts, [p.starts_shard for p in spec.params])
+    return plan_shards(total, shard_numel_for(shard_bytes), len(spec.daemons), starts)
 
 
 def _copy(spec: ps_pb2.ModelSpec) -> ps_pb2.ModelSpec:
