@@ -39,6 +39,7 @@ from ps_offload.trainer.config import (
 from ps_offload.trainer.offload import OffloadOptimizer, offload
 from ps_offload.trainer.optim import LocalOptimizer, StepOptimizer
 from ps_offload.trainer.parallel import PipelineTrainer, init_distributed
+from ps_offload.trainer.streaming import StepLost, StreamedOptimizer, Streaming
 
 __all__ = [
     "SGD",
@@ -55,7 +56,10 @@ __all__ = [
     "ParallelConfig",
     "PipelineTrainer",
     "ShardedClient",
+    "StepLost",
     "StepOptimizer",
+    "StreamedOptimizer",
+    "Streaming",
     "daemon_addresses",
     "init_distributed",
     "offload",

@@ -28,6 +28,7 @@ pull's future completing is what a module's forward waits for.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import queue
 import resource
 from collections.abc import Callable, Iterator
@@ -47,6 +48,14 @@ GRADIENT_ENCODINGS = {torch.float32: ps_pb2.RAW, torch.bfloat16: ps_pb2.BF16, to
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor of any dtype (numpy has no bfloat16)."""
     return memoryview(tensor.view(torch.uint8).numpy())
+
+
+def resizable_byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without numpy: a tensor shared with numpy has
+    its storage marked not resizable, and a streamed block's storage is freed and given back
+    (trainer/stream_units.py). The view does not keep the tensor alive: the caller does."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 class MemlockError(RuntimeError):
@@ -104,9 +113,13 @@ class HostCopies:
 class ShardMover:
     """Moves shard slices of flat device buffers (trainer/flat.py) to and from the wire."""
 
-    def __init__(self, like: torch.Tensor, max_shard_numel: int, *, config: DeviceConfig) -> None:
+    def __init__(
+        self, like: torch.Tensor, max_shard_numel: int, *, config: DeviceConfig, resizable: bool = False
+    ) -> None:
         """`like`: a flat buffer (device and dtype of the compute copy); `max_shard_numel`:
-        the largest shard of the plan."""
+        the largest shard of the plan; `resizable`: the buffers pulled into in place must
+        stay resizable (a streamed model's)."""
+        self._in_place_view = resizable_byte_view if resizable else byte_view
         if like.dtype not in WIRE_DTYPES:
             raise ValueError(f"parameters in {like.dtype} cannot be offloaded: use float32, bfloat16 or float16")
         self.device = like.device
@@ -151,7 +164,7 @@ class ShardMover:
         `buffer`'s slice; returns what `fill` returned (the version pulled)."""
         piece = buffer[shard.offset : shard.end]
         if not self.staged:
-            return fill(byte_view(piece))
+            return fill(self._in_place_view(piece))
         with self.buffers.buffer(shard.numel) as host:
             version = fill(byte_view(host))
             self.copies.to_device(host, piece, after)

@@ -60,10 +60,8 @@ from concurrent.futures import Future, wait
 import torch
 from torch import nn
 
-from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.backward_push import BackwardPushes
-from ps_offload.trainer.client import ShardedClient
 from ps_offload.trainer.config import (
     AdamW,
     ClientConfig,
@@ -74,12 +72,13 @@ from ps_offload.trainer.config import (
     OptimizerConfig,
     expect_config,
 )
-from ps_offload.trainer.device import WIRE_DTYPES, ShardMover
+from ps_offload.trainer.daemon_optimizer import DaemonOptimizer, check_uniform
+from ps_offload.trainer.device import ShardMover
 from ps_offload.trainer.flat import FlatParams
-from ps_offload.trainer.loss_scale import LossScaler, found_inf
-from ps_offload.trainer.param_groups import GroupTracker, defaults_of, initial_groups
+from ps_offload.trainer.loss_scale import found_inf
 from ps_offload.trainer.push_compression import PushCompressor, check_compression
 from ps_offload.trainer.shard_io import ShardIO, first_error
+from ps_offload.trainer.streaming import StreamedOptimizer, Streaming
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +94,8 @@ def offload(
     client: ClientConfig | None = None,
     device: DeviceConfig | None = None,
     loss_scaling: LossScaling | None = None,
-) -> OffloadOptimizer:
+    stream: Streaming | None = None,
+) -> OffloadOptimizer | StreamedOptimizer:
     """Registers `model` with the daemons and returns its optimizer (a torch.optim.Optimizer).
 
     daemons: the ordered daemon list (part of the shard plan; see `daemon_addresses()`).
@@ -107,16 +107,25 @@ def offload(
     client: timeouts, retries, transport, TLS and token.
     device: the host buffers that carry shards to and from an accelerator.
     loss_scaling: for float16 parameters (default LossScaling()); None elsewhere.
+    stream: train with only a window of blocks on the trainer (trainer/streaming.py); the
+        model may then be built on the meta device.
     """
+    if stream is not None:
+        if compression is not None or loss_scaling is not None:
+            raise ValueError("streaming does not take compression or loss_scaling yet")
+        return StreamedOptimizer(
+            model, stream, daemons=daemons, optimizer=optimizer, no_weight_decay=no_weight_decay, config=config,
+            client=client, device=device,
+        )  # fmt: skip
     return OffloadOptimizer(
         model, daemons=daemons, optimizer=optimizer, no_weight_decay=no_weight_decay, config=config,
         compression=compression, client=client, device=device, loss_scaling=loss_scaling,
     )  # fmt: skip
 
 
-class OffloadOptimizer(torch.optim.Optimizer):
-    """A torch.optim.Optimizer, and a StepOptimizer (trainer/optim.py), whose state and
-    update live on the daemons."""
+class OffloadOptimizer(DaemonOptimizer):
+    """A torch.optim.Optimizer (trainer/daemon_optimizer.py), and a StepOptimizer
+    (trainer/optim.py), whose state and update live on the daemons."""
 
     def __init__(
         self,
@@ -138,7 +147,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         all-reduce), so an overflow on one rank skips the step on all."""
         config = expect_config(config, OffloadConfig, "config")
         compression = expect_config(compression, CompressionConfig, "compression")
-        client = expect_config(client, ClientConfig, "client")
         device = expect_config(device, DeviceConfig, "device")
         adam = isinstance(optimizer, AdamW)
         check_compression(compression.method, compression.warmup_steps, compression.topk_ratio, adam=adam)
@@ -147,29 +155,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
-        _check_uniform(named)
-        compute_dtype = named[0][1].dtype
-        if loss_scaling is None and compute_dtype == torch.float16:
-            loss_scaling = LossScaling()
-        self.loss_scaler = None
-        if loss_scaling is not None:  # expect_config would make a default one of None
-            self.loss_scaler = LossScaler(expect_config(loss_scaling, LossScaling, "loss_scaling"))
-        groups, group_of = initial_groups(named, no_weight_decay)
-        # The groups' own weight decay (no_weight_decay's 0), before torch fills in defaults.
-        decay_overrides = [group.get("weight_decay") for group in groups]
-        super().__init__(groups, defaults_of(optimizer))
-        self._groups = GroupTracker(self.param_groups, optimizer)
-
+        check_uniform(named)
+        super().__init__(
+            named, daemons=daemons, optimizer=optimizer, no_weight_decay=no_weight_decay, config=config,
+            client=client, loss_scaling=loss_scaling,
+        )  # fmt: skip
         share, of = config.push_share
-        self.config = config
-        self.optimizer = optimizer
-        self.client = ShardedClient(daemons, config=client)
-        spec = ps_pb2.ModelSpec(model=config.model_name, optimizer=optimizer.to_proto(), shard_bytes=config.shard_bytes)
-        for (name, p), group in zip(named, group_of, strict=True):
-            param = spec.params.add(name=name, shape=list(p.shape), dtype=WIRE_DTYPES.get(p.dtype, 0), group=group)
-            if decay_overrides[group] is not None:  # for pushes without groups (1-bit Adam's)
-                param.weight_decay = decay_overrides[group]
-        self.plan: list[ShardSlice] = self.client.register(spec)
 
         self.flat = FlatParams(named)
         if self.flat.numel != self.plan[-1].end:
@@ -239,32 +230,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # -- the torch.optim.Optimizer face ----------------------------------------------------
 
-    @property
-    def bytes_pushed(self) -> int:
-        """Payload bytes of this process's gradient pushes that the daemons applied."""
-        return self.io.bytes_pushed
-
-    @property
-    def host_buffer_bytes(self) -> int:
-        """Bytes of host buffers (pinned on an accelerator) this optimizer holds; bounded by
-        DeviceConfig.host_buffers shards."""
-        return self.mover.host_bytes
-
-    @property
-    def lr(self) -> float:
-        """Group 0's learning rate; setting it sets every group's (a StepOptimizer's schedule)."""
-        return float(self.param_groups[0]["lr"])
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        for group in self.param_groups:
-            group["lr"] = value
-
-    def add_param_group(self, param_group: dict) -> None:
-        if hasattr(self, "_groups"):  # after __init__: the daemons' grouping is fixed
-            raise ValueError("param groups cannot be added after offload(): the daemons were registered with them")
-        super().add_param_group(param_group)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's (FlatParams.zero_grads)."""
         self.flat.zero_grads(set_to_none)
@@ -286,39 +251,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's own expression
         self._clip_coefficient = float(coefficient.float())
         return total
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call backward() on: times the loss scale for float16 parameters, as is
-        otherwise."""
-        return self.loss_scaler.scale_loss(loss) if self.loss_scaler else loss
-
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        self.synchronize()
-        state["ps_offload"] = {
-            "model": self.client.model,
-            "version": self.step_count,
-            "daemons": list(self.client.daemons),
-            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
-        }
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restores the param groups and the loss scale; the daemons must hold the version the
-        state dict was taken at (they keep only their newest)."""
-        saved = state_dict.get("ps_offload")
-        if saved is None:
-            raise ValueError("not a ps-offload optimizer state dict (no 'ps_offload' entry)")
-        self.synchronize()
-        if saved["model"] != self.client.model or saved["version"] != self.step_count:
-            raise ValueError(
-                f"the state dict is of model {saved['model']!r} at version {saved['version']}, the daemons hold "
-                f"{self.client.model!r} at version {self.step_count}: the daemons keep only their newest state, "
-                "so resume from the checkpoint saved last"
-            )
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "ps_offload"})
-        if self.loss_scaler and saved["loss_scaler"]:
-            self.loss_scaler.load_state_dict(saved["loss_scaler"])
 
     # -- the training loop ---------------------------------------------------------------
 
@@ -438,14 +370,3 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_uniform(named: list[tuple[str, nn.Parameter]]) -> None:
-    """One device and one dtype for all parameters (one flat buffer each)."""
-    first_name, first = named[0]
-    for name, p in named:
-        if p.device != first.device or p.dtype != first.dtype:
-            raise ValueError(
-                f"parameter {name!r} is {p.dtype} on {p.device}, {first_name!r} is {first.dtype} on {first.device}: "
-                "offload() takes a model whose parameters share one device and one dtype"
-            )

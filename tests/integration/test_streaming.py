@@ -1,0 +1,155 @@
+"""Streaming changes nothing: a GPT built on the meta device and trained through real daemons
+with only one block on the trainer at a time equals, bit for bit, the same GPT trained in
+process the way torch users spell it (an fp32 master, torch.optim.AdamW(fused=True) on it,
+the master cast back into the model's dtype).
+
+With micro-batches the daemons add each block's gradients in fp32 (ps_daemon/accumulate.py),
+so the reference accumulates as they do: each micro-batch's gradient, in the model's dtype,
+widened and added into an fp32 sum in micro-batch order. For an fp32 model that is what
+torch's own `.grad` accumulation computes; for bf16 it is more exact than a bf16 `.grad`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ps_offload import trainer
+from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
+
+CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=3, n_head=2, n_embd=16)
+LR = 1e-2
+STEPS = 3
+
+
+class CheckpointedGPT(TinyGPT):
+    """TinyGPT with each block's activations recomputed in backward."""
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.head(self.ln_f(x))
+        return logits, torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def _batches(micro: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(7)
+    return [
+        [(torch.randint(CONFIG.vocab_size, (2, CONFIG.block_size), generator=g),) * 2 for _ in range(micro)]
+        for _ in range(STEPS)
+    ]
+
+
+def _no_decay(name, p):
+    return p.dim() < 2
+
+
+def _reference(dtype, batches, cls=TinyGPT):
+    torch.manual_seed(0)
+    model = cls(CONFIG).to(dtype)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    masters = [p.detach().float().clone() for p in params]
+    decay = [m for (n, p), m in zip(model.named_parameters(), masters, strict=True) if not _no_decay(n, p)]
+    rest = [m for (n, p), m in zip(model.named_parameters(), masters, strict=True) if _no_decay(n, p)]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=LR, fused=True)
+    losses = []
+    for micro_batches in batches:
+        sums = [None] * len(params)
+        for idx, targets in micro_batches:
+            model.zero_grad(set_to_none=True)
+            _, loss = model(idx, targets)
+            (loss / len(micro_batches)).backward()
+            for i, p in enumerate(params):
+                g = p.grad.float()
+                sums[i] = g.clone() if sums[i] is None else sums[i].add_(g)
+            losses.append(loss.item())
+        for m, s in zip(masters, sums, strict=True):
+            m.grad = s
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters, strict=True):
+                p.copy_(m.to(dtype))
+    return initial, {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def _copy_init(initial, model):
+    """Streaming.init: each module's own parameters and buffers from the reference's initial state."""
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def init(module):
+        prefix = names[id(module)]
+        with torch.no_grad():
+            for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+                t.copy_(initial[f"{prefix}.{name}" if prefix else name])
+
+    return init
+
+
+def _streamed(daemons, name, dtype, batches, *, cls=TinyGPT, window_blocks=1, prefetch=True, staging="auto"):
+    initial, _, _ = _reference(dtype, batches[:0], cls)
+    with torch.device("meta"):
+        model = cls(CONFIG).to(dtype)
+    block_bytes = sum(p.numel() for p in model.blocks[0].parameters()) * dtype.itemsize
+    stream = trainer.Streaming(
+        blocks=list(model.blocks), window_bytes=window_blocks * block_bytes, prefetch=prefetch,
+        init=_copy_init(initial, model), device="cpu",
+    )  # fmt: skip
+    opt = trainer.offload(
+        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR, weight_decay=1e-2), no_weight_decay=_no_decay,
+        config=trainer.OffloadConfig(model_name=name, shard_bytes=4096), stream=stream,
+        device=trainer.DeviceConfig(staging=staging),
+    )  # fmt: skip
+    losses = []
+    with opt:
+        for micro_batches in batches:
+            for idx, targets in micro_batches:
+                _, loss = model(idx, targets)
+                (loss / len(micro_batches)).backward()
+                losses.append(loss.item())
+                assert all(not u.allocated for u in opt.units if u.streamed), "a block stayed after backward"
+            opt.step()
+            opt.zero_grad()
+        final = opt.full_state_dict()
+        block_bytes = opt.units[1].nbytes
+        assert opt.stats["peak_block_bytes"] <= max(window_blocks, 1) * block_bytes
+        if prefetch and window_blocks > 1:
+            assert opt.stats["prefetched"] > 0
+        if window_blocks == 1:
+            assert opt.stats["prefetched"] == 0
+    return final, losses
+
+
+@pytest.mark.parametrize(
+    "dtype,micro,cls",
+    [
+        (torch.float32, 1, TinyGPT),
+        (torch.float32, 3, TinyGPT),
+        (torch.float32, 2, CheckpointedGPT),
+        (torch.bfloat16, 1, TinyGPT),
+        (torch.bfloat16, 3, CheckpointedGPT),
+    ],
+    ids=["fp32", "fp32-micro3", "fp32-micro2-checkpointed", "bf16", "bf16-micro3-checkpointed"],
+)
+def test_streamed_training_equals_in_process_bit_for_bit(daemons, dtype, micro, cls):
+    batches = _batches(micro)
+    _, expected, expected_losses = _reference(dtype, batches, cls)
+    name = f"stream-{str(dtype)[6:]}-{micro}-{cls.__name__}"
+    final, losses = _streamed(daemons, name, dtype, batches, cls=cls)
+    assert losses == expected_losses
+    assert final.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(final[key], value), key
+
+
+def test_prefetch_window_and_staged_copies_change_nothing(daemons):
+    """A window of two blocks (so the next block is prefetched), and the accelerator's staged
+    path through host buffers, give the same bits as the tests above."""
+    batches = _batches(2)
+    _, expected, _ = _reference(torch.bfloat16, batches)
+    final, _ = _streamed(daemons, "stream-window2", torch.bfloat16, batches, window_blocks=2, staging="always")
+    for key, value in expected.items():
+        assert torch.equal(final[key], value), key

@@ -1,0 +1,488 @@
+"""Training a model larger than the trainer: only a window of blocks on the device at a time.
+
+    with torch.device("meta"):
+        model = build_gpt(n_layer=48, n_embd=2560)          # no memory is allocated
+    opt = ps_offload.offload(model, daemons=[...], optimizer=ps_offload.AdamW(lr=3e-4),
+                             stream=ps_offload.Streaming(blocks=model.blocks, window_bytes=2 << 30))
+    for micro_batch in batches:                              # any number of backward passes
+        model(x).loss.backward()
+    opt.step(); opt.zero_grad()
+
+The daemons hold the fp32 master and the optimizer state, as for `offload()`; the trainer
+holds, besides its activations, the parameters outside the blocks (resident) and at most a
+window of blocks in the compute dtype (trainer/stream_units.py):
+
+* Creation. A model built on the meta device is materialised, initialised (its modules'
+  `reset_parameters`, or `Streaming.init`) and pushed one unit at a time, then freed.
+* Forward. A block's pre-hook pulls its shards (version = the optimizer's step) unless a
+  prefetch already has, and prefetches the blocks after it, in the order the first forward
+  ran them, while their bytes fit in `window_bytes`; its post-hook frees it.
+* Backward. A hook on the block's outputs pulls it again before its backward (and prefetches
+  the blocks before it); each parameter's post-accumulate-grad hook copies its gradient into
+  the block's flat gradient buffer and drops `.grad`; when the block's last parameter is done,
+  the buffer is pushed (GRADIENT_PART, part = the backward pass's number since the last step)
+  and the block is freed. Activation checkpointing composes: the re-forward inside backward
+  finds the block already pulled and keeps it.
+* Gradient accumulation. Each backward pass pushes every block once; the daemons add the
+  parts in fp32 in part order (ps_daemon/accumulate.py) and `step()` applies them (APPLY, with
+  the param groups' settings of that step). The trainer never holds a full-model gradient.
+
+`step()` raises `StepLost` when a daemon no longer holds a part it was sent (it restarted
+between micro-batches): run the step's micro-batches again, on the same data, and call
+`step()` again. Parts the other daemons still hold are not added twice (a part is applied at
+most once per shard, step and number), so the result equals a step that never failed.
+
+Not yet: float16 (loss scaling), clip_grad_norm_, compression, staleness=1 and data-parallel
+push shares; each is refused at offload() or at the call.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+
+import grpc
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.client import DaemonError
+from ps_offload.trainer.config import ClientConfig, DeviceConfig, OffloadConfig, OptimizerConfig, expect_config
+from ps_offload.trainer.daemon_optimizer import DaemonOptimizer
+from ps_offload.trainer.device import ShardMover, byte_view
+from ps_offload.trainer.shard_io import ShardIO, StepAbandoned, first_error
+from ps_offload.trainer.stream_units import StreamUnit, initialise, stream_units
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """Which modules stream, and how far ahead (`offload(..., stream=Streaming(...))`)."""
+
+    blocks: Sequence[nn.Module]
+    """The streamed blocks (a GPT's transformer layers), each a submodule of the model whose
+    parameters are one run of named_parameters(); everything else stays resident."""
+    window_bytes: int = 1 << 30
+    """Bytes of streamed blocks (compute dtype) on the device at once: the running block plus
+    the ones prefetched while they fit. One block's bytes: no prefetch."""
+    prefetch: bool = True
+    """Pull the next blocks ahead of their use (False: each when its hook needs it)."""
+    init: Callable[[nn.Module], None] | None = None
+    """For a model built on the meta device: called on each block's modules and on each
+    module outside the blocks, to set its own parameters and buffers; None: their
+    `reset_parameters()`."""
+    device: str | torch.device | None = None
+    """Where a meta model's parameters are materialised; None: the current accelerator, or the
+    CPU. A materialised model stays where it is."""
+
+    def __post_init__(self) -> None:
+        if not list(self.blocks):
+            raise ValueError("Streaming.blocks is empty: name the blocks to stream")
+        if isinstance(self.window_bytes, bool) or not isinstance(self.window_bytes, int) or self.window_bytes < 1:
+            raise ValueError(f"Streaming.window_bytes must be an int >= 1, got {self.window_bytes!r}")
+
+
+class StepLost(RuntimeError):
+    """A daemon lost this step's accumulated parts (it restarted): run the step's micro-batches
+    again and call step() again."""
+
+
+class StreamedOptimizer(DaemonOptimizer):
+    """A torch.optim.Optimizer for a model streamed block by block (the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stream: Streaming,
+        *,
+        daemons: list[str],
+        optimizer: OptimizerConfig,
+        no_weight_decay: Callable[[str, nn.Parameter], bool] | None = None,
+        config: OffloadConfig | None = None,
+        client: ClientConfig | None = None,
+        device: DeviceConfig | None = None,
+    ) -> None:
+        config = expect_config(config, OffloadConfig, "config")
+        device_config = expect_config(device, DeviceConfig, "device")
+        if config.staleness or config.push_share != (0, 1) or config.push_in_backward:
+            raise ValueError(
+                "streaming pushes each block in its backward and applies at step(): it takes staleness=0, "
+                "push_share=(0, 1) and push_in_backward=False"
+            )
+        first = next(model.parameters(), None)
+        if first is not None and first.dtype == torch.float16:
+            raise ValueError("streaming float16 models (loss scaling) is not supported yet: use bfloat16 or float32")
+        where = _device_of(model, stream.device)
+        self.units, self._owners = stream_units(model, stream.blocks, where)
+        named = [(n, p) for unit in self.units for n, p in zip(unit.names, unit.params, strict=True)]
+        super().__init__(
+            named, daemons=daemons, optimizer=optimizer, no_weight_decay=no_weight_decay, config=config,
+            client=client, loss_scaling=None, starts_shard={unit.names[0] for unit in self.units[1:]},
+        )  # fmt: skip
+        for unit in self.units:
+            unit.shards = [s for s in self.plan if unit.start <= s.offset < unit.end]
+            if sum(s.numel for s in unit.shards) != unit.numel:
+                raise RuntimeError(f"the shard plan does not start a shard at unit {unit.names[0]!r}")
+        self.stream = stream
+        self.params = [p for _, p in named]
+        like = torch.empty(0, dtype=named[0][1].dtype, device=where)
+        self.mover = ShardMover(like, max(s.numel for s in self.plan), config=device_config, resizable=True)
+        self.io = ShardIO(self.client, self.mover, pushes={s.shard_id for s in self.plan}, hints=False, compressor=None)
+        self._lock = threading.Lock()
+        self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
+        self._order = [u for u in self.units if u.streamed]  # refined by the first forward
+        self._recording: list[StreamUnit] | None = []
+        self._pulls: dict[int, list[Future]] = {}  # unit index -> its shards' pulls
+        self._grads: dict[int, torch.Tensor] = {}  # unit index -> this backward's gradient buffer
+        self._received: dict[int, int] = collections.defaultdict(int)
+        self._backward_units: set[int] = set()  # units whose backward has begun in this pass
+        self._pushed_in_pass: set[int] = set()  # units whose part of this pass is pushed
+        self._in_backward = False
+        self._parts = 0  # backward passes since the last step: the next part's number
+        self._pushes: collections.deque[tuple[list[Future], int]] = collections.deque()  # with their grad bytes
+        self._part_failures: list[BaseException] = []
+        # Block pulls started ahead of use and when a hook needed them; the most bytes of
+        # blocks held at once.
+        self.stats = {"prefetched": 0, "on_demand": 0, "peak_block_bytes": 0}
+        self.step_count = self._attach(stream.init)
+        self._hooks = self._install_hooks(model)
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def _attach(self, init: Callable[[nn.Module], None] | None) -> int:
+        """A fresh model: each unit initialised (a meta one), pushed and freed, one at a time.
+        A known model: the resident units pulled; returns their version."""
+        created = self.client.created
+        if all(created):
+            for unit in self.units:
+                if unit.from_meta:
+                    unit.allocate()
+                    initialise(unit, self._owners, init)
+                wait_all([self.io.pool.submit(self._push_initial, unit, s) for s in unit.shards])
+                unit.release()
+            return 0
+        if any(created):
+            fresh = [self.client.daemons[i] for i, c in enumerate(created) if c]
+            raise RuntimeError(
+                f"daemons {fresh} did not know model {self.client.model!r} while the others did: "
+                "their state was lost (restarted without persistence?). Re-register under a new name."
+            )
+        versions = set()
+        for unit in self.units:
+            unit.release()
+            if not unit.streamed:
+                unit.allocate()
+                versions.update(wait_all(self._submit_pulls(unit, 0)))
+        if len(versions) > 1:
+            raise RuntimeError(f"shards are at different versions {sorted(versions)}; cannot resume")
+        if versions:
+            return versions.pop()
+        probe = self.units[0]  # every unit streams: the first one's version
+        probe.allocate()
+        version = wait_all(self._submit_pulls(probe, 0))[0]
+        probe.release()
+        return version
+
+    def _push_initial(self, unit: StreamUnit, shard: ShardSlice) -> None:
+        local = unit.local(shard)
+        piece = unit.values[local.offset : local.end].to("cpu", torch.float32, copy=True)
+        self.client.push(shard, step=0, kind=ps_pb2.PARAMETERS, data=byte_view(piece), lr=None)
+
+    def _install_hooks(self, model: nn.Module) -> list:
+        hooks = [model.register_forward_pre_hook(lambda _m, _a: self._wait_resident())]
+        for unit in self.units:
+            if unit.streamed:
+                hooks.append(unit.block.register_forward_pre_hook(lambda _m, _a, u=unit: self._before_forward(u)))
+                hooks.append(unit.block.register_forward_hook(lambda _m, _a, out, u=unit: self._after_forward(u, out)))
+            for p in unit.params:
+                hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
+        return hooks
+
+    # -- pulls ---------------------------------------------------------------------------
+
+    def _submit_pulls(self, unit: StreamUnit, version: int) -> list[Future]:
+        after = self.mover.mark_compute()
+        return [self.io.pool.submit(self._pull, unit, s, version, after) for s in unit.shards]
+
+    def _pull(self, unit: StreamUnit, shard: ShardSlice, version: int, after: object) -> int:
+        # A pull into a block that autograd saved for backward must not bump the version
+        # counter its saved views share: the values are the same ones, pulled again.
+        with torch.autograd._unsafe_preserve_version_counter(unit.values):
+            got = self.mover.pull(
+                unit.values, unit.local(shard), after,
+                lambda into: self.client.pull(shard, min_version=version, out=into, dtype=self.mover.wire_dtype),
+            )  # fmt: skip
+        if got != version:
+            raise RuntimeError(
+                f"shard {shard.shard_id} of {self.client.model!r} is at version {got}, this trainer at {version}: "
+                "another trainer is stepping the same model"
+            )
+        return got
+
+    def _fetch(self, unit: StreamUnit, *, ahead: bool) -> None:
+        """Starts pulling a streamed unit unless it is here or on its way."""
+        with self._lock:
+            if unit.index in self._pulls:
+                return
+            unit.allocate()
+            self._pulls[unit.index] = self._submit_pulls(unit, self.step_count)
+            self.stats["prefetched" if ahead else "on_demand"] += 1
+            held = sum(u.nbytes for u in self._order if u.index in self._pulls)
+            self.stats["peak_block_bytes"] = max(self.stats["peak_block_bytes"], held)
+
+    def _ready(self, unit: StreamUnit) -> None:
+        self._fetch(unit, ahead=False)
+        wait_all(self._pulls[unit.index])
+
+    def _release(self, unit: StreamUnit) -> None:
+        with self._lock:
+            pulls = self._pulls.pop(unit.index, None)
+        if pulls is not None:
+            wait(pulls)  # a pull still writing must not land in freed memory
+        unit.release()
+
+    def _prefetch(self, unit: StreamUnit, *, forward: bool) -> None:
+        """Pulls the blocks after `unit` (before it, in backward) while they fit the window."""
+        if not self.stream.prefetch or unit not in self._order:
+            return
+        at = self._order.index(unit)
+        ahead = self._order[at + 1 :] if forward else reversed(self._order[:at])
+        for nxt in ahead:
+            with self._lock:
+                held = sum(u.nbytes for u in self._order if u.index in self._pulls)
+                here = nxt.index in self._pulls
+            if not here and held + nxt.nbytes > self.stream.window_bytes:
+                break
+            self._fetch(nxt, ahead=True)
+
+    def _wait_resident(self) -> None:
+        for unit in self.units:
+            if not unit.streamed and unit.index in self._pulls:
+                wait_all(self._pulls.pop(unit.index))
+
+    # -- forward and backward --------------------------------------------------------------
+
+    def _before_forward(self, unit: StreamUnit) -> None:
+        if unit.index in self._backward_units:  # a re-forward in backward (checkpointing)
+            self._ready(unit)
+            return
+        if self._recording is not None and unit not in self._recording:
+            self._recording.append(unit)
+        self._ready(unit)
+        self._prefetch(unit, forward=True)
+
+    def _after_forward(self, unit: StreamUnit, output: object) -> None:
+        if unit.index in self._backward_units:
+            return  # the backward that re-ran it still needs it
+        if torch.is_grad_enabled():
+            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            for tensor in outputs:
+                tensor.register_hook(lambda grad, u=unit: self._before_backward(u))
+        self._release(unit)
+
+    def _before_backward(self, unit: StreamUnit) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+        if unit.index not in self._backward_units:
+            self._backward_units.add(unit.index)
+            self._ready(unit)
+            self._prefetch(unit, forward=False)
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        if self._recording:  # the first forward's order is the prefetch order from now on
+            self._order = self._recording + [u for u in self._order if u not in self._recording]
+            self._recording = None
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _gradient_ready(self, p: nn.Parameter) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+        unit, i = self._unit_of[id(p)]
+        grads = self._grads.get(unit.index)
+        if grads is None:  # zeros: a parameter that gets no gradient in this pass counts as zero
+            grads = self._grads[unit.index] = torch.zeros_like(unit.values, device=p.grad.device)
+        offset = unit.offsets[i]
+        grads[offset : offset + p.numel()].view(p.shape).copy_(p.grad)
+        p.grad = None
+        self._received[unit.index] += 1
+        if self._received[unit.index] == len(unit.params):
+            self._unit_done(unit)
+
+    def _unit_done(self, unit: StreamUnit) -> None:
+        """The unit's gradient of this pass is complete: push it as this pass's part."""
+        grads = self._grads.pop(unit.index, None)
+        if grads is None:
+            grads = torch.zeros_like(unit.values)
+        self._received.pop(unit.index, None)
+        after = self.mover.mark_compute()
+        part = self._parts
+        pushes = [self.io.pool.submit(self._push_part, unit, s, part, grads, after) for s in unit.shards]
+        self._pushed_in_pass.add(unit.index)
+        self._pushes.append((pushes, grads.numel() * grads.element_size()))
+        if unit.streamed:
+            self._release(unit)
+        self._bound_gradient_bytes()
+
+    def _bound_gradient_bytes(self) -> None:
+        """Gradient buffers waiting for their pushes stay within the window (the pushes then
+        pace backward rather than fill the trainer's memory)."""
+        while len(self._pushes) > 1 and sum(n for _, n in self._pushes) > self.stream.window_bytes:
+            pushes, _ = self._pushes.popleft()
+            wait(pushes)
+            self._part_failures.extend(f.exception() for f in pushes if f.exception() is not None)
+
+    def _push_part(self, unit: StreamUnit, shard: ShardSlice, part: int, grads: torch.Tensor, after: object):
+        with self.mover.host_view(grads, unit.local(shard), after) as data:
+            ack = self.client.push(
+                shard, step=self.step_count, kind=ps_pb2.GRADIENT_PART, data=data, lr=None,
+                encoding=self.mover.gradient_encoding, part=part,
+            )  # fmt: skip
+            return self.io._counted(ack, len(data))
+
+    def _end_backward(self) -> None:
+        """After the pass: a unit whose gradient is incomplete (parameters the pass did not
+        reach) or absent is pushed as it is, so every shard gets this pass's part."""
+        for unit in self.units:
+            if unit.index not in self._pushed_in_pass:
+                self._unit_done(unit)
+        for unit in self._order:
+            if unit.index in self._pulls:
+                self._release(unit)
+        self._pushed_in_pass.clear()
+        self._backward_units.clear()
+        self._in_backward = False
+        self._parts += 1
+
+    # -- the torch.optim.Optimizer face ----------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients never stay on the trainer (each block's is pushed in its backward): there
+        is nothing to zero. Between micro-batches of one step it is refused, for the parts
+        pushed so far cannot be taken back from the daemons."""
+        if self._parts:
+            raise RuntimeError(
+                f"zero_grad() after {self._parts} backward passes without step(): their gradients are on the "
+                "daemons already; call step() first"
+            )
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        raise NotImplementedError(
+            "clip_grad_norm_ with streaming is not supported yet: the gradients are on the daemons, not here"
+        )
+
+    def synchronize(self) -> None:
+        """Waits for the resident parameters' pulls (streamed blocks are pulled when used)."""
+        self._wait_resident()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Applies the parts pushed by the backward passes since the last step (returns once
+        every daemon has), then starts pulling the resident parameters' new values. Raises
+        StepLost when a daemon lost some of them (see the module docstring)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = self._groups.hyperparams(self.param_groups)  # refuses what the daemons cannot follow
+        if self._in_backward:
+            raise RuntimeError("step() inside backward")
+        if not self._parts:  # no backward since the last step: torch.optim steps nothing either
+            return loss
+        failures = self._wait_pushes()
+        parts, self._parts = self._parts, 0
+        if failures:
+            raise self._lost(failures, "a part's push")
+        step = self.step_count
+        applies = [self.io.pool.submit(self._apply, shard, step, groups, parts) for shard in self.plan]
+        wait(applies)
+        error = first_error(applies)
+        if error is not None:
+            raise self._lost([error], "an APPLY")
+        self.step_count = step + 1
+        for unit in self.units:
+            if not unit.streamed:
+                self._pulls[unit.index] = self._submit_pulls(unit, self.step_count)
+        return loss
+
+    def _apply(self, shard: ShardSlice, step: int, groups: list, parts: int) -> ps_pb2.PushResponse:
+        return self.client.push(
+            shard, step=step, kind=ps_pb2.APPLY, data=memoryview(b""), lr=None, groups=groups, parts=parts
+        )
+
+    def _wait_pushes(self) -> list[BaseException]:
+        failures, self._part_failures = self._part_failures, []
+        while self._pushes:
+            pushes, _ = self._pushes.popleft()
+            wait(pushes)
+            failures.extend(f.exception() for f in pushes if f.exception() is not None)
+        return failures
+
+    def _lost(self, errors: list[BaseException], what: str) -> BaseException:
+        """StepLost when a daemon refused for want of the step's parts; else the error itself."""
+        lost = [e for e in errors if isinstance(e, DaemonError) and e.code == grpc.StatusCode.FAILED_PRECONDITION]
+        if not lost:
+            return first_error_of(errors)
+        return StepLost(
+            f"step {self.step_count} of {self.client.model!r}: {what} failed because a daemon no longer holds "
+            f"the step's earlier parts ({lost[0]}); run the step's micro-batches again and call step() again"
+        )
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's current values, on the CPU in the compute dtype, pulled one unit
+        at a time (the model's own state_dict() would read freed blocks)."""
+        self.synchronize()
+        out = {}
+        for unit in self.units:
+            if unit.streamed:
+                self._ready(unit)
+            for name, p in zip(unit.names, unit.params, strict=True):
+                out[name] = p.detach().to("cpu", copy=True)
+            if unit.streamed:
+                self._release(unit)
+        return out
+
+    def close(self) -> None:
+        try:
+            self._wait_pushes()
+            self.synchronize()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self.io.close()
+
+    def __enter__(self) -> StreamedOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def first_error_of(errors: list[BaseException]) -> BaseException:
+    return next((e for e in errors if not isinstance(e, StepAbandoned)), errors[0])
+
+
+def wait_all(futures: list[Future]) -> list:
+    """The futures' results, after all have finished; raises the first failure."""
+    wait(futures)
+    error = first_error(futures)
+    if error is not None:
+        raise error
+    return [f.result() for f in futures]
+
+
+def _device_of(model: nn.Module, requested: str | torch.device | None) -> torch.device:
+    first = next(model.parameters(), None)
+    if first is not None and not first.is_meta:
+        return first.device
+    if requested is not None:
+        return torch.device(requested)
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator if accelerator is not None else torch.device("cpu")
