@@ -26,11 +26,16 @@ window of blocks in the compute dtype (trainer/stream_units.py):
 * Gradient accumulation. Each backward pass pushes every block once; the daemons add the
   parts in fp32 in part order (ps_daemon/accumulate.py) and `step()` applies them (APPLY, with
   the param groups' settings of that step). The trainer never holds a full-model gradient.
+* One backward per step (`Streaming(micro_batches=1)`): each block's gradient is pushed as a
+  GRADIENT with the param groups' settings at backward time, so the daemons step a block
+  while backward goes on to the next, hold no accumulator, and `step()` only waits for them.
 
 `step()` raises `StepLost` when a daemon no longer holds a part it was sent (it restarted
 between micro-batches): run the step's micro-batches again, on the same data, and call
 `step()` again. Parts the other daemons still hold are not added twice (a part is applied at
-most once per shard, step and number), so the result equals a step that never failed.
+most once per shard, step and number), so the result equals a step that never failed. (With
+micro_batches=1 a push is applied when it arrives, so there is nothing to lose between
+micro-batches; a push that fails for good after its retries fails the step, as in offload().)
 
 Not yet: float16 (loss scaling), clip_grad_norm_, compression, staleness=1 and data-parallel
 push shares; each is refused at offload() or at the call.
@@ -40,7 +45,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -52,11 +56,12 @@ from torch.utils._pytree import tree_flatten
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.block_window import BlockWindow, wait_all
 from ps_offload.trainer.client import DaemonError
 from ps_offload.trainer.config import ClientConfig, DeviceConfig, OffloadConfig, OptimizerConfig, expect_config
 from ps_offload.trainer.daemon_optimizer import DaemonOptimizer
 from ps_offload.trainer.device import ShardMover, byte_view
-from ps_offload.trainer.shard_io import ShardIO, StepAbandoned, first_error
+from ps_offload.trainer.shard_io import ShardIO, StepAbandoned
 from ps_offload.trainer.stream_units import StreamUnit, initialise, stream_units
 
 log = logging.getLogger(__name__)
@@ -71,9 +76,14 @@ class Streaming:
     parameters are one run of named_parameters(); everything else stays resident."""
     window_bytes: int = 1 << 30
     """Bytes of streamed blocks (compute dtype) on the device at once: the running block plus
-    the ones prefetched while they fit. One block's bytes: no prefetch."""
+    the ones prefetched while they fit; also the most bytes of gradients waiting for their
+    pushes. One block's bytes: no prefetch."""
     prefetch: bool = True
     """Pull the next blocks ahead of their use (False: each when its hook needs it)."""
+    micro_batches: int = 0
+    """Backward passes per step: 0, any number (pushed as parts, applied at step()); 1, exactly
+    one (each block applied as it is pushed, overlapping backward; a second backward before
+    step() is refused)."""
     init: Callable[[nn.Module], None] | None = None
     """For a model built on the meta device: called on each block's modules and on each
     module outside the blocks, to set its own parameters and buffers; None: their
@@ -87,6 +97,8 @@ class Streaming:
             raise ValueError("Streaming.blocks is empty: name the blocks to stream")
         if isinstance(self.window_bytes, bool) or not isinstance(self.window_bytes, int) or self.window_bytes < 1:
             raise ValueError(f"Streaming.window_bytes must be an int >= 1, got {self.window_bytes!r}")
+        if self.micro_batches not in (0, 1):
+            raise ValueError(f"Streaming.micro_batches must be 0 (any) or 1, got {self.micro_batches!r}")
 
 
 class StepLost(RuntimeError):
@@ -135,24 +147,28 @@ class StreamedOptimizer(DaemonOptimizer):
         like = torch.empty(0, dtype=named[0][1].dtype, device=where)
         self.mover = ShardMover(like, max(s.numel for s in self.plan), config=device_config, resizable=True)
         self.io = ShardIO(self.client, self.mover, pushes={s.shard_id for s in self.plan}, hints=False, compressor=None)
-        self._lock = threading.Lock()
+        self.window = BlockWindow(
+            self.units, client=self.client, mover=self.mover, pool=self.io.pool, window_bytes=stream.window_bytes,
+            prefetch=stream.prefetch,
+        )  # fmt: skip
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
-        self._order = [u for u in self.units if u.streamed]  # refined by the first forward
-        self._recording: list[StreamUnit] | None = []
-        self._pulls: dict[int, list[Future]] = {}  # unit index -> its shards' pulls
         self._grads: dict[int, torch.Tensor] = {}  # unit index -> this backward's gradient buffer
         self._received: dict[int, int] = collections.defaultdict(int)
         self._backward_units: set[int] = set()  # units whose backward has begun in this pass
         self._pushed_in_pass: set[int] = set()  # units whose part of this pass is pushed
         self._in_backward = False
         self._parts = 0  # backward passes since the last step: the next part's number
+        self._pass_groups: list[ps_pb2.GroupHyperparams] = []  # micro_batches=1: this pass's settings
         self._pushes: collections.deque[tuple[list[Future], int]] = collections.deque()  # with their grad bytes
-        self._part_failures: list[BaseException] = []
-        # Block pulls started ahead of use and when a hook needed them; the most bytes of
-        # blocks held at once.
-        self.stats = {"prefetched": 0, "on_demand": 0, "peak_block_bytes": 0}
+        self._push_failures: list[BaseException] = []
         self.step_count = self._attach(stream.init)
+        self.window.version = self.step_count
         self._hooks = self._install_hooks(model)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Block pulls prefetched and waited for, and the most block bytes held at once."""
+        return self.window.stats
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -174,20 +190,16 @@ class StreamedOptimizer(DaemonOptimizer):
                 f"daemons {fresh} did not know model {self.client.model!r} while the others did: "
                 "their state was lost (restarted without persistence?). Re-register under a new name."
             )
-        versions = set()
+        # A known model: its version is the first shard's; every pull checks its own against it.
+        first = self.plan[0]
+        scratch = torch.empty(first.numel, dtype=self.units[0].values.dtype)
+        version = self.client.pull(first, min_version=0, out=byte_view(scratch), dtype=self.mover.wire_dtype)
+        self.window.version = version
         for unit in self.units:
             unit.release()
             if not unit.streamed:
                 unit.allocate()
-                versions.update(wait_all(self._submit_pulls(unit, 0)))
-        if len(versions) > 1:
-            raise RuntimeError(f"shards are at different versions {sorted(versions)}; cannot resume")
-        if versions:
-            return versions.pop()
-        probe = self.units[0]  # every unit streams: the first one's version
-        probe.allocate()
-        version = wait_all(self._submit_pulls(probe, 0))[0]
-        probe.release()
+                wait_all(self.window.submit_pulls(unit, version))
         return version
 
     def _push_initial(self, unit: StreamUnit, shard: ShardSlice) -> None:
@@ -196,7 +208,7 @@ class StreamedOptimizer(DaemonOptimizer):
         self.client.push(shard, step=0, kind=ps_pb2.PARAMETERS, data=byte_view(piece), lr=None)
 
     def _install_hooks(self, model: nn.Module) -> list:
-        hooks = [model.register_forward_pre_hook(lambda _m, _a: self._wait_resident())]
+        hooks = [model.register_forward_pre_hook(lambda _m, _a: self._before_model_forward())]
         for unit in self.units:
             if unit.streamed:
                 hooks.append(unit.block.register_forward_pre_hook(lambda _m, _a, u=unit: self._before_forward(u)))
@@ -205,78 +217,23 @@ class StreamedOptimizer(DaemonOptimizer):
                 hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
         return hooks
 
-    # -- pulls ---------------------------------------------------------------------------
-
-    def _submit_pulls(self, unit: StreamUnit, version: int) -> list[Future]:
-        after = self.mover.mark_compute()
-        return [self.io.pool.submit(self._pull, unit, s, version, after) for s in unit.shards]
-
-    def _pull(self, unit: StreamUnit, shard: ShardSlice, version: int, after: object) -> int:
-        # A pull into a block that autograd saved for backward must not bump the version
-        # counter its saved views share: the values are the same ones, pulled again.
-        with torch.autograd._unsafe_preserve_version_counter(unit.values):
-            got = self.mover.pull(
-                unit.values, unit.local(shard), after,
-                lambda into: self.client.pull(shard, min_version=version, out=into, dtype=self.mover.wire_dtype),
-            )  # fmt: skip
-        if got != version:
-            raise RuntimeError(
-                f"shard {shard.shard_id} of {self.client.model!r} is at version {got}, this trainer at {version}: "
-                "another trainer is stepping the same model"
-            )
-        return got
-
-    def _fetch(self, unit: StreamUnit, *, ahead: bool) -> None:
-        """Starts pulling a streamed unit unless it is here or on its way."""
-        with self._lock:
-            if unit.index in self._pulls:
-                return
-            unit.allocate()
-            self._pulls[unit.index] = self._submit_pulls(unit, self.step_count)
-            self.stats["prefetched" if ahead else "on_demand"] += 1
-            held = sum(u.nbytes for u in self._order if u.index in self._pulls)
-            self.stats["peak_block_bytes"] = max(self.stats["peak_block_bytes"], held)
-
-    def _ready(self, unit: StreamUnit) -> None:
-        self._fetch(unit, ahead=False)
-        wait_all(self._pulls[unit.index])
-
-    def _release(self, unit: StreamUnit) -> None:
-        with self._lock:
-            pulls = self._pulls.pop(unit.index, None)
-        if pulls is not None:
-            wait(pulls)  # a pull still writing must not land in freed memory
-        unit.release()
-
-    def _prefetch(self, unit: StreamUnit, *, forward: bool) -> None:
-        """Pulls the blocks after `unit` (before it, in backward) while they fit the window."""
-        if not self.stream.prefetch or unit not in self._order:
-            return
-        at = self._order.index(unit)
-        ahead = self._order[at + 1 :] if forward else reversed(self._order[:at])
-        for nxt in ahead:
-            with self._lock:
-                held = sum(u.nbytes for u in self._order if u.index in self._pulls)
-                here = nxt.index in self._pulls
-            if not here and held + nxt.nbytes > self.stream.window_bytes:
-                break
-            self._fetch(nxt, ahead=True)
-
-    def _wait_resident(self) -> None:
-        for unit in self.units:
-            if not unit.streamed and unit.index in self._pulls:
-                wait_all(self._pulls.pop(unit.index))
-
     # -- forward and backward --------------------------------------------------------------
+
+    def _before_model_forward(self) -> None:
+        if self.stream.micro_batches == 1 and self._parts and torch.is_grad_enabled():
+            raise RuntimeError(
+                "a second forward for backward before step() with Streaming(micro_batches=1): the first backward "
+                "applied every block already; call step(), or use micro_batches=0 to accumulate"
+            )
+        self.window.wait_resident()
 
     def _before_forward(self, unit: StreamUnit) -> None:
         if unit.index in self._backward_units:  # a re-forward in backward (checkpointing)
-            self._ready(unit)
+            self.window.ready(unit)
             return
-        if self._recording is not None and unit not in self._recording:
-            self._recording.append(unit)
-        self._ready(unit)
-        self._prefetch(unit, forward=True)
+        self.window.record(unit)
+        self.window.ready(unit)
+        self.window.prefetch(unit, forward=True)
 
     def _after_forward(self, unit: StreamUnit, output: object) -> None:
         if unit.index in self._backward_units:
@@ -285,21 +242,26 @@ class StreamedOptimizer(DaemonOptimizer):
             outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for tensor in outputs:
                 tensor.register_hook(lambda grad, u=unit: self._before_backward(u))
-        self._release(unit)
+        self.window.release(unit)
 
     def _before_backward(self, unit: StreamUnit) -> None:
         if not self._in_backward:
             self._begin_backward()
         if unit.index not in self._backward_units:
             self._backward_units.add(unit.index)
-            self._ready(unit)
-            self._prefetch(unit, forward=False)
+            self.window.ready(unit)
+            self.window.prefetch(unit, forward=False)
 
     def _begin_backward(self) -> None:
+        if self.stream.micro_batches == 1:
+            if self._parts:
+                raise RuntimeError(
+                    "a second backward before step() with Streaming(micro_batches=1): the first backward applied "
+                    "every block already; call step(), or use micro_batches=0 to accumulate"
+                )
+            self._pass_groups = self._groups.hyperparams(self.param_groups)
         self._in_backward = True
-        if self._recording:  # the first forward's order is the prefetch order from now on
-            self._order = self._recording + [u for u in self._order if u not in self._recording]
-            self._recording = None
+        self.window.fix_order()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _gradient_ready(self, p: nn.Parameter) -> None:
@@ -323,12 +285,11 @@ class StreamedOptimizer(DaemonOptimizer):
             grads = torch.zeros_like(unit.values)
         self._received.pop(unit.index, None)
         after = self.mover.mark_compute()
-        part = self._parts
-        pushes = [self.io.pool.submit(self._push_part, unit, s, part, grads, after) for s in unit.shards]
+        pushes = [self.io.pool.submit(self._push, unit, s, self._parts, grads, after) for s in unit.shards]
         self._pushed_in_pass.add(unit.index)
         self._pushes.append((pushes, grads.numel() * grads.element_size()))
         if unit.streamed:
-            self._release(unit)
+            self.window.release(unit)
         self._bound_gradient_bytes()
 
     def _bound_gradient_bytes(self) -> None:
@@ -337,14 +298,17 @@ class StreamedOptimizer(DaemonOptimizer):
         while len(self._pushes) > 1 and sum(n for _, n in self._pushes) > self.stream.window_bytes:
             pushes, _ = self._pushes.popleft()
             wait(pushes)
-            self._part_failures.extend(f.exception() for f in pushes if f.exception() is not None)
+            self._push_failures.extend(f.exception() for f in pushes if f.exception() is not None)
 
-    def _push_part(self, unit: StreamUnit, shard: ShardSlice, part: int, grads: torch.Tensor, after: object):
+    def _push(self, unit: StreamUnit, shard: ShardSlice, part: int, grads: torch.Tensor, after: object):
+        if self.stream.micro_batches == 1:  # applied on arrival, with this pass's settings
+            how = {"kind": ps_pb2.GRADIENT, "groups": self._pass_groups}
+        else:
+            how = {"kind": ps_pb2.GRADIENT_PART, "part": part}
         with self.mover.host_view(grads, unit.local(shard), after) as data:
             ack = self.client.push(
-                shard, step=self.step_count, kind=ps_pb2.GRADIENT_PART, data=data, lr=None,
-                encoding=self.mover.gradient_encoding, part=part,
-            )  # fmt: skip
+                shard, step=self.step_count, data=data, lr=None, encoding=self.mover.gradient_encoding, **how
+            )
             return self.io._counted(ack, len(data))
 
     def _end_backward(self) -> None:
@@ -353,9 +317,7 @@ class StreamedOptimizer(DaemonOptimizer):
         for unit in self.units:
             if unit.index not in self._pushed_in_pass:
                 self._unit_done(unit)
-        for unit in self._order:
-            if unit.index in self._pulls:
-                self._release(unit)
+        self.window.release_all()
         self._pushed_in_pass.clear()
         self._backward_units.clear()
         self._in_backward = False
@@ -380,7 +342,7 @@ class StreamedOptimizer(DaemonOptimizer):
 
     def synchronize(self) -> None:
         """Waits for the resident parameters' pulls (streamed blocks are pulled when used)."""
-        self._wait_resident()
+        self.window.wait_resident()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -399,17 +361,16 @@ class StreamedOptimizer(DaemonOptimizer):
         failures = self._wait_pushes()
         parts, self._parts = self._parts, 0
         if failures:
-            raise self._lost(failures, "a part's push")
+            raise first_error_of(failures) if self.stream.micro_batches == 1 else self._lost(failures, "a part's push")
         step = self.step_count
-        applies = [self.io.pool.submit(self._apply, shard, step, groups, parts) for shard in self.plan]
-        wait(applies)
-        error = first_error(applies)
-        if error is not None:
-            raise self._lost([error], "an APPLY")
-        self.step_count = step + 1
-        for unit in self.units:
-            if not unit.streamed:
-                self._pulls[unit.index] = self._submit_pulls(unit, self.step_count)
+        if self.stream.micro_batches != 1:  # (with 1, each push was applied on arrival)
+            applies = [self.io.pool.submit(self._apply, shard, step, groups, parts) for shard in self.plan]
+            wait(applies)
+            error = first_error_of([f.exception() for f in applies if f.exception() is not None])
+            if error is not None:
+                raise self._lost([error], "an APPLY")
+        self.step_count = self.window.version = step + 1
+        self.window.pull_resident()
         return loss
 
     def _apply(self, shard: ShardSlice, step: int, groups: list, parts: int) -> ps_pb2.PushResponse:
@@ -418,7 +379,7 @@ class StreamedOptimizer(DaemonOptimizer):
         )
 
     def _wait_pushes(self) -> list[BaseException]:
-        failures, self._part_failures = self._part_failures, []
+        failures, self._push_failures = self._push_failures, []
         while self._pushes:
             pushes, _ = self._pushes.popleft()
             wait(pushes)
@@ -442,11 +403,11 @@ class StreamedOptimizer(DaemonOptimizer):
         out = {}
         for unit in self.units:
             if unit.streamed:
-                self._ready(unit)
+                self.window.ready(unit)
             for name, p in zip(unit.names, unit.params, strict=True):
                 out[name] = p.detach().to("cpu", copy=True)
             if unit.streamed:
-                self._release(unit)
+                self.window.release(unit)
         return out
 
     def close(self) -> None:
@@ -465,17 +426,9 @@ class StreamedOptimizer(DaemonOptimizer):
         self.close()
 
 
-def first_error_of(errors: list[BaseException]) -> BaseException:
-    return next((e for e in errors if not isinstance(e, StepAbandoned)), errors[0])
-
-
-def wait_all(futures: list[Future]) -> list:
-    """The futures' results, after all have finished; raises the first failure."""
-    wait(futures)
-    error = first_error(futures)
-    if error is not None:
-        raise error
-    return [f.result() for f in futures]
+def first_error_of(errors: list[BaseException]) -> BaseException | None:
+    """The error that failed the step (not the calls abandoned because of it)."""
+    return next((e for e in errors if not isinstance(e, StepAbandoned)), errors[0] if errors else None)
 
 
 def _device_of(model: nn.Module, requested: str | torch.device | None) -> torch.device:

@@ -89,14 +89,16 @@ def _copy_init(initial, model):
     return init
 
 
-def _streamed(daemons, name, dtype, batches, *, cls=TinyGPT, window_blocks=1, prefetch=True, staging="auto"):
+def _streamed(
+    daemons, name, dtype, batches, *, cls=TinyGPT, window_blocks=1, prefetch=True, staging="auto", micro_batches=0
+):
     initial, _, _ = _reference(dtype, batches[:0], cls)
     with torch.device("meta"):
         model = cls(CONFIG).to(dtype)
     block_bytes = sum(p.numel() for p in model.blocks[0].parameters()) * dtype.itemsize
     stream = trainer.Streaming(
         blocks=list(model.blocks), window_bytes=window_blocks * block_bytes, prefetch=prefetch,
-        init=_copy_init(initial, model), device="cpu",
+        init=_copy_init(initial, model), device="cpu", micro_batches=micro_batches,
     )  # fmt: skip
     opt = trainer.offload(
         model, daemons=daemons, optimizer=trainer.AdamW(lr=LR, weight_decay=1e-2), no_weight_decay=_no_decay,
@@ -153,3 +155,31 @@ def test_prefetch_window_and_staged_copies_change_nothing(daemons):
     final, _ = _streamed(daemons, "stream-window2", torch.bfloat16, batches, window_blocks=2, staging="always")
     for key, value in expected.items():
         assert torch.equal(final[key], value), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_backward_per_step_applies_each_block_as_it_is_pushed(daemons, dtype):
+    """Streaming(micro_batches=1): GRADIENT pushes applied during backward, the same bits."""
+    batches = _batches(1)
+    _, expected, _ = _reference(dtype, batches, CheckpointedGPT)
+    final, _ = _streamed(daemons, f"stream-apply-{dtype}", dtype, batches, cls=CheckpointedGPT, micro_batches=1)
+    for key, value in expected.items():
+        assert torch.equal(final[key], value), key
+
+
+def test_a_second_backward_is_refused_when_one_was_declared(daemons):
+    initial, _, _ = _reference(torch.float32, [])
+    with torch.device("meta"):
+        model = TinyGPT(CONFIG)
+    stream = trainer.Streaming(
+        blocks=list(model.blocks), init=_copy_init(initial, model), device="cpu", micro_batches=1
+    )
+    opt = trainer.offload(
+        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR),
+        config=trainer.OffloadConfig(model_name="stream-one-pass", shard_bytes=4096), stream=stream,
+    )  # fmt: skip
+    with opt:
+        ((idx, targets),) = _batches(1)[0]
+        model(idx, targets)[1].backward()
+        with pytest.raises(RuntimeError, match="second forward for backward before step"):
+            model(idx, targets)[1].backward()

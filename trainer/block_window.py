@@ -1,0 +1,158 @@
+"""Which streamed blocks are on the trainer's device, and the pulls that bring them there.
+
+`BlockWindow` is the streamed optimizer's (trainer/streaming.py) pull half: a block is fetched
+(its buffer allocated, its shards' pulls started in the I/O pool) when a hook needs it or a
+prefetch reaches it, waited for before its forward or backward, and released (its pulls
+waited out, its memory freed) after. Prefetch walks the order the first forward ran the
+blocks in, forward after a block's forward and backward after its backward began, while the
+blocks held fit `window_bytes`; the running block is always allowed, so a window smaller than
+a block means no prefetch, not no progress.
+
+Each pull asks for the optimizer's current version (`version`) and refuses a newer one: the
+daemons hold only their newest state, so a newer version means another trainer is stepping
+the model, and the gradients computed here would be taken at parameters it never had.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, wait
+
+import torch
+
+from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.client import ShardedClient
+from ps_offload.trainer.device import ShardMover
+from ps_offload.trainer.shard_io import first_error
+from ps_offload.trainer.stream_units import StreamUnit
+
+
+class BlockWindow:
+    def __init__(
+        self,
+        units: list[StreamUnit],
+        *,
+        client: ShardedClient,
+        mover: ShardMover,
+        pool,
+        window_bytes: int,
+        prefetch: bool,
+    ) -> None:
+        self.units = units
+        self.client = client
+        self.mover = mover
+        self.pool = pool
+        self.window_bytes = window_bytes
+        self.prefetch_enabled = prefetch
+        self.version = 0
+        self._lock = threading.Lock()
+        self._pulls: dict[int, list[Future]] = {}  # unit index -> its shards' pulls
+        self.order = [u for u in units if u.streamed]  # refined by the first forward
+        self._recording: list[StreamUnit] | None = []
+        # Block pulls started ahead of use and when a hook needed them; the most bytes of
+        # blocks held at once.
+        self.stats = {"prefetched": 0, "on_demand": 0, "peak_block_bytes": 0}
+
+    # -- the prefetch order ----------------------------------------------------------------
+
+    def record(self, unit: StreamUnit) -> None:
+        """A block's forward began (before the order is fixed)."""
+        if self._recording is not None and unit not in self._recording:
+            self._recording.append(unit)
+
+    def fix_order(self) -> None:
+        """The first backward began: the first forward's order is the prefetch order."""
+        if self._recording:
+            self.order = self._recording + [u for u in self.order if u not in self._recording]
+        self._recording = None
+
+    # -- pulls ---------------------------------------------------------------------------
+
+    def submit_pulls(self, unit: StreamUnit, version: int) -> list[Future]:
+        after = self.mover.mark_compute()
+        return [self.pool.submit(self._pull, unit, s, version, after) for s in unit.shards]
+
+    def _pull(self, unit: StreamUnit, shard: ShardSlice, version: int, after: object) -> int:
+        # A pull into a block that autograd saved for backward must not bump the version
+        # counter its saved views share: the values are the same ones, pulled again.
+        with torch.autograd._unsafe_preserve_version_counter(unit.values):
+            got = self.mover.pull(
+                unit.values, unit.local(shard), after,
+                lambda into: self.client.pull(shard, min_version=version, out=into, dtype=self.mover.wire_dtype),
+            )  # fmt: skip
+        if got != version:
+            raise RuntimeError(
+                f"shard {shard.shard_id} of {self.client.model!r} is at version {got}, this trainer at {version}: "
+                "another trainer is stepping the same model"
+            )
+        return got
+
+    def fetch(self, unit: StreamUnit, *, ahead: bool = False) -> None:
+        """Starts pulling a unit unless it is here or on its way."""
+        with self._lock:
+            if unit.index in self._pulls:
+                return
+            unit.allocate()
+            self._pulls[unit.index] = self.submit_pulls(unit, self.version)
+            if unit.streamed:
+                self.stats["prefetched" if ahead else "on_demand"] += 1
+                self.stats["peak_block_bytes"] = max(self.stats["peak_block_bytes"], self._held_locked())
+
+    def _held_locked(self) -> int:
+        return sum(u.nbytes for u in self.order if u.index in self._pulls)
+
+    def ready(self, unit: StreamUnit) -> None:
+        """Waits until the unit's values are here (fetching it first if need be)."""
+        self.fetch(unit)
+        wait_all(self._pulls[unit.index])
+
+    def release(self, unit: StreamUnit) -> None:
+        """Frees a streamed unit (a resident one keeps its memory) once its pulls are done."""
+        with self._lock:
+            pulls = self._pulls.pop(unit.index, None)
+        if pulls is not None:
+            wait(pulls)  # a pull still writing must not land in freed memory
+        unit.release()
+
+    def release_all(self) -> None:
+        for unit in self.order:
+            if unit.index in self._pulls:
+                self.release(unit)
+
+    def prefetch(self, unit: StreamUnit, *, forward: bool) -> None:
+        """Fetches the blocks after `unit` (before it, in backward) while they fit the window."""
+        if not self.prefetch_enabled or unit not in self.order:
+            return
+        at = self.order.index(unit)
+        ahead = self.order[at + 1 :] if forward else reversed(self.order[:at])
+        for nxt in ahead:
+            with self._lock:
+                here = nxt.index in self._pulls
+                full = self._held_locked() + nxt.nbytes > self.window_bytes
+            if not here and full:
+                break
+            self.fetch(nxt, ahead=True)
+
+    def pull_resident(self) -> None:
+        """Starts pulling the resident units at `version` (after a step)."""
+        for unit in self.units:
+            if not unit.streamed:
+                with self._lock:
+                    self._pulls[unit.index] = self.submit_pulls(unit, self.version)
+
+    def wait_resident(self) -> None:
+        for unit in self.units:
+            if not unit.streamed:
+                with self._lock:
+                    pulls = self._pulls.pop(unit.index, None)
+                if pulls is not None:
+                    wait_all(pulls)
+
+
+def wait_all(futures: list[Future]) -> list:
+    """The futures' results, after all have finished; raises the first failure."""
+    wait(futures)
+    error = first_error(futures)
+    if error is not None:
+        raise error
+    return [f.result() for f in futures]
