@@ -253,6 +253,10 @@ class StreamedOptimizer(DaemonOptimizer):
             self.window.prefetch(unit, forward=False)
 
     def _begin_backward(self) -> None:
+        if self._parts:
+            # The parts of one shard go in order (the daemon refuses part k before part k-1
+            # is held): the last pass's pushes finish before this pass's first one starts.
+            self._push_failures.extend(self._drain_pushes())
         if self.stream.micro_batches == 1:
             if self._parts:
                 raise RuntimeError(
@@ -380,6 +384,10 @@ class StreamedOptimizer(DaemonOptimizer):
 
     def _wait_pushes(self) -> list[BaseException]:
         failures, self._push_failures = self._push_failures, []
+        return failures + self._drain_pushes()
+
+    def _drain_pushes(self) -> list[BaseException]:
+        failures = []
         while self._pushes:
             pushes, _ = self._pushes.popleft()
             wait(pushes)
