@@ -183,3 +183,27 @@ def test_a_second_backward_is_refused_when_one_was_declared(daemons):
         model(idx, targets)[1].backward()
         with pytest.raises(RuntimeError, match="second forward for backward before step"):
             model(idx, targets)[1].backward()
+
+
+def test_a_streamed_model_resumes_from_the_daemons(daemons):
+    """A second trainer of the same name (the first one gone) takes the daemons' version and
+    values: 2 steps, a new meta model, 1 more step = 3 steps uninterrupted."""
+    batches = _batches(1)
+    _, expected, _ = _reference(torch.float32, batches)
+    first, _ = _streamed(daemons, "stream-resume", torch.float32, batches[:2])
+    with torch.device("meta"):
+        model = TinyGPT(CONFIG)
+    stream = trainer.Streaming(blocks=list(model.blocks), init=None, device="cpu")  # init unused on resume
+    opt = trainer.offload(
+        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR, weight_decay=1e-2), no_weight_decay=_no_decay,
+        config=trainer.OffloadConfig(model_name="stream-resume", shard_bytes=4096), stream=stream,
+    )  # fmt: skip
+    with opt:
+        assert opt.step_count == 2
+        assert all(torch.equal(v, first[k]) for k, v in opt.full_state_dict().items())
+        ((idx, targets),) = batches[2]
+        model(idx, targets)[1].backward()
+        opt.step()
+        final = opt.full_state_dict()
+    for key, value in expected.items():
+        assert torch.equal(final[key], value), key
