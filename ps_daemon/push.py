@@ -68,6 +68,7 @@ class PushRequest:
     grad_multiplier: float | None = None  # GRADIENT and APPLY only: times the decoded fp32 gradient
     part: int = 0  # GRADIENT_PART only: which part of the step's gradient, from 0
     parts: int = 0  # APPLY only: how many parts the step's gradient has (>= 1)
+    check_only: bool = False  # APPLY only: check the parts held, apply nothing
     data: torch.Tensor | CompressedGradient | None = None
 
     def __post_init__(self) -> None:
@@ -106,6 +107,8 @@ class PushRequest:
             raise InvalidArgument(f"{where}: part is for GRADIENT_PART pushes only, this is {kind}")
         if self.kind != "apply" and self.parts:
             raise InvalidArgument(f"{where}: parts is for APPLY pushes only, this is {kind}")
+        if self.kind != "apply" and self.check_only:
+            raise InvalidArgument(f"{where}: check_only is for APPLY pushes only, this is {kind}")
         if self.kind == "gradient_part":
             if self.encoding not in PART_ENCODINGS or isinstance(self.data, OneBitGradient | TopKGradient):
                 raise InvalidArgument(

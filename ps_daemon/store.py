@@ -277,6 +277,13 @@ class ShardStore:
             def borrow() -> torch.Tensor:
                 return held.enter_context(scratch(numel)) if scratch else torch.empty(numel, dtype=torch.float32)
 
+            if push.check_only:  # an APPLY's check: the parts are all held (else it raises)
+                with shard.cond:
+                    ack = check_step_locked(shard, push)
+                with shard.parts.lock:
+                    if ack is None:
+                        shard.parts.check_count_locked(push)
+                return ack or PushResult(applied=False, version=shard.version)
             if push.kind == "gradient_part":  # no update, nor the shard's values: its sum only
                 result = add_part(shard, push, borrow)
                 with self._lock:

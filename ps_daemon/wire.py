@@ -108,6 +108,7 @@ def push_request(header: ps_pb2.PushHeader) -> PushRequest:
         grad_multiplier=header.grad_multiplier if header.HasField("grad_multiplier") else None,
         part=header.part,
         parts=header.parts,
+        check_only=header.check_only,
     )
 
 

@@ -223,7 +223,7 @@ class GroupHyperparams(_message.Message):
     def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "shard_id", "step", "kind", "encoding", "dtype", "nbytes", "lr", "variance_frozen_at", "groups", "grad_multiplier", "part", "parts")
+    __slots__ = ("model", "shard_id", "step", "kind", "encoding", "dtype", "nbytes", "lr", "variance_frozen_at", "groups", "grad_multiplier", "part", "parts", "check_only")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class PushHeader(_message.Message):
     GRAD_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
     model: str
     shard_id: int
     step: int
@@ -250,7 +251,8 @@ class PushHeader(_message.Message):
     grad_multiplier: float
     part: int
     parts: int
-    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., lr: _Optional[float] = ..., variance_frozen_at: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparams, _Mapping]]] = ..., grad_multiplier: _Optional[float] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
+    check_only: bool
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., lr: _Optional[float] = ..., variance_frozen_at: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparams, _Mapping]]] = ..., grad_multiplier: _Optional[float] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., check_only: _Optional[bool] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -142,13 +142,14 @@ class DaemonClient:
         grad_multiplier: float | None = None,
         part: int = 0,
         parts: int = 0,
+        check_only: bool = False,
     ) -> ps_pb2.PushResponse:
         """Streams one shard's payload, laid out as `encoding`. `lr` None keeps the
         registered learning rate (see push_header for the rest)."""
         header = push_header(
             model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding,
             variance_frozen_at=variance_frozen_at, groups=groups, grad_multiplier=grad_multiplier, part=part,
-            parts=parts,
+            parts=parts, check_only=check_only,
         )  # fmt: skip
 
         def chunks():
@@ -274,6 +275,7 @@ class ShardedClient:
         grad_multiplier: float | None = None,
         part: int = 0,
         parts: int = 0,
+        check_only: bool = False,
     ) -> ps_pb2.PushResponse:
         """Pushes one shard's payload (retried as a whole, the same bytes each attempt)."""
         return self._call(
@@ -293,6 +295,7 @@ class ShardedClient:
                 grad_multiplier=grad_multiplier,
                 part=part,
                 parts=parts,
+                check_only=check_only,
             ),
         )
 

@@ -150,11 +150,12 @@ class DataPlaneClient:
         grad_multiplier: float | None = None,
         part: int = 0,
         parts: int = 0,
+        check_only: bool = False,
     ) -> ps_pb2.PushResponse:
         header = push_header(
             model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding,
             variance_frozen_at=variance_frozen_at, groups=groups, grad_multiplier=grad_multiplier, part=part,
-            parts=parts,
+            parts=parts, check_only=check_only,
         )  # fmt: skip
         with _daemon_status(), self._connection(timeout) as sock:
             send_message(sock, ps_pb2.DataRequest(push=header, authorization=self._authorization))
@@ -183,17 +184,18 @@ def push_header(
     grad_multiplier: float | None = None,
     part: int = 0,
     parts: int = 0,
+    check_only: bool = False,
 ) -> ps_pb2.PushHeader:
     """The header of a push of `nbytes` laid out as `encoding` (RAW: fp32 values; the others:
     compressed or half precision, see proto/ps.proto); `lr` None leaves the optional field
     unset (the daemon then uses the registered learning rate); `variance_frozen_at` is for
     MOMENTUM pushes; `groups` (every param group's settings for this step) and
     `grad_multiplier` (1/loss scale) for GRADIENT and APPLY pushes; `part` for GRADIENT_PART
-    and `parts` for APPLY pushes."""
+    and `parts` (and `check_only`) for APPLY pushes."""
     return ps_pb2.PushHeader(
         model=model, shard_id=shard_id, step=step, kind=kind, encoding=encoding, dtype=ps_pb2.FLOAT32,
         nbytes=nbytes, lr=lr, variance_frozen_at=variance_frozen_at, groups=list(groups),
-        grad_multiplier=grad_multiplier, part=part, parts=parts,
+        grad_multiplier=grad_multiplier, part=part, parts=parts, check_only=check_only,
     )  # fmt: skip
 
 

@@ -33,7 +33,10 @@ window of blocks in the compute dtype (trainer/stream_units.py):
 `step()` raises `StepLost` when a daemon no longer holds a part it was sent (it restarted
 between micro-batches): run the step's micro-batches again, on the same data, and call
 `step()` again. Parts the other daemons still hold are not added twice (a part is applied at
-most once per shard, step and number), so the result equals a step that never failed. (With
+most once per shard, step and number), so the result equals a step that never failed: no
+daemon applies a step before every daemon has confirmed it holds all of the step's parts
+(APPLY check_only). A daemon that restarts in the moment between that check and its APPLY
+leaves the step applied by some daemons only: `StepTorn` says so and names them. (With
 micro_batches=1 a push is applied when it arrives, so there is nothing to lose between
 micro-batches; a push that fails for good after its retries fails the step, as in offload().)
 
@@ -104,6 +107,11 @@ class Streaming:
 class StepLost(RuntimeError):
     """A daemon lost this step's accumulated parts (it restarted): run the step's micro-batches
     again and call step() again."""
+
+
+class StepTorn(RuntimeError):
+    """Some daemons applied a step and others could not (they lost its parts between the
+    check and the APPLY): the model's shards are at different versions."""
 
 
 class StreamedOptimizer(DaemonOptimizer):
@@ -368,19 +376,36 @@ class StreamedOptimizer(DaemonOptimizer):
             raise first_error_of(failures) if self.stream.micro_batches == 1 else self._lost(failures, "a part's push")
         step = self.step_count
         if self.stream.micro_batches != 1:  # (with 1, each push was applied on arrival)
-            applies = [self.io.pool.submit(self._apply, shard, step, groups, parts) for shard in self.plan]
-            wait(applies)
-            error = first_error_of([f.exception() for f in applies if f.exception() is not None])
-            if error is not None:
-                raise self._lost([error], "an APPLY")
+            # Every daemon confirms it holds the step's parts before any applies them, so a
+            # daemon that restarted since fails the step while it can still be run again.
+            self._apply_everywhere(step, groups, parts, check_only=True)
+            self._apply_everywhere(step, groups, parts, check_only=False)
         self.step_count = self.window.version = step + 1
         self.window.pull_resident()
         return loss
 
-    def _apply(self, shard: ShardSlice, step: int, groups: list, parts: int) -> ps_pb2.PushResponse:
-        return self.client.push(
-            shard, step=step, kind=ps_pb2.APPLY, data=memoryview(b""), lr=None, groups=groups, parts=parts
+    def _apply_everywhere(self, step: int, groups: list, parts: int, *, check_only: bool) -> None:
+        applies = [self.io.pool.submit(self._apply, s, step, groups, parts, check_only) for s in self.plan]
+        wait(applies)
+        errors = [f.exception() for f in applies if f.exception() is not None]
+        if not errors:
+            return
+        if check_only:
+            raise self._lost(errors, "the check before APPLY")
+        applied = sorted(
+            {self.client.daemons[s.daemon_index] for s, f in zip(self.plan, applies, strict=True) if not f.exception()}
         )
+        raise StepTorn(
+            f"step {step} of {self.client.model!r} was applied by {applied} but not by every daemon "
+            f"({first_error_of(errors)}): a daemon lost the step's parts after the check. The model's shards are "
+            "now at different versions; restore it from a checkpoint (ps-admin export) or re-register it"
+        )
+
+    def _apply(self, shard: ShardSlice, step: int, groups: list, parts: int, check_only: bool) -> ps_pb2.PushResponse:
+        return self.client.push(
+            shard, step=step, kind=ps_pb2.APPLY, data=memoryview(b""), lr=None, groups=groups, parts=parts,
+            check_only=check_only,
+        )  # fmt: skip
 
     def _wait_pushes(self) -> list[BaseException]:
         failures, self._push_failures = self._push_failures, []

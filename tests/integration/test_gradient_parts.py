@@ -199,6 +199,16 @@ BAD = {
         dict(kind=ps_pb2.APPLY, part=0, data=NOTHING),
     ),
     "parts-on-a-part": (grpc.StatusCode.INVALID_ARGUMENT, "parts is for APPLY pushes only", dict(parts=1)),
+    "check-only-on-a-part": (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "check_only is for APPLY pushes only",
+        dict(check_only=True),
+    ),
+    "check-only-wrong-count": (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "names 2 parts, the daemon holds 1 parts",
+        dict(kind=ps_pb2.APPLY, part=0, parts=2, data=NOTHING, check_only=True),
+    ),
 }
 
 
@@ -234,6 +244,29 @@ def test_bad_parts_and_applies_are_refused_and_change_nothing(daemons, transport
     model.apply(1, 2)
     model.reference.step(1, _unflat(total))
     model.matches_reference(2, f"after bad input over {transport}")
+    model.close()
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_an_apply_check_applies_nothing(daemons, transport):
+    """APPLY check_only answers whether the parts are held (applied=false, version unchanged)
+    and changes nothing; the APPLY after it still gives torch's result, and a check of a step
+    applied already answers as a resent APPLY does."""
+    model = Model(daemons, f"check-{transport}", transport)
+    sent, total = _bf16_parts(0, count=2)
+    model.parts(0, sent, ps_pb2.BF16)
+    before = model.pulled()
+    for shard in model.plan:
+        ack = model.client.push(shard, step=0, kind=ps_pb2.APPLY, data=NOTHING, lr=None, parts=2, check_only=True,
+                                groups=proto_groups("adamw", 0))  # fmt: skip
+        assert not ack.applied and ack.version == 0
+    after = model.pulled()
+    assert after[0] == before[0] and all(torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
+    model.apply(0, 2)
+    model.reference.step(0, _unflat(total))
+    model.matches_reference(1, "after the check and the APPLY")
+    ack = model.client.push(model.plan[0], step=0, kind=ps_pb2.APPLY, data=NOTHING, lr=None, parts=2, check_only=True)
+    assert not ack.applied and ack.version == 1
     model.close()
 
 

@@ -112,14 +112,7 @@ def _train(model, opt, batches, between=lambda step, micro: None) -> tuple[list[
     "after,lost_at,why",
     [
         (1, "a part's push", "part 2 of step 1 is out of order"),
-        pytest.param(
-            MICRO - 1, "an APPLY", "the daemon holds 0 parts of that step",
-            marks=pytest.mark.xfail(
-                strict=True, raises=RuntimeError,
-                reason="bug: the other daemon's APPLYs commit step 1, so the re-run's pulls find version 2 "
-                "('another trainer is stepping the same model') and step 1's weights are gone there",
-            ),
-        ),
+        (MICRO - 1, "the check before APPLY", "the daemon holds 0 parts of that step"),
     ],
     ids=["between-micro-batches", "before-apply"],
 )  # fmt: skip
@@ -129,8 +122,8 @@ def test_daemon_killed_mid_step_the_step_is_run_again(tmp_path: Path, monkeypatc
     version 1 and has lost step 1's parts. Killed after micro-batch 1, micro-batch 2's part is
     out of order there, so step() raises StepLost for the part's push, before any APPLY; the
     loop runs step 1 again, the first daemon acknowledging the parts it holds without adding
-    them again. Killed after the last micro-batch, only the APPLY can find the loss, once the
-    first daemon has applied its shards (the xfail above)."""
+    them again. Killed after the last micro-batch, the check every daemon answers before any
+    applies (APPLY check_only) finds the loss, so no daemon has applied step 1 either."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     nvme = tmp_path / "nvme"
     kept = LocalDaemon(tmp_path / "kept")
@@ -188,6 +181,8 @@ def _lose_answers(opt: trainer.StreamedOptimizer, chosen: set[tuple[int, int, in
 
         def losing(model, shard_id, *, step, kind, part=0, _push=push, **rest):
             ack = _push(model, shard_id, step=step, kind=kind, part=part, **rest)
+            if rest.get("check_only"):  # the check before the APPLYs: not one of the chosen
+                return ack
             key = (kind, step, part, shard_id)
             if key in pending:
                 pending.discard(key)
