@@ -221,9 +221,25 @@ class StreamedOptimizer(DaemonOptimizer):
             if unit.streamed:
                 hooks.append(unit.block.register_forward_pre_hook(lambda _m, _a, u=unit: self._before_forward(u)))
                 hooks.append(unit.block.register_forward_hook(lambda _m, _a, out, u=unit: self._after_forward(u, out)))
+                hooks.append(
+                    unit.block.register_state_dict_post_hook(
+                        lambda m, sd, prefix, _meta, u=unit: self._fill_state_dict(u, m, sd, prefix)
+                    )
+                )
             for p in unit.params:
                 hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
         return hooks
+
+    def _fill_state_dict(self, unit: StreamUnit, block: nn.Module, state: dict, prefix: str) -> None:
+        """model.state_dict() (or a block's) holds the block's pulled values, not its freed
+        memory: the block is pulled for the copy and released again."""
+        self.window.ready(unit)
+        try:
+            for name, p in block.named_parameters():
+                if prefix + name in state:
+                    state[prefix + name] = p.detach().clone()
+        finally:
+            self.window.release(unit)
 
     # -- forward and backward --------------------------------------------------------------
 
@@ -431,7 +447,8 @@ class StreamedOptimizer(DaemonOptimizer):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's current values, on the CPU in the compute dtype, pulled one unit
-        at a time (the model's own state_dict() would read freed blocks)."""
+        at a time. (The model's own state_dict() also pulls the blocks, through a hook on each,
+        but keeps its tensors on the device.)"""
         self.synchronize()
         out = {}
         for unit in self.units:

@@ -207,3 +207,29 @@ def test_a_streamed_model_resumes_from_the_daemons(daemons):
         final = opt.full_state_dict()
     for key, value in expected.items():
         assert torch.equal(final[key], value), key
+
+
+def test_the_models_state_dict_holds_the_pulled_blocks(daemons):
+    """model.state_dict() (what torch.save and Hugging Face's save_pretrained read) pulls each
+    freed block for its copy; a block's own state_dict() too; the blocks are freed again."""
+    batches = _batches(1)
+    initial, expected, _ = _reference(torch.float32, batches)
+    with torch.device("meta"):
+        model = TinyGPT(CONFIG)
+    stream = trainer.Streaming(blocks=list(model.blocks), init=_copy_init(initial, model), device="cpu")
+    opt = trainer.offload(
+        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR, weight_decay=1e-2), no_weight_decay=_no_decay,
+        config=trainer.OffloadConfig(model_name="stream-state-dict", shard_bytes=4096), stream=stream,
+    )  # fmt: skip
+    with opt:
+        for micro_batches in batches:
+            for idx, targets in micro_batches:
+                model(idx, targets)[1].backward()
+            opt.step()
+        opt.synchronize()
+        state = model.state_dict()
+        block = model.blocks[1].state_dict()
+        assert all(not u.allocated for u in opt.units if u.streamed)
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+    assert torch.equal(block["attn.qkv.weight"], expected["blocks.1.attn.qkv.weight"])
