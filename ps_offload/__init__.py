@@ -39,6 +39,7 @@ _TRAINER_EXPORTS = frozenset(
         "ShardedClient",
         "StepLost",
         "StepOptimizer",
+        "StepTorn",
         "StreamedOptimizer",
         "Streaming",
         "daemon_addresses",

@@ -39,7 +39,8 @@ from ps_offload.trainer.config import (
 from ps_offload.trainer.offload import OffloadOptimizer, offload
 from ps_offload.trainer.optim import LocalOptimizer, StepOptimizer
 from ps_offload.trainer.parallel import PipelineTrainer, init_distributed
-from ps_offload.trainer.streaming import StepLost, StreamedOptimizer, Streaming
+from ps_offload.trainer.stream_config import StepLost, StepTorn, Streaming
+from ps_offload.trainer.streaming import StreamedOptimizer
 
 __all__ = [
     "SGD",
@@ -58,6 +59,7 @@ __all__ = [
     "ShardedClient",
     "StepLost",
     "StepOptimizer",
+    "StepTorn",
     "StreamedOptimizer",
     "Streaming",
     "daemon_addresses",

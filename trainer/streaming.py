@@ -46,11 +46,9 @@ push shares; each is refused at offload() or at the call.
 
 from __future__ import annotations
 
-import collections
 import logging
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import wait
 
 import grpc
 import torch
@@ -59,59 +57,17 @@ from torch.utils._pytree import tree_flatten
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.block_grads import BlockGradients
 from ps_offload.trainer.block_window import BlockWindow, wait_all
 from ps_offload.trainer.client import DaemonError
 from ps_offload.trainer.config import ClientConfig, DeviceConfig, OffloadConfig, OptimizerConfig, expect_config
 from ps_offload.trainer.daemon_optimizer import DaemonOptimizer
 from ps_offload.trainer.device import ShardMover, byte_view
 from ps_offload.trainer.shard_io import ShardIO, StepAbandoned
+from ps_offload.trainer.stream_config import StepLost, StepTorn, Streaming
 from ps_offload.trainer.stream_units import StreamUnit, initialise, stream_units
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Streaming:
-    """Which modules stream, and how far ahead (`offload(..., stream=Streaming(...))`)."""
-
-    blocks: Sequence[nn.Module]
-    """The streamed blocks (a GPT's transformer layers), each a submodule of the model whose
-    parameters are one run of named_parameters(); everything else stays resident."""
-    window_bytes: int = 1 << 30
-    """Bytes of streamed blocks (compute dtype) on the device at once: the running block plus
-    the ones prefetched while they fit; also the most bytes of gradients waiting for their
-    pushes. One block's bytes: no prefetch."""
-    prefetch: bool = True
-    """Pull the next blocks ahead of their use (False: each when its hook needs it)."""
-    micro_batches: int = 0
-    """Backward passes per step: 0, any number (pushed as parts, applied at step()); 1, exactly
-    one (each block applied as it is pushed, overlapping backward; a second backward before
-    step() is refused)."""
-    init: Callable[[nn.Module], None] | None = None
-    """For a model built on the meta device: called on each block's modules and on each
-    module outside the blocks, to set its own parameters and buffers; None: their
-    `reset_parameters()`."""
-    device: str | torch.device | None = None
-    """Where a meta model's parameters are materialised; None: the current accelerator, or the
-    CPU. A materialised model stays where it is."""
-
-    def __post_init__(self) -> None:
-        if not list(self.blocks):
-            raise ValueError("Streaming.blocks is empty: name the blocks to stream")
-        if isinstance(self.window_bytes, bool) or not isinstance(self.window_bytes, int) or self.window_bytes < 1:
-            raise ValueError(f"Streaming.window_bytes must be an int >= 1, got {self.window_bytes!r}")
-        if self.micro_batches not in (0, 1):
-            raise ValueError(f"Streaming.micro_batches must be 0 (any) or 1, got {self.micro_batches!r}")
-
-
-class StepLost(RuntimeError):
-    """A daemon lost this step's accumulated parts (it restarted): run the step's micro-batches
-    again and call step() again."""
-
-
-class StepTorn(RuntimeError):
-    """Some daemons applied a step and others could not (they lost its parts between the
-    check and the APPLY): the model's shards are at different versions."""
 
 
 class StreamedOptimizer(DaemonOptimizer):
@@ -159,16 +115,17 @@ class StreamedOptimizer(DaemonOptimizer):
             self.units, client=self.client, mover=self.mover, pool=self.io.pool, window_bytes=stream.window_bytes,
             prefetch=stream.prefetch,
         )  # fmt: skip
+        self.grads = BlockGradients(
+            self.units, client=self.client, mover=self.mover, io=self.io, window_bytes=stream.window_bytes
+        )
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
-        self._grads: dict[int, torch.Tensor] = {}  # unit index -> this backward's gradient buffer
-        self._received: dict[int, int] = collections.defaultdict(int)
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._backward_units: set[int] = set()  # units whose backward has begun in this pass
-        self._pushed_in_pass: set[int] = set()  # units whose part of this pass is pushed
         self._in_backward = False
         self._parts = 0  # backward passes since the last step: the next part's number
-        self._pass_groups: list[ps_pb2.GroupHyperparams] = []  # micro_batches=1: this pass's settings
-        self._pushes: collections.deque[tuple[list[Future], int]] = collections.deque()  # with their grad bytes
+        self._pass_groups: list[ps_pb2.GroupHyperparams] | None = None  # micro_batches=1: this pass's settings
         self._push_failures: list[BaseException] = []
+        self._clip_coefficient: float | None = None  # from clip_grad_norm_, for the next step
         self.step_count = self._attach(stream.init)
         self.window.version = self.step_count
         self._hooks = self._install_hooks(model)
@@ -280,7 +237,7 @@ class StreamedOptimizer(DaemonOptimizer):
         if self._parts:
             # The parts of one shard go in order (the daemon refuses part k before part k-1
             # is held): the last pass's pushes finish before this pass's first one starts.
-            self._push_failures.extend(self._drain_pushes())
+            self._push_failures.extend(self.grads.drain())
         if self.stream.micro_batches == 1:
             if self._parts:
                 raise RuntimeError(
@@ -296,57 +253,25 @@ class StreamedOptimizer(DaemonOptimizer):
         if not self._in_backward:
             self._begin_backward()
         unit, i = self._unit_of[id(p)]
-        grads = self._grads.get(unit.index)
-        if grads is None:  # zeros: a parameter that gets no gradient in this pass counts as zero
-            grads = self._grads[unit.index] = torch.zeros_like(unit.values, device=p.grad.device)
-        offset = unit.offsets[i]
-        grads[offset : offset + p.numel()].view(p.shape).copy_(p.grad)
+        norm_index = self._index_of[id(p)] if self._parts == 0 else None
+        complete = self.grads.add(unit, i, p.grad, norm_index=norm_index)
         p.grad = None
-        self._received[unit.index] += 1
-        if self._received[unit.index] == len(unit.params):
+        if complete:
             self._unit_done(unit)
 
     def _unit_done(self, unit: StreamUnit) -> None:
-        """The unit's gradient of this pass is complete: push it as this pass's part."""
-        grads = self._grads.pop(unit.index, None)
-        if grads is None:
-            grads = torch.zeros_like(unit.values)
-        self._received.pop(unit.index, None)
-        after = self.mover.mark_compute()
-        pushes = [self.io.pool.submit(self._push, unit, s, self._parts, grads, after) for s in unit.shards]
-        self._pushed_in_pass.add(unit.index)
-        self._pushes.append((pushes, grads.numel() * grads.element_size()))
+        """The unit's gradient of this pass is complete: push it, and free the block."""
+        self.grads.push(unit, step=self.step_count, part=self._parts, groups=self._pass_groups)
         if unit.streamed:
             self.window.release(unit)
-        self._bound_gradient_bytes()
-
-    def _bound_gradient_bytes(self) -> None:
-        """Gradient buffers waiting for their pushes stay within the window (the pushes then
-        pace backward rather than fill the trainer's memory)."""
-        while len(self._pushes) > 1 and sum(n for _, n in self._pushes) > self.stream.window_bytes:
-            pushes, _ = self._pushes.popleft()
-            wait(pushes)
-            self._push_failures.extend(f.exception() for f in pushes if f.exception() is not None)
-
-    def _push(self, unit: StreamUnit, shard: ShardSlice, part: int, grads: torch.Tensor, after: object):
-        if self.stream.micro_batches == 1:  # applied on arrival, with this pass's settings
-            how = {"kind": ps_pb2.GRADIENT, "groups": self._pass_groups}
-        else:
-            how = {"kind": ps_pb2.GRADIENT_PART, "part": part}
-        with self.mover.host_view(grads, unit.local(shard), after) as data:
-            ack = self.client.push(
-                shard, step=self.step_count, data=data, lr=None, encoding=self.mover.gradient_encoding, **how
-            )
-            return self.io._counted(ack, len(data))
 
     def _end_backward(self) -> None:
         """After the pass: a unit whose gradient is incomplete (parameters the pass did not
         reach) or absent is pushed as it is, so every shard gets this pass's part."""
-        for unit in self.units:
-            if unit.index not in self._pushed_in_pass:
-                self._unit_done(unit)
+        for unit in self.grads.unpushed():
+            self._unit_done(unit)
         self.window.release_all()
-        self._pushed_in_pass.clear()
+        self.grads.end_pass()
         self._backward_units.clear()
         self._in_backward = False
         self._parts += 1
@@ -363,10 +288,31 @@ class StreamedOptimizer(DaemonOptimizer):
                 "daemons already; call step() first"
             )
 
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        raise NotImplementedError(
-            "clip_grad_norm_ with streaming is not supported yet: the gradients are on the daemons, not here"
-        )
+        """torch.nn.utils.clip_grad_norm_ over the model's gradients, for a step of one backward
+        pass: the total 2-norm of the per-parameter norms taken as the gradients left (torch's
+        expression), and the clip coefficient applied by the daemons with the next step() (an
+        fp32 product, bit for bit torch's for fp32 gradients). Returns the total norm. (The
+        model's own `.grad`s are gone by then: call this, not torch's, on a streamed model.)"""
+        if self.stream.micro_batches == 1:
+            raise ValueError(
+                "clip_grad_norm_ needs Streaming(micro_batches=0): with 1 each block is applied in backward"
+            )
+        if float(norm_type) != 2.0:
+            raise ValueError(f"a streamed model's gradients are clipped by their 2-norm, not norm_type={norm_type}")
+        if self._parts > 1:
+            raise ValueError(
+                f"clip_grad_norm_ after {self._parts} backward passes: the sum of several passes lives on the "
+                "daemons only, and clipping it is not supported yet; clip with one pass per step"
+            )
+        if not self.grads.norms:
+            return torch.tensor(0.0)
+        norms = [self.grads.norms[i] for i in sorted(self.grads.norms)]
+        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's own expression
+        self._clip_coefficient = float(coefficient.float())
+        return total
 
     def synchronize(self) -> None:
         """Waits for the resident parameters' pulls (streamed blocks are pulled when used)."""
@@ -394,14 +340,16 @@ class StreamedOptimizer(DaemonOptimizer):
         if self.stream.micro_batches != 1:  # (with 1, each push was applied on arrival)
             # Every daemon confirms it holds the step's parts before any applies them, so a
             # daemon that restarted since fails the step while it can still be run again.
-            self._apply_everywhere(step, groups, parts, check_only=True)
-            self._apply_everywhere(step, groups, parts, check_only=False)
+            clip, self._clip_coefficient = self._clip_coefficient, None
+            self._apply_everywhere(step, groups, parts, clip, check_only=True)
+            self._apply_everywhere(step, groups, parts, clip, check_only=False)
+        self.grads.norms.clear()
         self.step_count = self.window.version = step + 1
         self.window.pull_resident()
         return loss
 
-    def _apply_everywhere(self, step: int, groups: list, parts: int, *, check_only: bool) -> None:
-        applies = [self.io.pool.submit(self._apply, s, step, groups, parts, check_only) for s in self.plan]
+    def _apply_everywhere(self, step: int, groups: list, parts: int, clip: float | None, *, check_only: bool) -> None:
+        applies = [self.io.pool.submit(self._apply, s, step, groups, parts, clip, check_only) for s in self.plan]
         wait(applies)
         errors = [f.exception() for f in applies if f.exception() is not None]
         if not errors:
@@ -417,23 +365,17 @@ class StreamedOptimizer(DaemonOptimizer):
             "now at different versions; restore it from a checkpoint (ps-admin export) or re-register it"
         )
 
-    def _apply(self, shard: ShardSlice, step: int, groups: list, parts: int, check_only: bool) -> ps_pb2.PushResponse:
+    def _apply(
+        self, shard: ShardSlice, step: int, groups: list, parts: int, clip: float | None, check_only: bool
+    ) -> ps_pb2.PushResponse:
         return self.client.push(
             shard, step=step, kind=ps_pb2.APPLY, data=memoryview(b""), lr=None, groups=groups, parts=parts,
-            check_only=check_only,
+            grad_multiplier=clip, check_only=check_only,
         )  # fmt: skip
 
     def _wait_pushes(self) -> list[BaseException]:
         failures, self._push_failures = self._push_failures, []
-        return failures + self._drain_pushes()
-
-    def _drain_pushes(self) -> list[BaseException]:
-        failures = []
-        while self._pushes:
-            pushes, _ = self._pushes.popleft()
-            wait(pushes)
-            failures.extend(f.exception() for f in pushes if f.exception() is not None)
-        return failures
+        return failures + self.grads.drain()
 
     def _lost(self, errors: list[BaseException], what: str) -> BaseException:
         """StepLost when a daemon refused for want of the step's parts; else the error itself."""

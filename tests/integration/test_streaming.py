@@ -47,7 +47,7 @@ def _no_decay(name, p):
     return p.dim() < 2
 
 
-def _reference(dtype, batches, cls=TinyGPT):
+def _reference(dtype, batches, cls=TinyGPT, clip=None):
     torch.manual_seed(0)
     model = cls(CONFIG).to(dtype)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -67,6 +67,8 @@ def _reference(dtype, batches, cls=TinyGPT):
                 g = p.grad.float()
                 sums[i] = g.clone() if sums[i] is None else sums[i].add_(g)
             losses.append(loss.item())
+        if clip is not None:  # torch's clip on the step's gradient (here the fp32 sum the daemons hold)
+            torch.nn.utils.clip_grad_norm_(masters_with(masters, sums), clip)
         for m, s in zip(masters, sums, strict=True):
             m.grad = s
         opt.step()
@@ -74,6 +76,12 @@ def _reference(dtype, batches, cls=TinyGPT):
             for p, m in zip(params, masters, strict=True):
                 p.copy_(m.to(dtype))
     return initial, {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def masters_with(masters, sums):
+    for m, s in zip(masters, sums, strict=True):
+        m.grad = s
+    return masters
 
 
 def _copy_init(initial, model):
@@ -90,8 +98,9 @@ def _copy_init(initial, model):
 
 
 def _streamed(
-    daemons, name, dtype, batches, *, cls=TinyGPT, window_blocks=1, prefetch=True, staging="auto", micro_batches=0
-):
+    daemons, name, dtype, batches, *, cls=TinyGPT, window_blocks=1, prefetch=True, staging="auto", micro_batches=0,
+    clip=None,
+):  # fmt: skip
     initial, _, _ = _reference(dtype, batches[:0], cls)
     with torch.device("meta"):
         model = cls(CONFIG).to(dtype)
@@ -105,7 +114,7 @@ def _streamed(
         config=trainer.OffloadConfig(model_name=name, shard_bytes=4096), stream=stream,
         device=trainer.DeviceConfig(staging=staging),
     )  # fmt: skip
-    losses = []
+    losses, norms = [], []
     with opt:
         for micro_batches in batches:
             for idx, targets in micro_batches:
@@ -113,6 +122,8 @@ def _streamed(
                 (loss / len(micro_batches)).backward()
                 losses.append(loss.item())
                 assert all(not u.allocated for u in opt.units if u.streamed), "a block stayed after backward"
+            if clip is not None:
+                norms.append(opt.clip_grad_norm_(clip))
             opt.step()
             opt.zero_grad()
         final = opt.full_state_dict()
@@ -233,3 +244,43 @@ def test_the_models_state_dict_holds_the_pulled_blocks(daemons):
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
     assert torch.equal(block["attn.qkv.weight"], expected["blocks.1.attn.qkv.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_clip_grad_norm_is_torchs(daemons, dtype):
+    """opt.clip_grad_norm_ on a streamed model: torch's total norm of the per-parameter norms,
+    and its coefficient applied in fp32 by the daemons. fp32: torch's clip_grad_norm_ and
+    AdamW bit for bit. bf16: the reference clips the fp32 master gradients (the widened bf16
+    gradients, as the daemons hold them), where torch on the bf16 model would round the
+    product to bf16; the norm is taken from the bf16 gradients either way."""
+    batches = _batches(1)
+    _, expected, _ = _reference(dtype, batches, clip=0.05 if dtype == torch.float32 else None)
+    final, _ = _streamed(daemons, f"stream-clip-{dtype}", dtype, batches, clip=0.05)
+    if dtype == torch.float32:
+        _, unclipped, _ = _reference(dtype, batches)
+        assert any(not torch.equal(unclipped[k], v) for k, v in expected.items()), "0.05 clipped nothing"
+        for key, value in expected.items():
+            assert torch.equal(final[key], value), key
+    else:  # clipped: not the unclipped result
+        assert any(not torch.equal(final[k], v) for k, v in expected.items())
+
+
+def test_clip_grad_norm_refuses_what_it_cannot_do(daemons):
+    initial, _, _ = _reference(torch.float32, [])
+    with torch.device("meta"):
+        model = TinyGPT(CONFIG)
+    stream = trainer.Streaming(blocks=list(model.blocks), init=_copy_init(initial, model), device="cpu")
+    opt = trainer.offload(
+        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR),
+        config=trainer.OffloadConfig(model_name="stream-clip-refused", shard_bytes=4096), stream=stream,
+    )  # fmt: skip
+    with opt:
+        assert float(opt.clip_grad_norm_(1.0)) == 0.0  # nothing to clip yet, as torch
+        ((idx, targets),) = _batches(1)[0]
+        for _ in range(2):
+            model(idx, targets)[1].backward()
+        with pytest.raises(ValueError, match="after 2 backward passes"):
+            opt.clip_grad_norm_(1.0)
+        with pytest.raises(ValueError, match="2-norm"):
+            opt.clip_grad_norm_(1.0, norm_type=1.0)
+        opt.step()

@@ -1,0 +1,103 @@
+"""A streamed model's gradients on their way out: each unit's gradient of a backward pass,
+gathered from `.grad` into one flat buffer and pushed as soon as the unit's last parameter
+has it.
+
+`BlockGradients` is the streamed optimizer's (trainer/streaming.py) push half. A parameter's
+post-accumulate-grad hook hands its gradient over (`add`); the buffer starts as zeros, so a
+parameter the pass does not reach counts as zero; the `.grad` is dropped at once, so no
+full-model gradient ever exists on the trainer. A complete unit is pushed, one task per shard
+in the I/O pool: as GRADIENT_PART `part` (accumulated on the daemons, applied by APPLY), or
+with `groups` as a GRADIENT (applied on arrival). Buffers still waiting for their pushes are
+bounded by `window_bytes`: past it, the oldest pushes are waited for, so a slow wire paces
+backward instead of filling memory.
+
+For clipping, the first pass of a step also keeps each parameter's 2-norm as torch's
+clip_grad_norm_ takes it (`torch._foreach_norm` of the gradient), by parameter index.
+"""
+
+from __future__ import annotations
+
+import collections
+from concurrent.futures import Future, wait
+
+import torch
+
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.client import ShardedClient
+from ps_offload.trainer.device import ShardMover
+from ps_offload.trainer.shard_io import ShardIO
+from ps_offload.trainer.stream_units import StreamUnit
+
+
+class BlockGradients:
+    def __init__(
+        self, units: list[StreamUnit], *, client: ShardedClient, mover: ShardMover, io: ShardIO, window_bytes: int
+    ) -> None:
+        self.units = units
+        self.client = client
+        self.mover = mover
+        self.io = io
+        self.window_bytes = window_bytes
+        self.norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient's 2-norm (first pass)
+        self._buffers: dict[int, torch.Tensor] = {}  # unit index -> this pass's gradient buffer
+        self._received: dict[int, int] = collections.defaultdict(int)
+        self._pushed: set[int] = set()  # units whose gradient of this pass is pushed
+        self._pushes: collections.deque[tuple[list[Future], int]] = collections.deque()  # with their buffer bytes
+        self._failures: list[BaseException] = []
+
+    def add(self, unit: StreamUnit, i: int, grad: torch.Tensor, *, norm_index: int | None) -> bool:
+        """Copies parameter i of `unit`'s gradient into the unit's buffer (and keeps its norm
+        under `norm_index`); returns whether the unit is complete."""
+        buffer = self._buffers.get(unit.index)
+        if buffer is None:
+            buffer = self._buffers[unit.index] = torch.zeros_like(unit.values, device=grad.device)
+        offset = unit.offsets[i]
+        buffer[offset : offset + grad.numel()].view(grad.shape).copy_(grad)
+        if norm_index is not None:
+            self.norms[norm_index] = torch._foreach_norm([grad], 2.0)[0]
+        self._received[unit.index] += 1
+        return self._received[unit.index] == len(unit.params)
+
+    def push(self, unit: StreamUnit, *, step: int, part: int, groups: list[ps_pb2.GroupHyperparams] | None) -> None:
+        """Pushes the unit's buffer of this pass (zeros if nothing came) and forgets it."""
+        buffer = self._buffers.pop(unit.index, None)
+        if buffer is None:
+            buffer = torch.zeros_like(unit.values)
+        self._received.pop(unit.index, None)
+        after = self.mover.mark_compute()
+        pushes = [self.io.pool.submit(self._push, unit, s, step, part, groups, buffer, after) for s in unit.shards]
+        self._pushed.add(unit.index)
+        self._pushes.append((pushes, buffer.numel() * buffer.element_size()))
+        while len(self._pushes) > 1 and sum(n for _, n in self._pushes) > self.window_bytes:
+            self._failures.extend(_failures(self._pushes.popleft()[0]))
+
+    def _push(
+        self, unit: StreamUnit, shard: ShardSlice, step: int, part: int, groups: list | None, buffer, after: object
+    ) -> ps_pb2.PushResponse:
+        if groups is not None:  # applied on arrival, with these settings
+            how = {"kind": ps_pb2.GRADIENT, "groups": groups}
+        else:
+            how = {"kind": ps_pb2.GRADIENT_PART, "part": part}
+        with self.mover.host_view(buffer, unit.local(shard), after) as data:
+            ack = self.client.push(shard, step=step, data=data, lr=None, encoding=self.mover.gradient_encoding, **how)
+            return self.io._counted(ack, len(data))
+
+    def unpushed(self) -> list[StreamUnit]:
+        """The units whose gradient of this pass has not been pushed (the pass ends)."""
+        return [unit for unit in self.units if unit.index not in self._pushed]
+
+    def end_pass(self) -> None:
+        self._pushed.clear()
+
+    def drain(self) -> list[BaseException]:
+        """Waits for every push; returns the failures since the last drain."""
+        failures, self._failures = self._failures, []
+        while self._pushes:
+            failures.extend(_failures(self._pushes.popleft()[0]))
+        return failures
+
+
+def _failures(pushes: list[Future]) -> list[BaseException]:
+    wait(pushes)
+    return [f.exception() for f in pushes if f.exception() is not None]
