@@ -31,6 +31,7 @@ from bench import (
     train_step_overhead,
     train_step_overhead_bf16,
     transport,
+    zero_infinity,
 )
 from bench.common import QUICK, REPO, RESULTS
 
@@ -186,6 +187,28 @@ def _compress_cpu(r: dict) -> str:
     return "Variants, ratio to their own copy: " + ", ".join(f"{k} {v['ratio']}" for k, v in r["methods"].items()) + "."
 
 
+def _zero_infinity(r: dict) -> str:
+    if "largest_n_layer" in r:  # python -m bench.zero_infinity --largest
+        parts = []
+        for who, label in (("ours", "ours"), ("deepspeed", "DeepSpeed")):
+            n = r["largest_n_layer"][who]
+            probe = r["probes"][who]
+            failed = sorted(probe["failed"].items(), key=lambda kv: int(kv[0]))
+            why = f", {failed[0][0]} blocks failed ({failed[0][1]})" if failed else ", none failed up to --max-layers"
+            params = probe["trained"][str(n)]["params"]
+            size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+            parts.append(f"{label} {size} parameters ({n} blocks{why})")
+        return f"Largest trained, n_embd {r['n_embd']}, one step at batch 1: " + "; ".join(parts) + "."
+    ms, rss, disk = r["ms_per_step"], r["peak_rss_bytes"], r["nvme_bytes"]
+    return (
+        f"{r['params'] / 1e6:.1f}M parameters, {r['state_bytes'] / 1e9:.2f} GB of AdamW state, our daemon's RAM tier "
+        f"{r['ours_ram_tier_bytes'] >> 20} MiB: ms/step ours {ms['ours']}, DeepSpeed {ms['deepspeed']}. Peak RSS ours "
+        f"{rss['ours'] / 2**30:.2f} GiB (trainer and daemon), DeepSpeed {rss['deepspeed'] / 2**30:.2f} GiB; on disk "
+        f"ours {disk['ours'] / 1e9:.2f} GB, DeepSpeed {disk['deepspeed'] / 1e9:.2f} GB; first-step loss ours "
+        f"{r['first_loss']['ours']}, DeepSpeed {r['first_loss']['deepspeed']}."
+    )
+
+
 DETAILS: dict[str, Callable[[dict], str]] = {
     "optimizer_step": _optimizer_step,
     "transport_pull": _transport,
@@ -202,6 +225,9 @@ DETAILS: dict[str, Callable[[dict], str]] = {
     "pipeline_efficiency": _pipeline,
     "ps_overhead_pp_dp": _ps_overhead,
     "compress_cpu": _compress_cpu,
+    "zero_infinity_small": _zero_infinity,
+    "zero_infinity_large": _zero_infinity,
+    "zero_infinity_largest": _zero_infinity,
 }
 
 
@@ -259,6 +285,9 @@ def main() -> None:
     _timed("gpu_step_vs_torchao", gpu_step_vs_torchao.main, seconds)  # the same, and without torchao
     _timed("fused_decompress_adamw", fused_decompress_adamw.main, seconds)
     _timed("compression_convergence", compression_convergence.main, seconds)
+    # DeepSpeed ZeRO-Infinity against the streamed trainer, both from NVMe; records nothing without
+    # DeepSpeed. (Its --largest probe is not run here: it takes long.)
+    _timed("zero_infinity", zero_infinity.main, seconds)
     if shutil.which("fio"):
         _timed("nvme_io", nvme_io.main, seconds)
         _timed("nvme_train_step", nvme_train_step.main, seconds)

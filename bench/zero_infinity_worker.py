@@ -1,0 +1,274 @@
+"""One trainer of bench/zero_infinity.py in a process of its own, stepping on command:
+
+    python -m bench.zero_infinity_worker {ours,deepspeed} --spec JSON --reply-fd N
+
+It builds its GPT (bench/zero_infinity.py's `RunSpec`: the same TinyGPT, initial values, batches,
+AdamW and thread count on both sides), answers {"ready": ...} on the reply descriptor, then
+reads commands on stdin, one per line, and answers each with one JSON line:
+
+    steps K   K training steps, then what the step left in flight (ours: the resident
+              parameters' pulls; DeepSpeed: its parameter swapper's writes) is waited for;
+              answers {"seconds": the K steps' wall time, "losses": [...]}
+    stats     {"peak_rss_bytes": this process's peak RSS (+ the daemon's, ours), ...}
+    quit      exits
+
+Replies go to their own descriptor because DeepSpeed prints to stdout (which, with stderr, goes
+to the worker's log file). A failure answers {"error": ...} and exits 1.
+
+`ours`: a ps-daemon with an NVMe tier (its RAM tier smaller than the state), and the model
+built on the meta device, streamed a window of blocks at a time (trainer/streaming.py), each
+block's gradient applied by the daemon as backward pushes it (Streaming(micro_batches=1)).
+`deepspeed`: ZeRO stage 3 with offload_param and offload_optimizer on NVMe, the model built
+inside `deepspeed.zero.Init`; see bench/zero_infinity.py for the configuration and the errors
+met on the way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import sys
+import time
+import traceback
+import zlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
+
+
+def _reply(fd: int, message: dict) -> None:
+    os.write(fd, (json.dumps(message) + "\n").encode())
+
+
+def initial_value(name: str, module: nn.Module, shape: torch.Size, n_layer: int) -> torch.Tensor:
+    """Parameter `name`'s initial value, as TinyGPT's own init draws it (N(0, 0.02) weights,
+    the residual projections scaled by 1/sqrt(2 n_layer), zero biases, unit norms), from a
+    generator seeded by the name, so both sides compute it one module at a time."""
+    if isinstance(module, nn.LayerNorm):
+        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    std = 0.02 / (2 * n_layer) ** 0.5 if name.endswith("proj.weight") else 0.02
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+def batch(spec: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s tokens and targets (random, the same on both sides)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(spec["gpt"]["vocab_size"], (spec["batch"], spec["gpt"]["block_size"] + 1),
+                           generator=generator)  # fmt: skip
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _no_decay(shape: torch.Size) -> bool:
+    return len(shape) < 2  # biases and norms, as the other benchmarks
+
+
+def _peak_rss(pid: int | None = None) -> int:
+    if pid is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _du(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+class Ours:
+    """The streamed trainer on a local daemon with an NVMe tier."""
+
+    def __init__(self, spec: dict) -> None:
+        from bench.common import BenchDaemon
+        from ps_offload import trainer
+
+        self.nvme_dir = spec["nvme_dir"]
+        self.daemon = BenchDaemon(
+            "--nvme-dir", self.nvme_dir, "--ram-bytes", str(spec["ours"]["ram_bytes"]),
+            "--shard-bytes", str(spec["ours"]["shard_bytes"]),
+        )  # fmt: skip
+        gpt = GPTConfig(**spec["gpt"])
+        with torch.device("meta"):
+            model = TinyGPT(gpt)
+        names = {id(p): n for n, p in model.named_parameters()}
+
+        def init(module: nn.Module) -> None:
+            with torch.no_grad():
+                for p in module.parameters(recurse=False):
+                    p.copy_(initial_value(names[id(p)], module, p.shape, gpt.n_layer))
+
+        block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+        adamw = spec["adamw"]
+        self.opt = trainer.offload(
+            model,
+            daemons=[self.daemon.address],
+            optimizer=trainer.AdamW(lr=adamw["lr"], betas=tuple(adamw["betas"]), eps=adamw["eps"],
+                                    weight_decay=adamw["weight_decay"]),  # fmt: skip
+            no_weight_decay=lambda name, p: _no_decay(p.shape),
+            config=trainer.OffloadConfig(model_name="zero_infinity", shard_bytes=spec["ours"]["shard_bytes"]),
+            stream=trainer.Streaming(
+                blocks=list(model.blocks), window_bytes=spec["ours"]["window_blocks"] * block_bytes,
+                micro_batches=1, init=init, device="cpu",
+            ),
+        )  # fmt: skip
+        self.model = model
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        _, loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+    def settle(self) -> None:
+        self.opt.synchronize()  # the resident parameters' pulls that step() started
+
+    def stats(self) -> dict:
+        return {
+            "peak_rss_bytes": _peak_rss() + _peak_rss(self.daemon.process.pid),
+            "trainer_peak_rss_bytes": _peak_rss(),
+            "daemon_peak_rss_bytes": _peak_rss(self.daemon.process.pid),
+            "nvme_bytes": _du(self.nvme_dir),
+            "block_pulls": dict(self.opt.stats),
+        }
+
+    def close(self) -> None:
+        self.opt.close()
+        self.daemon.__exit__(None, None, None)
+
+
+def deepspeed_config(spec: dict) -> dict:
+    """ZeRO-Infinity as DeepSpeed documents it: stage 3, parameters and optimizer state on
+    NVMe, async I/O; DeepSpeed's defaults for the buffers, except the reuse distance
+    (bench/zero_infinity.py's docstring says why)."""
+    adamw = spec["adamw"]
+    nvme = {"device": "nvme", "nvme_path": spec["nvme_dir"]}
+    return {
+        "train_batch_size": spec["batch"],
+        "train_micro_batch_size_per_gpu": spec["batch"],
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1 << 30,
+        "optimizer": {"type": "AdamW", "params": {"lr": adamw["lr"], "betas": list(adamw["betas"]),
+                                                  "eps": adamw["eps"], "weight_decay": adamw["weight_decay"]}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_max_reuse_distance": 0,
+            "offload_param": dict(nvme, **spec["deepspeed"].get("offload_param", {})),
+            "offload_optimizer": dict(nvme, **spec["deepspeed"].get("offload_optimizer", {})),
+            **spec["deepspeed"].get("zero", {}),
+        },
+        "aio": spec["deepspeed"]["aio"],
+    }  # fmt: skip
+
+
+class DeepSpeed:
+    """DeepSpeed ZeRO-Infinity, one CPU process, gloo."""
+
+    def __init__(self, spec: dict) -> None:
+        os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0")  # fmt: skip
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        self.nvme_dir = spec["nvme_dir"]
+        config = deepspeed_config(spec)
+        gpt = GPTConfig(**spec["gpt"])
+        # No dtype argument: Init(dtype=torch.float32) gives bfloat16 on CPUs without fp16 (the
+        # module docstring); with the config and no dtype, Init takes fp32 from it.
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = TinyGPT(gpt)
+        # TinyGPT's own init ran on partitioned (empty) parameters: set each module's values
+        # with the parameters gathered, as DeepSpeed's docs do for a model's init.
+        names = {id(p): n for n, p in model.named_parameters()}
+        for module in model.modules():
+            own = list(module.parameters(recurse=False))
+            if not own:
+                continue
+            with deepspeed.zero.GatheredParameters(own, modifier_rank=0), torch.no_grad():
+                for p in own:
+                    p.copy_(initial_value(names[id(p)], module, p.shape, gpt.n_layer))
+        params = list(model.parameters())
+        groups = [
+            {"params": [p for p in params if not _no_decay(p.ds_shape)]},
+            {"params": [p for p in params if _no_decay(p.ds_shape)], "weight_decay": 0.0},
+        ]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+        self.swapper = getattr(params[0], "nvme_swapper", None)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        _, loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.item()
+
+    def settle(self) -> None:
+        if self.swapper is not None:
+            self.swapper.synchronize_writes()  # parameter swap-outs still in flight
+
+    def stats(self) -> dict:
+        return {"peak_rss_bytes": _peak_rss(), "nvme_bytes": _du(self.nvme_dir)}
+
+    def close(self) -> None:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("system", choices=("ours", "deepspeed"))
+    parser.add_argument("--spec", required=True, help="RunSpec as JSON")
+    parser.add_argument("--reply-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    spec = json.loads(args.spec)
+    fd = args.reply_fd
+    torch.set_num_threads(spec["threads"])
+    try:
+        started = time.perf_counter()
+        torch.manual_seed(0)
+        system = (Ours if args.system == "ours" else DeepSpeed)(spec)
+        _reply(fd, {"ready": True, "init_seconds": round(time.perf_counter() - started, 2)})
+        step = 0
+        for line in sys.stdin:
+            command = line.split()
+            if not command:
+                continue
+            if command[0] == "steps":
+                losses = []
+                started = time.perf_counter()
+                for _ in range(int(command[1])):
+                    losses.append(system.step(*batch(spec, step)))
+                    step += 1
+                system.settle()
+                _reply(fd, {"seconds": time.perf_counter() - started, "losses": losses})
+            elif command[0] == "stats":
+                _reply(fd, system.stats())
+            elif command[0] == "quit":
+                system.close()
+                _reply(fd, {"bye": True})
+                return
+            else:
+                raise ValueError(f"unknown command {line!r}")
+    except BaseException as exc:
+        traceback.print_exc()
+        sys.stderr.flush()
+        _reply(fd, {"error": f"{type(exc).__name__}: {exc}"})
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
