@@ -37,3 +37,22 @@ def keep_chunk_buffers_in_heap(*, mmap_threshold: int = 32 << 20, trim_threshold
     ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
     _tuned = ok
     return ok
+
+
+def return_freed_blocks(*, mmap_threshold: int = 2 << 20, trim_threshold: int = 16 << 20) -> bool:
+    """For a process whose memory must follow what it holds: a trainer streaming blocks
+    (trainer/streaming.py) frees a block after each use and allocates it again, between
+    small allocations that live on (activations saved for backward). With the bulk-stream
+    setting above, blocks under 32 MiB come from the heap, which then keeps their freed
+    space (measured: RSS 167 -> 538 MiB from 8 to 32 blocks of 6.8 MiB, live bytes flat).
+    Allocations over `mmap_threshold` (still above the ~1 MiB chunk buffers) use mmap again
+    and go back to the kernel when freed. Returns whether glibc accepted it."""
+    global _tuned
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+    _tuned = _tuned or ok  # a later keep_chunk_buffers_in_heap() must not undo it
+    return ok

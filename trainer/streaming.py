@@ -56,6 +56,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.memory import return_freed_blocks
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.block_grads import BlockGradients
 from ps_offload.trainer.block_window import BlockWindow, wait_all
@@ -102,6 +103,7 @@ class StreamedOptimizer(DaemonOptimizer):
             named, daemons=daemons, optimizer=optimizer, no_weight_decay=no_weight_decay, config=config,
             client=client, loss_scaling=None, starts_shard={unit.names[0] for unit in self.units[1:]},
         )  # fmt: skip
+        return_freed_blocks()  # a block's freed memory goes back to the kernel (ps_proto/memory.py)
         for unit in self.units:
             unit.shards = [s for s in self.plan if unit.start <= s.offset < unit.end]
             if sum(s.numel for s in unit.shards) != unit.numel:
