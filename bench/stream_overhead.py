@@ -1,0 +1,128 @@
+"""stream_overhead: a GPT that fits, trained streamed (a window of blocks on the trainer,
+trainer/streaming.py) vs unstreamed (the whole model on the trainer, offload()), through the
+same daemon, interleaved in one run.
+
+A step = forward, backward, optimizer step, for one micro-batch. Ratio = the streamed step
+time (prefetch on, a window of 2 blocks, the default micro_batches=0: parts applied at step())
+over the unstreamed one; target <= 1.25. Also reported, each against the same unstreamed
+rounds: no prefetch (each block pulled when its hook needs it), and micro_batches=1 (each
+block applied by the daemon as it is pushed, during backward).
+
+What streaming adds per step: every block pulled twice (forward and backward; the unstreamed
+trainer pulls once) and its gradient copied out of `.grad` into a flat buffer; what prefetch
+hides is the pulls' latency behind the previous block's compute.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench.common import BenchDaemon, median, quick, record, spread
+from ps_offload import trainer
+from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
+
+CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=quick(8, 2), n_head=4, n_embd=quick(256, 64))
+BATCH = 8
+STEPS_PER_ROUND = quick(5, 2)
+ROUNDS = quick(8, 2)
+SHARD_BYTES = 1 << 20
+LR = 1e-3
+
+
+def _no_decay(name, p):
+    return p.dim() < 2
+
+
+def _streamed_model(initial: dict, stream_kwargs: dict):
+    with torch.device("meta"):
+        model = TinyGPT(CONFIG)
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def init(module):
+        prefix = names[id(module)]
+        with torch.no_grad():
+            for name, t in module.named_parameters(recurse=False):
+                t.copy_(initial[f"{prefix}.{name}" if prefix else name])
+
+    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    stream = trainer.Streaming(blocks=list(model.blocks), init=init, device="cpu", window_bytes=2 * block_bytes,
+                               **stream_kwargs)  # fmt: skip
+    return model, stream
+
+
+def main() -> dict:
+    torch.manual_seed(0)
+    reference = TinyGPT(CONFIG)
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randint(CONFIG.vocab_size, (BATCH, CONFIG.block_size), generator=g),) * 2 for _ in range(STEPS_PER_ROUND)
+    ]
+    contenders = {
+        "streamed": {"prefetch": True},
+        "streamed_no_prefetch": {"prefetch": False},
+        "streamed_apply_on_push": {"prefetch": True, "micro_batches": 1},
+    }
+    with BenchDaemon() as daemon:
+        common = {"daemons": [daemon.address], "optimizer": trainer.AdamW(lr=LR), "no_weight_decay": _no_decay}
+        runs = {}
+        whole = TinyGPT(CONFIG)
+        whole.load_state_dict(initial)
+        runs["unstreamed"] = (
+            whole,
+            trainer.offload(
+                whole, config=trainer.OffloadConfig(model_name="unstreamed", shard_bytes=SHARD_BYTES), **common
+            ),  # fmt: skip
+        )
+        for name, kwargs in contenders.items():
+            model, stream = _streamed_model(initial, kwargs)
+            config = trainer.OffloadConfig(model_name=name, shard_bytes=SHARD_BYTES)
+            runs[name] = (model, trainer.offload(model, config=config, stream=stream, **common))
+
+        def steps(model, opt) -> float:
+            started = time.perf_counter()
+            for x, y in batches:
+                _, loss = model(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            return (time.perf_counter() - started) / len(batches)
+
+        names = list(runs)
+        for name in names:  # warm-up (and the first forward's prefetch order)
+            steps(*runs[name])
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(ROUNDS):
+            for name in names if r % 2 == 0 else names[::-1]:
+                times[name].append(steps(*runs[name]))
+        stats = {name: dict(runs[name][1].stats) for name in contenders}
+        for _, opt in runs.values():
+            opt.close()
+    n_params = sum(p.numel() for p in reference.parameters())
+    paired = {name: [s / u for s, u in zip(times[name], times["unstreamed"], strict=True)] for name in contenders}
+    ms = {name: round(1000 * median(t), 2) for name, t in times.items()}
+    return record(
+        "stream_overhead",
+        ours=ms["streamed"],
+        peer=ms["unstreamed"],
+        unit="ms/step",
+        target=1.25,
+        higher_is_better=False,
+        ratio=median(paired["streamed"]),
+        extra={
+            "ratio_spread": spread(paired["streamed"]),
+            "ms_per_step": ms,
+            "ratio_no_prefetch": round(median(paired["streamed_no_prefetch"]), 3),
+            "ratio_apply_on_push": round(median(paired["streamed_apply_on_push"]), 3),
+            "pull_stats": stats,
+        },
+        notes=f"{n_params / 1e6:.2f}M-param GPT ({CONFIG.n_layer} blocks, n_embd {CONFIG.n_embd}), fp32, batch "
+        f"{BATCH} x {CONFIG.block_size}, window 2 blocks, one local daemon, shards of {SHARD_BYTES} B; {ROUNDS} "
+        f"rounds of {STEPS_PER_ROUND} steps, order alternating; ratio: median of per-round ratios",
+    )
+
+
+if __name__ == "__main__":
+    main()
