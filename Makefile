@@ -39,8 +39,9 @@ bench-tools:
 bench: bench-tools $(BENCH_STAMP)
 	$(PY) -m bench.run_all
 
-# AdamW state twice this machine's RAM through one daemon (about 59 GB of disk; it checks
-# first and says what it needs). Minutes, not part of `make bench`.
+# A GPT whose AdamW state is twice this machine's RAM (4.25B parameters here), trained for 3
+# steps through one daemon (about 60 GB of disk; it checks first and says what it needs).
+# About a quarter of an hour, not part of `make bench`.
 bench-scale: $(STAMP) bench-tools
 	$(PY) -m bench.scale
 	$(PY) -c "from bench.run_all import update_doc; update_doc()"

@@ -95,9 +95,13 @@ def record(
     ratio: float | None = None,
     notes: str = "",
     extra: dict | None = None,
+    scaled_down: bool = False,
 ) -> dict:
-    """Writes bench/results/NAME.json and prints one line. `ratio` defaults to ours/peer."""
+    """Writes bench/results/NAME.json and prints one line. `ratio` defaults to ours/peer.
+    `scaled_down`: a run smaller than the benchmark's own size (a check that it runs): its
+    file goes to bench/results/quick/, as under PS_BENCH_QUICK=1, never over the real one."""
     ratio = ours / peer if ratio is None else ratio
+    quick_run = QUICK or scaled_down
     met = ratio >= target if higher_is_better else ratio <= target
     result = {
         "name": name,
@@ -111,11 +115,12 @@ def record(
         "target_met": met,
         "machine": f"{platform.machine()}, {_cores()} cores",
         "notes": notes,
-        **({"quick": True} if QUICK else {}),
+        **({"quick": True} if quick_run else {}),
         **(extra or {}),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    results = REPO / "bench" / "results" / "quick" if quick_run else RESULTS
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"{name}: ours {ours:.4g} {unit}, peer {peer:.4g} {unit}, ratio {ratio:.3f} "
         f"(target {'>=' if higher_is_better else '<='} {target}: {'met' if met else 'NOT met'})"

@@ -127,10 +127,18 @@ def _nvme_train_step(r: dict) -> str:
 
 
 def _scale(r: dict) -> str:
+    phases = r["phase_seconds"]
+    trainer, target = r["trainer_peak_rss_bytes"], r["trainer_rss_target_bytes"]
     return (
+        f"A {r['params'] / 1e9:.2f}B-parameter GPT ({r['n_layer']} blocks of n_embd {r['n_embd']}), "
         f"{r['state_bytes'] / 1e9:.1f} GB of AdamW state, {r['state_bytes'] / r['physical_ram_bytes']:.2f}× physical "
-        f"RAM; step {r['step_seconds']} s; daemon peak RSS {r['daemon_peak_rss_bytes'] / 2**30:.2f} GiB; shard 0 "
-        f"equal to torch's fused AdamW: {r['shard0_equals_torch']}."
+        f"RAM, through one daemon with a {r['ram_tier_bytes'] / 2**30:.1f} GiB RAM tier: step {r['step_seconds']} s "
+        f"(forward {phases['forward']}, backward {phases['backward']}, step {phases['step']}) against a disk bound of "
+        f"{r['disk_bound_seconds']} s; losses {', '.join(map(str, r['losses']))}. The daemon moved "
+        f"{r['bytes_moved_per_param']} bytes per parameter per step (the bound counts 24) at {r['moved_gbps']} GB/s. "
+        f"Trainer peak RSS {trainer / 2**30:.2f} GiB (target ≤ {target / 2**30:.0f} GiB: "
+        f"{'met' if trainer <= target else 'not met'}), daemon {r['daemon_peak_rss_bytes'] / 2**30:.2f} GiB; "
+        f"created and pushed in {r['create_seconds']} s."
     )
 
 
