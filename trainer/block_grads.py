@@ -9,7 +9,7 @@ full-model gradient ever exists on the trainer. A complete unit is pushed, one t
 in the I/O pool: as GRADIENT_PART `part` (accumulated on the daemons, applied by APPLY), or
 with `groups` as a GRADIENT (applied on arrival). Buffers still waiting for their pushes are
 bounded by `window_bytes`: past it, the oldest pushes are waited for, so a slow wire paces
-backward instead of filling memory.
+backward instead of filling memory. Pushes run on threads of their own, beside the pulls'.
 
 For clipping, the first pass of a step also keeps each parameter's 2-norm as torch's
 clip_grad_norm_ takes it (`torch._foreach_norm` of the gradient), by parameter index.
@@ -18,7 +18,7 @@ clip_grad_norm_ takes it (`torch._foreach_norm` of the gradient), by parameter i
 from __future__ import annotations
 
 import collections
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -39,6 +39,9 @@ class BlockGradients:
         self.mover = mover
         self.io = io
         self.window_bytes = window_bytes
+        # Threads of their own: a push holds its thread until the daemon has applied (and, on
+        # NVMe, written) the shard, and the next blocks' pulls must not queue behind that.
+        self.pool = ThreadPoolExecutor(max_workers=io.workers, thread_name_prefix="ps-push")
         self.norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient's 2-norm (first pass)
         self._buffers: dict[int, torch.Tensor] = {}  # unit index -> this pass's gradient buffer
         self._received: dict[int, int] = collections.defaultdict(int)
@@ -66,7 +69,7 @@ class BlockGradients:
             buffer = torch.zeros_like(unit.values)
         self._received.pop(unit.index, None)
         after = self.mover.mark_compute()
-        pushes = [self.io.pool.submit(self._push, unit, s, step, part, groups, buffer, after) for s in unit.shards]
+        pushes = [self.pool.submit(self._push, unit, s, step, part, groups, buffer, after) for s in unit.shards]
         self._pushed.add(unit.index)
         self._pushes.append((pushes, buffer.numel() * buffer.element_size()))
         while len(self._pushes) > 1 and sum(n for _, n in self._pushes) > self.window_bytes:
@@ -89,6 +92,9 @@ class BlockGradients:
 
     def end_pass(self) -> None:
         self._pushed.clear()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
     def drain(self) -> list[BaseException]:
         """Waits for every push; returns the failures since the last drain."""

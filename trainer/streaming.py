@@ -411,6 +411,7 @@ class StreamedOptimizer(DaemonOptimizer):
         finally:
             for hook in self._hooks:
                 hook.remove()
+            self.grads.close()
             self.io.close()
 
     def __enter__(self) -> StreamedOptimizer:
