@@ -28,6 +28,7 @@ from bench import (
     ps_overhead_pp_dp,
     pull_bytes_bf16,
     staleness_convergence,
+    stream_overhead,
     train_step_overhead,
     train_step_overhead_bf16,
     transport,
@@ -195,6 +196,14 @@ def _compress_cpu(r: dict) -> str:
     return "Variants, ratio to their own copy: " + ", ".join(f"{k} {v['ratio']}" for k, v in r["methods"].items()) + "."
 
 
+def _stream_overhead(r: dict) -> str:
+    ms = ", ".join(f"{k} {v}" for k, v in r["ms_per_step"].items())
+    return (
+        f"ms/step: {ms}. Without prefetch {r['ratio_no_prefetch']}×; applied on push (micro_batches=1) "
+        f"{r['ratio_apply_on_push']}×."
+    )
+
+
 def _zero_infinity(r: dict) -> str:
     if "largest_n_layer" in r:  # python -m bench.zero_infinity --largest
         parts = []
@@ -233,6 +242,7 @@ DETAILS: dict[str, Callable[[dict], str]] = {
     "pipeline_efficiency": _pipeline,
     "ps_overhead_pp_dp": _ps_overhead,
     "compress_cpu": _compress_cpu,
+    "stream_overhead": _stream_overhead,
     "zero_infinity_small": _zero_infinity,
     "zero_infinity_large": _zero_infinity,
     "zero_infinity_largest": _zero_infinity,
@@ -285,6 +295,7 @@ def main() -> None:
     _timed("train_step_overhead", train_step_overhead.main, seconds)
     _timed("train_step_overhead_bf16", train_step_overhead_bf16.main, seconds)
     _timed("pull_bytes_bf16", pull_bytes_bf16.main, seconds)
+    _timed("stream_overhead", stream_overhead.main, seconds)
     _timed("pipeline_efficiency", lambda: pipeline_efficiency.main([]), seconds)
     _timed("ps_overhead_pp_dp", lambda: ps_overhead_pp_dp.main([]), seconds)
     _timed("staleness_convergence", staleness_convergence.main, seconds)
