@@ -1,7 +1,8 @@
 """Shards at rest: one arena file per model under `nvme_dir`, O_DIRECT, crc32c-checked.
 
-Layout. A model's file is a row of equal slots, each a 4 KiB header block followed by room
-for the model's largest shard arena (master, then optimizer state: ps_daemon.shard):
+Layout. A model's file is a row of equal slots, each a 4 KiB header block (ps_daemon.tiers.
+slot_header) followed by room for the model's largest shard arena (master, then optimizer
+state: ps_daemon.shard):
 
     [slot 0][slot 1] ... [slot N-1][spare 0] ... [spare K-1]
 
@@ -12,29 +13,37 @@ would, and K bounds how many commits run at once.
 
 Commit protocol (what "committed" means; docs/architecture.md). Version v+1 of a shard goes
 into a free slot: (1) the arena bytes, (2) fdatasync, (3) the header (shard id, version,
-crc32c of the bytes, its own crc32c), (4) fdatasync. Only then is the push acknowledged,
-and the slot that held v becomes free. A crash before (3) leaves the slot's old header,
-which names another shard or an older version, so recovery keeps v; a crash after (3)
-leaves v+1 complete. A freed slot keeps its stale header until it is reused, always older
-than its shard's newest. Recovery therefore reads every slot's header and takes, per shard,
-the valid header with the newest version; if that slot's bytes fail their checksum the
-shard is corrupt at rest and refused with DATA_LOSS, never silently rolled back to an older
-version the trainer has already moved past.
+crc32c of the bytes and of their master region, its own crc32c), (4) fdatasync. Only then is
+the push acknowledged, and the slot that held v becomes free. A crash before (3) leaves the
+slot's old header, which names another shard or an older version, so recovery keeps v; a
+crash after (3) leaves v+1 complete. A freed slot keeps its stale header until it is reused,
+always older than its shard's newest. Recovery therefore reads every slot's header and takes,
+per shard, the valid header with the newest version; if that slot's bytes fail their checksum
+the shard is corrupt at rest and refused with DATA_LOSS, never silently rolled back to an
+older version the trainer has already moved past.
+
+Reads. `load` reads a committed arena whole (the RAM tier's swap-in); `read_master` reads only
+its master region, for a pull of a shard that is not in RAM (ps_daemon.master_pull). The
+slot being read must stay the shard's: its caller holds the shard for reading, which keeps
+the shard's next commit, the only thing that frees that slot, waiting.
+
+Formats. A model's record (the JSON beside its file) and each slot header carry a format
+number. Format 2 files, from the release before master checksums, are read; opening one
+rewrites its record as format 3 before anything is committed, so that the previous release,
+which would take this release's headers for torn ones and recover an older version, refuses
+the file instead.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import mmap
 import os
-import struct
 import threading
 import time
 import urllib.parse
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,137 +51,17 @@ import crc32c
 import torch
 
 from ps_offload.daemon.spec import ModelSpec, spec_from_dict, spec_to_dict
+from ps_offload.daemon.tiers.direct_io import FAULT_ENV as FAULT_ENV  # tests import it from here, as before
+from ps_offload.daemon.tiers.direct_io import PAGE, DirectIO, aligned_empty, round_up
+from ps_offload.daemon.tiers.slot_header import (
+    FORMAT_VERSION,
+    READABLE_FORMATS,
+    SlotHeader,
+    checksums,
+    master_region_bytes,
+)
 
 log = logging.getLogger(__name__)
-
-PAGE = 4096
-_MAGIC = b"PSOFSHD1"
-# magic, format, shard_id, version, initialized, numel, arena_bytes, data_crc; then header_crc
-_HEADER = struct.Struct("<8sIIQB3xQQI")
-_HEADER_CRC = struct.Struct("<I")
-FORMAT_VERSION = 2  # 1: fixed A/B slots per shard
-
-
-def round_up(n: int, to: int = PAGE) -> int:
-    return (n + to - 1) // to * to
-
-
-def aligned_empty(nbytes: int) -> tuple[mmap.mmap, memoryview]:
-    """Page-aligned, zero-filled memory (anonymous mmap) that O_DIRECT can read and write,
-    `nbytes` rounded up to whole pages."""
-    region = mmap.mmap(-1, round_up(max(nbytes, 1)))
-    return region, memoryview(region)
-
-
-@dataclass(frozen=True)
-class SlotHeader:
-    shard_id: int
-    version: int
-    initialized: bool
-    numel: int
-    arena_bytes: int
-    data_crc: int
-
-    def pack(self) -> bytes:
-        body = _HEADER.pack(
-            _MAGIC, FORMAT_VERSION, self.shard_id, self.version, self.initialized, self.numel,
-            self.arena_bytes, self.data_crc,
-        )  # fmt: skip
-        return body + _HEADER_CRC.pack(crc32c.crc32c(body))
-
-    @classmethod
-    def unpack(cls, block: bytes | memoryview) -> SlotHeader | None:
-        """None for a block that is not a valid header (never written, or torn)."""
-        body = bytes(block[: _HEADER.size])
-        (crc,) = _HEADER_CRC.unpack_from(block, _HEADER.size)
-        if crc32c.crc32c(body) != crc:
-            return None
-        magic, fmt, shard_id, version, initialized, numel, arena_bytes, data_crc = _HEADER.unpack(body)
-        if magic != _MAGIC or fmt != FORMAT_VERSION:
-            return None
-        return cls(shard_id, version, bool(initialized), numel, arena_bytes, data_crc)
-
-
-class DirectIO:
-    """Positional reads and writes with O_DIRECT, split into blocks with several in flight
-    (os.preadv/pwritev release the GIL). Reads and writes have queues and threads of their
-    own, `threads` each: a swap-in that a pull waits for never queues behind the write-back
-    of other shards."""
-
-    def __init__(self, *, threads: int, block_bytes: int) -> None:
-        self.block_bytes = round_up(block_bytes)
-        self._readers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme-read")
-        self._writers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme-write")
-        self._fault = _injected_write_fault()
-
-    def _check_fault(self) -> None:
-        if self._fault is not None:
-            self._fault.tick()
-
-    def _blocks(self, view: memoryview, offset: int):
-        for start in range(0, len(view), self.block_bytes):
-            yield view[start : start + self.block_bytes], offset + start
-
-    @staticmethod
-    def _write_block(fd: int, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            done += os.pwritev(fd, [view[done:]], offset + done)
-
-    @staticmethod
-    def _read_block(fd: int, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n == 0:
-                raise OSError(f"unexpected end of file at offset {offset + done}")
-            done += n
-
-    def _run(self, pool: ThreadPoolExecutor, fn, fd: int, view: memoryview, offset: int) -> None:
-        futures = [pool.submit(fn, fd, block, at) for block, at in self._blocks(view, offset)]
-        errors = [f.exception() for f in futures]
-        for error in errors:
-            if error is not None:
-                raise error
-
-    def write(self, fd: int, view: memoryview, offset: int) -> None:
-        self._check_fault()
-        self._run(self._writers, self._write_block, fd, view, offset)
-
-    def read(self, fd: int, view: memoryview, offset: int) -> None:
-        self._run(self._readers, self._read_block, fd, view, offset)
-
-    def close(self) -> None:
-        self._readers.shutdown(wait=True)
-        self._writers.shutdown(wait=True)
-
-
-FAULT_ENV = "PS_OFFLOAD_INJECT_WRITE_ERROR"
-
-
-class _WriteFault:
-    """Testing aid: `PS_OFFLOAD_INJECT_WRITE_ERROR=ENOSPC@N` makes every write after the
-    first N fail with that errno, the way a full or failing disk does, so the tests can
-    show what the daemon does then without a real full disk (tmpfs has no O_DIRECT)."""
-
-    def __init__(self, errno_value: int, after: int) -> None:
-        self.errno_value, self.remaining = errno_value, after
-        self._lock = threading.Lock()
-
-    def tick(self) -> None:
-        with self._lock:
-            if self.remaining > 0:
-                self.remaining -= 1
-                return
-        raise OSError(self.errno_value, f"{os.strerror(self.errno_value)} (injected by {FAULT_ENV})")
-
-
-def _injected_write_fault() -> _WriteFault | None:
-    setting = os.environ.get(FAULT_ENV)
-    if not setting:
-        return None
-    name, _, after = setting.partition("@")
-    return _WriteFault(getattr(errno, name), int(after or 0))
 
 
 def spec_to_json(spec: ModelSpec, daemon_index: int, layout: FileLayout) -> str:
@@ -189,8 +78,9 @@ def spec_to_json(spec: ModelSpec, daemon_index: int, layout: FileLayout) -> str:
 
 def spec_from_json(text: str) -> tuple[ModelSpec, int, FileLayout]:
     data = json.loads(text)
-    if data.get("format") != FORMAT_VERSION:
-        raise ValueError(f"format {data.get('format')}, this daemon reads format {FORMAT_VERSION}")
+    if data.get("format") not in READABLE_FORMATS:
+        readable = " and ".join(str(f) for f in READABLE_FORMATS)
+        raise ValueError(f"format {data.get('format')}, this daemon reads formats {readable}")
     return spec_from_dict(data), data["daemon_index"], FileLayout(**data["layout"])
 
 
@@ -289,8 +179,10 @@ class NvmeFiles:
         self._header_region, self._header = aligned_empty(PAGE)
         self._header_lock = threading.Lock()
         self.bytes_written = 0  # shard bytes, counted once the write returned
-        self.bytes_read = 0
-        # Wall time of commits (bytes, fdatasync, header, fdatasync) and of loads (read, crc),
+        self.bytes_read = 0  # by loads and master-only reads (not verify's)
+        self.master_reads = 0  # read_master calls that read a master region
+        self.master_bytes_read = 0  # the part of bytes_read they took
+        # Wall time of commits (bytes, fdatasync, header, fdatasync) and of reads (read, crc),
         # summed over threads: with several in flight, more than the elapsed time.
         self.write_seconds = 0.0
         self.read_seconds = 0.0
@@ -318,15 +210,19 @@ class NvmeFiles:
                 f"{self.bytes_allocated} are taken"
             )
         self.files[spec.model] = ModelFile(self.dir, spec.model, layout, create=True)
-        path = self._spec_path(spec.model)
+        self._write_record(spec.model, spec_to_json(spec, daemon_index, layout))
+        return layout
+
+    def _write_record(self, model: str, text: str) -> None:
+        """Replaces the model's record atomically: a temporary file, fsynced, renamed."""
+        path = self._spec_path(model)
         tmp = path.with_suffix(".json.tmp")
         with open(tmp, "w") as f:
-            f.write(spec_to_json(spec, daemon_index, layout))
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
         self._sync_dir()
-        return layout
 
     def recorded_models(self) -> list[tuple[object, int, FileLayout]]:
         """(spec, daemon_index, layout) of every model recorded in the directory. Raises
@@ -360,8 +256,17 @@ class NvmeFiles:
         file.active = newest
         taken = {slot for slot, _ in newest.values()}
         file.free = deque(s for s in range(layout.slots) if s not in taken)
+        self._upgrade_record(spec.model)
         self.files[spec.model] = file
         return {shard_id: header for shard_id, (_, header) in newest.items()}
+
+    def _upgrade_record(self, model: str) -> None:
+        """Marks an older format's record as this release's before any commit writes a header
+        of this format into its file (the module doc says why). The slots keep their headers."""
+        data = json.loads(self._spec_path(model).read_text())
+        if data["format"] != FORMAT_VERSION:
+            log.info("model %r: record format %d rewritten as %d", model, data["format"], FORMAT_VERSION)
+            self._write_record(model, json.dumps({**data, "format": FORMAT_VERSION}, indent=1))
 
     def _sync_dir(self) -> None:
         fd = os.open(self.dir, os.O_RDONLY)
@@ -387,7 +292,8 @@ class NvmeFiles:
             self.io.write(file.fd, arena, at + PAGE)
             if self.fsync:
                 os.fdatasync(file.fd)
-            header = SlotHeader(shard_id, version, initialized, numel, len(arena), crc32c.crc32c(arena))
+            master_bytes, master_crc, data_crc = checksums(arena, numel)
+            header = SlotHeader(shard_id, version, initialized, numel, len(arena), data_crc, master_bytes, master_crc)
             packed = header.pack()
             with self._header_lock:
                 self._header[:] = packed + bytes(PAGE - len(packed))
@@ -429,6 +335,33 @@ class NvmeFiles:
             self.read_seconds += time.perf_counter() - started
         return header
 
+    def read_master(self, model: str, slot: int, header: SlotHeader, buffer: memoryview) -> None:
+        """Reads the master region of `slot` (its first `header.master_bytes` arena bytes) into
+        `buffer` (page-aligned, at least that long) and checks its crc32c. `slot` and `header`
+        are committed_slot's answer, still the shard's committed slot: the caller holds the
+        shard for reading, which keeps its next commit from freeing the slot meanwhile. The
+        header must have a master checksum (format 3). Raises CorruptShard when the region
+        fails its checksum, or when the header disagrees with itself about its size."""
+        master_bytes = header.master_bytes
+        if header.master_crc is None:
+            raise ValueError(f"slot {slot} was written in format {header.format}, without a master checksum")
+        if master_bytes != master_region_bytes(header.numel, header.arena_bytes) or master_bytes > len(buffer):
+            raise CorruptShard(
+                f"header of slot {slot} says {master_bytes} master bytes for {header.numel} values in "
+                f"{header.arena_bytes} arena bytes"
+            )
+        file = self.files[model]
+        started = time.perf_counter()
+        region = buffer[:master_bytes]
+        self.io.read(file.fd, region, file.offset(slot) + PAGE)
+        if crc32c.crc32c(region) != header.master_crc:
+            raise CorruptShard(f"checksum mismatch in the master values of slot {slot} (version {header.version})")
+        with self._header_lock:
+            self.bytes_read += master_bytes
+            self.master_reads += 1
+            self.master_bytes_read += master_bytes
+            self.read_seconds += time.perf_counter() - started
+
     # -- checks (ps-admin verify) ------------------------------------------------------
 
     def committed_slot(self, model: str, shard_id: int) -> tuple[int, SlotHeader] | None:
@@ -441,9 +374,10 @@ class NvmeFiles:
 
     def check_slot(self, model: str, slot: int, expected: SlotHeader, buffer: memoryview) -> SlotCheck:
         """Reads `slot`'s header and bytes back and checks them against `expected` (the
-        header committed there) and their crc32c, through `buffer` (page-aligned, whole pages)
-        a block at a time. Reads in the calling thread, not the I/O pools, so a check never
-        queues ahead of a shard the RAM tier is waiting for; nothing is cached or changed."""
+        header committed there) and their crc32c (and their master region's, in format 3),
+        through `buffer` (page-aligned, whole pages) a block at a time. Reads in the calling
+        thread, not the I/O pools, so a check never queues ahead of a shard the RAM tier is
+        waiting for; nothing is cached or changed."""
         file = self.files[model]
         at = file.offset(slot)
         try:
@@ -459,11 +393,15 @@ class NvmeFiles:
                     f"(crc32c {found.data_crc:08x}), committed was version {expected.version} "
                     f"(crc32c {expected.data_crc:08x})",
                 )  # fmt: skip
-            crc, done = 0, 0
+            crc, done, master_crc = 0, 0, None
             while done < expected.arena_bytes:
                 block = buffer[: min(len(buffer), expected.arena_bytes - done)]
                 DirectIO._read_block(file.fd, block, at + PAGE + done)
-                crc = crc32c.crc32c(block, crc)
+                cut = min(max(expected.master_bytes - done, 0), len(block))  # the master region's part
+                crc = crc32c.crc32c(block[:cut], crc)
+                if cut and done + cut == expected.master_bytes:
+                    master_crc = crc  # the whole arena's crc32c continues from the region's
+                crc = crc32c.crc32c(block[cut:], crc)
                 done += len(block)
         except OSError as exc:
             return SlotCheck(expected.version, slot, 0, f"slot {slot} cannot be read: {exc}")
@@ -472,6 +410,13 @@ class NvmeFiles:
                 expected.version, slot, PAGE + done,
                 f"checksum mismatch in slot {slot}: the bytes have crc32c {crc:08x}, the header says "
                 f"{expected.data_crc:08x}",
+            )  # fmt: skip
+        if expected.master_crc is not None and master_crc != expected.master_crc:
+            found_crc = "none" if master_crc is None else f"{master_crc:08x}"
+            return SlotCheck(
+                expected.version, slot, PAGE + done,
+                f"checksum mismatch in the master values of slot {slot}: they have crc32c {found_crc}, the header "
+                f"says {expected.master_crc:08x}",
             )  # fmt: skip
         return SlotCheck(expected.version, slot, PAGE + done, "")
 

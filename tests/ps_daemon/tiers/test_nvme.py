@@ -10,7 +10,16 @@ import pytest
 
 from ps_offload.daemon.optim import SGDConfig
 from ps_offload.daemon.spec import ModelSpec, ParamSpec
-from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, FileLayout, NoCapacity, NvmeFiles, SlotHeader, aligned_empty
+from ps_offload.daemon.tiers.nvme import (
+    FORMAT_VERSION,
+    PAGE,
+    DirectIO,
+    FileLayout,
+    NoCapacity,
+    NvmeFiles,
+    SlotHeader,
+    aligned_empty,
+)
 
 SHARDS = 4
 ARENA = 3 * PAGE
@@ -110,12 +119,15 @@ def test_capacity_refuses_a_model_that_would_exceed_it(tmp_path):
     files.close()
 
 
-def test_a_record_of_another_format_stops_recovery_with_its_path(tmp_path):
+@pytest.mark.parametrize("other", [1, FORMAT_VERSION + 1])  # fixed A/B slots; a later release's
+def test_a_record_of_another_format_stops_recovery_with_its_path(tmp_path, other):
     files = _files(tmp_path)
     files.create_model(_spec(), 0, {i: ARENA for i in range(SHARDS)})
     files.close()
     record = tmp_path / "m.json"
-    record.write_text(record.read_text().replace('"format": 2', '"format": 1'))
+    written = f'"format": {FORMAT_VERSION}'
+    assert written in record.read_text()
+    record.write_text(record.read_text().replace(written, f'"format": {other}'))
     with pytest.raises(OSError, match="m.json is not a model record this daemon can read"):
         _files(tmp_path).recorded_models()
 
