@@ -197,6 +197,8 @@ class StatsSnapshot:
     nvme_bytes_written: int
     nvme_read_seconds: float
     nvme_write_seconds: float
+    nvme_master_reads: int
+    nvme_master_bytes_read: int
     ram_bytes_budget: int
     nvme_bytes_allocated: int
     nvme_bytes_capacity: int
@@ -219,6 +221,8 @@ def tier_counts(files: NvmeFiles | None, tier: RamTier | None, ram_bytes: int, s
         nvme_bytes_written=files.bytes_written if files is not None else 0,
         nvme_read_seconds=files.read_seconds if files is not None else 0.0,
         nvme_write_seconds=files.write_seconds if files is not None else 0.0,
+        nvme_master_reads=files.master_reads if files is not None else 0,
+        nvme_master_bytes_read=files.master_bytes_read if files is not None else 0,
     )
     if tier is None:
         return {**counts, "tier_hits": 0, "tier_misses": 0, "prefetched": 0, "evictions": 0}

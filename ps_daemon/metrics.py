@@ -98,10 +98,14 @@ class _StoreCollector(Collector):
         yield _counter("ps_tier_misses", "Uses of a shard that had to be read from NVMe first", s.tier_misses)
         yield _counter("ps_prefetched_shards", "Shards read from NVMe ahead of use", s.prefetched)
         yield _counter("ps_evictions", "Shards dropped from the RAM tier", s.evictions)
-        yield _counter("ps_nvme_read_bytes", "Shard bytes read from NVMe", s.nvme_bytes_read)
+        yield _counter("ps_nvme_read_bytes", "Shard bytes read from NVMe (loads, master-only pulls)", s.nvme_bytes_read)
         yield _counter("ps_nvme_written_bytes", "Shard bytes committed to NVMe", s.nvme_bytes_written)
-        yield _counter("ps_nvme_read_seconds", "Time loading shards from NVMe, all threads", s.nvme_read_seconds)
+        yield _counter("ps_nvme_read_seconds", "Time reading shards from NVMe, all threads", s.nvme_read_seconds)
         yield _counter("ps_nvme_write_seconds", "Time committing shards to NVMe, all threads", s.nvme_write_seconds)
+        yield _counter(
+            "ps_nvme_master_reads", "Pulls of a shard on NVMe that read its master values only", s.nvme_master_reads
+        )
+        yield _counter("ps_nvme_master_read_bytes", "Bytes those master-only reads took", s.nvme_master_bytes_read)
         shards = GaugeMetricFamily("ps_shards", "Shards held, by tier", labels=["tier"])
         for tier, count in (("ram", s.shards_in_ram), ("nvme", s.shards_on_nvme), ("corrupt", s.shards_corrupt)):
             shards.add_metric([tier], count)
