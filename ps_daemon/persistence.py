@@ -1,6 +1,7 @@
 """A shard's committed copy on NVMe, as the store uses it: a model's files created at
-registration, a shard loaded at its last committed version, a new version committed before
-its push is acknowledged, and a failed update rolled back. The NVMe tier's own errors
+registration, a shard loaded at its last committed version (or only its master values read,
+ps_daemon.master_pull), a new version committed before its push is acknowledged, and a
+failed update rolled back. The NVMe tier's own errors
 (ps_daemon.tiers.nvme) come out as the typed errors of ps_daemon.errors, each saying what
 state the shard was left in.
 
@@ -19,7 +20,7 @@ import torch
 from ps_offload.daemon.errors import DataLoss, ResourceExhausted, StorageError
 from ps_offload.daemon.shard import Shard
 from ps_offload.daemon.spec import ModelSpec
-from ps_offload.daemon.tiers.nvme import CorruptShard, NoCapacity, NoFreeSlot, NvmeFiles
+from ps_offload.daemon.tiers.nvme import CorruptShard, NoCapacity, NoFreeSlot, NvmeFiles, SlotHeader
 
 # The store's name: these lines were logged by ps_daemon.store before it was split, and
 # journald filters or alerts written against that name keep matching.
@@ -61,17 +62,36 @@ def load_committed(files: NvmeFiles, shard: Shard) -> None:
     try:
         header = files.load(shard.model, shard.slice.shard_id, shard.io_view)
     except CorruptShard as exc:
-        shard.corrupt = (
-            f"shard {shard.slice.shard_id} of model {shard.model!r} is corrupt on disk ({exc}); "
-            "restore it from a checkpoint or re-register the model"
-        )
-        log.error("%s", shard.corrupt)
-        raise DataLoss(shard.corrupt) from exc
+        raise _corrupt(shard, exc) from exc
     if header is None:
         shard.arena.zero_()
         shard.set_version(0, initialized=False)
     else:
         shard.set_version(header.version, initialized=header.initialized)
+
+
+def read_master(files: NvmeFiles, shard: Shard, slot: int, header: SlotHeader, buffer: memoryview) -> None:
+    """Reads the master region of the shard's committed `slot` into `buffer`
+    (NvmeFiles.read_master; the caller holds the shard for reading). Raises DataLoss, and
+    marks the shard, when the region fails its checksum (the whole arena would fail too) or
+    the header names another size."""
+    try:
+        if header.numel != shard.slice.numel:
+            raise CorruptShard(f"header of slot {slot} says {header.numel} values, the shard has {shard.slice.numel}")
+        files.read_master(shard.model, slot, header, buffer)
+    except CorruptShard as exc:
+        raise _corrupt(shard, exc) from exc
+
+
+def _corrupt(shard: Shard, exc: CorruptShard) -> DataLoss:
+    """Marks the shard corrupt at rest, refused from now on (ShardStore.shard), and returns
+    the error that says so."""
+    shard.corrupt = (
+        f"shard {shard.slice.shard_id} of model {shard.model!r} is corrupt on disk ({exc}); "
+        "restore it from a checkpoint or re-register the model"
+    )
+    log.error("%s", shard.corrupt)
+    return DataLoss(shard.corrupt)
 
 
 def commit(files: NvmeFiles | None, shard: Shard) -> None:

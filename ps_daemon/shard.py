@@ -100,7 +100,9 @@ class Shard:
         self.parts = GradientParts()
 
     def attach(self, buffer: tuple[torch.Tensor, memoryview | None]) -> None:
-        """Places master and optimizer state in `buffer` (arena tensor, O_DIRECT view)."""
+        """Places master and optimizer state in `buffer` (arena tensor, O_DIRECT view). The
+        master values come first: a pull of a shard on NVMe reads only the arena's first pages
+        (ps_daemon.master_pull)."""
         self.arena, self.io_view = buffer
         numel, step = self.slice.numel, self.slice.numel + ARENA_STAGGER
         views = [self.arena[i * step : i * step + numel] for i in range(1 + self.optimizer.config.state_per_param)]

@@ -2,7 +2,8 @@
 commit. The pieces it composes: ps_daemon.spec (what a model is), ps_daemon.shard (one
 shard and its hold), ps_daemon.push (one push, validated), ps_daemon.prefetch (what to load
 ahead), ps_daemon.inspect (admin statistics and verify), ps_daemon.tiers (RAM over NVMe),
-ps_daemon.persistence (a shard's committed copy: load, commit, roll back a failed update).
+ps_daemon.persistence (a shard's committed copy: load, commit, roll back a failed update),
+ps_daemon.master_pull (master pulls of a shard on NVMe, read from disk without loading it).
 
 No gRPC here: the servicer translates protobuf to these calls, and ps_daemon.rpc_errors the
 typed errors of ps_daemon.errors back to status codes.
@@ -32,6 +33,7 @@ from ps_offload.daemon.accumulate import add_part
 from ps_offload.daemon.encodings import OneBitGradient
 from ps_offload.daemon.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
 from ps_offload.daemon.inspect import VERIFY_ATTEMPTS, StatsSnapshot, StoreStats, ValueStats, Verdict
+from ps_offload.daemon.master_pull import pull_master
 from ps_offload.daemon.persistence import commit, create_files, load_into, roll_back
 from ps_offload.daemon.prefetch import Prefetcher
 from ps_offload.daemon.pull_rounding import check_pull_dtype, element_bytes, rounded
@@ -222,22 +224,42 @@ class ShardStore:
         the tensor one of SHARD_TENSORS. The caller streams the tensor inside the block.
         `dtype` bfloat16 or float16 (master only; ps_daemon.pull_rounding): yields the master
         values rounded under the hold into a buffer from `scratch(n)` (as push's), and the
-        hold ends there."""
+        hold ends there. With an NVMe tier, the master values of a shard that is not resident
+        are read from disk into a buffer from `scratch`, without loading the shard
+        (ps_daemon.master_pull), and the hold ends there too."""
         shard = self.shard(model, shard_id)
         shard.check_tensor(tensor)
         check_pull_dtype(dtype, tensor, f"pull of shard {shard_id} of model {model!r}")
-        if dtype == "float32":
-            with self._using(shard), shard.reading(min_version, timeout) as version:
-                yield shard.tensor(tensor), version
-        else:
-            with contextlib.ExitStack() as sending:
-                with self._using(shard), shard.reading(min_version, timeout) as version:
-                    values = sending.enter_context(rounded(shard.master, dtype, scratch))
-                # The rounded copy is this pull's own: the next update need not wait for the send.
-                yield values, version
+        with contextlib.ExitStack() as sending:
+            yield self._pulled(sending, shard, tensor, dtype, min_version, timeout, scratch)
         with self._lock:
             self.stats.pulls += 1
             self.stats.bytes_pulled += shard.slice.numel * element_bytes(dtype)  # the bytes sent
+
+    def _pulled(
+        self,
+        sending: contextlib.ExitStack,
+        shard: Shard,
+        tensor: str,
+        dtype: str,
+        min_version: int,
+        timeout: float,
+        scratch: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None,
+    ) -> tuple[torch.Tensor, int]:
+        """pull's (values, version), with what must last while they are sent entered on `sending`."""
+        if tensor == "master" and self.tier is not None:
+            pulled = pull_master(
+                sending, self.files, self.tier, shard, min_version=min_version, timeout=timeout, dtype=dtype,
+                scratch=scratch,
+            )  # fmt: skip
+            if pulled is not None:
+                return pulled
+        if dtype == "float32":
+            sending.enter_context(self._using(shard))
+            return shard.tensor(tensor), sending.enter_context(shard.reading(min_version, timeout))
+        with self._using(shard), shard.reading(min_version, timeout) as version:
+            # The rounded copy is this pull's own: the next update need not wait for the send.
+            return sending.enter_context(rounded(shard.master, dtype, scratch)), version
 
     def check_push(self, push: PushRequest) -> PushResult | None:
         """Validates a push before its payload is read (`push.data` None: its announced

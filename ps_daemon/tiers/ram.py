@@ -14,6 +14,11 @@ order also chooses what to evict: first the least recently used shard that is no
 shard needed before the one it loads, nor one an earlier prefetch brought in that nobody
 has used yet. Using a shard takes it out of the order. Hits and misses are counted at `use`.
 
+`use_if_resident` pins a shard only if it is resident (or being loaded, which it waits for)
+and loads nothing: a pull of the master values of a shard on NVMe reads them from disk
+without a place in the tier (ps_daemon.master_pull), so it counts as neither hit nor miss,
+takes no room, evicts nothing and leaves the order of upcoming use alone.
+
 Invariants (under `cond`): used + pooled <= budget; a shard is at most one of resident or
 loading; a pinned shard is resident or loading; `lru` holds exactly the resident shards.
 """
@@ -81,20 +86,43 @@ class RamTier:
         try:
             yield
         finally:
-            with self.cond:
-                shard.pins -= 1
-                self.cond.notify_all()
+            self._unpin(shard)
+
+    @contextlib.contextmanager
+    def use_if_resident(self, shard) -> Iterator[bool]:
+        """Pins `shard` for the block and yields True if it is resident, or once it is if it
+        is being loaded; yields False, having pinned and counted nothing, if it is on NVMe
+        only (or its load failed, or took longer than `wait_timeout`)."""
+        with self.cond:
+            self.cond.wait_for(lambda: not shard.loading, self.wait_timeout)
+            pinned = shard.resident
+            if pinned:
+                self._pin_resident_locked(shard)
+        try:
+            yield pinned
+        finally:
+            if pinned:
+                self._unpin(shard)
+
+    def _unpin(self, shard) -> None:
+        with self.cond:
+            shard.pins -= 1
+            self.cond.notify_all()
+
+    def _pin_resident_locked(self, shard) -> None:
+        """Under cond: a use of a resident shard (a hit)."""
+        shard.pins += 1
+        self.lru.move_to_end(shard)
+        self.stats.hits += 1
+        self._protected.discard(shard)
+        self._used(shard)
 
     def _pin(self, shard) -> object | None:
         """Pins the shard; returns a buffer to load it into when this caller must load it."""
         with self.cond:
             while True:
                 if shard.resident:
-                    shard.pins += 1
-                    self.lru.move_to_end(shard)
-                    self.stats.hits += 1
-                    self._protected.discard(shard)
-                    self._used(shard)
+                    self._pin_resident_locked(shard)
                     return None
                 if not shard.loading:
                     buffer = self._take_room(shard.arena_bytes, evict_protected=True)

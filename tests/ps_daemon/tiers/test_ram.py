@@ -3,6 +3,7 @@ order of upcoming use."""
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -106,4 +107,41 @@ def test_prefetch_limit_loads_only_the_first_missing_shards():
     assert tier.prefetch(shards, limit=2) == 2
     _settle(tier)
     assert _resident(tier) == {0, 1}
+    tier.close()
+
+
+def test_use_if_resident_pins_a_resident_shard_and_leaves_one_on_nvme_where_it_is():
+    tier = _tier(1)
+    on_nvme, resident = FakeShard(0), FakeShard(1)
+    _touch(tier, resident)
+    tier.prefetch([resident, on_nvme])  # the order of upcoming use
+    with tier.use_if_resident(on_nvme) as pinned:
+        assert pinned is False and on_nvme.pins == 0
+        assert not on_nvme.resident and resident.resident  # nothing loaded, nothing evicted
+    assert (tier.stats.hits, tier.stats.misses, tier.stats.evictions) == (0, 1, 0)
+    assert tier._upcoming["m"] == {resident: 0, on_nvme: 1}  # the order is left alone
+    with tier.use_if_resident(resident) as pinned:
+        assert pinned is True and resident.pins == 1 and not tier.evict(resident)  # pinned: it stays
+    assert resident.pins == 0 and tier.stats.hits == 1 and resident not in tier._upcoming["m"]
+    tier.close()
+
+
+def test_use_if_resident_waits_for_a_load_in_progress_and_pins_what_it_loaded():
+    loading, release = threading.Event(), threading.Event()
+
+    def load(shard, buffer):
+        loading.set()
+        assert release.wait(5)
+        shard.buffer = buffer
+
+    tier = RamTier(budget=ARENA, allocate=lambda n: bytearray(n), load=load)
+    shard = FakeShard(0)
+    loader = threading.Thread(target=_touch, args=(tier, shard))
+    loader.start()
+    assert loading.wait(5)
+    threading.Timer(0.1, release.set).start()
+    with tier.use_if_resident(shard) as pinned:
+        assert pinned is True and shard.resident and shard.buffer is not None
+    loader.join(5)
+    assert shard.pins == 0 and (tier.stats.hits, tier.stats.misses) == (1, 1)
     tier.close()
