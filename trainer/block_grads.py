@@ -3,10 +3,10 @@ gathered from `.grad` into one flat buffer and pushed as soon as the unit's last
 has it.
 
 `BlockGradients` is the streamed optimizer's (trainer/streaming.py) push half. A parameter's
-post-accumulate-grad hook hands its gradient over (`add`); the buffer starts as zeros, so a
-parameter the pass does not reach counts as zero; the `.grad` is dropped at once, so no
+post-accumulate-grad hook hands its gradient over (`add`); a parameter the pass does not
+reach counts as zero (its slice is zeroed at the push); the `.grad` is dropped at once, so no
 full-model gradient ever exists on the trainer. A complete unit is pushed, one task per shard
-in the I/O pool: as GRADIENT_PART `part` (accumulated on the daemons, applied by APPLY), or
+in a pool of its own: as GRADIENT_PART `part` (accumulated on the daemons, applied by APPLY), or
 with `groups` as a GRADIENT (applied on arrival). Buffers still waiting for their pushes are
 bounded by `window_bytes`: past it, the oldest pushes are waited for, so a slow wire paces
 backward instead of filling memory. Pushes run on threads of their own, beside the pulls'.
@@ -44,7 +44,7 @@ class BlockGradients:
         self.pool = ThreadPoolExecutor(max_workers=io.workers, thread_name_prefix="ps-push")
         self.norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient's 2-norm (first pass)
         self._buffers: dict[int, torch.Tensor] = {}  # unit index -> this pass's gradient buffer
-        self._received: dict[int, int] = collections.defaultdict(int)
+        self._received: dict[int, set[int]] = collections.defaultdict(set)  # unit index -> its parameters in
         self._pushed: set[int] = set()  # units whose gradient of this pass is pushed
         self._pushes: collections.deque[tuple[list[Future], int]] = collections.deque()  # with their buffer bytes
         self._failures: list[BaseException] = []
@@ -53,21 +53,25 @@ class BlockGradients:
         """Copies parameter i of `unit`'s gradient into the unit's buffer (and keeps its norm
         under `norm_index`); returns whether the unit is complete."""
         buffer = self._buffers.get(unit.index)
-        if buffer is None:
-            buffer = self._buffers[unit.index] = torch.zeros_like(unit.values, device=grad.device)
+        if buffer is None:  # not zeroed: every parameter's slice is written, or zeroed at push()
+            buffer = self._buffers[unit.index] = torch.empty_like(unit.values, device=grad.device)
         offset = unit.offsets[i]
         buffer[offset : offset + grad.numel()].view(grad.shape).copy_(grad)
         if norm_index is not None:
             self.norms[norm_index] = torch._foreach_norm([grad], 2.0)[0]
-        self._received[unit.index] += 1
-        return self._received[unit.index] == len(unit.params)
+        self._received[unit.index].add(i)
+        return len(self._received[unit.index]) == len(unit.params)
 
     def push(self, unit: StreamUnit, *, step: int, part: int, groups: list[ps_pb2.GroupHyperparams] | None) -> None:
         """Pushes the unit's buffer of this pass (zeros if nothing came) and forgets it."""
         buffer = self._buffers.pop(unit.index, None)
+        received = self._received.pop(unit.index, set())
         if buffer is None:
             buffer = torch.zeros_like(unit.values)
-        self._received.pop(unit.index, None)
+        elif len(received) < len(unit.params):  # parameters the pass did not reach count as zero
+            for i, p in enumerate(unit.params):
+                if i not in received:
+                    buffer[unit.offsets[i] : unit.offsets[i] + p.numel()].zero_()
         after = self.mover.mark_compute()
         pushes = [self.pool.submit(self._push, unit, s, step, part, groups, buffer, after) for s in unit.shards]
         self._pushed.add(unit.index)

@@ -6,7 +6,9 @@ prefetch reaches it, waited for before its forward or backward, and released (it
 waited out, its memory freed) after. Prefetch walks the order the first forward ran the
 blocks in, forward after a block's forward and backward after its backward began, while the
 blocks held fit `window_bytes`; the running block is always allowed, so a window smaller than
-a block means no prefetch, not no progress.
+a block means no prefetch, not no progress. Within the same budget, the blocks a forward
+ends with stay for the backward that begins with them, and a step ends by fetching the
+blocks the next forward begins with.
 
 Each pull asks for the optimizer's current version (`version`) and refuses a newer one: the
 daemons hold only their newest state, so a newer version means another trainer is stepping
@@ -132,6 +134,25 @@ class BlockWindow:
             if not here and full:
                 break
             self.fetch(nxt, ahead=True)
+
+    def needed_first_in_backward(self, unit: StreamUnit) -> bool:
+        """Whether `unit` is among the last blocks of the forward order that fit the window
+        together: backward needs them first, so they may stay after their forward."""
+        if not self.prefetch_enabled or unit not in self.order:
+            return False
+        tail = self.order[self.order.index(unit) :]
+        return sum(u.nbytes for u in tail) <= self.window_bytes
+
+    def prefetch_first(self) -> None:
+        """After a step: fetches the first blocks of the forward order that fit the window."""
+        if not self.prefetch_enabled:
+            return
+        held = 0
+        for unit in self.order:
+            held += unit.nbytes
+            if held > self.window_bytes:
+                break
+            self.fetch(unit, ahead=True)
 
     def pull_resident(self) -> None:
         """Starts pulling the resident units at `version` (after a step)."""

@@ -225,6 +225,8 @@ class StreamedOptimizer(DaemonOptimizer):
             outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for tensor in outputs:
                 tensor.register_hook(lambda grad, u=unit: self._before_backward(u))
+            if self.window.needed_first_in_backward(unit):
+                return  # backward starts with it: kept, not pulled again
         self.window.release(unit)
 
     def _before_backward(self, unit: StreamUnit) -> None:
@@ -348,6 +350,7 @@ class StreamedOptimizer(DaemonOptimizer):
         self.grads.norms.clear()
         self.step_count = self.window.version = step + 1
         self.window.pull_resident()
+        self.window.prefetch_first()  # the next forward's first blocks, while the caller goes on
         return loss
 
     def _apply_everywhere(self, step: int, groups: list, parts: int, clip: float | None, *, check_only: bool) -> None:
