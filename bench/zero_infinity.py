@@ -77,6 +77,7 @@ from pathlib import Path
 import torch
 
 from bench.common import REPO, median, quick, record, spread
+from bench.nvme_io import deepspeed_missing
 from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
 
 ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}
@@ -237,16 +238,6 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def _deepspeed_missing() -> str | None:
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-    except ImportError:
-        return "DeepSpeed is not installed (the `bench` extra: make bench installs it)"
-    if not AsyncIOBuilder().is_compatible(verbose=False):
-        return "DeepSpeed's async_io op cannot build here (it needs libaio-dev)"
-    return None
-
-
 def compare(name: str, size: Size) -> dict:
     """One size: both workers alive, warm-up, then ABBA blocks of steps."""
     params = n_params(size.gpt)
@@ -321,7 +312,7 @@ def _deepspeed_version() -> str:
 
 
 def main(sizes: list[str] | None = None) -> list[dict]:
-    missing = _deepspeed_missing()
+    missing = deepspeed_missing()
     if missing:
         print(f"zero_infinity: {missing}; nothing recorded")
         return []
@@ -433,7 +424,7 @@ def largest(argv: list[str]) -> dict:
     args = parser.parse_args(argv)  # fmt: skip
     if args.memory_cap_gib is None:
         args.memory_cap_gib = round(0.9 * _meminfo("MemAvailable") / 2**30, 1)
-    missing = _deepspeed_missing()
+    missing = deepspeed_missing()
     if missing:
         raise SystemExit(f"zero_infinity --largest: {missing}")
     print(f"zero_infinity --largest: n_embd {args.n_embd}, memory cap {args.memory_cap_gib} GiB, our RAM tier "

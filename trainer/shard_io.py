@@ -64,16 +64,9 @@ class ShardIO:
     def attach(self, values: torch.Tensor) -> int:
         """Fresh model: pushes `values` (the initial compute copy). Known model: pulls the
         daemons' values into it (every shard must be at the same version). Returns the step."""
-        created = self.client.created
-        if all(created):
+        if self.fresh():
             self.run_all(lambda s: self._push_initial(values, s))
             return 0
-        if any(created):
-            fresh = [self.client.daemons[i] for i, c in enumerate(created) if c]
-            raise RuntimeError(
-                f"daemons {fresh} did not know model {self.client.model!r} while the others did: "
-                "their state was lost (restarted without persistence?). Re-register under a new name."
-            )
         versions = self.run_all(lambda s: self.pull(s, 0, values, None, None))
         if len(set(versions)) != 1:
             raise RuntimeError(f"shards are at different versions {sorted(set(versions))}; cannot resume")
@@ -90,6 +83,18 @@ class ShardIO:
             )
             momentum.copy_(host)
         return versions[0]
+
+    def fresh(self) -> bool:
+        """Whether the registration created the model on every daemon (True) or found it on
+        every daemon (False); raises when only some daemons knew it."""
+        created = self.client.created
+        if any(created) and not all(created):
+            fresh = [self.client.daemons[i] for i, c in enumerate(created) if c]
+            raise RuntimeError(
+                f"daemons {fresh} did not know model {self.client.model!r} while the others did: "
+                "their state was lost (restarted without persistence?). Re-register under a new name."
+            )
+        return all(created)
 
     def _push_initial(self, values: torch.Tensor, shard: ShardSlice) -> None:
         # The daemons' master starts as the compute copy widened to fp32 (exact).

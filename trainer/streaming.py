@@ -142,8 +142,7 @@ class StreamedOptimizer(DaemonOptimizer):
     def _attach(self, init: Callable[[nn.Module], None] | None) -> int:
         """A fresh model: each unit initialised (a meta one), pushed and freed, one at a time.
         A known model: the resident units pulled; returns their version."""
-        created = self.client.created
-        if all(created):
+        if self.io.fresh():
             for unit in self.units:
                 if unit.from_meta:
                     unit.allocate()
@@ -151,12 +150,6 @@ class StreamedOptimizer(DaemonOptimizer):
                 wait_all([self.io.pool.submit(self._push_initial, unit, s) for s in unit.shards])
                 unit.release()
             return 0
-        if any(created):
-            fresh = [self.client.daemons[i] for i, c in enumerate(created) if c]
-            raise RuntimeError(
-                f"daemons {fresh} did not know model {self.client.model!r} while the others did: "
-                "their state was lost (restarted without persistence?). Re-register under a new name."
-            )
         # A known model: its version is the first shard's; every pull checks its own against it.
         first = self.plan[0]
         scratch = torch.empty(first.numel, dtype=self.units[0].values.dtype)
