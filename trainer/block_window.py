@@ -89,24 +89,25 @@ class BlockWindow:
             )
         return got
 
-    def fetch(self, unit: StreamUnit, *, ahead: bool = False) -> None:
-        """Starts pulling a unit unless it is here or on its way."""
+    def fetch(self, unit: StreamUnit, *, ahead: bool = False) -> list[Future]:
+        """Starts pulling a unit unless it is here or on its way; returns its pulls."""
         with self._lock:
-            if unit.index in self._pulls:
-                return
+            pulls = self._pulls.get(unit.index)
+            if pulls is not None:
+                return pulls
             unit.allocate()
-            self._pulls[unit.index] = self.submit_pulls(unit, self.version)
+            pulls = self._pulls[unit.index] = self.submit_pulls(unit, self.version)
             if unit.streamed:
                 self.stats["prefetched" if ahead else "on_demand"] += 1
                 self.stats["peak_block_bytes"] = max(self.stats["peak_block_bytes"], self._held_locked())
+            return pulls
 
     def _held_locked(self) -> int:
         return sum(u.nbytes for u in self.order if u.index in self._pulls)
 
     def ready(self, unit: StreamUnit) -> None:
         """Waits until the unit's values are here (fetching it first if need be)."""
-        self.fetch(unit)
-        wait_all(self._pulls[unit.index])
+        wait_all(self.fetch(unit))
 
     def release(self, unit: StreamUnit) -> None:
         """Frees a streamed unit (a resident one keeps its memory) once its pulls are done."""
