@@ -49,6 +49,7 @@ class BlockWindow:
         self.version = 0
         self._lock = threading.Lock()
         self._pulls: dict[int, list[Future]] = {}  # unit index -> its shards' pulls
+        self._versions: dict[int, int] = {}  # unit index -> its version counter before its pulls
         self.order = [u for u in units if u.streamed]  # refined by the first forward
         self._recording: list[StreamUnit] | None = []
         # Block pulls started ahead of use and when a hook needed them; the most bytes of
@@ -75,13 +76,10 @@ class BlockWindow:
         return [self.pool.submit(self._pull, unit, s, version, after) for s in unit.shards]
 
     def _pull(self, unit: StreamUnit, shard: ShardSlice, version: int, after: object) -> int:
-        # A pull into a block that autograd saved for backward must not bump the version
-        # counter its saved views share: the values are the same ones, pulled again.
-        with torch.autograd._unsafe_preserve_version_counter(unit.values):
-            got = self.mover.pull(
-                unit.values, unit.local(shard), after,
-                lambda into: self.client.pull(shard, min_version=version, out=into, dtype=self.mover.wire_dtype),
-            )  # fmt: skip
+        got = self.mover.pull(
+            unit.values, unit.local(shard), after,
+            lambda into: self.client.pull(shard, min_version=version, out=into, dtype=self.mover.wire_dtype),
+        )  # fmt: skip
         if got != version:
             raise RuntimeError(
                 f"shard {shard.shard_id} of {self.client.model!r} is at version {got}, this trainer at {version}: "
@@ -96,6 +94,7 @@ class BlockWindow:
             if pulls is not None:
                 return pulls
             unit.allocate()
+            self._versions.setdefault(unit.index, unit.values._version)
             pulls = self._pulls[unit.index] = self.submit_pulls(unit, self.version)
             if unit.streamed:
                 self.stats["prefetched" if ahead else "on_demand"] += 1
@@ -107,7 +106,20 @@ class BlockWindow:
 
     def ready(self, unit: StreamUnit) -> None:
         """Waits until the unit's values are here (fetching it first if need be)."""
-        wait_all(self.fetch(unit))
+        pulls = self.fetch(unit)
+        wait(pulls)
+        self._restore_version(unit, forget=False)
+        wait_all(pulls)
+
+    def _restore_version(self, unit: StreamUnit, *, forget: bool) -> None:
+        """Once a unit's pulls are done: its version counter as before them. Autograd checks
+        the counter of the views it saved for backward, and a pull writes the same values
+        again. (Per unit, not per pull: pulls of one unit's shards run at once, and a
+        counter saved and set back by each would race.)"""
+        with self._lock:
+            version = self._versions.pop(unit.index, None) if forget else self._versions.get(unit.index)
+        if version is not None:
+            torch._C._autograd._unsafe_set_version_counter((unit.values,), (version,))
 
     def release(self, unit: StreamUnit) -> None:
         """Frees a streamed unit (a resident one keeps its memory) once its pulls are done."""
@@ -115,6 +127,7 @@ class BlockWindow:
             pulls = self._pulls.pop(unit.index, None)
         if pulls is not None:
             wait(pulls)  # a pull still writing must not land in freed memory
+        self._restore_version(unit, forget=True)
         unit.release()
 
     def release_all(self) -> None:
@@ -160,6 +173,7 @@ class BlockWindow:
         for unit in self.units:
             if not unit.streamed:
                 with self._lock:
+                    self._versions.setdefault(unit.index, unit.values._version)
                     self._pulls[unit.index] = self.submit_pulls(unit, self.version)
 
     def wait_resident(self) -> None:
@@ -168,6 +182,8 @@ class BlockWindow:
                 with self._lock:
                     pulls = self._pulls.pop(unit.index, None)
                 if pulls is not None:
+                    wait(pulls)
+                    self._restore_version(unit, forget=True)
                     wait_all(pulls)
 
 
