@@ -88,7 +88,7 @@ class BlockGradients:
             how = {"kind": ps_pb2.GRADIENT_PART, "part": part}
         with self.mover.host_view(buffer, unit.local(shard), after) as data:
             ack = self.client.push(shard, step=step, data=data, lr=None, encoding=self.mover.gradient_encoding, **how)
-            return self.io._counted(ack, len(data))
+            return self.io.counted(ack, len(data))
 
     def unpushed(self) -> list[StreamUnit]:
         """The units whose gradient of this pass has not been pushed (the pass ends)."""

@@ -17,7 +17,9 @@ the model, and the gradients computed here would be taken at parameters it never
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, wait
 
 import torch
@@ -120,6 +122,18 @@ class BlockWindow:
             version = self._versions.pop(unit.index, None) if forget else self._versions.get(unit.index)
         if version is not None:
             torch._C._autograd._unsafe_set_version_counter((unit.values,), (version,))
+
+    @contextlib.contextmanager
+    def held(self, unit: StreamUnit) -> Iterator[None]:
+        """The unit's values, here for the block (a streamed unit is pulled and released)."""
+        if not unit.streamed:
+            yield
+            return
+        self.ready(unit)
+        try:
+            yield
+        finally:
+            self.release(unit)
 
     def release(self, unit: StreamUnit) -> None:
         """Frees a streamed unit (a resident one keeps its memory) once its pulls are done."""

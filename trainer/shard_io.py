@@ -119,9 +119,9 @@ class ShardIO:
                 shard, step=step, kind=ps_pb2.GRADIENT_PART, data=data, lr=None,
                 encoding=self.mover.gradient_encoding, part=0,
             )  # fmt: skip
-            return self._counted(ack, len(data))
+            return self.counted(ack, len(data))
 
-    def _counted(self, ack: ps_pb2.PushResponse, nbytes: int) -> ps_pb2.PushResponse:
+    def counted(self, ack: ps_pb2.PushResponse, nbytes: int) -> ps_pb2.PushResponse:
         """Counts a push's payload in bytes_pushed when the daemon took it (not a duplicate)."""
         if ack.applied:
             with self._bytes_lock:
@@ -202,7 +202,7 @@ class ShardIO:
                     grad_multiplier=multiplier, parts=1,
                 )  # fmt: skip
             else:  # no early part, or it failed: the whole gradient (it replaces any part held)
-                ack = self._counted(*self._push_gradient(shard, step, settings, grads, after))
+                ack = self.counted(*self._push_gradient(shard, step, settings, grads, after))
         except BaseException as exc:
             failed.set()
             pushed.set_exception(exc)
@@ -254,5 +254,9 @@ class ShardIO:
 
 def first_error(futures: list[Future]) -> BaseException | None:
     """The error that failed the step (not the calls abandoned because of it)."""
-    errors = [f.exception() for f in futures if f.exception() is not None]
+    return first_failure([f.exception() for f in futures if f.exception() is not None])
+
+
+def first_failure(errors: list[BaseException]) -> BaseException | None:
+    """Of a step's errors, the one that failed it (not the calls abandoned because of it)."""
     return next((e for e in errors if not isinstance(e, StepAbandoned)), errors[0] if errors else None)

@@ -64,7 +64,7 @@ from ps_offload.trainer.client import DaemonError
 from ps_offload.trainer.config import ClientConfig, DeviceConfig, OffloadConfig, OptimizerConfig, expect_config
 from ps_offload.trainer.daemon_optimizer import DaemonOptimizer
 from ps_offload.trainer.device import ShardMover, byte_view
-from ps_offload.trainer.shard_io import ShardIO, StepAbandoned
+from ps_offload.trainer.shard_io import ShardIO, first_failure
 from ps_offload.trainer.stream_config import StepLost, StepTorn, Streaming
 from ps_offload.trainer.stream_units import StreamUnit, initialise, stream_units
 
@@ -185,13 +185,10 @@ class StreamedOptimizer(DaemonOptimizer):
     def _fill_state_dict(self, unit: StreamUnit, block: nn.Module, state: dict, prefix: str) -> None:
         """model.state_dict() (or a block's) holds the block's pulled values, not its freed
         memory: the block is pulled for the copy and released again."""
-        self.window.ready(unit)
-        try:
+        with self.window.held(unit):
             for name, p in block.named_parameters():
                 if prefix + name in state:
                     state[prefix + name] = p.detach().clone()
-        finally:
-            self.window.release(unit)
 
     # -- forward and backward --------------------------------------------------------------
 
@@ -332,7 +329,7 @@ class StreamedOptimizer(DaemonOptimizer):
         failures = self._wait_pushes()
         parts, self._parts = self._parts, 0
         if failures:
-            raise first_error_of(failures) if self.stream.micro_batches == 1 else self._lost(failures, "a part's push")
+            raise first_failure(failures) if self.stream.micro_batches == 1 else self._lost(failures, "a part's push")
         step = self.step_count
         if self.stream.micro_batches != 1:  # (with 1, each push was applied on arrival)
             # Every daemon confirms it holds the step's parts before any applies them, so a
@@ -359,7 +356,7 @@ class StreamedOptimizer(DaemonOptimizer):
         )
         raise StepTorn(
             f"step {step} of {self.client.model!r} was applied by {applied} but not by every daemon "
-            f"({first_error_of(errors)}): a daemon lost the step's parts after the check. The model's shards are "
+            f"({first_failure(errors)}): a daemon lost the step's parts after the check. The model's shards are "
             "now at different versions; restore it from a checkpoint (ps-admin export) or re-register it"
         )
 
@@ -379,7 +376,7 @@ class StreamedOptimizer(DaemonOptimizer):
         """StepLost when a daemon refused for want of the step's parts; else the error itself."""
         lost = [e for e in errors if isinstance(e, DaemonError) and e.code == grpc.StatusCode.FAILED_PRECONDITION]
         if not lost:
-            return first_error_of(errors)
+            return first_failure(errors)
         return StepLost(
             f"step {self.step_count} of {self.client.model!r}: {what} failed because a daemon no longer holds "
             f"the step's earlier parts ({lost[0]}); run the step's micro-batches again and call step() again"
@@ -392,12 +389,9 @@ class StreamedOptimizer(DaemonOptimizer):
         self.synchronize()
         out = {}
         for unit in self.units:
-            if unit.streamed:
-                self.window.ready(unit)
-            for name, p in zip(unit.names, unit.params, strict=True):
-                out[name] = p.detach().to("cpu", copy=True)
-            if unit.streamed:
-                self.window.release(unit)
+            with self.window.held(unit):
+                for name, p in zip(unit.names, unit.params, strict=True):
+                    out[name] = p.detach().to("cpu", copy=True)
         return out
 
     def close(self) -> None:
@@ -415,11 +409,6 @@ class StreamedOptimizer(DaemonOptimizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def first_error_of(errors: list[BaseException]) -> BaseException | None:
-    """The error that failed the step (not the calls abandoned because of it)."""
-    return next((e for e in errors if not isinstance(e, StepAbandoned)), errors[0] if errors else None)
 
 
 def _device_of(model: nn.Module, requested: str | torch.device | None) -> torch.device:
