@@ -6,10 +6,12 @@ has it.
 post-accumulate-grad hook hands its gradient over (`add`); a parameter the pass does not
 reach counts as zero (its slice is zeroed at the push); the `.grad` is dropped at once, so no
 full-model gradient ever exists on the trainer. A complete unit is pushed, one task per shard
-in a pool of its own: as GRADIENT_PART `part` (accumulated on the daemons, applied by APPLY), or
-with `groups` as a GRADIENT (applied on arrival). Buffers still waiting for their pushes are
-bounded by `window_bytes`: past it, the oldest pushes are waited for, so a slow wire paces
-backward instead of filling memory. Pushes run on threads of their own, beside the pulls'.
+in a pool of its own (in a pipeline stage, after `reduce` summed the buffer over the
+data-parallel replicas, only this replica's share of the shards): as GRADIENT_PART `part`
+(accumulated on the daemons, applied by APPLY), or with `groups` as a GRADIENT (applied on
+arrival). Buffers still waiting for their pushes are bounded by `window_bytes`: past it, the
+oldest pushes are waited for, so a slow wire paces backward instead of filling memory.
+Pushes run on threads of their own, beside the pulls'.
 
 For clipping, the first pass of a step also keeps each parameter's 2-norm as torch's
 clip_grad_norm_ takes it (`torch._foreach_norm` of the gradient), by parameter index.
@@ -18,6 +20,7 @@ clip_grad_norm_ takes it (`torch._foreach_norm` of the gradient), by parameter i
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -32,9 +35,20 @@ from ps_offload.trainer.stream_units import StreamUnit
 
 class BlockGradients:
     def __init__(
-        self, units: list[StreamUnit], *, client: ShardedClient, mover: ShardMover, io: ShardIO, window_bytes: int
+        self,
+        units: list[StreamUnit],
+        *,
+        client: ShardedClient,
+        mover: ShardMover,
+        io: ShardIO,
+        window_bytes: int,
+        reduce: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
+        """`reduce(buffer)`: sums a unit's gradient over data-parallel replicas in place before
+        the push (every replica calls it for the same units in the same order); each replica
+        then pushes only its shards, `io.pushes`."""
         self.units = units
+        self.reduce = reduce
         self.client = client
         self.mover = mover
         self.io = io
@@ -72,8 +86,11 @@ class BlockGradients:
             for i, p in enumerate(unit.params):
                 if i not in received:
                     buffer[unit.offsets[i] : unit.offsets[i] + p.numel()].zero_()
+        if self.reduce is not None:
+            self.reduce(buffer)
         after = self.mover.mark_compute()
-        pushes = [self.pool.submit(self._push, unit, s, step, part, groups, buffer, after) for s in unit.shards]
+        mine = [s for s in unit.shards if s.shard_id in self.io.pushes]
+        pushes = [self.pool.submit(self._push, unit, s, step, part, groups, buffer, after) for s in mine]
         self._pushed.add(unit.index)
         self._pushes.append((pushes, buffer.numel() * buffer.element_size()))
         while len(self._pushes) > 1 and sum(n for _, n in self._pushes) > self.window_bytes:

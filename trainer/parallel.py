@@ -25,10 +25,18 @@ ranks of a stage push every dp-th shard each (`push_share`), and every rank pull
 its stage's shards at version step + 1. Without daemons the stage runs torch's fused AdamW
 in-process (the baseline the daemons are measured against). Both are a StepOptimizer
 (trainer/optim.py) over the stage's FlatParams (trainer/flat.py), so the step is one path.
+
+Streamed stages (`stream=Streaming(blocks=..., window_bytes=...)`): each stage's optimizer
+is a StreamedOptimizer (trainer/streaming.py) over its share of the blocks, so a stage need
+not fit its rank. There is no flat gradient and no GradReducer: each micro-batch's backward
+all-reduces a block's gradient over the dp group as the block completes, each replica pushes
+its share of the block's shards as that micro-batch's part, the daemons sum the parts in
+fp32, and the APPLY scales the sum by 1 / (dp x micro-batches).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -45,6 +53,8 @@ from ps_offload.trainer.flat import FlatParams
 from ps_offload.trainer.offload import OffloadOptimizer
 from ps_offload.trainer.optim import LocalOptimizer, StepOptimizer
 from ps_offload.trainer.pipeline_check import check_planned_schedule
+from ps_offload.trainer.stream_config import Streaming, check_stage_streaming
+from ps_offload.trainer.streaming import StreamedOptimizer
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 BUCKET_BYTES = ParallelConfig.bucket_bytes
@@ -241,13 +251,17 @@ class PipelineTrainer:
         offload: OffloadConfig | None = None,
         client: ClientConfig | None = None,
         reduce_hook: Callable[[torch.Tensor, dist.ProcessGroup], object] | None = None,
+        stream: Streaming | None = None,
     ) -> None:
         """daemons: None or [] runs the optimizer in process (then `offload` and `client`
         are not used, and staleness=1 is refused). reduce_hook(bucket, group): replaces the
-        plain dp all-reduce (see GradReducer); not together with `config.dp_compression`."""
+        plain dp all-reduce (see GradReducer); not together with `config.dp_compression`.
+        stream: the stage streams its share of `stream.blocks` (see the module docstring)."""
         config = expect_config(config, ParallelConfig, "config")
         offload = expect_config(offload, OffloadConfig, "offload")
         client = expect_config(client, ClientConfig, "client")
+        if stream is not None:
+            check_stage_streaming(stream, config, daemons, offload, reduce_hook)
         if offload.push_share != (0, 1):
             raise ValueError("PipelineTrainer sets push_share from the grid; leave OffloadConfig.push_share out")
         if offload.push_in_backward:
@@ -279,21 +293,27 @@ class PipelineTrainer:
         sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         self.bounds = split_layers(sizes, grid.pp, by=config.split)
         start, end = self.bounds[grid.stage]
-        self.module = nn.Sequential(*layers[start:end]).to(ctx.device)  # in the layers' own dtype
+        self.module = nn.Sequential(*layers[start:end])  # in the layers' own dtype
+        if stream is None:
+            self.module.to(ctx.device)  # (a streamed stage's units are placed, or made, by its optimizer)
         half = {p.dtype for p in self.module.parameters()} & {torch.bfloat16, torch.float16}
         if half and not daemons:
             raise ValueError(
                 f"a {half.pop()} stage needs daemons: they keep the fp32 master values (in process there is none)"
             )
         self.optimizer: StepOptimizer
-        if daemons:
+        self.reducer: GradReducer | None = None  # a streamed stage reduces each block as it is pushed
+        if stream is not None:
+            self.optimizer = self._offload(daemons, optimizer, no_weight_decay, offload, client, stream)
+        elif daemons:
             self.optimizer = self._offload(daemons, optimizer, no_weight_decay, offload, client)
         else:
             self.optimizer = LocalOptimizer(self.module, optimizer=optimizer, no_weight_decay=no_weight_decay)
-        self.reducer = GradReducer(
-            self.optimizer.flat, ctx.dp_group, microbatches=config.microbatches, bucket_bytes=config.bucket_bytes,
-            first_bucket_bytes=config.first_bucket_bytes, hook=reduce_hook,
-        )  # fmt: skip
+        if stream is None:
+            self.reducer = GradReducer(
+                self.optimizer.flat, ctx.dp_group, microbatches=config.microbatches, bucket_bytes=config.bucket_bytes,
+                first_bucket_bytes=config.first_bucket_bytes, hook=reduce_hook,
+            )  # fmt: skip
         self.stage = PipelineStage(self.module, grid.stage, grid.pp, ctx.device, group=ctx.pp_group)
         # Unscaled: the reducer divides once, by dp x micro-batches, after the sum.
         self.loss_scaler = getattr(self.optimizer, "loss_scaler", None)  # fp16 stages
@@ -308,7 +328,9 @@ class PipelineTrainer:
         # the plan before the first step runs it.
         check_planned_schedule(self.schedule, stages=grid.pp, microbatches=config.microbatches, name=config.schedule)
 
-    def _offload(self, daemons, optimizer, no_weight_decay, offload: OffloadConfig, client: ClientConfig):
+    def _offload(
+        self, daemons, optimizer, no_weight_decay, offload: OffloadConfig, client: ClientConfig, stream=None
+    ) -> OffloadOptimizer | StreamedOptimizer:
         grid = self.ctx.grid
         barrier = None
         if offload.staleness and grid.dp > 1:
@@ -322,13 +344,30 @@ class PipelineTrainer:
         )
         kwargs = dict(
             daemons=daemons, optimizer=optimizer, no_weight_decay=no_weight_decay, config=stage_config,
-            client=client, before_push=barrier, any_rank=self._any_rank,
+            client=client, any_rank=self._any_rank,
         )  # fmt: skip
+        if stream is None:
+            make = functools.partial(OffloadOptimizer, self.module, before_push=barrier, **kwargs)
+        else:
+            mine = {id(m) for m in self.module.modules()}
+            blocks = [b for b in stream.blocks if id(b) in mine]
+            if not blocks:
+                raise ValueError(
+                    f"stage {grid.stage} (layers {self.bounds[grid.stage]}) holds none of Streaming.blocks: "
+                    "every stage streams at least one block; use fewer stages or split the layers otherwise"
+                )
+            group, dp, micro = self.ctx.dp_group, grid.dp, self.config.microbatches
+            make = functools.partial(
+                StreamedOptimizer, self.module,
+                replace(stream, blocks=blocks, device=stream.device or self.ctx.device), **kwargs,
+                reduce_gradient=(lambda buffer: dist.all_reduce(buffer, group=group)) if dp > 1 else None,
+                gradient_scale=1.0 / (dp * micro),
+            )  # fmt: skip
         # Replica 0 registers the stage and pushes its initial values; the others then find
         # the model known and take those values (so every replica starts equal).
-        first = OffloadOptimizer(self.module, **kwargs) if grid.replica == 0 else None
+        first = make() if grid.replica == 0 else None
         dist.barrier(group=self.ctx.dp_group)
-        return first or OffloadOptimizer(self.module, **kwargs)
+        return first or make()
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank of the job: an fp16 overflow on one rank skips the
@@ -353,14 +392,15 @@ class PipelineTrainer:
         grid = self.ctx.grid
         if self.compression:
             self.compression.enabled = self.steps >= self.config.dp_compression.warmup_steps
-        self.optimizer.zero_grad(set_to_none=False)  # the reducer works in the flat buffer
+        self.optimizer.zero_grad(set_to_none=False)  # the reducer works in the flat buffer (a streamed stage: none)
         losses: list[torch.Tensor] = []
         args = (inputs,) if grid.first_stage else ()
         if grid.last_stage:
             self.schedule.step(*args, target=targets, losses=losses)
         else:
             self.schedule.step(*args)
-        self.reducer.finish()
+        if self.reducer is not None:
+            self.reducer.finish()
         if self.max_grad_norm is not None:
             self._clip_grad_norm()
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0  # before step() moves it
@@ -386,7 +426,8 @@ class PipelineTrainer:
         self.optimizer.synchronize()
 
     def close(self) -> None:
-        self.reducer.close()
+        if self.reducer is not None:
+            self.reducer.close()
         if self.compression:
             self.compression.close()
         self.optimizer.close()

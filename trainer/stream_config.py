@@ -54,3 +54,25 @@ class StepLost(RuntimeError):
 class StepTorn(RuntimeError):
     """Some daemons applied a step and others could not (they lost its parts between the
     check and the APPLY): the model's shards are at different versions."""
+
+
+def check_stage_streaming(stream: Streaming, config, daemons, offload, reduce_hook) -> None:
+    """What a streamed PipelineTrainer stage (trainer/parallel.py: its ParallelConfig, daemons,
+    OffloadConfig and reduce_hook) does not do (yet), refused before anything is built."""
+    if not isinstance(stream, Streaming):
+        raise TypeError(f"stream must be a ps_offload.Streaming, got {type(stream).__name__}")
+    if not daemons:
+        raise ValueError("a streamed stage needs daemons: they hold its blocks between uses")
+    if stream.micro_batches == 1:
+        raise ValueError(
+            "Streaming(micro_batches=1) is for offload(): a stage's micro-batches are ParallelConfig.microbatches"
+        )
+    refused = {
+        "ParallelConfig.max_grad_norm": config.max_grad_norm is not None,
+        "ParallelConfig.dp_compression": config.dp_compression.enabled,
+        "reduce_hook": reduce_hook is not None,
+        "OffloadConfig.staleness=1": bool(offload.staleness),
+    }
+    named = [name for name, given in refused.items() if given]
+    if named:
+        raise ValueError(f"a streamed stage does not support {', '.join(named)} yet: leave it out")

@@ -40,19 +40,23 @@ leaves the step applied by some daemons only: `StepTorn` says so and names them.
 micro_batches=1 a push is applied when it arrives, so there is nothing to lose between
 micro-batches; a push that fails for good after its retries fails the step, as in offload().)
 
-Not yet: float16 (loss scaling), clip_grad_norm_, compression, staleness=1 and data-parallel
-push shares; each is refused at offload() or at the call.
+In a PipelineTrainer stage (trainer/parallel.py) the stage's dp replicas sum each block's
+gradient of a pass over their group (`reduce_gradient`) and each pushes its share of the
+shards; the check before APPLY is agreed by every rank of the job (`any_rank`), so a lost part
+fails the step everywhere, and the APPLY scales the sum by 1 / (dp x micro-batches).
+
+Not yet: float16 (loss scaling), compression, staleness=1, and clip_grad_norm_ over more than
+one backward pass; each is refused at offload() or at the call.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import wait
 
-import grpc
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from ps_offload.proto import ps_pb2
@@ -60,12 +64,12 @@ from ps_offload.proto.memory import return_freed_blocks
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.block_grads import BlockGradients
 from ps_offload.trainer.block_window import BlockWindow, wait_all
-from ps_offload.trainer.client import DaemonError
 from ps_offload.trainer.config import ClientConfig, DeviceConfig, OffloadConfig, OptimizerConfig, expect_config
 from ps_offload.trainer.daemon_optimizer import DaemonOptimizer
 from ps_offload.trainer.device import ShardMover, byte_view
 from ps_offload.trainer.shard_io import ShardIO, first_failure
-from ps_offload.trainer.stream_config import StepLost, StepTorn, Streaming
+from ps_offload.trainer.stream_apply import PartsApplier
+from ps_offload.trainer.stream_config import Streaming
 from ps_offload.trainer.stream_units import StreamUnit, initialise, stream_units
 
 log = logging.getLogger(__name__)
@@ -85,14 +89,24 @@ class StreamedOptimizer(DaemonOptimizer):
         config: OffloadConfig | None = None,
         client: ClientConfig | None = None,
         device: DeviceConfig | None = None,
+        reduce_gradient: Callable[[torch.Tensor], None] | None = None,
+        any_rank: Callable[[bool], bool] | None = None,
+        gradient_scale: float = 1.0,
     ) -> None:
+        """The last three are a PipelineTrainer stage's (trainer/parallel.py), whose dp replicas
+        share the pushes (`config.push_share`): `reduce_gradient(buffer)` sums a block's
+        gradient over the replicas in place before each pushes its share; `any_rank(flag)`
+        says whether any rank of the job has `flag` set (a step fails on every rank or on none);
+        `gradient_scale` multiplies the accumulated gradient in the APPLY (1 / (dp x micro-batches))."""
         config = expect_config(config, OffloadConfig, "config")
         device_config = expect_config(device, DeviceConfig, "device")
-        if config.staleness or config.push_share != (0, 1) or config.push_in_backward:
+        if config.staleness or config.push_in_backward:
             raise ValueError(
-                "streaming pushes each block in its backward and applies at step(): it takes staleness=0, "
-                "push_share=(0, 1) and push_in_backward=False"
+                "streaming pushes each block in its backward and applies at step(): it takes staleness=0 and "
+                "push_in_backward=False"
             )
+        if config.push_share != (0, 1) and stream.micro_batches == 1:
+            raise ValueError("Streaming(micro_batches=1) applies pushes on arrival: it takes push_share=(0, 1)")
         first = next(model.parameters(), None)
         if first is not None and first.dtype == torch.float16:
             raise ValueError("streaming float16 models (loss scaling) is not supported yet: use bfloat16 or float32")
@@ -112,18 +126,27 @@ class StreamedOptimizer(DaemonOptimizer):
         self.params = [p for _, p in named]
         like = torch.empty(0, dtype=named[0][1].dtype, device=where)
         self.mover = ShardMover(like, max(s.numel for s in self.plan), config=device_config, resizable=True)
-        self.io = ShardIO(self.client, self.mover, pushes={s.shard_id for s in self.plan}, hints=False, compressor=None)
+        share, of = config.push_share
+        self._mine = [s for i, s in enumerate(self.plan) if i % of == share]  # the shards this rank pushes
+        self.io = ShardIO(
+            self.client, self.mover, pushes={s.shard_id for s in self._mine}, hints=False, compressor=None
+        )
+        self.applier = PartsApplier(self.client, self.io.pool, self._mine, any_rank)
+        self._gradient_scale = gradient_scale
         self.window = BlockWindow(
             self.units, client=self.client, mover=self.mover, pool=self.io.pool, window_bytes=stream.window_bytes,
             prefetch=stream.prefetch,
         )  # fmt: skip
         self.grads = BlockGradients(
-            self.units, client=self.client, mover=self.mover, io=self.io, window_bytes=stream.window_bytes
-        )
+            self.units, client=self.client, mover=self.mover, io=self.io, window_bytes=stream.window_bytes,
+            reduce=reduce_gradient,
+        )  # fmt: skip
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._backward_units: set[int] = set()  # units whose backward has begun in this pass
+        self._kept: list[StreamUnit] = []  # blocks a forward ended with, kept for the backward
         self._in_backward = False
+        self._pass_gradients = 0  # parameter gradients this pass has handed over
         self._parts = 0  # backward passes since the last step: the next part's number
         self._pass_groups: list[ps_pb2.GroupHyperparams] | None = None  # micro_batches=1: this pass's settings
         self._push_failures: list[BaseException] = []
@@ -172,7 +195,9 @@ class StreamedOptimizer(DaemonOptimizer):
         for unit in self.units:
             if unit.streamed:
                 hooks.append(unit.block.register_forward_pre_hook(lambda _m, _a, u=unit: self._before_forward(u)))
-                hooks.append(unit.block.register_forward_hook(lambda _m, _a, out, u=unit: self._after_forward(u, out)))
+                hooks.append(
+                    unit.block.register_forward_hook(lambda _m, args, out, u=unit: self._after_forward(u, args, out))
+                )
                 hooks.append(
                     unit.block.register_state_dict_post_hook(
                         lambda m, sd, prefix, _meta, u=unit: self._fill_state_dict(u, m, sd, prefix)
@@ -198,6 +223,12 @@ class StreamedOptimizer(DaemonOptimizer):
                 "a second forward for backward before step() with Streaming(micro_batches=1): the first backward "
                 "applied every block already; call step(), or use micro_batches=0 to accumulate"
             )
+        if not self._in_backward:
+            # Another forward before the backward that was to use the kept blocks (a pipeline
+            # schedule's next micro-batch): they give their room in the window back.
+            for unit in self._kept:
+                self.window.release(unit)
+            self._kept.clear()
         self.window.wait_resident()
 
     def _before_forward(self, unit: StreamUnit) -> None:
@@ -208,14 +239,18 @@ class StreamedOptimizer(DaemonOptimizer):
         self.window.ready(unit)
         self.window.prefetch(unit, forward=True)
 
-    def _after_forward(self, unit: StreamUnit, output: object) -> None:
+    def _after_forward(self, unit: StreamUnit, args: tuple, output: object) -> None:
         if unit.index in self._backward_units:
             return  # the backward that re-ran it still needs it
         if torch.is_grad_enabled():
             outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for tensor in outputs:
                 tensor.register_hook(lambda grad, u=unit: self._before_backward(u))
+            inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if inputs:
+                register_multi_grad_hook(inputs, lambda _grads, u=unit: self._input_grads_done(u), mode="all")
             if self.window.needed_first_in_backward(unit):
+                self._kept.append(unit)
                 return  # backward starts with it: kept, not pulled again
         self.window.release(unit)
 
@@ -226,6 +261,16 @@ class StreamedOptimizer(DaemonOptimizer):
             self._backward_units.add(unit.index)
             self.window.ready(unit)
             self.window.prefetch(unit, forward=False)
+
+    def _input_grads_done(self, unit: StreamUnit) -> None:
+        """A block's input gradients are computed. In a pass that gives its parameters no
+        gradient (torch.autograd.grad for inputs only: the pipeline schedule's shape inference)
+        nothing of the block is needed any more, and no gradient hook would free it: free it
+        here, so such a pass stays within the window too."""
+        if unit.index in self._backward_units and not any(
+            torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in unit.params
+        ):
+            self.window.release(unit)
 
     def _begin_backward(self) -> None:
         if self._parts:
@@ -240,12 +285,14 @@ class StreamedOptimizer(DaemonOptimizer):
                 )
             self._pass_groups = self._groups.hyperparams(self.param_groups)
         self._in_backward = True
+        self._pass_gradients = 0
         self.window.fix_order()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _gradient_ready(self, p: nn.Parameter) -> None:
         if not self._in_backward:
             self._begin_backward()
+        self._pass_gradients += 1
         unit, i = self._unit_of[id(p)]
         norm_index = self._index_of[id(p)] if self._parts == 0 else None
         complete = self.grads.add(unit, i, p.grad, norm_index=norm_index)
@@ -261,14 +308,19 @@ class StreamedOptimizer(DaemonOptimizer):
 
     def _end_backward(self) -> None:
         """After the pass: a unit whose gradient is incomplete (parameters the pass did not
-        reach) or absent is pushed as it is, so every shard gets this pass's part."""
-        for unit in self.grads.unpushed():
-            self._unit_done(unit)
+        reach) or absent is pushed as it is, so every shard gets this pass's part. A pass
+        that gave no parameter a gradient (torch.autograd.grad for the inputs only, as the
+        pipeline schedule's shape inference runs on its first step) is no part at all."""
+        counted = self._pass_gradients > 0
+        if counted:
+            for unit in self.grads.unpushed():
+                self._unit_done(unit)
         self.window.release_all()
+        self._kept.clear()
         self.grads.end_pass()
         self._backward_units.clear()
         self._in_backward = False
-        self._parts += 1
+        self._parts += counted
 
     # -- the torch.optim.Optimizer face ----------------------------------------------------
 
@@ -328,59 +380,23 @@ class StreamedOptimizer(DaemonOptimizer):
             return loss
         failures = self._wait_pushes()
         parts, self._parts = self._parts, 0
-        if failures:
-            raise first_failure(failures) if self.stream.micro_batches == 1 else self._lost(failures, "a part's push")
         step = self.step_count
-        if self.stream.micro_batches != 1:  # (with 1, each push was applied on arrival)
-            # Every daemon confirms it holds the step's parts before any applies them, so a
-            # daemon that restarted since fails the step while it can still be run again.
+        if self.stream.micro_batches == 1:  # each push was applied on arrival
+            if failures:
+                raise first_failure(failures)
+        else:
             clip, self._clip_coefficient = self._clip_coefficient, None
-            self._apply_everywhere(step, groups, parts, clip, check_only=True)
-            self._apply_everywhere(step, groups, parts, clip, check_only=False)
+            multiplier = None if clip is None and self._gradient_scale == 1.0 else (clip or 1.0) * self._gradient_scale
+            self.applier.apply(step, groups, parts, multiplier, failures)  # (trainer/stream_apply.py)
         self.grads.norms.clear()
         self.step_count = self.window.version = step + 1
         self.window.pull_resident()
         self.window.prefetch_first()  # the next forward's first blocks, while the caller goes on
         return loss
 
-    def _apply_everywhere(self, step: int, groups: list, parts: int, clip: float | None, *, check_only: bool) -> None:
-        applies = [self.io.pool.submit(self._apply, s, step, groups, parts, clip, check_only) for s in self.plan]
-        wait(applies)
-        errors = [f.exception() for f in applies if f.exception() is not None]
-        if not errors:
-            return
-        if check_only:
-            raise self._lost(errors, "the check before APPLY")
-        applied = sorted(
-            {self.client.daemons[s.daemon_index] for s, f in zip(self.plan, applies, strict=True) if not f.exception()}
-        )
-        raise StepTorn(
-            f"step {step} of {self.client.model!r} was applied by {applied} but not by every daemon "
-            f"({first_failure(errors)}): a daemon lost the step's parts after the check. The model's shards are "
-            "now at different versions; restore it from a checkpoint (ps-admin export) or re-register it"
-        )
-
-    def _apply(
-        self, shard: ShardSlice, step: int, groups: list, parts: int, clip: float | None, check_only: bool
-    ) -> ps_pb2.PushResponse:
-        return self.client.push(
-            shard, step=step, kind=ps_pb2.APPLY, data=memoryview(b""), lr=None, groups=groups, parts=parts,
-            grad_multiplier=clip, check_only=check_only,
-        )  # fmt: skip
-
     def _wait_pushes(self) -> list[BaseException]:
         failures, self._push_failures = self._push_failures, []
         return failures + self.grads.drain()
-
-    def _lost(self, errors: list[BaseException], what: str) -> BaseException:
-        """StepLost when a daemon refused for want of the step's parts; else the error itself."""
-        lost = [e for e in errors if isinstance(e, DaemonError) and e.code == grpc.StatusCode.FAILED_PRECONDITION]
-        if not lost:
-            return first_failure(errors)
-        return StepLost(
-            f"step {self.step_count} of {self.client.model!r}: {what} failed because a daemon no longer holds "
-            f"the step's earlier parts ({lost[0]}); run the step's micro-batches again and call step() again"
-        )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's current values, on the CPU in the compute dtype, pulled one unit

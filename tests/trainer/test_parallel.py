@@ -73,3 +73,40 @@ def test_a_grid_that_does_not_match_torchruns_world_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match=r"pp x dp = 2 x 1 = 2, but torchrun started 4 processes"):
         init_distributed(2, 1)
+
+
+def _single_rank_context(group: dist.ProcessGroup):
+    from ps_offload.trainer.parallel import ParallelContext
+
+    return ParallelContext(RankGrid(1, 1, 0), group, group, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"daemons": None}, "a streamed stage needs daemons"),
+        ({"stream_micro_batches": 1}, r"Streaming\(micro_batches=1\) is for offload\(\)"),
+        ({"config": {"max_grad_norm": 1.0}}, "does not support ParallelConfig.max_grad_norm yet"),
+        ({"config": {"dp_compression": "onebit"}}, "does not support ParallelConfig.dp_compression yet"),
+        ({"staleness": 1}, r"does not support OffloadConfig.staleness=1 yet"),
+        ({"other_blocks": True}, "stage 0 .* holds none of Streaming.blocks"),
+    ],
+)  # fmt: skip
+def test_a_streamed_stage_refuses_what_it_does_not_do_before_contacting_a_daemon(single_process_group, change, message):
+    """Each refusal comes before any daemon is contacted (the address given accepts nothing)."""
+    from ps_offload import trainer
+
+    layers = [torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)]
+    blocks = [torch.nn.Linear(4, 4)] if change.get("other_blocks") else [layers[0], layers[2]]
+    compression = trainer.CompressionConfig(method=change.get("config", {}).get("dp_compression", "none"))
+    config = trainer.ParallelConfig(
+        microbatches=2, schedule="gpipe", max_grad_norm=change.get("config", {}).get("max_grad_norm"),
+        dp_compression=compression,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        trainer.PipelineTrainer(
+            layers, torch.nn.functional.mse_loss, ctx=_single_rank_context(single_process_group),
+            optimizer=trainer.AdamW(lr=1e-3), config=config, daemons=change.get("daemons", ["127.0.0.1:1"]),
+            offload=trainer.OffloadConfig(staleness=change.get("staleness", 0)),
+            stream=trainer.Streaming(blocks=blocks, micro_batches=change.get("stream_micro_batches", 0)),
+        )  # fmt: skip
