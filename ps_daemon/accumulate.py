@@ -14,10 +14,13 @@ sum of parts 0..held-1 of `step` (fp32, the shard's numel), or is None with held
 the shard's step in progress: an update of the shard (APPLY's, a GRADIENT push's, which
 replaces the parts, or a MOMENTUM push's) drops an accumulator of an older step once the update
 is committed, and a part 0 finding one of another step starts over. So a daemon holds at most
-one accumulator per shard. It lives in RAM, beside the shard's arena: counted in the store's
-ram_bytes_used but not bounded by the RAM tier's budget, kept while the shard is evicted to
-NVMe (a part needs neither the shard's values nor its residency), and lost on a restart (APPLY
-then answers that no parts are held, and the trainer sends them again).
+one accumulator per shard. Without an NVMe tier it lives in RAM, beside the shard's arena:
+counted in the store's ram_bytes_used but not bounded by the RAM tier's budget. With one, it
+is a file-backed mapping on the NVMe tier (ps_daemon/tiers/accumulator_files.py: the kernel
+pages it out under memory pressure), so sums as large as a model larger than RAM fit. Either
+way it is kept while the shard is evicted to NVMe (a part needs neither the shard's values nor
+its residency), and lost on a restart (APPLY then answers that no parts are held, and the
+trainer sends them again).
 
 Locks: `lock` is taken inside the shard's write hold (an update) and never while holding
 shard.cond. A part takes only `lock`; APPLY holds it from the count check to the commit, so no
@@ -42,11 +45,24 @@ if TYPE_CHECKING:
 class GradientParts:
     """One shard's accumulator for the step being pushed in parts (the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+        """`allocate(numel)`: where a sum is made (a file-backed one on the NVMe tier); None:
+        in RAM."""
         self.lock = threading.Lock()
         self.step = 0
         self.held = 0
         self.values: torch.Tensor | None = None
+        self._allocate = allocate
+
+    @property
+    def in_ram(self) -> bool:
+        return self._allocate is None
+
+    def new_sum(self, numel: int) -> torch.Tensor:
+        """Room for a step's sum (part 0 is widened into it)."""
+        if self._allocate is None:
+            return torch.empty(numel, dtype=torch.float32)
+        return self._allocate(numel)
 
     @property
     def nbytes(self) -> int:
@@ -114,7 +130,7 @@ def add_part(shard: Shard, push: PushRequest, borrow: Callable[[], torch.Tensor]
     parts = shard.parts
     # Widened outside the lock: the payload and these buffers are this push's own.
     if push.part == 0:
-        values = _widened(push, torch.empty(shard.slice.numel, dtype=torch.float32))
+        values = _widened(push, parts.new_sum(shard.slice.numel))
     else:
         values = push.values(borrow)  # RAW as sent; BF16 and FP16 widened into a buffer
     with parts.lock:

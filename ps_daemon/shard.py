@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -57,8 +57,10 @@ class Shard:
         *,
         persistent: bool,
         param_groups: tuple[int, ...] = (),
+        allocate_sum: Callable[[int], torch.Tensor] | None = None,
     ):
-        """`param_groups`: each parameter's param group, in layout order (empty: all 0)."""
+        """`param_groups`: each parameter's param group, in layout order (empty: all 0).
+        `allocate_sum`: where the sums of steps pushed in parts are made (ps_daemon.accumulate)."""
         segments = segments_of(slice_, layouts)
         self.model = model
         self.slice = slice_
@@ -97,7 +99,7 @@ class Shard:
         self.writers_waiting = 0
         self.corrupt = ""  # why the shard's bytes on disk cannot be trusted; "" when fine
         # The step being pushed in parts (its own lock; in RAM even while the arena is not).
-        self.parts = GradientParts()
+        self.parts = GradientParts(allocate_sum)
 
     def attach(self, buffer: tuple[torch.Tensor, memoryview | None]) -> None:
         """Places master and optimizer state in `buffer` (arena tensor, O_DIRECT view). The

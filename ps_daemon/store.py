@@ -47,6 +47,7 @@ from ps_offload.daemon.shard import (
     shard_resident_bytes,
 )
 from ps_offload.daemon.spec import ModelSpec, ParamSpec, spec_difference, validate_spec
+from ps_offload.daemon.tiers.accumulator_files import AccumulatorFiles
 from ps_offload.daemon.tiers.nvme import NvmeFiles
 from ps_offload.daemon.tiers.ram import RamTier, TierFull
 from ps_offload.proto.plan import ParamLayout, ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
@@ -80,6 +81,9 @@ class ShardStore:
             else None
         )
         self.prefetcher = Prefetcher(self.tier, depth=prefetch_depth)
+        # Sums of steps pushed in parts: on the NVMe tier when there is one (page cache over
+        # unlinked files), in RAM otherwise (ps_daemon.accumulate).
+        self.accumulators = AccumulatorFiles(files.dir) if files is not None else None
         self.default_shard_bytes = default_shard_bytes
         self.stats = StoreStats()
         # Called with each shard's optimizer time, outside the store's locks (metrics).
@@ -142,7 +146,15 @@ class ShardStore:
         persistent = self.files is not None
         groups = tuple(p.group for p in spec.params)
         shards = {
-            s.shard_id: Shard(spec.model, s, layouts, spec.optimizer, persistent=persistent, param_groups=groups)
+            s.shard_id: Shard(
+                spec.model,
+                s,
+                layouts,
+                spec.optimizer,
+                persistent=persistent,
+                param_groups=groups,
+                allocate_sum=self.accumulators.allocate if self.accumulators is not None else None,
+            )  # fmt: skip
             for s in plan
             if s.daemon_index == daemon_index
         }
@@ -171,9 +183,10 @@ class ShardStore:
 
     def _resident_bytes_locked(self) -> int:
         """RAM held by shards: resident arenas, plus the tier's pooled buffers, plus the sums
-        of steps pushed in parts (not bounded by the tier's budget: ps_daemon.accumulate)."""
+        of steps pushed in parts when they are in RAM (not bounded by the tier's budget; with
+        an NVMe tier they are on it: ps_daemon.accumulate)."""
         shards = [s for m in self._models.values() for s in m.shards.values()]
-        parts = sum(s.parts.nbytes for s in shards)
+        parts = sum(s.parts.nbytes for s in shards if s.parts.in_ram)
         if self.tier is not None:
             return self.tier.used + self.tier.pooled + parts
         return sum(s.resident_bytes for s in shards) + parts

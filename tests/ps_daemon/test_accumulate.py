@@ -14,7 +14,7 @@ import torch
 
 from ps_offload.daemon import wire
 from ps_offload.daemon.encodings import parse
-from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument, StorageError
+from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, StorageError
 from ps_offload.daemon.optim import AdamWConfig, GroupHyperparams, SGDConfig
 from ps_offload.daemon.push import PushRequest
 from ps_offload.daemon.spec import ModelSpec, ParamSpec
@@ -366,5 +366,57 @@ def test_a_failed_commit_keeps_the_parts_for_a_retry(tmp_path, monkeypatch):
     assert _apply(store, 1, 1).applied
     reference.push(PushRequest("m", 0, step=1, kind="gradient", data=_grad(90)))
     _assert_same(_state(store), _state(reference))
+    store.close()
+    store.files.close()
+
+
+def _accumulator_mappings(directory) -> list[int]:
+    """The sizes of this process's mappings of files under `directory` (deleted ones included)."""
+    sizes = []
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(str(directory)):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            sizes.append(hi - lo)
+    return sizes
+
+
+def test_with_an_nvme_tier_the_sum_lives_on_it_not_in_ram(tmp_path):
+    """The sum is a mapping of an unlinked file under the NVMe directory (the kernel can page
+    it out), not RAM: ram_bytes_used does not move, no file is left in the directory, and the
+    mapping is gone once the APPLY is committed; the step equals a GRADIENT push of the sum."""
+    stale = tmp_path / "accumulators" / "7.f32"
+    stale.parent.mkdir()
+    stale.write_bytes(b"\0" * 64)  # left by a killed daemon: cleared at start
+    store, reference = _store(files=_files(tmp_path)), _store()
+    directory = tmp_path / "accumulators"
+    assert list(directory.iterdir()) == []
+    used = store.stats_snapshot().ram_bytes_used
+    _part(store, 1, 0, _grad(100))
+    _part(store, 1, 1, _grad(101))
+    assert sum(_accumulator_mappings(directory)) >= NUMEL * 4
+    assert list(directory.iterdir()) == []  # unlinked once mapped
+    assert store.stats_snapshot().ram_bytes_used == used
+    assert _apply(store, 1, 2).applied
+    assert _accumulator_mappings(directory) == []
+    reference.push(PushRequest("m", 0, step=1, kind="gradient", data=_grad(100) + _grad(101)))
+    _assert_same(_state(store), _state(reference))
+    store.close()
+    store.files.close()
+
+
+def test_a_disk_without_room_for_the_sum_refuses_part_0_and_changes_nothing(tmp_path, monkeypatch):
+    store = _store(files=_files(tmp_path))
+    before = _state(store)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("ps_offload.daemon.tiers.accumulator_files.os.posix_fallocate", full)
+    with pytest.raises(ResourceExhausted, match="no room for a 12288-byte gradient accumulator in .*accumulators"):
+        _part(store, 1, 0, _grad(110))
+    monkeypatch.undo()
+    assert store.shard("m", 0).parts.held == 0 and list((tmp_path / "accumulators").iterdir()) == []
+    _assert_same(_state(store), before)
     store.close()
     store.files.close()
