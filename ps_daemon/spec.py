@@ -21,6 +21,7 @@ parameter left out of the spec), refused at registration rather than found at th
 from __future__ import annotations
 
 import math
+import urllib.parse
 from dataclasses import asdict, dataclass
 
 from ps_offload.daemon.errors import InvalidArgument
@@ -32,6 +33,8 @@ from ps_offload.proto.plan import PlanError, layout_params, shard_numel_for
 # the master rounded to it (PullRequest.dtype).
 SUPPORTED_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 MAX_LR = 1e3
+# A model's files are <quoted name>.json, .arena and .json.tmp: within NAME_MAX (255) with room.
+MAX_MODEL_NAME_QUOTED = 200
 MAX_WEIGHT_DECAY = 1e3
 
 
@@ -76,10 +79,28 @@ def check_number(value: float, name: str, *, low: float, high: float = math.inf)
     return ""
 
 
+def check_model_name(name: str) -> None:
+    """A model name names the daemon's files for it (percent-quoted, plus a suffix): it must
+    fit a file name (255 bytes) on every daemon, and print as itself in logs and ps-admin."""
+    if not name:
+        raise InvalidArgument("the model name is empty")
+    unprintable = [ch for ch in name if not ch.isprintable()]
+    if unprintable:
+        raise InvalidArgument(
+            f"the model name {name[:64]!r} contains {unprintable[0]!r}: use printable characters only"
+        )
+    quoted = len(urllib.parse.quote(name, safe=""))
+    if quoted > MAX_MODEL_NAME_QUOTED:
+        raise InvalidArgument(
+            f"the model name {name[:64]!r}... takes {quoted} bytes as a file name, at most {MAX_MODEL_NAME_QUOTED}: "
+            "use a shorter name (ASCII letters, digits, '-', '_', '.' and '~' take one byte each, anything else "
+            "three per UTF-8 byte)"
+        )
+
+
 def validate_spec(spec: ModelSpec, daemon_index: int) -> None:
     """Raises InvalidArgument naming the first field that is wrong."""
-    if not spec.model:
-        raise InvalidArgument("the model name is empty")
+    check_model_name(spec.model)
     if not spec.params:
         raise InvalidArgument(f"model {spec.model!r} has no parameters")
     if not spec.daemons:

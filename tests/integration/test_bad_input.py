@@ -179,3 +179,27 @@ def test_ram_budget_is_resource_exhausted(daemon_factory):
     code, details = _status(lambda: client.register(_spec(shape=(100_000,)), 0, timeout=10))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "store.ram_bytes" in details
     client.close()
+
+
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("x" * 201, "takes 201 bytes as a file name, at most 200"),
+        ("é" * 40, "takes 240 bytes as a file name, at most 200"),  # 2 UTF-8 bytes each, quoted as 6
+        ("a\nb", "contains '\\n': use printable characters only"),
+    ],
+)
+def test_a_model_name_that_cannot_name_its_files_is_invalid_argument_and_leaves_none(
+    daemon_factory, tmp_path, name, message
+):
+    """The model's files on an NVMe daemon are named after it: a name too long for a file name
+    (it used to get INTERNAL) or with a control character is refused before any file exists;
+    a name just within the bound registers."""
+    nvme = tmp_path / "nvme"
+    daemon = daemon_factory("--nvme-dir", str(nvme))
+    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+    code, details = _status(lambda: client.register(_spec(model=name), 0, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details, details
+    assert sorted(p.name for p in nvme.iterdir()) == ["accumulators"]
+    assert client.register(_spec(model="x" * 200), 0, timeout=10).created
+    client.close()
