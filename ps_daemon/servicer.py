@@ -16,7 +16,7 @@ import torch
 from ps_offload.daemon import wire
 from ps_offload.daemon.buffers import StagingPool
 from ps_offload.daemon.errors import InvalidArgument
-from ps_offload.daemon.rpc_errors import grpc_errors, grpc_errors_stream
+from ps_offload.daemon.rpc_errors import Undecodable, grpc_errors, grpc_errors_stream
 from ps_offload.daemon.store import ShardStore
 from ps_offload.proto import codec, ps_pb2
 
@@ -200,7 +200,9 @@ def _handlers(service: str, methods: dict[str, grpc.RpcMethodHandler]) -> grpc.G
 
 def _unary(method, request_cls, response_cls) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(
-        method, request_deserializer=request_cls.FromString, response_serializer=response_cls.SerializeToString
+        method,
+        request_deserializer=Undecodable.decoder(request_cls),
+        response_serializer=response_cls.SerializeToString,
     )
 
 
@@ -210,7 +212,9 @@ def parameter_server_handler(servicer: ParameterServerServicer) -> grpc.GenericR
         {
             "RegisterModel": _unary(servicer.RegisterModel, ps_pb2.RegisterModelRequest, ps_pb2.RegisterModelResponse),
             "Pull": grpc.unary_stream_rpc_method_handler(
-                servicer.Pull, request_deserializer=ps_pb2.PullRequest.FromString, response_serializer=_identity
+                servicer.Pull,
+                request_deserializer=Undecodable.decoder(ps_pb2.PullRequest),
+                response_serializer=_identity,
             ),
             "Push": grpc.stream_unary_rpc_method_handler(
                 servicer.Push,
@@ -235,7 +239,7 @@ def admin_handler(servicer: AdminServicer) -> grpc.GenericRpcHandler:
             "GetModel": _unary(servicer.GetModel, ps_pb2.GetModelRequest, ps_pb2.ModelInfo),
             "Verify": grpc.unary_stream_rpc_method_handler(
                 servicer.Verify,
-                request_deserializer=ps_pb2.VerifyRequest.FromString,
+                request_deserializer=Undecodable.decoder(ps_pb2.VerifyRequest),
                 response_serializer=ps_pb2.VerifyResponse.SerializeToString,
             ),
         },

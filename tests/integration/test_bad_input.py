@@ -203,3 +203,36 @@ def test_a_model_name_that_cannot_name_its_files_is_invalid_argument_and_leaves_
     assert sorted(p.name for p in nvme.iterdir()) == ["accumulators"]
     assert client.register(_spec(model="x" * 200), 0, timeout=10).created
     client.close()
+
+
+def test_undecodable_requests_are_invalid_argument_naming_the_message_and_logged_once_a_while(setup):
+    """Bytes that do not parse as the method's message, on every method that takes a message
+    (Push's chunks have their own check): INVALID_ARGUMENT naming the type (gRPC's own answer
+    was INTERNAL with an ERROR traceback in the log for each); a client sending them in a loop
+    adds a few log lines, not one per request."""
+    daemon, client = setup
+    methods = {
+        "/ps.v1.ParameterServer/RegisterModel": "ps.v1.RegisterModelRequest",
+        "/ps.v1.ParameterServer/Prefetch": "ps.v1.PrefetchRequest",
+        "/ps.v1.Admin/ListShards": "ps.v1.ListShardsRequest",
+        "/ps.v1.Admin/GetShard": "ps.v1.GetShardRequest",
+        "/ps.v1.Admin/Stats": "ps.v1.StatsRequest",
+        "/ps.v1.Admin/Evict": "ps.v1.GetShardRequest",
+        "/ps.v1.Admin/Load": "ps.v1.GetShardRequest",
+        "/ps.v1.Admin/ListModels": "ps.v1.ListModelsRequest",
+        "/ps.v1.Admin/GetModel": "ps.v1.GetModelRequest",
+    }
+    streaming = {"/ps.v1.ParameterServer/Pull": "ps.v1.PullRequest", "/ps.v1.Admin/Verify": "ps.v1.VerifyRequest"}
+    garbage = b"\xff\xff\xff\xff not a message"
+    for method, message in methods.items():
+        code, details = _status(lambda m=method: client.channel.unary_unary(m)(garbage, timeout=5))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"not a valid {message}" in details, (method, details)
+    for method, message in streaming.items():
+        code, details = _status(lambda m=method: list(client.channel.unary_stream(m)(garbage, timeout=5)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"not a valid {message}" in details, (method, details)
+    lines = len(daemon.log().splitlines())
+    for _ in range(300):
+        _status(lambda: client.channel.unary_unary("/ps.v1.Admin/Stats")(garbage, timeout=5))
+    log = daemon.log()
+    assert "Traceback" not in log
+    assert len(log.splitlines()) - lines <= 2, log.splitlines()[lines:][:5]
