@@ -40,6 +40,9 @@ def serve(
     ram_bytes: Annotated[Optional[str], typer.Option(help="RAM tier budget, e.g. 8GiB.")] = None,
     port_file: Annotated[Optional[str], typer.Option(help="Write the bound port here once listening.")] = None,
     log_level: Annotated[Optional[str], typer.Option(help="DEBUG, INFO, WARNING, ERROR.")] = None,
+    insecure: Annotated[
+        bool, typer.Option("--insecure", help="Serve plaintext on a non-loopback address anyway (no [tls]).")
+    ] = False,
 ) -> None:
     """Serve shards over gRPC until SIGTERM; SIGHUP re-reads --config."""
     try:
@@ -53,6 +56,7 @@ def serve(
             store__shard_bytes=None if shard_bytes is None else parse_size(shard_bytes, key="--shard-bytes"),
             store__ram_bytes=None if ram_bytes is None else parse_size(ram_bytes, key="--ram-bytes"),
             log__level=log_level,
+            server__insecure=True if insecure else None,
         )
         cfg = load_config(config, **overrides)
     except ConfigError as exc:

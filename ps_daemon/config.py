@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import logging
 import re
 import tomllib
@@ -46,6 +47,10 @@ class ServerConfig:
     """On SIGTERM, in-flight RPCs get this long to finish before they are cancelled."""
     max_pull_wait_seconds: float = 600.0
     """Longest a Pull waits for `min_version` when the caller set no deadline."""
+    insecure: bool = False
+    """Serve plaintext on an address other than loopback anyway (no [tls]: gradients,
+    parameters and any token travel in clear). Without it such a daemon refuses to start;
+    with it, it says so in a WARNING and in its systemd status at every start."""
 
 
 @dataclass(frozen=True)
@@ -236,11 +241,42 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f'auth.require_token must be "admin" or "all", got {config.auth.require_token!r}')
     if config.auth.token_file and not Path(config.auth.token_file).is_file():
         raise ConfigError(f"auth.token_file: {config.auth.token_file} is not a readable file")
+    exposed = exposed_in_plaintext(config)
+    if exposed and not config.server.insecure:
+        token = " and its auth token" if config.auth.token_file else ""
+        raise ConfigError(
+            f"{exposed} is not a loopback address and [tls] is not set, so its traffic{token} would travel in "
+            "clear: set tls.cert_file and tls.key_file, or start with --insecure (server.insecure = true) on a "
+            "network you trust"
+        )
     if config.metrics.listen and not re.fullmatch(r".+:\d+", config.metrics.listen):
         raise ConfigError(f"metrics.listen must be host:port (or empty: off), got {config.metrics.listen!r}")
     if logging.getLevelName(config.log.level.upper()) == f"Level {config.log.level.upper()}":
         raise ConfigError(f"log.level: unknown level {config.log.level!r}")
     return config
+
+
+def exposed_in_plaintext(config: DaemonConfig) -> str:
+    """Which of the daemon's data-carrying addresses ("server.listen ..." or "server.data_listen
+    ...") is reachable beyond this host without TLS; "" when none is."""
+    if config.tls.cert_file:
+        return ""
+    for key, address in (("server.listen", config.server.listen), ("server.data_listen", config.server.data_listen)):
+        if address in ("auto", "off"):
+            continue
+        if not _is_loopback(address.rpartition(":")[0]):
+            return f"{key} {address}"
+    return ""
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost, or "" (every interface)
 
 
 def load_config(path: str | Path | None, **overrides: Any) -> DaemonConfig:

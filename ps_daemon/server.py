@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ps_offload.daemon import security, systemd
 from ps_offload.daemon.buffers import StagingPool
-from ps_offload.daemon.config import ConfigError, DaemonConfig
+from ps_offload.daemon.config import ConfigError, DaemonConfig, exposed_in_plaintext
 from ps_offload.daemon.dataplane import DataPlaneServer
 from ps_offload.daemon.metrics import DaemonMetrics
 from ps_offload.daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
@@ -142,6 +142,9 @@ class Daemon:
         if self.config.server.port_file:
             _write_atomically(Path(self.config.server.port_file), f"{self.port}\n")
         log.info("ps-daemon listening on %s (port %d)", listen, self.port)
+        exposed = exposed_in_plaintext(self.config)
+        if exposed:  # only with server.insecure: validate() refuses it otherwise
+            log.warning("INSECURE: %s serves plaintext beyond this host (--insecure; no [tls])", exposed)
         # The same moment as the port file: every shard is back and both ports accept calls.
         self._status = self._serving_status()
         systemd.notify("READY=1", f"STATUS={self._status}")
@@ -202,6 +205,8 @@ class Daemon:
             f"Serving on {host}:{self.port}{data}: {_count(stats.models, 'model')}, {_count(stats.shards, 'shard')}, "
             f"{_size(stats.ram_bytes_used)} of {_size(self.config.store.ram_bytes)} RAM"
         )
+        if exposed_in_plaintext(self.config):
+            text = f"INSECURE (plaintext beyond this host): {text}"
         return f"{text}; {self._reload_note}" if self._reload_note else text
 
     def _set_status(self, text: str) -> None:

@@ -249,3 +249,26 @@ def test_bad_tls_settings_stop_the_daemon_with_one_line(tmp_path, pki):
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
     assert "cannot load the TLS certificate" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plaintext_beyond_loopback_starts_only_with_insecure_and_says_so(daemon_factory, tmp_path, pki):
+    """Secure by default: listening on every interface without [tls] (gradients, parameters
+    and a token in clear) is refused with one line saying what to do; --insecure starts it
+    and it warns at every start; with TLS it starts without a word."""
+    flags = ["--listen", "0.0.0.0:0", "--state-dir", str(tmp_path / "state")]
+    refused = subprocess.run(
+        [sys.executable, "-m", "ps_offload.daemon.cli", "serve", *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    assert "server.listen 0.0.0.0:0 is not a loopback address and [tls] is not set" in refused.stderr
+    assert "--insecure" in refused.stderr and "Traceback" not in refused.stderr
+    insecure = daemon_factory("--listen", "0.0.0.0:0", "--insecure")
+    assert "WARNING" in insecure.log() and "INSECURE: server.listen 0.0.0.0:0 serves plaintext" in insecure.log()
+    with grpc.insecure_channel(f"127.0.0.1:{insecure.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    config = tmp_path / "tls.toml"
+    config.write_text(f'[tls]\ncert_file = "{pki["server_cert"]}"\nkey_file = "{pki["server_key"]}"\n')
+    secure = daemon_factory("--listen", "0.0.0.0:0", config=config)
+    assert "INSECURE" not in secure.log()

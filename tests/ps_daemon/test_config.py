@@ -59,6 +59,7 @@ def test_empty_file_gives_defaults(write_toml):
 FULL_TOML = """
 [server]
 listen = "0.0.0.0:6000"
+insecure = true
 port_file = "/tmp/ps.port"
 max_workers = 7
 max_message_bytes = "16MiB"
@@ -79,6 +80,7 @@ def test_full_file_lands_in_the_right_dataclasses(write_toml):
     config = load_config(write_toml(FULL_TOML))
     assert config.server == ServerConfig(
         listen="0.0.0.0:6000",
+        insecure=True,
         port_file="/tmp/ps.port",
         max_workers=7,
         max_message_bytes=16 * MiB,
@@ -122,6 +124,7 @@ KNOWN_OPTIONS = [
     "server.max_message_bytes",
     "server.grace_seconds",
     "server.max_pull_wait_seconds",
+    "server.insecure",
     "store.state_dir",
     "store.ram_bytes",
     "store.shard_bytes",
@@ -155,13 +158,14 @@ def test_every_option_can_be_set_from_a_file(write_toml, tmp_path):
     pem = tmp_path / "x.pem"
     pem.write_text("not checked until the server starts")
     samples = {
-        "server.listen": ('"10.0.0.1:1"', "10.0.0.1:1"),
+        "server.listen": ('"127.0.0.3:1"', "127.0.0.3:1"),
         "server.data_listen": ('"off"', "off"),
         "server.port_file": ('"p"', "p"),
         "server.max_workers": ("3", 3),
         "server.max_message_bytes": ('"1MiB"', MiB),
         "server.grace_seconds": ("1.5", 1.5),
         "server.max_pull_wait_seconds": ("4.0", 4.0),
+        "server.insecure": ("true", True),
         "store.state_dir": ('"/x"', "/x"),
         "store.ram_bytes": ('"2GiB"', 2 * GiB),
         "store.shard_bytes": ("8192", 8192),
@@ -448,9 +452,28 @@ def test_unreadable_config_files_are_config_errors(tmp_path):
         load_config(binary)
 
 
-@pytest.mark.parametrize("value", ["auto", "off", "0.0.0.0:7000", "[::1]:0"])
+@pytest.mark.parametrize("value", ["auto", "off", "127.0.0.2:7000", "[::1]:0"])
 def test_data_listen_accepts_auto_off_and_addresses(write_toml, value):
     assert load_config(write_toml(f'[server]\ndata_listen = "{value}"\n')).server.data_listen == value
+
+
+@pytest.mark.parametrize(
+    "server",
+    ['listen = "0.0.0.0:6000"', 'listen = "[::]:6000"', 'listen = "node3:6000"', 'data_listen = "10.0.0.5:7000"'],
+)
+def test_plaintext_beyond_loopback_is_refused_unless_insecure_or_tls(write_toml, tmp_path, server):
+    """Secure by default: an address other than loopback without [tls] (its traffic, and a
+    token, in clear) starts only with server.insecure (--insecure); TLS or loopback need none."""
+    with pytest.raises(ConfigError, match=r"is not a loopback address and \[tls\] is not set.*--insecure"):
+        load_config(write_toml(f"[server]\n{server}\n"))
+    assert load_config(write_toml(f"[server]\n{server}\ninsecure = true\n")).server.insecure
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_text("cert")
+    key.write_text("key")
+    tls = f'[tls]\ncert_file = "{cert}"\nkey_file = "{key}"\n'
+    assert not load_config(write_toml(f"[server]\n{server}\n{tls}")).server.insecure
+    for loopback in ("127.0.0.1:6000", "[::1]:6000", "localhost:6000"):
+        load_config(write_toml(f'[server]\nlisten = "{loopback}"\n'))
 
 
 def test_data_listen_rejects_other_values(write_toml):
