@@ -209,19 +209,30 @@ class NvmeFiles:
                 f"shard and {layout.slots - len(arena_bytes)} spare); store.nvme_bytes is {self.capacity} and "
                 f"{self.bytes_allocated} are taken"
             )
-        self.files[spec.model] = ModelFile(self.dir, spec.model, layout, create=True)
-        self._write_record(spec.model, spec_to_json(spec, daemon_index, layout))
+        file = ModelFile(self.dir, spec.model, layout, create=True)
+        try:
+            self._write_record(spec.model, spec_to_json(spec, daemon_index, layout))
+        except BaseException:
+            # No record, no model: the arena must not stay behind, taking the disk's room.
+            file.close()
+            file.path.unlink(missing_ok=True)
+            raise
+        self.files[spec.model] = file
         return layout
 
     def _write_record(self, model: str, text: str) -> None:
         """Replaces the model's record atomically: a temporary file, fsynced, renamed."""
         path = self._spec_path(model)
         tmp = path.with_suffix(".json.tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # (a full disk fails the write or the fsync)
+            raise
         self._sync_dir()
 
     def recorded_models(self) -> list[tuple[object, int, FileLayout]]:

@@ -4,7 +4,9 @@ committed version even when freed slots were reused and torn by a crash."""
 
 from __future__ import annotations
 
+import errno
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -116,6 +118,33 @@ def test_capacity_refuses_a_model_that_would_exceed_it(tmp_path):
     with pytest.raises(NoCapacity, match=f"it needs {layout.size} bytes on NVMe"):
         files.create_model(_spec("b"), 0, {i: ARENA for i in range(SHARDS)})
     assert not (tmp_path / "b.arena").exists()
+    files.close()
+
+
+@pytest.mark.parametrize("fails", ["arena", "record", "fsync"])
+def test_a_registration_the_disk_has_no_room_for_leaves_no_file_behind(tmp_path, monkeypatch, fails):
+    """ENOSPC while allocating the arena, writing the record or syncing it: the error comes
+    back, and neither the arena, nor the record, nor its temporary file stays on the disk (they
+    used to, taking its room); the model is not known, and the next registration works."""
+    files = _files(tmp_path)
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def raise_full(*args, **kwargs):
+        raise full
+
+    target = {"arena": "posix_fallocate", "record": "replace", "fsync": "fsync"}[fails]
+    if target == "replace":
+        monkeypatch.setattr(Path, "replace", raise_full)
+    else:
+        monkeypatch.setattr(f"ps_offload.daemon.tiers.nvme.os.{target}", raise_full)
+    with pytest.raises(OSError) as info:
+        files.create_model(_spec("full"), 0, {i: ARENA for i in range(SHARDS)})
+    assert info.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert "full" not in files.files
+    files.create_model(_spec("next"), 0, {i: ARENA for i in range(SHARDS)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["next.arena", "next.json"]
     files.close()
 
 
