@@ -248,18 +248,22 @@ class ShardedClient:
         """Runs fn with retries on transient errors; raises DaemonError otherwise."""
         address = self.daemons[daemon_index]
         delay = self.config.backoff_seconds
-        for attempt in range(1, self.config.max_attempts + 1):
+        give_up_at: float | None = None  # retry_seconds after the first transient error
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return fn()
             except grpc.RpcError as error:
-                if error.code() not in retryable or attempt == self.config.max_attempts:
+                now = time.monotonic()
+                give_up_at = give_up_at if give_up_at is not None else now + self.config.retry_seconds
+                if error.code() not in retryable or now >= give_up_at:
                     raise DaemonError(address, what, error) from None
                 log.warning("%s on %s: %s (attempt %d), retrying", what, address, error.code().name, attempt)
                 if isinstance(error, DataPlaneError) and error.code() == grpc.StatusCode.UNAVAILABLE and self.plan:
                     self._rediscover(daemon_index)
-            time.sleep(delay)
+            time.sleep(max(0.0, min(delay, give_up_at - time.monotonic())))
             delay = min(delay * 2, 2.0)
-        raise AssertionError("unreachable")
 
     def push(
         self,

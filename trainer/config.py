@@ -294,12 +294,14 @@ class ClientConfig:
     """Deadline of one push or pull attempt, including the wait for a version."""
     register_timeout_seconds: float = 30.0
     """Deadline of RegisterModel, which also covers waiting for a daemon to come up."""
-    max_attempts: int = 8
-    """Attempts per call on transient errors (see trainer/client.py); with the backoff
-    below they span about 7 s, long enough for a daemon restarted by systemd to recover and
-    answer. Retrying is safe: pushes are idempotent on (shard, step), pulls only read."""
+    retry_seconds: float = 60.0
+    """How long a call keeps retrying after transient errors (see trainer/client.py) before
+    it fails: a time, not a count, so it covers a daemon's restart however many attempts
+    that takes (1.5 to 7 s here; a daemon recovering a large NVMe tier takes longer).
+    Retrying is safe: pushes are idempotent on (shard, step), pulls only read. 0: no retry."""
     backoff_seconds: float = 0.1
-    """First retry delay; doubles per attempt, capped at 2 s."""
+    """First retry delay; doubles per attempt, capped at 2 s (and at what is left of
+    retry_seconds)."""
     transport: str = "auto"
     """"auto": pulls and pushes go over a daemon's TCP data plane when it offers one, else
     over gRPC; "grpc": always over gRPC (the Pull and Push RPCs)."""
@@ -320,5 +322,9 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "grpc"):
             raise ValueError(f'ClientConfig.transport must be "auto" or "grpc", got {self.transport!r}')
-        if self.max_attempts < 1 or self.streams_per_daemon < 1:
-            raise ValueError("ClientConfig.max_attempts and streams_per_daemon must be at least 1")
+        if self.streams_per_daemon < 1:
+            raise ValueError("ClientConfig.streams_per_daemon must be at least 1")
+        for name in ("retry_seconds", "backoff_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"ClientConfig.{name} must be a finite number of seconds >= 0, got {value!r}")

@@ -110,7 +110,7 @@ def main() -> None:
         daemons=args.daemons.split(",") if args.daemons else None,
         offload=trainer.OffloadConfig(shard_bytes=4096, staleness=args.staleness),
         # (streamed: the retries outlast a daemon's restart, for --kill-daemon)
-        client=trainer.ClientConfig(max_attempts=40, backoff_seconds=0.25) if args.stream else None,
+        client=trainer.ClientConfig(retry_seconds=60.0, backoff_seconds=0.25) if args.stream else None,
     )  # fmt: skip
     if args.kill_daemon:
         kill_step, _, spec = args.kill_daemon.partition("@")

@@ -49,7 +49,7 @@ def test_sums_larger_than_the_daemons_memory_limit_are_paged_to_the_nvme_tier_an
     pool = ThreadPoolExecutor(4)
     try:
         (group / "cgroup.procs").write_text(str(daemon.process.pid))
-        client = ShardedClient([daemon.address], config=ClientConfig(max_attempts=2))
+        client = ShardedClient([daemon.address], config=ClientConfig(retry_seconds=1.0))
         spec = ps_pb2.ModelSpec(model="m", optimizer=AdamW(lr=1e-3).to_proto(), shard_bytes=SHARD_BYTES)
         spec.params.add(name="w", shape=[NUMEL], dtype=ps_pb2.FLOAT32, group=0)
         plan = client.register(spec)

@@ -317,7 +317,7 @@ def test_onebit_through_sigkill_ends_bit_identical_to_an_uninterrupted_run(share
             restarts.append(threading.Thread(target=restart))
             restarts[-1].start()
 
-    client = trainer.ClientConfig(max_attempts=30, backoff_seconds=0.05)  # retries span a restart at 1/4 speed
+    client = trainer.ClientConfig(retry_seconds=60.0, backoff_seconds=0.05)  # retries span a restart at 1/4 speed
     ours = _train(model, batches, daemons[0].address, "killed", "onebit", client=client, after_step=kill_after)
     for thread in restarts:
         thread.join(60)

@@ -24,7 +24,7 @@ from ps_offload.trainer.debug_models import mlp
 
 STEPS = 24
 SHARD_BYTES = 8192
-CLIENT = trainer.ClientConfig(max_attempts=12, backoff_seconds=0.05)
+CLIENT = trainer.ClientConfig(retry_seconds=30.0, backoff_seconds=0.05)
 
 
 def _case():

@@ -74,7 +74,7 @@ def _train(address: str, security: ClientSecurity, *, transport: str = "auto", s
     torch.manual_seed(0)
     model = mlp((16, 32, 4))
     config = trainer.ClientConfig(
-        security=security, transport=transport, max_attempts=2, backoff_seconds=0.05, register_timeout_seconds=2.0
+        security=security, transport=transport, retry_seconds=0.05, backoff_seconds=0.05, register_timeout_seconds=2.0
     )
     offload = trainer.OffloadConfig(shard_bytes=4096, model_name=name)
     with trainer.offload(model, daemons=[address], optimizer=trainer.AdamW(lr=0.01), config=offload,

@@ -28,7 +28,7 @@ from ps_offload.trainer.debug_models import TinyGPT
 from tests.integration.test_streaming import CONFIG, LR, _batches, _copy_init, _no_decay, _reference
 
 MICRO = 3
-CLIENT = trainer.ClientConfig(max_attempts=12, backoff_seconds=0.05)
+CLIENT = trainer.ClientConfig(retry_seconds=30.0, backoff_seconds=0.05)
 
 
 def _streamed(daemons: list[str], name: str) -> tuple[TinyGPT, trainer.StreamedOptimizer]:

@@ -170,7 +170,7 @@ def test_staleness_one_failed_step_raises_and_is_submitted_again(daemon_factory,
     nvme = str(tmp_path / "nvme")
     daemon = daemon_factory("--nvme-dir", nvme)
     port = daemon.port
-    config = trainer.ClientConfig(max_attempts=2, backoff_seconds=0.01)
+    config = trainer.ClientConfig(retry_seconds=0.01, backoff_seconds=0.01)
     raised = []
     with trainer.offload(
         model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=3e-3),

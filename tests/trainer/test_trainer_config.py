@@ -33,7 +33,7 @@ FIELDS = {
     "ClientConfig": [
         "rpc_timeout_seconds",
         "register_timeout_seconds",
-        "max_attempts",
+        "retry_seconds",
         "backoff_seconds",
         "transport",
         "streams_per_daemon",
