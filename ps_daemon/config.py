@@ -40,6 +40,10 @@ class ServerConfig:
     """If set, the bound port is written here once the server listens (tests, demos)."""
     max_workers: int = 32
     """Threads serving RPCs. Pulls waiting for a version hold one each."""
+    max_waiting_pulls: int = 0
+    """Most gRPC Pulls waiting at once for a version not pushed yet; one more is answered
+    RESOURCE_EXHAUSTED (ps_daemon/pull_wait.py). 0: half of max_workers, so the other half
+    serves pushes, admin calls and health checks whatever the pulls do."""
     max_message_bytes: int = 8 << 20
     """Largest single gRPC message accepted or sent; larger ones get RESOURCE_EXHAUSTED.
     Bulk data is streamed in chunks well below this."""
@@ -223,6 +227,11 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError("store.io_threads must be at least 1")
     if config.server.max_workers < 2:
         raise ConfigError("server.max_workers must be at least 2")
+    if not 0 <= config.server.max_waiting_pulls < config.server.max_workers:
+        raise ConfigError(
+            f"server.max_waiting_pulls must be in [0, server.max_workers) (0: half of them), got "
+            f"{config.server.max_waiting_pulls}: waiting pulls must leave threads for everything else"
+        )
     data_listen = config.server.data_listen
     if data_listen not in ("auto", "off") and not re.fullmatch(r".+:\d+", data_listen):
         raise ConfigError(f'server.data_listen must be "auto", "off" or host:port, got {data_listen!r}')

@@ -81,19 +81,19 @@ class Daemon:
             options=channel_options(config.server.max_message_bytes),
             interceptors=interceptors,
         )
+        parameter_server = ParameterServerServicer(
+            self.store,
+            max_pull_wait=config.server.max_pull_wait_seconds,
+            chunk_bytes=CHUNK_BYTES,
+            staging=staging,
+            data_port=self.data_plane.port if self.data_plane else 0,
+            nvme_tier=self.files is not None,
+            max_waiting_pulls=config.server.max_waiting_pulls or config.server.max_workers // 2,
+        )
         self.server.add_generic_rpc_handlers(
             [
-                parameter_server_handler(
-                    ParameterServerServicer(
-                        self.store,
-                        max_pull_wait=config.server.max_pull_wait_seconds,
-                        chunk_bytes=CHUNK_BYTES,
-                        staging=staging,
-                        data_port=self.data_plane.port if self.data_plane else 0,
-                        nvme_tier=self.files is not None,
-                    )
-                ),
-                admin_handler(AdminServicer(self.store)),
+                parameter_server_handler(parameter_server),
+                admin_handler(AdminServicer(self.store, parameter_server.pull_waits)),
             ]
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -16,6 +16,7 @@ import torch
 from ps_offload.daemon import wire
 from ps_offload.daemon.buffers import StagingPool
 from ps_offload.daemon.errors import InvalidArgument
+from ps_offload.daemon.pull_wait import PullWaits
 from ps_offload.daemon.rpc_errors import Undecodable, grpc_errors, grpc_errors_stream
 from ps_offload.daemon.store import ShardStore
 from ps_offload.proto import codec, ps_pb2
@@ -31,8 +32,10 @@ class ParameterServerServicer:
         staging: StagingPool,
         data_port: int = 0,
         nvme_tier: bool = False,
+        max_waiting_pulls: int = 16,
     ) -> None:
         self.store = store
+        self.pull_waits = PullWaits(max_waiting_pulls)  # (ps_daemon.pull_wait)
         self.staging = staging
         self.data_port = data_port  # advertised in RegisterModel; 0: no TCP data plane
         self.nvme_tier = nvme_tier  # advertised too: only then are prefetch hints worth sending
@@ -50,7 +53,11 @@ class ParameterServerServicer:
         timeout = self.max_pull_wait if remaining is None else min(remaining, self.max_pull_wait)
         # Held while chunks are encoded (an fp32 pull under the shard's read hold), so a pull
         # never sees half an update.
-        with wire.pull_bytes(self.store, request, timeout=timeout, staging=self.staging) as (header, raw):
+        waiting = self.pull_waits.for_call(context)
+        with wire.pull_bytes(self.store, request, timeout=timeout, staging=self.staging, waiting=waiting) as (
+            header,
+            raw,
+        ):
             for start in range(0, len(raw), self.chunk_bytes):
                 yield codec.pull_chunks.encode(header if start == 0 else None, raw[start : start + self.chunk_bytes])
 
@@ -106,8 +113,9 @@ def _chain_first(first: codec.Chunk, rest: Iterator[codec.Chunk]) -> Iterator[co
 
 
 class AdminServicer:
-    def __init__(self, store: ShardStore) -> None:
+    def __init__(self, store: ShardStore, pull_waits: PullWaits | None = None) -> None:
         self.store = store
+        self.pull_waits = pull_waits  # the ParameterServer's, for Stats
 
     @grpc_errors
     def ListShards(self, request: ps_pb2.ListShardsRequest, context: grpc.ServicerContext):
@@ -136,7 +144,12 @@ class AdminServicer:
 
     @grpc_errors
     def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext):
-        return ps_pb2.StatsResponse(**dataclasses.asdict(self.store.stats_snapshot()))
+        waits = self.pull_waits
+        return ps_pb2.StatsResponse(
+            **dataclasses.asdict(self.store.stats_snapshot()),
+            pulls_waiting=waits.waiting if waits else 0,
+            pulls_refused_waiting=waits.refused if waits else 0,
+        )
 
     @grpc_errors
     def ListModels(self, request: ps_pb2.ListModelsRequest, context: grpc.ServicerContext):

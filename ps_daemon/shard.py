@@ -13,6 +13,7 @@ import torch
 from ps_offload.daemon.accumulate import GradientParts
 from ps_offload.daemon.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from ps_offload.daemon.optim import AdamWConfig, OptimizerConfig, ShardOptimizer
+from ps_offload.daemon.pull_wait import PullWait
 from ps_offload.daemon.tiers.nvme import arena_tensor
 from ps_offload.proto.plan import FP32_BYTES, ParamLayout, ShardSlice, segments_of
 
@@ -153,6 +154,32 @@ class Shard:
     def resident_bytes(self) -> int:
         return self.arena_bytes if self.resident else 0
 
+    def await_version(self, min_version: int, timeout: float, waiting: PullWait | None = None) -> None:
+        """Returns once the shard is initialized at min_version or later, without holding it.
+        `waiting` (a gRPC pull's, ps_daemon/pull_wait.py): a wait needs its admission (else
+        RESOURCE_EXHAUSTED) and ends early when its call ends."""
+
+        def ready() -> bool:
+            return self.initialized and self.version >= min_version
+
+        with self.cond:
+            if ready():
+                return
+            with waiting.parked(self.cond) if waiting is not None else contextlib.nullcontext():
+                done = self.cond.wait_for(lambda: ready() or (waiting is not None and waiting.ended), timeout)
+            if done and ready():
+                return
+            if waiting is not None and waiting.ended:
+                raise DeadlineExceeded(f"pull of shard {self.slice.shard_id} of model {self.model!r}: the caller left")
+            raise self._not_there(min_version, timeout)
+
+    def _not_there(self, min_version: int, timeout: float) -> DeadlineExceeded:
+        state = f"at version {self.version}" if self.initialized else "without initial values"
+        return DeadlineExceeded(
+            f"shard {self.slice.shard_id} of model {self.model!r} is still {state} after "
+            f"{timeout:.1f}s; waited for version {min_version}. Is a trainer pushing it?"
+        )
+
     @contextlib.contextmanager
     def reading(self, min_version: int, timeout: float, *, require_values: bool = True) -> Iterator[int]:
         """Holds the shard for reading once it is at min_version (and initialized, unless
@@ -168,11 +195,7 @@ class Shard:
                 timeout=timeout,
             )
             if not ready:
-                state = f"at version {self.version}" if self.initialized else "without initial values"
-                raise DeadlineExceeded(
-                    f"shard {self.slice.shard_id} of model {self.model!r} is still {state} after "
-                    f"{timeout:.1f}s; waited for version {min_version}. Is a trainer pushing it?"
-                )
+                raise self._not_there(min_version, timeout)
             self.readers += 1
             version = self.version
         try:

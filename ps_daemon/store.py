@@ -37,6 +37,7 @@ from ps_offload.daemon.master_pull import pull_master
 from ps_offload.daemon.persistence import commit, create_files, load_into, roll_back
 from ps_offload.daemon.prefetch import Prefetcher
 from ps_offload.daemon.pull_rounding import check_pull_dtype, element_bytes, rounded
+from ps_offload.daemon.pull_wait import PullWait
 from ps_offload.daemon.push import PushRequest, PushResult, check_step_locked
 from ps_offload.daemon.shard import (
     ARENA_STAGGER,
@@ -232,6 +233,7 @@ class ShardStore:
         tensor: str = "master",
         dtype: str = "float32",
         scratch: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
+        waiting: PullWait | None = None,
     ) -> Iterator[tuple[torch.Tensor, int]]:
         """Holds the shard for reading at min_version or later: yields (its `tensor`, version),
         the tensor one of SHARD_TENSORS. The caller streams the tensor inside the block.
@@ -239,10 +241,12 @@ class ShardStore:
         values rounded under the hold into a buffer from `scratch(n)` (as push's), and the
         hold ends there. With an NVMe tier, the master values of a shard that is not resident
         are read from disk into a buffer from `scratch`, without loading the shard
-        (ps_daemon.master_pull), and the hold ends there too."""
+        (ps_daemon.master_pull), and the hold ends there too. `waiting`: a gRPC pull's bound
+        on waiting for the version (ps_daemon.pull_wait)."""
         shard = self.shard(model, shard_id)
         shard.check_tensor(tensor)
         check_pull_dtype(dtype, tensor, f"pull of shard {shard_id} of model {model!r}")
+        shard.await_version(min_version, timeout, waiting)  # the wait, without holding anything
         with contextlib.ExitStack() as sending:
             yield self._pulled(sending, shard, tensor, dtype, min_version, timeout, scratch)
         with self._lock:

@@ -14,6 +14,7 @@ from ps_offload.daemon.errors import InvalidArgument
 from ps_offload.daemon.inspect import Verdict
 from ps_offload.daemon.optim import AdamWConfig, GroupHyperparams, SGDConfig
 from ps_offload.daemon.pull_rounding import PULL_DTYPES, tensor_bytes
+from ps_offload.daemon.pull_wait import PullWait
 from ps_offload.daemon.push import PushRequest
 from ps_offload.daemon.shard import SHARD_TENSORS
 from ps_offload.daemon.spec import ModelSpec, ParamSpec
@@ -139,7 +140,12 @@ def apply_push(
 
 @contextlib.contextmanager
 def pull_bytes(
-    store: ShardStore, request: ps_pb2.PullRequest, *, timeout: float, staging: StagingPool
+    store: ShardStore,
+    request: ps_pb2.PullRequest,
+    *,
+    timeout: float,
+    staging: StagingPool,
+    waiting: PullWait | None = None,
 ) -> Iterator[tuple[ps_pb2.ShardHeader, memoryview]]:
     """Holds a pull for the block: yields its ShardHeader and the bytes to send after it.
     fp32: the shard's own bytes, under its read hold for the whole send; bf16 or fp16: a copy
@@ -152,6 +158,7 @@ def pull_bytes(
         tensor=pull_tensor(request),
         dtype=pull_dtype(request),
         scratch=staging.borrow,
+        waiting=waiting,
     )
     with held as (values, version):
         yield shard_header(request.model, request.shard_id, version, values), tensor_bytes(values)

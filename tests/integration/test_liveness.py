@@ -1,0 +1,105 @@
+"""Nothing a client does with pulls stops a daemon from answering (ps_daemon/pull_wait.py):
+pulls waiting for a version no one pushes are bounded, those past the bound are refused at
+once with RESOURCE_EXHAUSTED naming the limit, health checks and other calls are still
+served meanwhile, and a waiting pull whose caller cancels gives its thread back at once
+(it used to wait out its timeout, holding the thread)."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ps_offload.proto import ps_pb2, ps_pb2_grpc
+from ps_offload.trainer.client import DaemonClient
+from tests.integration.test_bad_input import _bytes, _spec
+
+WORKERS = 8  # max_waiting_pulls 0: half of them, 4
+
+
+class Puller:
+    """A pull of shard 0 at `min_version`, on a thread of its own: its outcome once it ends."""
+
+    def __init__(self, stub: ps_pb2_grpc.ParameterServerStub, min_version: int, done: threading.Semaphore) -> None:
+        self.call = stub.Pull(ps_pb2.PullRequest(model="m", shard_id=0, min_version=min_version), timeout=120)
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self._done = done
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            list(self.call)
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as error:
+            self.code, self.details = error.code(), error.details()
+        self._done.release()
+
+
+def _stats(client: DaemonClient) -> ps_pb2.StatsResponse:
+    return ps_pb2_grpc.AdminStub(client.channel).Stats(ps_pb2.StatsRequest(), timeout=10)
+
+
+def _until(predicate, what: str, client: DaemonClient) -> None:
+    """Asks the daemon's Stats until `predicate(stats)` holds (each answer is an event: the
+    daemon's own count), for at most 60 s."""
+    deadline = threading.Event()
+    timer = threading.Timer(60, deadline.set)
+    timer.start()
+    try:
+        while not predicate(_stats(client)):
+            assert not deadline.wait(0.05), f"the daemon never reached: {what} ({_stats(client)})"
+    finally:
+        timer.cancel()
+
+
+@pytest.mark.slow
+def test_waiting_pulls_are_bounded_refused_past_the_bound_and_freed_by_their_callers_leaving(daemon_factory, tmp_path):
+    config = tmp_path / "workers.toml"
+    config.write_text(f"[server]\nmax_workers = {WORKERS}\n")
+    daemon = daemon_factory(config=config)
+    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+    client.register(_spec(), 0, timeout=10)
+    for shard_id, n in enumerate((1024, 1024, 952)):
+        client.push("m", shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(n)), lr=None, timeout=10)
+    stub = ps_pb2_grpc.ParameterServerStub(client.channel)
+    ended = threading.Semaphore(0)
+    pullers = [Puller(stub, min_version=5, done=ended) for _ in range(3 * WORKERS)]  # version 5 never comes
+    limit = WORKERS // 2
+    for _ in range(len(pullers) - limit):  # the refused ones end at once
+        assert ended.acquire(timeout=60)
+    refused = [p for p in pullers if p.code is not None]
+    assert len(refused) == len(pullers) - limit
+    for p in refused:
+        assert p.code == grpc.StatusCode.RESOURCE_EXHAUSTED, p.details
+        assert "server.max_waiting_pulls = 4" in p.details and "raise server.max_waiting_pulls" in p.details
+    stats = _stats(client)
+    assert stats.pulls_waiting == limit and stats.pulls_refused_waiting == len(refused)
+    # The other threads still serve: health, admin calls, a pull of a version that exists, a push.
+    health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    out = torch.empty(1024)
+    assert client.pull_into("m", 1, min_version=0, out=_bytes(out), timeout=10) == 0
+    ack = client.push("m", 1, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=None, timeout=10)
+    assert ack.applied
+    # The waiting callers leave: each wait ends at once and its slot is free again.
+    waiting = [p for p in pullers if p.code is None]
+    for p in waiting:
+        p.call.cancel()
+    _until(lambda s: s.pulls_waiting == 0, "no pull waiting after the callers cancelled", client)
+    for p in waiting:
+        p.thread.join(timeout=60)
+        assert p.code == grpc.StatusCode.CANCELLED
+    # Room for as many waiting pulls as before, and a push that makes their version wakes them.
+    again = [Puller(stub, min_version=1, done=ended) for _ in range(limit)]
+    _until(lambda s: s.pulls_waiting == limit, "the new pulls waiting", client)
+    ack = client.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=None, timeout=10)
+    assert ack.applied and ack.version == 1
+    for p in again:
+        p.thread.join(timeout=60)
+        assert p.code == grpc.StatusCode.OK, p.details
+    client.close()
