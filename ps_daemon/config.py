@@ -90,6 +90,11 @@ class StoreConfig:
     prefetch_depth: int = 2
     """With an NVMe tier: as each push arrives, read ahead this many shards that came next
     in the previous step's order (0: only the trainers' Prefetch hints)."""
+    max_models: int = 256
+    """Models registered at once; one more is refused with RESOURCE_EXHAUSTED."""
+    max_shards_per_model: int = 1 << 18
+    """Shards one model's plan may have (all daemons' together), counted from its spec
+    before the plan is built; more is refused with RESOURCE_EXHAUSTED (larger shards fit)."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +230,8 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError("store.nvme_spare_slots must be at least 1 (a new version needs a free slot)")
     if config.store.io_threads < 1:
         raise ConfigError("store.io_threads must be at least 1")
+    if config.store.max_models < 1 or config.store.max_shards_per_model < 1:
+        raise ConfigError("store.max_models and store.max_shards_per_model must be at least 1")
     if config.server.max_workers < 2:
         raise ConfigError("server.max_workers must be at least 2")
     if not 0 <= config.server.max_waiting_pulls < config.server.max_workers:

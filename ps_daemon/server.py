@@ -23,6 +23,7 @@ from ps_offload.daemon import security, systemd
 from ps_offload.daemon.buffers import StagingPool
 from ps_offload.daemon.config import ConfigError, DaemonConfig, exposed_in_plaintext
 from ps_offload.daemon.dataplane import DataPlaneServer
+from ps_offload.daemon.limits import StoreLimits
 from ps_offload.daemon.metrics import DaemonMetrics
 from ps_offload.daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
 from ps_offload.daemon.store import ShardStore
@@ -55,6 +56,9 @@ class Daemon:
             default_shard_bytes=config.store.shard_bytes,
             files=self.files,
             prefetch_depth=config.store.prefetch_depth,
+            limits=StoreLimits(
+                max_models=config.store.max_models, max_shards_per_model=config.store.max_shards_per_model
+            ),
         )
         # Idle staging kept for about as many concurrent pushes as usually arrive; more are
         # allocated on demand and dropped.

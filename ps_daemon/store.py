@@ -33,6 +33,7 @@ from ps_offload.daemon.accumulate import add_part
 from ps_offload.daemon.encodings import OneBitGradient
 from ps_offload.daemon.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
 from ps_offload.daemon.inspect import VERIFY_ATTEMPTS, StatsSnapshot, StoreStats, ValueStats, Verdict
+from ps_offload.daemon.limits import StoreLimits, arena_bytes, check_model_count, check_plan_size
 from ps_offload.daemon.master_pull import pull_master
 from ps_offload.daemon.persistence import commit, create_files, load_into, roll_back
 from ps_offload.daemon.prefetch import Prefetcher
@@ -72,9 +73,16 @@ class RegisteredModel:
 
 class ShardStore:
     def __init__(
-        self, *, ram_bytes: int, default_shard_bytes: int, files: NvmeFiles | None = None, prefetch_depth: int = 2
+        self,
+        *,
+        ram_bytes: int,
+        default_shard_bytes: int,
+        files: NvmeFiles | None = None,
+        prefetch_depth: int = 2,
+        limits: StoreLimits | None = None,
     ) -> None:
         self.ram_bytes = ram_bytes
+        self.limits = limits or StoreLimits()  # checked before a registration does any work (ps_daemon.limits)
         self.files = files  # None: RAM only, nothing survives a restart
         self.tier = (
             RamTier(budget=ram_bytes, allocate=allocate_arena, load=functools.partial(load_into, files))
@@ -99,6 +107,7 @@ class ShardStore:
         if not spec.shard_bytes:  # asks for this daemon's default
             spec = dataclasses.replace(spec, shard_bytes=self.default_shard_bytes)
         validate_spec(spec, daemon_index)
+        check_plan_size(self.limits, spec)  # before a plan is built, under the lock below
         with self._lock:
             existing = self._models.get(spec.model)
             if existing is not None:
@@ -110,17 +119,18 @@ class ShardStore:
                     )
                 existing.spec = spec  # same identity; the addresses may be new
                 return existing, False
-            registered = self._build(spec, daemon_index)
-            self._check_ram(spec.model, registered)
+            check_model_count(self.limits, len(self._models), spec.model)
+            plan = self._plan(spec)
+            self._check_ram(spec.model, arena_bytes(plan, daemon_index, spec))  # before any arena exists
+            registered = self._build(spec, daemon_index, plan)
             if self.files is not None:
                 create_files(self.files, spec, daemon_index, registered.shards)
             self._models[spec.model] = registered
             return registered, True
 
-    def _check_ram(self, name: str, model: RegisteredModel) -> None:
-        """RAM only: every shard must fit. With an NVMe tier: the largest shard must (the
-        rest waits on disk)."""
-        arenas = [s.arena_bytes for s in model.shards.values()]
+    def _check_ram(self, name: str, arenas: list[int]) -> None:
+        """`arenas`: the bytes of each shard this daemon would hold. RAM only: every shard
+        must fit. With an NVMe tier: the largest shard must (the rest waits on disk)."""
         if not arenas:
             return
         if self.tier is not None:
@@ -130,7 +140,7 @@ class ShardStore:
                     f"more than the RAM tier's {self.ram_bytes}. Raise store.ram_bytes or use smaller shards"
                 )
             return
-        need = sum(s.resident_bytes for s in model.shards.values())
+        need = sum(arenas)
         used = self._resident_bytes_locked()  # the new model is not in _models yet
         if used + need > self.ram_bytes:
             raise ResourceExhausted(
@@ -139,11 +149,16 @@ class ShardStore:
                 "Raise store.ram_bytes, set store.nvme_dir, or add daemons"
             )
 
-    def _build(self, spec: ModelSpec, daemon_index: int) -> RegisteredModel:
+    @staticmethod
+    def _plan(spec: ModelSpec) -> list[ShardSlice]:
         layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
         total = sum(p.numel for p in layouts)
         starts = shard_starts(layouts, [p.starts_shard for p in spec.params])
-        plan = plan_shards(total, shard_numel_for(spec.shard_bytes), len(spec.daemons), starts)
+        return plan_shards(total, shard_numel_for(spec.shard_bytes), len(spec.daemons), starts)
+
+    def _build(self, spec: ModelSpec, daemon_index: int, plan: list[ShardSlice] | None = None) -> RegisteredModel:
+        layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
+        plan = plan if plan is not None else self._plan(spec)
         persistent = self.files is not None
         groups = tuple(p.group for p in spec.params)
         shards = {

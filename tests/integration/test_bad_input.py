@@ -236,3 +236,37 @@ def test_undecodable_requests_are_invalid_argument_naming_the_message_and_logged
     log = daemon.log()
     assert "Traceback" not in log
     assert len(log.splitlines()) - lines <= 2, log.splitlines()[lines:][:5]
+
+
+def _peak_rss(daemon) -> int:
+    for line in open(f"/proc/{daemon.process.pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_registrations_past_a_limit_are_refused_before_any_work_naming_the_limit(daemon_factory, tmp_path):
+    """A plan of 2**28 shards (it used to be built under the store's lock, memory climbing
+    while every other call waited), a model past the RAM budget (its arenas used to be
+    allocated first), and one model more than store.max_models: each RESOURCE_EXHAUSTED at
+    once, naming the limit and how to raise it, the daemon's memory untouched, the models
+    registered before still served."""
+    config = tmp_path / "limits.toml"
+    config.write_text('[store]\nmax_models = 2\nram_bytes = "64MiB"\n')
+    daemon = daemon_factory(config=config)
+    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+    client.register(_spec(), 0, timeout=10)
+    before = _peak_rss(daemon)
+    code, details = _status(lambda: client.register(_spec(model="huge", shape=(2**40,)), 0, timeout=10))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert "store.max_shards_per_model = 262144" in details and "larger shards" in details
+    big = _spec(model="big", shape=(256 << 20,))  # 1 GiB of master alone, against 64 MiB
+    big.shard_bytes = 16 << 20
+    code, details = _status(lambda: client.register(big, 0, timeout=10))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Raise store.ram_bytes" in details, details
+    assert _peak_rss(daemon) - before < 256 << 20  # nothing of the 1 GiB (or of the plan) was made
+    assert client.register(_spec(model="second"), 0, timeout=10).created
+    code, details = _status(lambda: client.register(_spec(model="third"), 0, timeout=10))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "store.max_models = 2" in details, details
+    assert client.register(_spec(), 0, timeout=10).created is False  # a known model is no new one
+    client.close()
