@@ -114,6 +114,7 @@ def model_to_dict(info: ps_pb2.ModelInfo, daemon: str) -> dict[str, Any]:
     return {
         "daemon": daemon,
         "model": spec.model,
+        "damaged": info.damaged or None,  # why it could not be recovered; then nothing else is known
         "daemon_index": info.daemon_index,
         "daemons": list(spec.daemons),
         "shard_bytes": spec.shard_bytes,
@@ -239,6 +240,9 @@ def progress_bar(*, total_bytes: bool = False) -> Iterator[Progress]:
 def models_table(rows: list[dict[str, Any]]) -> Table:
     table = Table("daemon", "model", "index", "params", "numel", "shards here", "shard bytes", "optimizer")
     for r in rows:
+        if r["damaged"]:
+            table.add_row(r["daemon"], r["model"], "DAMAGED", "-", "-", "-", "-", r["damaged"], style="red")
+            continue
         o = r["optimizer"] or {}
         optimizer = f"{o.get('type')} lr={o.get('lr', 0):g}" if o else "-"
         table.add_row(

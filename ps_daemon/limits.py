@@ -54,3 +54,25 @@ def arena_bytes(plan: list[ShardSlice], daemon_index: int, spec: ModelSpec) -> l
     """The arena bytes (master and optimizer state) of each of this daemon's shards."""
     state = spec.optimizer.state_per_param
     return [arena_numel(s.numel, state) * FP32_BYTES for s in plan if s.daemon_index == daemon_index]
+
+
+def check_ram(name: str, arenas: list[int], *, ram_bytes: int, used: int | None) -> None:
+    """`arenas`: the bytes of each shard this daemon would hold. With an NVMe tier (`used`
+    None) the largest shard must fit the RAM tier (the rest waits on disk); RAM only, all of
+    them must fit beside the `used` bytes."""
+    if not arenas:
+        return
+    if used is None:
+        if max(arenas) > ram_bytes:
+            raise ResourceExhausted(
+                f"model {name!r} has shards of {max(arenas)} bytes in RAM (master and optimizer state), "
+                f"more than the RAM tier's {ram_bytes}. Raise store.ram_bytes or use smaller shards"
+            )
+        return
+    need = sum(arenas)
+    if used + need > ram_bytes:
+        raise ResourceExhausted(
+            f"model {name!r} needs {need} bytes on this daemon (master and optimizer "
+            f"state); the RAM tier has {ram_bytes - used} of {ram_bytes} free. "
+            "Raise store.ram_bytes, set store.nvme_dir, or add daemons"
+        )

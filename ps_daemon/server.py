@@ -157,7 +157,7 @@ class Daemon:
     def _recover(self) -> None:
         # Before the port opens: nobody may see a shard until its committed version is back.
         where = self.files.dir
-        models = _count(len(self.files.recorded_models()), "model")
+        models = _count(len(list(self.files.dir.glob("*.json"))), "model")
         self._set_status(f"Starting: recovering {models} from {where} (reading slot headers)")
         started = time.monotonic()
         shards = self.store.recover()
@@ -209,6 +209,8 @@ class Daemon:
             f"Serving on {host}:{self.port}{data}: {_count(stats.models, 'model')}, {_count(stats.shards, 'shard')}, "
             f"{_size(stats.ram_bytes_used)} of {_size(self.config.store.ram_bytes)} RAM"
         )
+        if self.store.damaged:
+            text += f"; {_count(len(self.store.damaged), 'model')} DAMAGED (ps-admin models)"
         if exposed_in_plaintext(self.config):
             text = f"INSECURE (plaintext beyond this host): {text}"
         return f"{text}; {self._reload_note}" if self._reload_note else text

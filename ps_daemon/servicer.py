@@ -154,7 +154,12 @@ class AdminServicer:
     @grpc_errors
     def ListModels(self, request: ps_pb2.ListModelsRequest, context: grpc.ServicerContext):
         models = sorted(self.store.models(), key=lambda m: m.spec.model)
-        return ps_pb2.ListModelsResponse(models=[wire.model_info(m) for m in models])
+        infos = [wire.model_info(m) for m in models]
+        infos += [
+            ps_pb2.ModelInfo(spec=ps_pb2.ModelSpec(model=name), damaged=why)
+            for name, why in sorted(self.store.damaged.items())
+        ]
+        return ps_pb2.ListModelsResponse(models=infos)
 
     @grpc_errors
     def GetModel(self, request: ps_pb2.GetModelRequest, context: grpc.ServicerContext):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,9 +32,9 @@ import torch
 from ps_offload.daemon import inspect
 from ps_offload.daemon.accumulate import add_part
 from ps_offload.daemon.encodings import OneBitGradient
-from ps_offload.daemon.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
+from ps_offload.daemon.errors import DataLoss, FailedPrecondition, NotFound, PsError, ResourceExhausted
 from ps_offload.daemon.inspect import VERIFY_ATTEMPTS, StatsSnapshot, StoreStats, ValueStats, Verdict
-from ps_offload.daemon.limits import StoreLimits, arena_bytes, check_model_count, check_plan_size
+from ps_offload.daemon.limits import StoreLimits, arena_bytes, check_model_count, check_plan_size, check_ram
 from ps_offload.daemon.master_pull import pull_master
 from ps_offload.daemon.persistence import commit, create_files, load_into, roll_back
 from ps_offload.daemon.prefetch import Prefetcher
@@ -53,6 +54,8 @@ from ps_offload.daemon.tiers.accumulator_files import AccumulatorFiles
 from ps_offload.daemon.tiers.nvme import NvmeFiles
 from ps_offload.daemon.tiers.ram import RamTier, TierFull
 from ps_offload.proto.plan import ParamLayout, ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
+
+log = logging.getLogger(__name__)
 
 # Names that moved to the modules above and are still imported from here (bench/, tools).
 __all__ = [
@@ -98,7 +101,10 @@ class ShardStore:
         # Called with each shard's optimizer time, outside the store's locks (metrics).
         self.on_optimizer_step: Callable[[float], None] | None = None
         self._models: dict[str, RegisteredModel] = {}
-        self._lock = threading.Lock()  # guards _models and stats counters
+        # Models recorded under nvme_dir that could not be recovered: name -> why (refused,
+        # DATA_LOSS, while the daemon serves the others).
+        self.damaged: dict[str, str] = {}
+        self._lock = threading.Lock()  # guards _models, damaged and stats counters
 
     # -- registration and recovery --------------------------------------------------------
 
@@ -109,6 +115,8 @@ class ShardStore:
         validate_spec(spec, daemon_index)
         check_plan_size(self.limits, spec)  # before a plan is built, under the lock below
         with self._lock:
+            if spec.model in self.damaged:  # its files are still there: a new model must not replace them
+                raise self._damaged_error(spec.model)
             existing = self._models.get(spec.model)
             if existing is not None:
                 if existing.spec.identity() != spec.identity() or existing.daemon_index != daemon_index:
@@ -121,33 +129,14 @@ class ShardStore:
                 return existing, False
             check_model_count(self.limits, len(self._models), spec.model)
             plan = self._plan(spec)
-            self._check_ram(spec.model, arena_bytes(plan, daemon_index, spec))  # before any arena exists
+            # Before any arena exists (the new model is not in _models yet):
+            used = None if self.tier is not None else self._resident_bytes_locked()
+            check_ram(spec.model, arena_bytes(plan, daemon_index, spec), ram_bytes=self.ram_bytes, used=used)
             registered = self._build(spec, daemon_index, plan)
             if self.files is not None:
                 create_files(self.files, spec, daemon_index, registered.shards)
             self._models[spec.model] = registered
             return registered, True
-
-    def _check_ram(self, name: str, arenas: list[int]) -> None:
-        """`arenas`: the bytes of each shard this daemon would hold. RAM only: every shard
-        must fit. With an NVMe tier: the largest shard must (the rest waits on disk)."""
-        if not arenas:
-            return
-        if self.tier is not None:
-            if max(arenas) > self.ram_bytes:
-                raise ResourceExhausted(
-                    f"model {name!r} has shards of {max(arenas)} bytes in RAM (master and optimizer state), "
-                    f"more than the RAM tier's {self.ram_bytes}. Raise store.ram_bytes or use smaller shards"
-                )
-            return
-        need = sum(arenas)
-        used = self._resident_bytes_locked()  # the new model is not in _models yet
-        if used + need > self.ram_bytes:
-            raise ResourceExhausted(
-                f"model {name!r} needs {need} bytes on this daemon (master and optimizer "
-                f"state); the RAM tier has {self.ram_bytes - used} of {self.ram_bytes} free. "
-                "Raise store.ram_bytes, set store.nvme_dir, or add daemons"
-            )
 
     @staticmethod
     def _plan(spec: ModelSpec) -> list[ShardSlice]:
@@ -183,11 +172,19 @@ class ShardStore:
         if self.files is None:
             return 0
         recovered = 0
-        for spec, daemon_index, layout in self.files.recorded_models():
-            model = self._build(spec, daemon_index)
-            # Headers only: a model may be larger than RAM. The bytes are read, and their
-            # checksum verified, when the shard is first used.
-            headers = self.files.open_model(spec, layout, set(model.shards))
+        damaged: dict[str, str] = {}
+        for spec, daemon_index, layout in self.files.recorded_models(damaged):
+            try:
+                model = self._build(spec, daemon_index)
+                # Headers only: a model may be larger than RAM. The bytes are read, and their
+                # checksum verified, when the shard is first used.
+                headers = self.files.open_model(spec, layout, set(model.shards))
+            except (OSError, ValueError, PsError) as exc:  # its arena is missing, short or unreadable
+                self.files.forget(spec.model)
+                damaged[spec.model] = (
+                    f"its arena file {self.files.arena_path(spec.model)} cannot be opened or read ({exc})"
+                )
+                continue
             for shard_id, shard in model.shards.items():
                 header = headers.get(shard_id)
                 if header is not None:
@@ -195,6 +192,10 @@ class ShardStore:
                 recovered += 1
             with self._lock:
                 self._models[spec.model] = model
+        for name, why in damaged.items():
+            log.error("model %r could not be recovered and is refused until its files are fixed: %s", name, why)
+        with self._lock:
+            self.damaged = damaged
         return recovered
 
     def _resident_bytes_locked(self) -> int:
@@ -211,10 +212,18 @@ class ShardStore:
 
     def model(self, name: str) -> RegisteredModel:
         model = self._models.get(name)
+        if model is None and name in self.damaged:
+            raise self._damaged_error(name)
         if model is None:
             known = ", ".join(sorted(self._models)) or "none"
             raise NotFound(f"model {name!r} is not registered on this daemon (registered: {known})")
         return model
+
+    def _damaged_error(self, name: str) -> DataLoss:
+        return DataLoss(
+            f"model {name!r} could not be recovered at start: {self.damaged[name]}. The daemon serves its other "
+            "models; restore this one's files (or move them out of nvme_dir) and restart the daemon"
+        )
 
     def shard(self, model_name: str, shard_id: int) -> Shard:
         model = self.model(model_name)

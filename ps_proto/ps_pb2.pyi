@@ -443,18 +443,20 @@ class ParamPlacement(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("spec", "daemon_index", "shards", "params", "total_numel")
+    __slots__ = ("spec", "daemon_index", "shards", "params", "total_numel", "damaged")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_FIELD_NUMBER: _ClassVar[int]
     spec: ModelSpec
     daemon_index: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardPlacement]
     params: _containers.RepeatedCompositeFieldContainer[ParamPlacement]
     total_numel: int
-    def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., daemon_index: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., params: _Optional[_Iterable[_Union[ParamPlacement, _Mapping]]] = ..., total_numel: _Optional[int] = ...) -> None: ...
+    damaged: str
+    def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., daemon_index: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., params: _Optional[_Iterable[_Union[ParamPlacement, _Mapping]]] = ..., total_numel: _Optional[int] = ..., damaged: _Optional[str] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("model",)

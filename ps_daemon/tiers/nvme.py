@@ -114,7 +114,7 @@ class ModelFile:
     slots are free. `active` and `free` change under `cond`."""
 
     def __init__(self, directory: Path, model: str, layout: FileLayout, *, create: bool) -> None:
-        self.path = directory / f"{urllib.parse.quote(model, safe='')}.arena"
+        self.path = directory / f"{urllib.parse.quote(model, safe='')}.arena"  # (NvmeFiles.arena_path)
         self.layout = layout
         self.active: dict[int, tuple[int, SlotHeader]] = {}  # shard -> (slot, header)
         self.free: deque[int] = deque(range(layout.slots))
@@ -193,6 +193,9 @@ class NvmeFiles:
 
     # -- models ------------------------------------------------------------------------
 
+    def arena_path(self, model: str) -> Path:
+        return self.dir / f"{urllib.parse.quote(model, safe='')}.arena"
+
     def _spec_path(self, model: str) -> Path:
         return self.dir / f"{urllib.parse.quote(model, safe='')}.json"
 
@@ -235,19 +238,29 @@ class NvmeFiles:
             raise
         self._sync_dir()
 
-    def recorded_models(self) -> list[tuple[object, int, FileLayout]]:
-        """(spec, daemon_index, layout) of every model recorded in the directory. Raises
-        OSError naming the file that cannot be read, so the daemon stops before it serves."""
+    def recorded_models(self, damaged: dict[str, str] | None = None) -> list[tuple[object, int, FileLayout]]:
+        """(spec, daemon_index, layout) of every model recorded in the directory. A record
+        that cannot be read raises OSError naming the file; with `damaged` given, it goes
+        there instead (model name, from the file's name -> why), and the others are read."""
         models = []
         for path in sorted(self.dir.glob("*.json")):
             try:
                 models.append(spec_from_json(path.read_text()))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise OSError(
+            except (ValueError, KeyError, TypeError, OSError) as exc:
+                why = (
                     f"{path} is not a model record this daemon can read ({exc}); move it and its .arena file "
                     "out of nvme_dir, or run the ps-offload release that wrote it"
-                ) from exc
+                )
+                if damaged is None:
+                    raise OSError(why) from exc
+                damaged[urllib.parse.unquote(path.name.removesuffix(".json"))] = why
         return models
+
+    def forget(self, model: str) -> None:
+        """Closes a model's file if it is open (a model that could not be recovered)."""
+        file = self.files.pop(model, None)
+        if file is not None:
+            file.close()
 
     def open_model(self, spec, layout: FileLayout, shard_ids: set[int]) -> dict[int, SlotHeader]:
         """Opens a recorded model's file and finds each shard's newest committed version by

@@ -1,0 +1,77 @@
+"""One damaged model does not take a daemon down: a model whose arena file is truncated or
+deleted, or whose record is unreadable, is refused with DATA_LOSS naming the file, shown as
+DAMAGED by `ps-admin models`, logged as an ERROR, and kept from being registered over; the
+daemon starts and serves its other models bit for bit (it used to stop, taking every model
+with it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.proto import ps_pb2
+from ps_offload.trainer.client import DaemonClient
+from tests.integration.test_bad_input import _bytes, _spec
+
+
+def _damage(nvme, how: str) -> str:
+    """Damages model 'bad'; returns the file the refusal must name."""
+    if how == "truncated arena":
+        os.truncate(nvme / "bad.arena", 5000)
+        return "bad.arena"
+    if how == "deleted arena":
+        (nvme / "bad.arena").unlink()
+        return "bad.arena"
+    (nvme / "bad.json").write_text("{ not a record")
+    return "bad.json"
+
+
+@pytest.mark.parametrize("how", ["truncated arena", "deleted arena", "unreadable record"])
+def test_a_damaged_model_is_refused_and_the_daemon_serves_the_others(tmp_path, how):
+    nvme = tmp_path / "nvme"
+    first = LocalDaemon(tmp_path / "first", "--nvme-dir", str(nvme))
+    try:
+        client = DaemonClient(first.address, max_message_bytes=8 << 20)
+        for name in ("good", "bad"):
+            client.register(_spec(model=name), 0, timeout=10)
+            for shard_id, n in enumerate((1024, 1024, 952)):
+                values = torch.arange(n, dtype=torch.float32) + shard_id
+                client.push(name, shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(values), lr=None, timeout=10)
+        ack = client.push("good", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=None, timeout=10)
+        assert ack.version == 1
+        client.close()
+    finally:
+        assert first.stop() == 0
+    named = _damage(nvme, how)
+    daemon = LocalDaemon(tmp_path / "second", "--nvme-dir", str(nvme))
+    try:
+        client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+        out = torch.empty(1024)
+        assert client.pull_into("good", 0, min_version=1, out=_bytes(out), timeout=10) == 1
+        assert torch.equal(out, torch.arange(1024, dtype=torch.float32) - 0.1)  # SGD lr 0.1, gradient 1
+        for call in (
+            lambda: client.pull_into("bad", 0, min_version=0, out=_bytes(out), timeout=10),
+            lambda: client.register(_spec(model="bad"), 0, timeout=10),  # not registered over its files
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.DATA_LOSS
+            assert "model 'bad' could not be recovered at start" in info.value.details()
+            assert named in info.value.details()
+        assert "model 'bad' could not be recovered" in daemon.log() and "ERROR" in daemon.log()
+        listed = subprocess.run(
+            [sys.executable, "-m", "ps_offload.admin.cli", "models", "--daemon", daemon.address, "--json"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        rows = {row["model"]: row for row in json.loads(listed.stdout)}
+        assert rows["good"]["damaged"] is None and named in rows["bad"]["damaged"]
+        client.close()
+    finally:
+        daemon.kill()
