@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-tools bench-scale proto lint clean
+.PHONY: fuzz demo test bench bench-tools bench-scale proto lint clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -45,6 +45,11 @@ bench: bench-tools $(BENCH_STAMP)
 bench-scale: $(STAMP) bench-tools
 	$(PY) -m bench.scale
 	$(PY) -c "from bench.run_all import update_doc; update_doc()"
+
+# The fuzz suite at a large budget (2,000 examples per property, over 14,000 requests; a few
+# minutes): tests/integration/test_fuzz.py, which `make test` runs at 60 per property.
+fuzz: $(STAMP)
+	FUZZ_EXAMPLES=2000 $(PY) -m pytest -q -s -p no:cacheprovider -o timeout=3600 tests/integration/test_fuzz.py
 
 # Regenerates ps_proto/ (installed as ps_offload.proto) from proto/ps.proto; tests/ps_proto
 # checks the committed copy is fresh.
