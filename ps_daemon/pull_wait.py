@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-
-import grpc
+from typing import TYPE_CHECKING
 
 from ps_offload.daemon.errors import ResourceExhausted
+
+if TYPE_CHECKING:  # the store imports this module, and loads no gRPC (tests/test_layering.py)
+    import grpc
 
 
 class PullWaits:

@@ -22,7 +22,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ps_offload.proto import ps_pb2
+from ps_offload.proto import codec, ps_pb2
 from ps_offload.trainer.client import DaemonClient
 
 NUMEL = 4096
@@ -211,34 +211,45 @@ def test_sighup_reloads_the_log_level_and_survives_a_broken_file(daemon_factory,
 
 
 def test_watchdog_stops_pinging_while_rpc_threads_are_stuck(daemon_factory, systemd_env, tmp_path):
-    # Two RPC threads, both taken by Pulls waiting for a version nobody pushes: a health check
-    # cannot get a thread, as in a deadlock, until the Pulls give up (max_pull_wait_seconds).
+    # Two RPC threads, both taken by pushes whose clients stall mid-stream for 2.5 s: a health
+    # check cannot get a thread, as in a deadlock, until the streams end. (Pulls waiting for a
+    # version can no longer do this: at most server.max_waiting_pulls of the threads wait.)
     config = tmp_path / "ps-daemon.toml"
-    config.write_text("[server]\nmax_workers = 2\nmax_pull_wait_seconds = 2.5\n")
+    config.write_text("[server]\nmax_workers = 2\n")
     notes = systemd_env(1.0, "daemon0")
     daemon = daemon_factory(config=config)
     client = _register(daemon.address)
     notes.wait_for(lambda n: len(notes.pings()) >= 2, timeout=10)
 
     def stick_both_threads() -> list[threading.Thread]:
-        def pull(shard_id: int) -> None:
-            out = memoryview(bytearray(SHARD_BYTES))
-            with pytest.raises(Exception):  # noqa: B017 - how it fails is not the point
-                client.pull_into("m", shard_id, min_version=99, out=out, timeout=10)
+        def stalled_push(shard_id: int) -> None:
+            header = ps_pb2.PushHeader(
+                model="m", shard_id=shard_id, step=0, kind=ps_pb2.GRADIENT, encoding=ps_pb2.RAW,
+                dtype=ps_pb2.FLOAT32, nbytes=SHARD_BYTES,
+            )  # fmt: skip
 
-        threads = [threading.Thread(target=pull, args=(shard_id,)) for shard_id in (0, 1)]
+            def chunks() -> Iterator[bytes]:
+                yield codec.push_chunks.encode(header, bytes(SHARD_BYTES // 2))
+                release.wait(timeout=30)  # the stalled client (its bytes never complete the payload)
+
+            with pytest.raises(Exception):  # noqa: B017 - how it fails is not the point
+                client._push(chunks(), timeout=10)
+
+        threads = [threading.Thread(target=stalled_push, args=(shard_id,)) for shard_id in (0, 1)]
         for thread in threads:
             thread.start()
         return threads
 
+    release = threading.Event()  # both stalled clients end their streams 2.5s from stuck_at
     stuck_at = time.monotonic()
+    threading.Timer(2.5, release.set).start()
     threads = stick_both_threads()
     not_serving = notes.wait_for(lambda n: n.message.startswith("STATUS=Not serving"), after=stuck_at)
     assert not_serving.message == (
         "STATUS=Not serving: a health check got no answer in 0.2s (all 2 RPC threads busy or stuck?)"
     )
     resumed = notes.wait_for(lambda n: n.message == "WATCHDOG=1", after=not_serving.at, timeout=10)
-    # No ping while the Pulls held both threads (2.5s from stuck_at): a gap longer than the
+    # No ping while the pushes held both threads (2.5s from stuck_at): a gap longer than the
     # 1s interval, after which systemd would have killed this daemon.
     assert resumed.at > stuck_at + 2.0
     assert resumed.at - max(notes.pings(end=not_serving.at)) > 1.0
@@ -254,14 +265,16 @@ def test_watchdog_stops_pinging_while_rpc_threads_are_stuck(daemon_factory, syst
     assert "WARNING ps_offload.daemon.systemd: watchdog: serving again after" in log
 
     # What systemd then does to a hung daemon: SIGABRT. The log shows where the threads were.
+    release.clear()
     threads = stick_both_threads()
     notes.wait_for(lambda n: n.message.startswith("STATUS=Not serving"), after=freed_at)
     daemon.process.send_signal(signal.SIGABRT)
     assert daemon.process.wait(timeout=30) == -signal.SIGABRT
     log = daemon.log()
     assert "Fatal Python error: Aborted" in log
-    # The stuck Pulls, waiting for their version in the store.
-    assert re.search(r'File ".*ps_daemon/store.py", line \d+ in \w+', log), log
+    # The stuck pushes, waiting for the rest of their payload.
+    assert re.search(r'File ".*ps_daemon/servicer.py", line \d+ in _receive', log), log
+    release.set()
     for thread in threads:
         thread.join(timeout=10)
     client.close()
