@@ -56,7 +56,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from ps_offload.proto import ps_pb2
@@ -145,6 +145,7 @@ class StreamedOptimizer(DaemonOptimizer):
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._backward_units: set[int] = set()  # units whose backward has begun in this pass
         self._kept: list[StreamUnit] = []  # blocks a forward ended with, kept for the backward
+        self._gradless = False  # this backward pass gives the parameters no gradient
         self._in_backward = False
         self._pass_gradients = 0  # parameter gradients this pass has handed over
         self._parts = 0  # backward passes since the last step: the next part's number
@@ -195,9 +196,7 @@ class StreamedOptimizer(DaemonOptimizer):
         for unit in self.units:
             if unit.streamed:
                 hooks.append(unit.block.register_forward_pre_hook(lambda _m, _a, u=unit: self._before_forward(u)))
-                hooks.append(
-                    unit.block.register_forward_hook(lambda _m, args, out, u=unit: self._after_forward(u, args, out))
-                )
+                hooks.append(unit.block.register_forward_hook(lambda _m, _a, out, u=unit: self._after_forward(u, out)))
                 hooks.append(
                     unit.block.register_state_dict_post_hook(
                         lambda m, sd, prefix, _meta, u=unit: self._fill_state_dict(u, m, sd, prefix)
@@ -239,16 +238,13 @@ class StreamedOptimizer(DaemonOptimizer):
         self.window.ready(unit)
         self.window.prefetch(unit, forward=True)
 
-    def _after_forward(self, unit: StreamUnit, args: tuple, output: object) -> None:
+    def _after_forward(self, unit: StreamUnit, output: object) -> None:
         if unit.index in self._backward_units:
             return  # the backward that re-ran it still needs it
         if torch.is_grad_enabled():
             outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for tensor in outputs:
                 tensor.register_hook(lambda grad, u=unit: self._before_backward(u))
-            inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if inputs:
-                register_multi_grad_hook(inputs, lambda _grads, u=unit: self._input_grads_done(u), mode="all")
             if self.window.needed_first_in_backward(unit):
                 self._kept.append(unit)
                 return  # backward starts with it: kept, not pulled again
@@ -257,20 +253,20 @@ class StreamedOptimizer(DaemonOptimizer):
     def _before_backward(self, unit: StreamUnit) -> None:
         if not self._in_backward:
             self._begin_backward()
+            # A pass that gives the parameters no gradient: torch.autograd.grad for inputs
+            # only, as the pipeline schedule's shape inference runs once (the engine will not
+            # run the parameters' gradient accumulators).
+            self._gradless = not any(torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in unit.params)
         if unit.index not in self._backward_units:
+            if self._gradless:
+                # No gradient hook will free the blocks whose backward began before this one;
+                # in a chain of blocks (a pipeline stage is one) this block's output gradient
+                # is complete only once theirs is done, so they are no longer needed.
+                for earlier in self._backward_units:
+                    self.window.release(self.units[earlier])
             self._backward_units.add(unit.index)
             self.window.ready(unit)
             self.window.prefetch(unit, forward=False)
-
-    def _input_grads_done(self, unit: StreamUnit) -> None:
-        """A block's input gradients are computed. In a pass that gives its parameters no
-        gradient (torch.autograd.grad for inputs only: the pipeline schedule's shape inference)
-        nothing of the block is needed any more, and no gradient hook would free it: free it
-        here, so such a pass stays within the window too."""
-        if unit.index in self._backward_units and not any(
-            torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in unit.params
-        ):
-            self.window.release(unit)
 
     def _begin_backward(self) -> None:
         if self._parts:
