@@ -38,6 +38,12 @@ class ServerConfig:
     the gRPC port does ([tls]), with the same certificate."""
     port_file: str = ""
     """If set, the bound port is written here once the server listens (tests, demos)."""
+    max_data_connections: int = 1024
+    """Data plane connections open at once (each has a thread); one more is answered
+    RESOURCE_EXHAUSTED and closed."""
+    data_idle_seconds: float = 300.0
+    """A data plane connection idle this long (no next request, or one stalled midway) is
+    closed; trainers reconnect unseen."""
     max_workers: int = 32
     """Threads serving RPCs. Pulls waiting for a version hold one each."""
     max_waiting_pulls: int = 0
@@ -234,6 +240,8 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError("store.max_models and store.max_shards_per_model must be at least 1")
     if config.server.max_workers < 2:
         raise ConfigError("server.max_workers must be at least 2")
+    if config.server.max_data_connections < 1 or not config.server.data_idle_seconds > 0:
+        raise ConfigError("server.max_data_connections must be at least 1 and server.data_idle_seconds above 0")
     if not 0 <= config.server.max_waiting_pulls < config.server.max_workers:
         raise ConfigError(
             f"server.max_waiting_pulls must be in [0, server.max_workers) (0: half of them), got "

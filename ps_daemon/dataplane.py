@@ -8,10 +8,14 @@ into its parameters, and a push lands with `recv_into` in a staging buffer. gRPC
 everything else: registration, health, admin, and the same Pull/Push as a fallback.
 
 Each connection is served by one thread, one request at a time (the trainer opens a few per
-daemon). Requests go through the same store calls and the same validation as the gRPC
-servicer (ps_daemon.wire), and errors come back as the same status codes and messages. With
-[tls] the connection is TLS with the gRPC port's certificate (and client certificates under
-mutual TLS), the handshake done in the connection's thread; with auth.require_token = "all"
+daemon). At most `server.max_data_connections` are open at once (one more is answered
+RESOURCE_EXHAUSTED and closed), and one idle for `server.data_idle_seconds` (no next request,
+or a request stalled midway) is closed, giving its thread back; the trainer's client
+reconnects unseen (trainer/dataplane.py checks a pooled connection before reusing it).
+Requests go through the same store calls and the same validation as the gRPC servicer
+(ps_daemon.wire), and errors come back as the same status codes and messages. With [tls] the
+connection is TLS with the gRPC port's certificate (and client certificates under mutual
+TLS), the handshake done in the connection's thread; with auth.require_token = "all"
 every request carries the token, checked as gRPC's interceptor checks it (ps_daemon.security).
 """
 
@@ -48,7 +52,12 @@ class _Handler(socketserver.BaseRequestHandler):
         # The socket stop() shuts down: after a TLS wrap that is the wrapped one (wrapping
         # detaches the plain socket from its descriptor).
         self.secured: socket.socket | None = self.request
-        self.server.track(self.request, add=True)
+        if not self.server.track(self.request, add=True):
+            self._refuse_over_limit()
+            return
+        # Idle past this (no next request, or a request or answer stalled midway): closed,
+        # giving its thread back. A trainer's client reconnects unseen.
+        self.request.settimeout(self.server.idle_seconds)
         if self.server.tls is None:
             return
         self.request.settimeout(30.0)  # a client that never finishes the handshake
@@ -60,8 +69,26 @@ class _Handler(socketserver.BaseRequestHandler):
         finally:
             self.server.track(self.request, add=False)
         if self.secured is not None:
-            self.secured.settimeout(None)
-            self.server.track(self.secured, add=True)
+            self.secured.settimeout(self.server.idle_seconds)
+            self.server.track(self.secured, add=True, force=True)
+
+    def _refuse_over_limit(self) -> None:
+        """One connection past server.max_data_connections: its first request is answered
+        RESOURCE_EXHAUSTED, naming the limit, and the connection closed."""
+        limit = self.server.max_connections
+        message = (
+            f"the data plane has {limit} connections open (server.max_data_connections = {limit}): close idle "
+            "connections, or raise server.max_data_connections"
+        )
+        log.info("data plane: refused a connection from %s: %s", self.client_address, message)
+        try:
+            if self.server.tls is None:  # (under TLS the handshake would come first: just close)
+                self.request.settimeout(5.0)
+                send_message(self.request, ps_pb2.DataResponse(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                                               message=message))  # fmt: skip
+        except OSError:
+            pass
+        self.secured = None
 
     def finish(self) -> None:
         if self.secured is not None:
@@ -158,10 +185,16 @@ class DataPlaneServer(socketserver.ThreadingTCPServer):
         tls: ssl.SSLContext | None = None,
         token: TokenCheck | None = None,
         observe: Callable[[str, grpc.StatusCode, float], None] | None = None,
+        max_connections: int = 1024,
+        idle_seconds: float = 300.0,
     ) -> None:
         """tls: wrap connections (ps_daemon.security.server_ssl_context); token: the [auth]
-        rule; observe(method, code, seconds): told about every request (metrics)."""
+        rule; observe(method, code, seconds): told about every request (metrics);
+        max_connections: open at once (one more is refused); idle_seconds: a connection
+        with nothing to read or write for this long is closed."""
         super().__init__(address, _Handler)
+        self.max_connections = max_connections
+        self.idle_seconds = idle_seconds
         self.store = store
         self.staging = staging
         self.max_pull_wait = max_pull_wait
@@ -182,9 +215,17 @@ class DataPlaneServer(socketserver.ThreadingTCPServer):
         self._thread = threading.Thread(target=self.serve_forever, name="data-plane", daemon=True)
         self._thread.start()
 
-    def track(self, sock: socket.socket, *, add: bool) -> None:
+    def track(self, sock: socket.socket, *, add: bool, force: bool = False) -> bool:
+        """Adds (unless max_connections are open, or `force`) or removes a connection;
+        returns whether it is tracked now (or was removed)."""
         with self._cond:
-            (self._connections.add if add else self._connections.discard)(sock)
+            if not add:
+                self._connections.discard(sock)
+                return True
+            if len(self._connections) >= self.max_connections and not force:
+                return False
+            self._connections.add(sock)
+            return True
 
     def in_flight(self) -> _InFlight:
         return _InFlight(self)

@@ -309,7 +309,13 @@ def _bind_data_plane(
         port = 0
     try:
         return DataPlaneServer(
-            (host, port), store=store, staging=staging, max_pull_wait=config.server.max_pull_wait_seconds, **options
+            (host, port),
+            store=store,
+            staging=staging,
+            max_pull_wait=config.server.max_pull_wait_seconds,
+            max_connections=config.server.max_data_connections,
+            idle_seconds=config.server.data_idle_seconds,
+            **options,
         )
     except OSError as exc:
         raise OSError(f"cannot listen for the data plane on {host}:{port}: {exc.strerror}") from exc

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import select
 import socket
 import ssl
 from collections.abc import Iterator, Sequence
@@ -54,10 +55,18 @@ class DataPlaneClient:
 
     @contextlib.contextmanager
     def _connection(self, timeout: float) -> Iterator[socket.socket]:
-        try:
-            sock = self._idle.get_nowait()
-        except queue.Empty:
-            sock = self._connect(timeout)
+        sock = None
+        while sock is None:
+            try:
+                sock = self._idle.get_nowait()
+            except queue.Empty:
+                sock = self._connect(timeout)
+                break
+            if select.select([sock], [], [], 0)[0]:
+                # Readable while idle: the daemon closed it (data_idle_seconds) or is about to;
+                # a pooled connection never has anything to read between requests.
+                sock.close()
+                sock = None
         sock.settimeout(timeout)
         try:
             yield sock

@@ -154,3 +154,40 @@ def test_sigterm_lets_an_in_flight_data_plane_push_finish(daemon_factory, notifi
     sock.close()
     assert daemon.process.wait(timeout=30) == 0
     data.close()
+
+
+def test_connections_are_bounded_idle_ones_closed_and_the_trainer_reconnects_unseen(daemon_factory, tmp_path, caplog):
+    """server.max_data_connections = 3: a fourth connection's request is answered
+    RESOURCE_EXHAUSTED naming the limit; server.data_idle_seconds = 1: idle connections are
+    closed (each seen closing here, not slept for), which frees room, and a trainer's pooled
+    connection closed that way is replaced before its next pull without a retry."""
+    config = tmp_path / "plane.toml"
+    config.write_text("[server]\nmax_data_connections = 3\ndata_idle_seconds = 1.0\n")
+    daemon = daemon_factory(config=config)
+    client, data, response = _register(daemon)
+    client.close()
+    for shard in response.shards:
+        data.push("m", shard.shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(shard.numel)),
+                  lr=None, timeout=10)  # fmt: skip
+    data.close()
+    port = response.data_port
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
+    extra = socket.create_connection(("127.0.0.1", port), timeout=30)
+    send_message(extra, ps_pb2.DataRequest(pull=ps_pb2.PullRequest(model="m", shard_id=0)))
+    refusal = recv_message(extra, ps_pb2.DataResponse)
+    assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "server.max_data_connections = 3" in refusal.message
+    extra.close()
+    for sock in idle:  # the daemon closes each after a second of silence: recv sees the end
+        assert sock.recv(1) == b""
+        sock.close()
+    trainer_side = DataPlaneClient("127.0.0.1", port, max_connections=1)
+    out = torch.empty(NUMEL)
+    assert trainer_side.pull_into("m", 0, min_version=0, out=_bytes(out), timeout=10) == 0
+    pooled = trainer_side._idle.queue[0]
+    pooled.settimeout(30)
+    assert pooled.recv(1, socket.MSG_PEEK) == b""  # closed by the daemon while idle in the pool
+    with caplog.at_level("WARNING"):
+        assert trainer_side.pull_into("m", 1, min_version=0, out=_bytes(out), timeout=10) == 0
+    assert torch.equal(out, torch.ones(NUMEL)) and not caplog.records
+    trainer_side.close()
