@@ -85,6 +85,11 @@ class StoreConfig:
     """Slots per model beyond one per shard, holding versions while they are written (at
     most one per shard is used). More lets more commits run at once; each costs one shard's
     state on disk."""
+    nvme_floor_seconds: float = 1.0
+    """How often each model's committed versions are recorded beside its arena file, so that a
+    shard whose newest slot header is later damaged is refused (DATA_LOSS) instead of coming
+    back one version older. A version committed less than this before such damage is not
+    covered."""
     fsync: bool = True
     """fdatasync between a shard's bytes and its header, and after the header, so that a
     committed version also survives a power loss (not only a crash of the daemon)."""
@@ -232,6 +237,11 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"store.shard_bytes must be at least 4096, got {config.store.shard_bytes}")
     if config.store.prefetch_depth < 0:
         raise ConfigError("store.prefetch_depth must be >= 0")
+    if not 0 < config.store.nvme_floor_seconds <= 3600:
+        raise ConfigError(
+            f"store.nvme_floor_seconds must be above 0 and at most 3600 (how often committed versions are "
+            f"recorded), got {config.store.nvme_floor_seconds}"
+        )
     if config.store.nvme_spare_slots < 1:
         raise ConfigError("store.nvme_spare_slots must be at least 1 (a new version needs a free slot)")
     if config.store.io_threads < 1:

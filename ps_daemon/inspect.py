@@ -140,6 +140,8 @@ def _at_rest_verdict(shard: Shard, check: SlotCheck) -> Verdict:
                 "it would be refused with DATA_LOSS)"
             )
         return Verdict(model, shard_id, "bad", detail, check.version, check.bytes_read, tier)
+    if shard.rolled_back:  # the slot read is an older version's: the newest one's header is gone
+        return Verdict(model, shard_id, "bad", shard.corrupt, check.version, check.bytes_read, tier)
     if shard.corrupt:  # failed its checksum on an earlier read; refused until a restart
         detail = f"{shard.corrupt} (slot {check.slot} reads back intact now; restart the daemon to use it)"
         return Verdict(model, shard_id, "bad", detail, check.version, check.bytes_read, tier)

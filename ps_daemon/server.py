@@ -290,7 +290,12 @@ def _open_nvme(config: DaemonConfig) -> NvmeFiles | None:
     try:
         io = DirectIO(threads=store.io_threads, block_bytes=store.io_block_bytes)
         return NvmeFiles(
-            store.nvme_dir, io=io, fsync=store.fsync, capacity=store.nvme_bytes, spare_slots=store.nvme_spare_slots
+            store.nvme_dir,
+            io=io,
+            fsync=store.fsync,
+            capacity=store.nvme_bytes,
+            spare_slots=store.nvme_spare_slots,
+            floor_seconds=store.nvme_floor_seconds,
         )
     except OSError as exc:
         raise OSError(f"cannot use nvme_dir {store.nvme_dir}: {exc.strerror or exc}") from exc

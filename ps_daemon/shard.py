@@ -99,6 +99,7 @@ class Shard:
         self.writing = False
         self.writers_waiting = 0
         self.corrupt = ""  # why the shard's bytes on disk cannot be trusted; "" when fine
+        self.rolled_back = False  # corrupt because its newest header is gone (tiers.version_floors)
         # The step being pushed in parts (its own lock; in RAM even while the arena is not).
         self.parts = GradientParts(allocate_sum)
 

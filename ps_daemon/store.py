@@ -178,7 +178,7 @@ class ShardStore:
                 model = self._build(spec, daemon_index)
                 # Headers only: a model may be larger than RAM. The bytes are read, and their
                 # checksum verified, when the shard is first used.
-                headers = self.files.open_model(spec, layout, set(model.shards))
+                headers, rolled_back = self.files.open_model(spec, layout, set(model.shards))
             except (OSError, ValueError, PsError) as exc:  # its arena is missing, short or unreadable
                 self.files.forget(spec.model)
                 damaged[spec.model] = (
@@ -189,6 +189,10 @@ class ShardStore:
                 header = headers.get(shard_id)
                 if header is not None:
                     shard.set_version(header.version, initialized=header.initialized)
+                if shard_id in rolled_back:
+                    shard.corrupt = f"shard {shard_id} of model {spec.model!r}: {rolled_back[shard_id]}"
+                    shard.rolled_back = True
+                    log.error("%s", shard.corrupt)
                 recovered += 1
             with self._lock:
                 self._models[spec.model] = model

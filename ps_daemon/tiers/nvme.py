@@ -60,6 +60,7 @@ from ps_offload.daemon.tiers.slot_header import (
     checksums,
     master_region_bytes,
 )
+from ps_offload.daemon.tiers.version_floors import FloorWriter, VersionFloors
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class ModelFile:
 
     def __init__(self, directory: Path, model: str, layout: FileLayout, *, create: bool) -> None:
         self.path = directory / f"{urllib.parse.quote(model, safe='')}.arena"  # (NvmeFiles.arena_path)
+        self.floors = VersionFloors(self.path.with_suffix(".versions"))  # read by NvmeFiles.open_model
         self.layout = layout
         self.active: dict[int, tuple[int, SlotHeader]] = {}  # shard -> (slot, header)
         self.free: deque[int] = deque(range(layout.slots))
@@ -123,6 +125,8 @@ class ModelFile:
         # and recording the spec) must not lend its old headers to the new model.
         flags = os.O_RDWR | os.O_DIRECT | (os.O_CREAT | os.O_TRUNC if create else 0)
         self.fd = os.open(self.path, flags, 0o600)
+        if create:
+            self.floors.remove()  # nor its old floors
         if create and layout.size:
             try:
                 os.posix_fallocate(self.fd, 0, layout.size)  # ENOSPC here, not mid-training
@@ -161,10 +165,18 @@ class NvmeFiles:
     """The daemon's files under nvme_dir: model specs (JSON) and model arena files.
 
     capacity: bytes all arena files together may take (0: as much as the disk has).
-    spare_slots: slots per model beyond one per shard, for versions being written."""
+    spare_slots: slots per model beyond one per shard, for versions being written.
+    floor_seconds: how often each model's committed versions are recorded (version_floors)."""
 
     def __init__(
-        self, directory: str | Path, *, io: DirectIO, fsync: bool, capacity: int = 0, spare_slots: int = 8
+        self,
+        directory: str | Path,
+        *,
+        io: DirectIO,
+        fsync: bool,
+        capacity: int = 0,
+        spare_slots: int = 8,
+        floor_seconds: float = 1.0,
     ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -186,6 +198,7 @@ class NvmeFiles:
         # summed over threads: with several in flight, more than the elapsed time.
         self.write_seconds = 0.0
         self.read_seconds = 0.0
+        self._floor_writer = FloorWriter(lambda: [f.floors for f in list(self.files.values())], floor_seconds)
 
     @property
     def bytes_allocated(self) -> int:
@@ -262,10 +275,11 @@ class NvmeFiles:
         if file is not None:
             file.close()
 
-    def open_model(self, spec, layout: FileLayout, shard_ids: set[int]) -> dict[int, SlotHeader]:
+    def open_model(self, spec, layout: FileLayout, shard_ids: set[int]) -> tuple[dict[int, SlotHeader], dict[int, str]]:
         """Opens a recorded model's file and finds each shard's newest committed version by
         reading every slot's header (not the bytes: a model may be larger than RAM).
-        Returns the header of each shard that has one."""
+        Returns the header of each shard that has one, and why each shard whose newest header
+        is older than its recorded floor (version_floors) cannot be trusted."""
         file = ModelFile(self.dir, spec.model, layout, create=False)
         newest: dict[int, tuple[int, SlotHeader]] = {}
         for slot in range(layout.slots):
@@ -278,11 +292,20 @@ class NvmeFiles:
             if known is None or header.version > known[1].version:
                 newest[header.shard_id] = (slot, header)
         file.active = newest
+        file.floors, problem = VersionFloors.load(file.floors.path)
+        if problem:
+            log.warning(
+                "model %r: %s; a shard whose newest header is damaged cannot be told from one at its previous "
+                "version until every shard has committed again",
+                spec.model, problem,
+            )  # fmt: skip
+        versions = {shard_id: header.version for shard_id, (_, header) in newest.items()}
+        lost = file.floors.hold_to(versions, shard_ids, file.path.name)
         taken = {slot for slot, _ in newest.values()}
         file.free = deque(s for s in range(layout.slots) if s not in taken)
         self._upgrade_record(spec.model)
         self.files[spec.model] = file
-        return {shard_id: header for shard_id, (_, header) in newest.items()}
+        return {shard_id: header for shard_id, (_, header) in newest.items()}, lost
 
     def _upgrade_record(self, model: str) -> None:
         """Marks an older format's record as this release's before any commit writes a header
@@ -335,6 +358,7 @@ class NvmeFiles:
                 file.give_back(slot)
             raise
         file.committed(shard_id, slot, header)
+        file.floors.raise_to(shard_id, version)
         with self._header_lock:
             self.bytes_written += len(arena)
             self.write_seconds += time.perf_counter() - started
@@ -449,6 +473,7 @@ class NvmeFiles:
         return aligned_empty(self.io.block_bytes)
 
     def close(self) -> None:
+        self._floor_writer.stop()
         for file in self.files.values():
             file.close()
         self.io.close()

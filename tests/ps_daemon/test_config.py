@@ -134,6 +134,7 @@ KNOWN_OPTIONS = [
     "store.nvme_dir",
     "store.nvme_bytes",
     "store.nvme_spare_slots",
+    "store.nvme_floor_seconds",
     "store.fsync",
     "store.io_threads",
     "store.io_block_bytes",
@@ -180,6 +181,7 @@ def test_every_option_can_be_set_from_a_file(write_toml, tmp_path):
         "store.nvme_dir": ('"/nvme"', "/nvme"),
         "store.nvme_bytes": ('"2TiB"', 2 << 40),
         "store.nvme_spare_slots": ("2", 2),
+        "store.nvme_floor_seconds": ("0.25", 0.25),
         "store.fsync": ("false", False),
         "store.io_threads": ("8", 8),
         "store.io_block_bytes": ('"4MiB"', 4 * MiB),
@@ -499,6 +501,12 @@ def test_bool_options_take_only_booleans(write_toml):
 def test_no_spare_slot_is_refused_with_why(write_toml):
     with pytest.raises(ConfigError, match="store.nvme_spare_slots must be at least 1"):
         load_config(write_toml("[store]\nnvme_spare_slots = 0\n"))
+
+
+@pytest.mark.parametrize("value", ["0", "-1.0", "nan", "inf", "3601"])
+def test_floor_interval_out_of_range_is_refused_with_why(write_toml, value):
+    with pytest.raises(ConfigError, match="store.nvme_floor_seconds must be above 0 and at most 3600"):
+        load_config(write_toml(f"[store]\nnvme_floor_seconds = {value}\n"))
 
 
 @pytest.mark.parametrize(

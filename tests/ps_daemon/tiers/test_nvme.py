@@ -48,7 +48,9 @@ def _commit(files: NvmeFiles, shard: int, version: int, model: str = "m") -> Non
 def _reopen(directory) -> tuple[NvmeFiles, dict[int, SlotHeader]]:
     files = _files(directory)
     (spec, _, layout) = files.recorded_models()[0]
-    return files, files.open_model(spec, layout, set(range(SHARDS)))
+    headers, rolled_back = files.open_model(spec, layout, set(range(SHARDS)))
+    assert rolled_back == {}  # no header here is damaged after its version was recorded
+    return files, headers
 
 
 def _read(files: NvmeFiles, shard: int) -> bytes:

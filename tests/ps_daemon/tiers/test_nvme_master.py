@@ -144,7 +144,8 @@ def test_files_of_format_2_are_read_and_their_record_upgraded_before_any_commit(
 
     files = _files(tmp_path)
     ((spec, _, layout),) = files.recorded_models()
-    headers = files.open_model(spec, layout, set(range(SHARDS)))
+    headers, rolled_back = files.open_model(spec, layout, set(range(SHARDS)))
+    assert rolled_back == {}
     assert {s: (h.version, h.format, h.master_crc) for s, h in headers.items()} == {0: (2, 2, None), 1: (1, 2, None)}
     # Read as before, whole; a master-only read needs the checksum format 2 has not.
     _, out = aligned_empty(ARENA)
@@ -162,7 +163,8 @@ def test_files_of_format_2_are_read_and_their_record_upgraded_before_any_commit(
     # A file of both formats recovers each shard's newest version, whichever its format.
     files = _files(tmp_path)
     ((spec, _, layout),) = files.recorded_models()
-    headers = files.open_model(spec, layout, set(range(SHARDS)))
+    headers, rolled_back = files.open_model(spec, layout, set(range(SHARDS)))
+    assert rolled_back == {}
     assert {s: (h.version, h.format) for s, h in headers.items()} == {0: (2, 2), 1: (2, 3)}
     files.close()
 
