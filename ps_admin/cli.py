@@ -17,6 +17,7 @@ terminal.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -331,6 +332,57 @@ def export(
         views.print_json(row)
     else:
         typer.echo(views.export_line(row))
+
+
+@app.command()
+def drop(
+    model: Annotated[str, typer.Argument(help="Name of the model to delete.")],
+    daemon: DaemonsOpt = None,
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask (needed when stdin is not a terminal).")] = False,
+    as_json: JsonOpt = False,
+    timeout: TimeoutOpt = 120.0,
+) -> None:
+    """Delete a model from daemons for good: its parameters and optimizer state, in RAM and on NVMe."""
+    daemons = _unique(daemon)
+    where = ", ".join(daemons)
+    if not yes:
+        if not sys.stdin.isatty():
+            _fail(f"drop deletes model {model!r} and all its state on {where}; pass --yes to do it")
+            raise typer.Exit(2)
+        typed = typer.prompt(f"This deletes model {model!r} and all its state on {where}. Type its name to confirm")
+        if typed != model:
+            _fail("the name typed does not match; nothing was dropped")
+            raise typer.Exit(1)
+    spanned = _spanned_daemons(model, daemons, timeout)
+    answers, failed = _each_daemon(daemons, lambda d: client.drop_model(d, model, timeout))
+    rows = [
+        {"daemon": d, "model": model, "shards": a.shards, "ram_bytes": a.ram_bytes, "disk_bytes": a.disk_bytes,
+         "was_damaged": a.was_damaged}
+        for d, a in answers
+    ]  # fmt: skip
+    if as_json:
+        views.print_json(rows)
+    else:
+        for row in rows:
+            typer.echo(views.drop_line(row))
+    if spanned:
+        _fail(
+            f"model {model!r} has shards on {len(spanned)} daemons ({', '.join(spanned)}, as its trainers named "
+            f"them) and was dropped on {len(daemons)}; drop it on the others too"
+        )
+    if failed:
+        raise typer.Exit(1)
+
+
+def _spanned_daemons(model: str, daemons: list[str], timeout: float) -> list[str]:
+    """The daemons the model's spec names (as its trainers spelled them) when they are more
+    than `daemons`, as far as the first of those knows; else nothing. Counted, not matched by
+    name: an admin and a trainer may spell one daemon differently."""
+    try:
+        spec = client.get_model(daemons[0], model, timeout).spec
+    except AdminError:
+        return []  # the drop itself says what is wrong
+    return list(spec.daemons) if len(spec.daemons) > len(daemons) else []
 
 
 @app.command()

@@ -103,6 +103,11 @@ def move(daemon: str, verb: str, model: str, shard_id: int, timeout: float) -> p
     return rpc(daemon, what, lambda stub: getattr(stub, method)(request, timeout=timeout))
 
 
+def drop_model(daemon: str, model: str, timeout: float) -> ps_pb2.DropModelResponse:
+    request = ps_pb2.DropModelRequest(model=model)
+    return rpc(daemon, f"drop of model {model!r}", lambda stub: stub.DropModel(request, timeout=timeout))
+
+
 def verify(daemon: str, model: str, timeout: float, on_answer: Callable[[ps_pb2.VerifyResponse], None]) -> None:
     """Streams one daemon's Verify ("": every model), handing each answer (the plan first,
     then one verdict per shard) to `on_answer` as it comes."""

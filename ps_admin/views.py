@@ -316,6 +316,16 @@ def export_line(row: dict[str, Any]) -> str:
     )
 
 
+def drop_line(row: dict[str, Any]) -> str:
+    if row["was_damaged"]:
+        deleted = human_bytes(row["disk_bytes"])
+        return f"dropped damaged model {row['model']!r} on {row['daemon']}: {deleted} of files deleted"
+    return (
+        f"dropped model {row['model']!r} on {row['daemon']}: {row['shards']} shards, "
+        f"{human_bytes(row['ram_bytes'])} of RAM and {human_bytes(row['disk_bytes'])} on disk freed"
+    )
+
+
 def health_table(rows: list[dict[str, Any]]) -> Table:
     table = Table("daemon", "status", "latency")
     for r in rows:

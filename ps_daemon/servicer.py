@@ -162,6 +162,18 @@ class AdminServicer:
         return ps_pb2.ListModelsResponse(models=infos)
 
     @grpc_errors
+    def DropModel(self, request: ps_pb2.DropModelRequest, context: grpc.ServicerContext):
+        if not request.model:
+            raise InvalidArgument("DropModel needs a model name (ListModels lists them)")
+        dropped = self.store.drop(request.model)
+        return ps_pb2.DropModelResponse(
+            shards=dropped.shards,
+            disk_bytes=dropped.disk_bytes,
+            ram_bytes=dropped.ram_bytes,
+            was_damaged=dropped.was_damaged,
+        )
+
+    @grpc_errors
     def GetModel(self, request: ps_pb2.GetModelRequest, context: grpc.ServicerContext):
         if not request.model:
             raise InvalidArgument("GetModel needs a model name (ListModels lists them)")
@@ -255,6 +267,7 @@ def admin_handler(servicer: AdminServicer) -> grpc.GenericRpcHandler:
             "Load": _unary(servicer.Load, ps_pb2.GetShardRequest, ps_pb2.TierResponse),
             "ListModels": _unary(servicer.ListModels, ps_pb2.ListModelsRequest, ps_pb2.ListModelsResponse),
             "GetModel": _unary(servicer.GetModel, ps_pb2.GetModelRequest, ps_pb2.ModelInfo),
+            "DropModel": _unary(servicer.DropModel, ps_pb2.DropModelRequest, ps_pb2.DropModelResponse),
             "Verify": grpc.unary_stream_rpc_method_handler(
                 servicer.Verify,
                 request_deserializer=Undecodable.decoder(ps_pb2.VerifyRequest),

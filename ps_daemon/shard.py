@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ps_offload.daemon.accumulate import GradientParts
-from ps_offload.daemon.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from ps_offload.daemon.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from ps_offload.daemon.optim import AdamWConfig, OptimizerConfig, ShardOptimizer
 from ps_offload.daemon.pull_wait import PullWait
 from ps_offload.daemon.tiers.nvme import arena_tensor
@@ -100,6 +100,7 @@ class Shard:
         self.writers_waiting = 0
         self.corrupt = ""  # why the shard's bytes on disk cannot be trusted; "" when fine
         self.rolled_back = False  # corrupt because its newest header is gone (tiers.version_floors)
+        self.dropped = False  # its model was dropped (ShardStore.drop): every wait and hold ends NOT_FOUND
         # The step being pushed in parts (its own lock; in RAM even while the arena is not).
         self.parts = GradientParts(allocate_sum)
 
@@ -167,12 +168,19 @@ class Shard:
             if ready():
                 return
             with waiting.parked(self.cond) if waiting is not None else contextlib.nullcontext():
-                done = self.cond.wait_for(lambda: ready() or (waiting is not None and waiting.ended), timeout)
+                done = self.cond.wait_for(
+                    lambda: ready() or self.dropped or (waiting is not None and waiting.ended), timeout
+                )
+            self.check_not_dropped()
             if done and ready():
                 return
             if waiting is not None and waiting.ended:
                 raise DeadlineExceeded(f"pull of shard {self.slice.shard_id} of model {self.model!r}: the caller left")
             raise self._not_there(min_version, timeout)
+
+    def check_not_dropped(self) -> None:
+        if self.dropped:
+            raise NotFound(f"model {self.model!r} was dropped from this daemon (ps-admin drop); register it again")
 
     def _not_there(self, min_version: int, timeout: float) -> DeadlineExceeded:
         state = f"at version {self.version}" if self.initialized else "without initial values"
@@ -188,13 +196,17 @@ class Shard:
         with self.cond:
             ready = self.cond.wait_for(
                 lambda: (
-                    (self.initialized or not require_values)
-                    and self.version >= min_version
-                    and not self.writing
-                    and not self.writers_waiting
+                    self.dropped
+                    or (
+                        (self.initialized or not require_values)
+                        and self.version >= min_version
+                        and not self.writing
+                        and not self.writers_waiting
+                    )
                 ),
                 timeout=timeout,
             )
+            self.check_not_dropped()
             if not ready:
                 raise self._not_there(min_version, timeout)
             self.readers += 1
@@ -210,8 +222,9 @@ class Shard:
     def writing_lock(self) -> Iterator[None]:
         with self.cond:
             self.writers_waiting += 1
-            self.cond.wait_for(lambda: not self.writing and self.readers == 0)
+            self.cond.wait_for(lambda: self.dropped or (not self.writing and self.readers == 0))
             self.writers_waiting -= 1
+            self.check_not_dropped()
             self.writing = True
         try:
             yield

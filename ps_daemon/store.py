@@ -31,8 +31,17 @@ import torch
 
 from ps_offload.daemon import inspect
 from ps_offload.daemon.accumulate import add_part
+from ps_offload.daemon.drop import Dropped, release_sums, stop_using
 from ps_offload.daemon.encodings import OneBitGradient
-from ps_offload.daemon.errors import DataLoss, FailedPrecondition, NotFound, PsError, ResourceExhausted
+from ps_offload.daemon.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    NotFound,
+    PsError,
+    ResourceExhausted,
+    StorageError,
+)
 from ps_offload.daemon.inspect import VERIFY_ATTEMPTS, StatsSnapshot, StoreStats, ValueStats, Verdict
 from ps_offload.daemon.limits import StoreLimits, arena_bytes, check_model_count, check_plan_size, check_ram
 from ps_offload.daemon.master_pull import pull_master
@@ -104,7 +113,8 @@ class ShardStore:
         # Models recorded under nvme_dir that could not be recovered: name -> why (refused,
         # DATA_LOSS, while the daemon serves the others).
         self.damaged: dict[str, str] = {}
-        self._lock = threading.Lock()  # guards _models, damaged and stats counters
+        self._dropping: set[str] = set()  # names being dropped: not to be registered meanwhile
+        self._lock = threading.Lock()  # guards _models, damaged, _dropping and stats counters
 
     # -- registration and recovery --------------------------------------------------------
 
@@ -117,6 +127,8 @@ class ShardStore:
         with self._lock:
             if spec.model in self.damaged:  # its files are still there: a new model must not replace them
                 raise self._damaged_error(spec.model)
+            if spec.model in self._dropping:  # its files are still open: a new model must not take their names
+                raise FailedPrecondition(f"model {spec.model!r} is being dropped; register it again once that is done")
             existing = self._models.get(spec.model)
             if existing is not None:
                 if existing.spec.identity() != spec.identity() or existing.daemon_index != daemon_index:
@@ -472,6 +484,48 @@ class ShardStore:
                 uptime_seconds=time.monotonic() - s.started,
                 **inspect.tier_counts(self.files, self.tier, self.ram_bytes, shards),
             )
+
+    def drop(self, name: str, *, timeout: float = 60.0) -> Dropped:
+        """Deletes a model from this daemon (ps_daemon.drop says in what order, and why)."""
+        with self._lock:
+            if name in self._dropping:
+                raise FailedPrecondition(f"model {name!r} is already being dropped")
+            if name in self.damaged:  # nothing of it is open: its files go
+                disk = self.files.delete_model(name) if self.files is not None else 0
+                del self.damaged[name]
+                log.warning("model %r (damaged) dropped: %d bytes of files deleted", name, disk)
+                return Dropped(0, disk, 0, was_damaged=True)
+            model = self.model(name)
+            self._dropping.add(name)
+            del self._models[name]
+        try:
+            shards = list(model.shards.values())
+            if not stop_using(shards, timeout):
+                with self._lock:
+                    self._models[name] = model
+                raise DeadlineExceeded(
+                    f"model {name!r}: a push or pull still held one of its shards after {timeout:.0f}s; nothing was "
+                    "dropped. Stop its trainers and try again"
+                )
+            ram = release_sums(shards)
+            if self.tier is not None:
+                try:
+                    ram += self.tier.forget(shards, timeout)
+                except TimeoutError as exc:
+                    raise StorageError(
+                        f"model {name!r} was dropped from memory, but {exc}; its files stay until the daemon "
+                        "restarts (it is then recovered; drop it again)"
+                    ) from exc
+            else:
+                ram += sum(s.resident_bytes for s in shards)
+                for shard in shards:
+                    shard.detach()
+            disk = self.files.delete_model(name) if self.files is not None else 0
+        finally:
+            with self._lock:
+                self._dropping.discard(name)
+        log.warning("model %r dropped: %d shards, %d bytes of RAM and %d of files freed", name, len(shards), ram, disk)
+        return Dropped(len(shards), disk, ram, was_damaged=False)
 
     def close(self) -> None:
         if self.tier is not None:

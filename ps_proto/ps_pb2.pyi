@@ -430,6 +430,24 @@ class GetModelRequest(_message.Message):
     model: str
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
+class DropModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class DropModelResponse(_message.Message):
+    __slots__ = ("shards", "disk_bytes", "ram_bytes", "was_damaged")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WAS_DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    shards: int
+    disk_bytes: int
+    ram_bytes: int
+    was_damaged: bool
+    def __init__(self, shards: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., was_damaged: _Optional[bool] = ...) -> None: ...
+
 class ParamPlacement(_message.Message):
     __slots__ = ("name", "shape", "offset", "numel")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -288,6 +288,11 @@ class AdminStub:
                 request_serializer=ps__offload_dot_proto_dot_ps__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=ps__offload_dot_proto_dot_ps__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.DropModel = channel.unary_unary(
+                '/ps.v1.Admin/DropModel',
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.DropModelRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.DropModelResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -350,6 +355,17 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropModel(self, request, context):
+        """Deletes a model from this daemon: its shards leave RAM, its arena file, record and
+        versions record leave nvme_dir, and the name is free for a new registration. Calls for
+        its shards that are in flight or waiting end with NOT_FOUND saying it was dropped; a
+        damaged model (ModelInfo.damaged) is dropped by deleting its files. Needs the token
+        whenever auth.token_file is set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -392,6 +408,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=ps__offload_dot_proto_dot_ps__pb2.VerifyRequest.FromString,
                     response_serializer=ps__offload_dot_proto_dot_ps__pb2.VerifyResponse.SerializeToString,
+            ),
+            'DropModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropModel,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.DropModelRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.DropModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -611,6 +632,33 @@ class Admin:
             '/ps.v1.Admin/Verify',
             ps__offload_dot_proto_dot_ps__pb2.VerifyRequest.SerializeToString,
             ps__offload_dot_proto_dot_ps__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/DropModel',
+            ps__offload_dot_proto_dot_ps__pb2.DropModelRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.DropModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

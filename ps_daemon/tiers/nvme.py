@@ -269,6 +269,23 @@ class NvmeFiles:
                 damaged[urllib.parse.unquote(path.name.removesuffix(".json"))] = why
         return models
 
+    def delete_model(self, model: str) -> int:
+        """Closes a model's file if open and deletes it, its record and its versions record
+        (ps_daemon.drop: nothing may be using the file). Returns the bytes freed."""
+        self.forget(model)
+        arena = self.arena_path(model)
+        paths = [arena, self._spec_path(model), arena.with_suffix(".versions")]
+        paths += [p.with_name(p.name + ".tmp") for p in paths[1:]]
+        freed = 0
+        for path in paths:
+            try:
+                freed += path.stat().st_blocks * 512
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        self._sync_dir()
+        return freed
+
     def forget(self, model: str) -> None:
         """Closes a model's file if it is open (a model that could not be recovered)."""
         file = self.files.pop(model, None)

@@ -121,6 +121,7 @@ class RamTier:
         """Pins the shard; returns a buffer to load it into when this caller must load it."""
         with self.cond:
             while True:
+                shard.check_not_dropped()
                 if shard.resident:
                     self._pin_resident_locked(shard)
                     return None
@@ -234,6 +235,29 @@ class RamTier:
             self.cond.notify_all()
             return True
 
+    def forget(self, shards: list, timeout: float) -> int:
+        """Frees the arenas of a dropped model's shards (ps_daemon.drop), once loads of them
+        in progress have ended, and forgets their places in the LRU and the prefetch queue.
+        Returns the bytes freed; raises TimeoutError if a load outlasts `timeout`."""
+        gone = set(shards)
+        with self.cond:
+            self._queue = deque(s for s in self._queue if s not in gone)
+            if shards:
+                self._upcoming.pop(shards[0].model, None)
+            if not self.cond.wait_for(lambda: not any(s.pins or s.loading for s in shards), timeout):
+                raise TimeoutError(f"a load of one of {len(shards)} shards did not end in {timeout:.0f}s")
+            freed = 0
+            for shard in shards:
+                self._protected.discard(shard)
+                if shard.resident:
+                    del self.lru[shard]
+                    shard.resident = False
+                    shard.detach()  # not pooled: a dropped model's memory goes back to the system
+                    self.used -= shard.arena_bytes
+                    freed += shard.arena_bytes
+            self.cond.notify_all()
+            return freed
+
     # -- prefetch ---------------------------------------------------------------------
 
     def prefetch(self, shards: list, *, limit: int | None = None) -> int:
@@ -257,7 +281,7 @@ class RamTier:
                 if self._stopping:
                     return
                 shard = self._queue.popleft()
-                if shard.resident or shard.loading or shard.corrupt:
+                if shard.resident or shard.loading or shard.corrupt or shard.dropped:
                     continue
                 # Never evict what an earlier prefetch brought in and nobody used yet, nor
                 # what is needed before this shard.

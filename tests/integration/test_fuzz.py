@@ -49,6 +49,7 @@ UNARY = {
     "/ps.v1.Admin/Load": ps_pb2.GetShardRequest,
     "/ps.v1.Admin/ListModels": ps_pb2.ListModelsRequest,
     "/ps.v1.Admin/GetModel": ps_pb2.GetModelRequest,
+    "/ps.v1.Admin/DropModel": ps_pb2.DropModelRequest,  # never of the kept model (fuzz_inputs.KEPT_READERS)
 }
 STREAMING = {"/ps.v1.ParameterServer/Pull": ps_pb2.PullRequest, "/ps.v1.Admin/Verify": ps_pb2.VerifyRequest}
 

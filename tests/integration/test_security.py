@@ -172,6 +172,11 @@ def test_admin_token_guards_state_changes_only(daemon_factory, tmp_path):
     code, details = _code(lambda: _admin(daemon.address, wrong, "Load", load))
     assert code == grpc.StatusCode.PERMISSION_DENIED and "not this daemon's" in details
     assert _admin(daemon.address, right, "Load", load).tier == "ram"
+    drop = ps_pb2.DropModelRequest(model="m")
+    code, details = _code(lambda: _admin(daemon.address, plain, "DropModel", drop))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "DropModel needs this daemon's bearer token" in details
+    assert _admin(daemon.address, plain, "ListShards", ps_pb2.ListShardsRequest()).shards  # not dropped
+    assert _admin(daemon.address, right, "DropModel", drop).shards >= 1
 
 
 def test_token_on_every_call_covers_the_data_plane_and_spares_health(daemon_factory, tmp_path):

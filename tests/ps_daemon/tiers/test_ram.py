@@ -20,7 +20,12 @@ class FakeShard:
         self.resident = self.loading = False
         self.pins = 0
         self.corrupt = ""
+        self.dropped = False
         self.buffer = None
+
+    def check_not_dropped(self) -> None:
+        if self.dropped:
+            raise LookupError("dropped")
 
     def detach(self):
         buffer, self.buffer = self.buffer, None
@@ -144,4 +149,24 @@ def test_use_if_resident_waits_for_a_load_in_progress_and_pins_what_it_loaded():
         assert pinned is True and shard.resident and shard.buffer is not None
     loader.join(5)
     assert shard.pins == 0 and (tier.stats.hits, tier.stats.misses) == (1, 1)
+    tier.close()
+
+
+def test_forget_frees_a_dropped_models_arenas_and_its_queued_loads():
+    tier = _tier(4)
+    kept, dropped = FakeShard(0, "kept"), [FakeShard(i, "gone") for i in range(3)]
+    _touch(tier, kept, dropped[0], dropped[1])
+    for shard in dropped:
+        shard.dropped = True
+    with tier.cond:  # queued before the drop: neither the prefetch thread nor forget may load it
+        tier._queue.append(dropped[2])
+    assert tier.forget(dropped, timeout=5) == 2 * ARENA
+    assert _resident(tier) == {0} and tier.used == ARENA and tier.pooled == 0  # returned, not pooled
+    assert not tier._queue and all(s.buffer is None for s in dropped)
+    try:
+        _touch(tier, dropped[0])
+    except LookupError:
+        pass
+    else:
+        raise AssertionError("a dropped shard was pinned")
     tier.close()

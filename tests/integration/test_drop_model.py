@@ -1,0 +1,180 @@
+"""`ps-admin drop`: a model leaves a daemon for good (RAM, arena file, record, versions
+record) while the daemon serves its other models bit for bit; a pull waiting on it ends with
+NOT_FOUND at once; the name can be registered again; a damaged model is dropped by deleting
+its files; and without --yes on a non-terminal nothing is dropped."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.proto import ps_pb2
+from ps_offload.trainer.client import DaemonClient
+from tests.integration.test_bad_input import _bytes, _spec
+from tests.ps_admin.test_cli import admin_json, run_admin
+
+SHARD_SIZES = (1024, 1024, 952)  # _spec's plan
+
+
+def _fill(client: DaemonClient, name: str, offset: float) -> None:
+    client.register(_spec(model=name), 0, timeout=10)
+    for shard_id, n in enumerate(SHARD_SIZES):
+        values = torch.arange(n, dtype=torch.float32) + offset + shard_id
+        client.push(name, shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(values), lr=None, timeout=10)
+    ack = client.push(name, 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=None, timeout=10)
+    assert ack.version == 1
+
+
+def _pulled(client: DaemonClient, name: str, shard_id: int = 0, min_version: int = 1) -> torch.Tensor:
+    out = torch.empty(SHARD_SIZES[shard_id])
+    client.pull_into(name, shard_id, min_version=min_version, out=_bytes(out), timeout=10)
+    return out
+
+
+def _files_of(nvme, name: str) -> list[str]:
+    return sorted(p.name for p in nvme.iterdir() if p.name.startswith(f"{name}."))
+
+
+def test_drop_frees_the_model_and_leaves_the_others_untouched(tmp_path):
+    nvme = tmp_path / "nvme"
+    daemon = LocalDaemon(tmp_path / "d", "--nvme-dir", str(nvme))
+    try:
+        client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+        _fill(client, "kept", 0.0)
+        _fill(client, "gone", 100.0)
+        kept_before = _pulled(client, "kept")
+
+        refused = run_admin("drop", "gone", "--daemon", daemon.address)  # stdin is not a terminal
+        assert refused.returncode == 2 and "pass --yes" in refused.stderr
+        assert torch.equal(_pulled(client, "gone"), torch.arange(1024, dtype=torch.float32) + 100.0 - 0.1)
+
+        # A pull waiting for a version that would never come ends as soon as the model goes.
+        waited: list[BaseException] = []
+        waiting = threading.Thread(
+            target=lambda: waited.append(_raised(lambda: _pulled(client, "gone", shard_id=1, min_version=5)))
+        )
+        waiting.start()
+        while admin_json("stats", "--daemon", daemon.address)["pulls_waiting"] != 1:  # each asks anew
+            assert waiting.is_alive(), waited
+
+        dropped = run_admin("drop", "gone", "--daemon", daemon.address, "--yes")
+        assert dropped.returncode == 0, dropped.stderr
+        assert f"dropped model 'gone' on {daemon.address}: 3 shards" in dropped.stdout
+        waiting.join(timeout=30)
+        assert not waiting.is_alive()
+        (error,) = waited
+        assert error.code() == grpc.StatusCode.NOT_FOUND and "dropped" in error.details()
+
+        assert _files_of(nvme, "gone") == []
+        assert [row["model"] for row in admin_json("models", "--daemon", daemon.address)] == ["kept"]
+        with pytest.raises(grpc.RpcError) as info:
+            _pulled(client, "gone")
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert torch.equal(_pulled(client, "kept"), kept_before)
+
+        again = run_admin("drop", "gone", "--daemon", daemon.address, "--yes")
+        assert again.returncode == 1 and "NOT_FOUND" in again.stderr and "Traceback" not in again.stderr
+
+        _fill(client, "gone", 7.0)  # the name is free: a new model, from its own values
+        assert torch.equal(_pulled(client, "gone"), torch.arange(1024, dtype=torch.float32) + 7.0 - 0.1)
+        client.close()
+    finally:
+        assert daemon.stop() == 0
+    restarted = LocalDaemon(tmp_path / "r", "--nvme-dir", str(nvme))
+    try:
+        client = DaemonClient(restarted.address, max_message_bytes=8 << 20)
+        assert torch.equal(_pulled(client, "gone"), torch.arange(1024, dtype=torch.float32) + 7.0 - 0.1)
+        assert torch.equal(_pulled(client, "kept"), kept_before)
+        client.close()
+    finally:
+        restarted.kill()
+
+
+def _raised(call) -> BaseException | None:
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc
+    return None
+
+
+def test_a_damaged_model_is_dropped_by_deleting_its_files(tmp_path):
+    nvme = tmp_path / "nvme"
+    first = LocalDaemon(tmp_path / "a", "--nvme-dir", str(nvme))
+    try:
+        client = DaemonClient(first.address, max_message_bytes=8 << 20)
+        _fill(client, "bad", 0.0)
+        client.close()
+    finally:
+        assert first.stop() == 0
+    (nvme / "bad.json").write_text("{ not a record")
+    daemon = LocalDaemon(tmp_path / "b", "--nvme-dir", str(nvme))
+    try:
+        dropped = run_admin("drop", "bad", "--daemon", daemon.address, "--yes")
+        assert dropped.returncode == 0, dropped.stderr
+        assert "dropped damaged model 'bad'" in dropped.stdout
+        assert _files_of(nvme, "bad") == []
+        assert admin_json("models", "--daemon", daemon.address) == []
+        client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+        _fill(client, "bad", 3.0)  # registered anew: it was refused while its files were there
+        client.close()
+    finally:
+        daemon.kill()
+
+
+def test_ram_only_drop_returns_the_memory(tmp_path):
+    daemon = LocalDaemon(tmp_path / "d")
+    try:
+        client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+        _fill(client, "m", 0.0)
+        assert admin_json("stats", "--daemon", daemon.address)["ram_bytes_used"] > 0
+        (row,) = admin_json("drop", "m", "--daemon", daemon.address, "--yes")
+        assert row["shards"] == 3 and row["ram_bytes"] > 0 and row["disk_bytes"] == 0
+        stats = admin_json("stats", "--daemon", daemon.address)
+        assert (stats["models"], stats["ram_bytes_used"]) == (0, 0)
+        client.close()
+    finally:
+        daemon.kill()
+
+
+def test_drop_while_pushes_run_ends_them_with_not_found_and_nothing_else(tmp_path):
+    """Pushes in flight or arriving during the drop end with NOT_FOUND (never INTERNAL, never
+    a traceback), whichever point of the drop they meet."""
+    nvme = tmp_path / "nvme"
+    daemon = LocalDaemon(tmp_path / "d", "--nvme-dir", str(nvme))
+    try:
+        client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+        _fill(client, "busy", 0.0)
+        started, outcomes = threading.Event(), []
+
+        def push_until_refused(shard_id: int) -> None:
+            step = 1 if shard_id == 0 else 0
+            grad = _bytes(torch.ones(SHARD_SIZES[shard_id]))
+            while True:
+                try:
+                    client.push("busy", shard_id, step=step, kind=ps_pb2.GRADIENT, data=grad, lr=None, timeout=30)
+                except grpc.RpcError as exc:
+                    outcomes.append(exc)
+                    return
+                step += 1
+                started.set()
+
+        pushers = [threading.Thread(target=push_until_refused, args=(i,)) for i in range(3)]
+        for pusher in pushers:
+            pusher.start()
+        assert started.wait(60)
+        dropped = run_admin("drop", "busy", "--daemon", daemon.address, "--yes")
+        assert dropped.returncode == 0, dropped.stderr
+        for pusher in pushers:
+            pusher.join(timeout=60)
+        assert [exc.code() for exc in outcomes] == [grpc.StatusCode.NOT_FOUND] * 3, [e.details() for e in outcomes]
+        assert _files_of(nvme, "busy") == []
+        assert "Traceback" not in daemon.log()
+        assert run_admin("health", "--daemon", daemon.address).returncode == 0
+        client.close()
+    finally:
+        daemon.kill()
