@@ -8,6 +8,8 @@
     ps-admin export   --out FILE [--model NAME] [--format safetensors] [--daemon ADDR ...] [--json]
     ps-admin health   [--daemon ADDR ...] [--json]
     ps-admin evict ID... / prefetch ID... [--model NAME] [--daemon ADDR]
+    ps-admin drop MODEL [--daemon ADDR ...] [--yes]
+    ps-admin snapshot take|list|delete|restore ...   (snapshot_cli.py)
 
 The commands only: calls are in client.py, dicts and tables in views.py, the export in
 export.py. A failed RPC becomes one line on stderr and exit code 1; usage errors exit 2.
@@ -29,30 +31,27 @@ from rich.progress import Progress
 
 from ps_offload.admin import client, views
 from ps_offload.admin.client import AdminError
+from ps_offload.admin.options import (
+    DEFAULT_DAEMON,
+    DaemonOpt,
+    DaemonsOpt,
+    JsonOpt,
+    ModelOpt,
+    ShardIds,
+    TimeoutOpt,
+    fail,
+    unique_daemons,
+)
+from ps_offload.admin.snapshot_cli import snapshot_app
 from ps_offload.admin.views import SortKey, Tier
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.security import ClientSecurity
 
-DEFAULT_DAEMON = "127.0.0.1:50051"
 T = TypeVar("T")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect running ps-daemons.")
-
-_DAEMON_HELP = f"host:port of a daemon. Default: $PS_DAEMON or {DEFAULT_DAEMON}."
-DaemonsOpt = Annotated[Optional[list[str]], typer.Option(envvar="PS_DAEMON", help=_DAEMON_HELP + " Repeatable.")]
-DaemonOpt = Annotated[Optional[str], typer.Option(envvar="PS_DAEMON", help=_DAEMON_HELP)]
-ModelOpt = Annotated[Optional[str], typer.Option(help="Model name (default: every model / the only one).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of a table.")]
-TimeoutOpt = Annotated[float, typer.Option(min=0.1, help="Deadline of each RPC, in seconds.")]
-ShardIds = Annotated[list[int], typer.Argument(min=0, max=2**32 - 1, help="Shard ids.")]
-
-
-def _fail(message: str) -> None:
-    typer.echo(f"ps-admin: {message}", err=True)
-
-
-def _unique(daemons: list[str] | None) -> list[str]:
-    return list(dict.fromkeys(daemons or [DEFAULT_DAEMON]))
+app.add_typer(snapshot_app, name="snapshot")
+_fail, _unique = fail, unique_daemons
 
 
 def _each_daemon(daemons: list[str], fetch: Callable[[str], T]) -> tuple[list[tuple[str, T]], bool]:

@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.proto import codec, ps_pb2, ps_pb2_grpc
-from ps_offload.proto.channel import method_path
+from ps_offload.proto.channel import CHUNK_BYTES, method_path
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.pull import PullStreamError, read_pull_stream
 from ps_offload.proto.security import ClientSecurity
@@ -133,23 +133,84 @@ def resolve_model(daemon: str, model: str | None, timeout: float) -> str:
 
 def pull_shard(daemon: str, model: str, s: ShardSlice, min_version: int, timeout: float) -> tuple[bytearray, int]:
     """A shard's master values (fp32 bytes), over ParameterServer.Pull, and the version read."""
+    request = ps_pb2.PullRequest(model=model, shard_id=s.shard_id, min_version=min_version, tensor=ps_pb2.MASTER)
+    return pull(daemon, request, s.numel, timeout)
+
+
+def pull(daemon: str, request: ps_pb2.PullRequest, numel: int, timeout: float) -> tuple[bytearray, int]:
+    """One fp32 tensor of a shard (`numel` values) as `request` asks, and the version read."""
+    what = f"shard {request.shard_id}" + (f" of snapshot {request.snapshot!r}" if request.snapshot else "")
     try:
         with channel(daemon) as ch:
-            pull = ch.unary_stream(
+            stream = ch.unary_stream(
                 method_path("ParameterServer", "Pull"),
                 request_serializer=ps_pb2.PullRequest.SerializeToString,
                 response_deserializer=codec.pull_chunks.decode,
             )
-            request = ps_pb2.PullRequest(
-                model=model, shard_id=s.shard_id, min_version=min_version, tensor=ps_pb2.MASTER
-            )
-            out = bytearray(s.numel * 4)
-            version = read_pull_stream(pull(request, timeout=timeout), out, what=f"shard {s.shard_id}")
+            out = bytearray(numel * 4)
+            version = read_pull_stream(stream(request, timeout=timeout), out, what=what)
     except grpc.RpcError as exc:
-        raise admin_error(daemon, f"pull of shard {s.shard_id} of model {model!r}", exc) from None
+        raise admin_error(daemon, f"pull of {what} of model {request.model!r}", exc) from None
     except PullStreamError as exc:
         raise AdminError(str(exc)) from None
     return out, version
+
+
+def register(daemon: str, spec: ps_pb2.ModelSpec, index: int, timeout: float) -> ps_pb2.RegisterModelResponse:
+    request = ps_pb2.RegisterModelRequest(spec=spec, daemon_index=index)
+    try:
+        with channel(daemon) as ch:
+            return ps_pb2_grpc.ParameterServerStub(ch).RegisterModel(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        raise admin_error(daemon, f"registration of model {spec.model!r}", exc) from None
+
+
+def push_state(daemon: str, model: str, shard_id: int, step: int, data: memoryview, timeout: float) -> bool:
+    """A STATE push (a shard's master and optimizer state at `step`); whether it was applied
+    (False: the shard held that state already)."""
+    header = ps_pb2.PushHeader(
+        model=model, shard_id=shard_id, step=step, kind=ps_pb2.STATE, encoding=ps_pb2.RAW, dtype=ps_pb2.FLOAT32,
+        nbytes=len(data),
+    )  # fmt: skip
+
+    def chunks() -> Iterator[bytes]:
+        yield codec.push_chunks.encode(header, data[:CHUNK_BYTES])
+        for start in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
+            yield codec.push_chunks.encode(None, data[start : start + CHUNK_BYTES])
+
+    try:
+        with channel(daemon) as ch:
+            push = ch.stream_unary(
+                method_path("ParameterServer", "Push"),
+                request_serializer=_identity,
+                response_deserializer=ps_pb2.PushResponse.FromString,
+            )
+            return push(chunks(), timeout=timeout).applied
+    except grpc.RpcError as exc:
+        raise admin_error(daemon, f"restore of shard {shard_id} of model {model!r}", exc) from None
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def create_snapshot(daemon: str, model: str, name: str, step: int, timeout: float) -> ps_pb2.SnapshotInfo:
+    request = ps_pb2.CreateSnapshotRequest(model=model, name=name, step=step, wait_seconds=max(timeout - 2.0, 1.0))
+    return rpc(
+        daemon, f"snapshot {name!r} of model {model!r}", lambda stub: stub.CreateSnapshot(request, timeout=timeout)
+    )
+
+
+def list_snapshots(daemon: str, model: str, timeout: float) -> list[ps_pb2.SnapshotInfo]:
+    request = ps_pb2.ListSnapshotsRequest(model=model)
+    what = f"snapshots of model {model!r}"
+    return list(rpc(daemon, what, lambda stub: stub.ListSnapshots(request, timeout=timeout)).snapshots)
+
+
+def delete_snapshot(daemon: str, model: str, name: str, timeout: float) -> ps_pb2.SnapshotInfo:
+    request = ps_pb2.DeleteSnapshotRequest(model=model, name=name)
+    what = f"deleting snapshot {name!r} of model {model!r}"
+    return rpc(daemon, what, lambda stub: stub.DeleteSnapshot(request, timeout=timeout))
 
 
 def check_health(address: str, service: str, timeout: float) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from ps_offload.proto.plan import ParamLayout, ShardSlice, segments_of
 FORMATS = ("safetensors",)
 
 
-def _owners(model: str, daemons: list[str], timeout: float) -> tuple[ps_pb2.ModelInfo, list[str]]:
+def owners(model: str, daemons: list[str], timeout: float) -> tuple[ps_pb2.ModelInfo, list[str]]:
     """The model's info and the address of every daemon of its plan: each daemon named
     answers which index it is; the others are taken from the spec's daemon list."""
     infos = [(d, client.get_model(d, model, timeout)) for d in daemons]
@@ -80,7 +80,7 @@ def export_model(
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Pulls every shard of `model` from the daemons that own it and reassembles each
     parameter with its shape. Returns the tensors and safetensors metadata."""
-    info, addresses = _owners(model, daemons, timeout)
+    info, addresses = owners(model, daemons, timeout)
     plan = [ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel) for s in info.shards]
     layouts = [ParamLayout(i, p.name, tuple(p.shape), p.offset, p.numel, None) for i, p in enumerate(info.params)]
     low, high = _common_version(model, addresses, daemons, plan, timeout)

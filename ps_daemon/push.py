@@ -40,7 +40,7 @@ from ps_offload.daemon.spec import MAX_LR, MAX_WEIGHT_DECAY, check_number
 if TYPE_CHECKING:
     from ps_offload.daemon.shard import Shard
 
-KINDS = ("gradient", "parameters", "momentum", "gradient_part", "apply")
+KINDS = ("gradient", "parameters", "momentum", "gradient_part", "apply", "state")
 # A part is added to an fp32 sum: it travels as values (RAW) or as halves widened exactly. The
 # compressed encodings are for whole gradients (their error feedback is the trainer's, per push).
 PART_ENCODINGS = ("raw", "bf16", "fp16")
@@ -82,13 +82,14 @@ class PushRequest:
                 f"{where}: dtype {self.dtype} is not accepted; send float32 (a gradient may travel as "
                 "bf16 or fp16 with encoding BF16 or FP16)"
             )
-        if self.kind == "parameters" and self.encoding != "raw":
+        what = {"parameters": "initial PARAMETERS", "state": "a STATE"}.get(self.kind)
+        if what and self.encoding != "raw":
             raise InvalidArgument(
-                f"{where}: initial PARAMETERS must be RAW float32 (they are the master values), "
+                f"{where}: {what} must be RAW float32 (master values and optimizer state are kept exactly), "
                 f"got encoding {self.encoding.upper()}; only gradients may be compressed"
             )
-        if self.kind == "parameters" and self.compressed:
-            raise InvalidArgument(f"{where}: initial parameters must be RAW float32")
+        if what and self.compressed:
+            raise InvalidArgument(f"{where}: {what} must be RAW float32")
         if self.lr is not None:
             problem = check_number(self.lr, "lr", low=0.0, high=MAX_LR)
             if problem:
@@ -187,6 +188,9 @@ class PushRequest:
             _check_groups(self.groups, shard.optimizer, f"{where} of model {shard.model!r}")
         if self.kind == "apply":  # no payload (checked on building)
             return
+        numel = self.payload_numel(shard)
+        if self.kind == "state":
+            where += f" (a STATE: the master and {numel // shard.slice.numel - 1} optimizer state tensors)"
         if data is None:
             check_size(self.encoding, self.nbytes or 0, numel, where)
         elif self.compressed:
@@ -194,6 +198,25 @@ class PushRequest:
                 raise InvalidArgument(f"{where}: got {data.numel} elements, expected {numel}")
         elif data.dtype != torch.float32 or data.numel() != numel:
             raise InvalidArgument(f"{where}: got {data.numel()} {data.dtype}, expected {numel} float32")
+
+    def payload_numel(self, shard: Shard) -> int:
+        """fp32 values the payload holds: the shard's numel, times 1 + its optimizer's state
+        tensors for a STATE push."""
+        numel = shard.slice.numel
+        return numel * (1 + shard.optimizer.config.state_per_param) if self.kind == "state" else numel
+
+    def check_state(self, shard: Shard) -> None:
+        """A STATE push's values (after check_shard): AdamW's second moment must be >= 0 (its
+        square root is taken), or the restored shard's next step would be NaN."""
+        if self.kind != "state" or not isinstance(shard.optimizer.config, AdamWConfig):
+            return
+        numel = shard.slice.numel
+        exp_avg_sq = self.data[2 * numel : 3 * numel]
+        if not bool((exp_avg_sq >= 0).all()):
+            raise InvalidArgument(
+                f"{self.where}: the STATE's exp_avg_sq (its third {numel} values) has negative or NaN values; "
+                "AdamW's second moment is >= 0"
+            )
 
     def values(self, borrow: Callable[[], torch.Tensor]) -> torch.Tensor | OneBitGradient:
         """What the optimizer takes (after check_shard): a ONEBIT momentum as it is (its fused
@@ -277,6 +300,15 @@ def check_step_locked(shard: Shard, push: PushRequest) -> PushResult | None:
     """Under shard.cond: the acknowledgement of a push applied before, None for one to apply
     now; raises for one that cannot be applied yet (or any more)."""
     sid, step = shard.slice.shard_id, push.step
+    if push.kind == "state":
+        if shard.initialized and shard.version == step and step > 0:
+            return PushResult(applied=False, version=shard.version)  # a retry of this state
+        if shard.version > 0:
+            raise FailedPrecondition(
+                f"shard {sid} has had {shard.version} updates; a STATE (a restore) can only be pushed to a shard "
+                "with none: register the model afresh to restore it"
+            )
+        return None
     if push.kind == "parameters":
         if shard.version > 0:
             raise FailedPrecondition(

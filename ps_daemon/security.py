@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 
 # The calls that change a daemon's state from the operator's side; under require_token =
 # "admin" only these need the token (the data path and the read-only views stay open).
-STATE_CHANGING = frozenset(method_path("Admin", name) for name in ("Evict", "Load", "DropModel"))
+STATE_CHANGING = frozenset(
+    method_path("Admin", name) for name in ("Evict", "Load", "DropModel", "CreateSnapshot", "DeleteSnapshot")
+)
 _OPEN = "/grpc.health.v1.Health/"
 
 

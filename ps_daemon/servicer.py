@@ -8,6 +8,7 @@ says why). Every other method uses the generated message classes.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterable, Iterator
 
 import grpc
@@ -15,7 +16,7 @@ import torch
 
 from ps_offload.daemon import wire
 from ps_offload.daemon.buffers import StagingPool
-from ps_offload.daemon.errors import InvalidArgument
+from ps_offload.daemon.errors import InvalidArgument, ResourceExhausted
 from ps_offload.daemon.pull_wait import PullWaits
 from ps_offload.daemon.rpc_errors import Undecodable, grpc_errors, grpc_errors_stream
 from ps_offload.daemon.store import ShardStore
@@ -101,6 +102,13 @@ class ParameterServerServicer:
         return ps_pb2.PrefetchResponse(accepted=self.store.prefetch(request.model, list(request.shard_ids)))
 
 
+def _snapshot_info(model: str, info) -> ps_pb2.SnapshotInfo:
+    return ps_pb2.SnapshotInfo(
+        model=model, name=info.name, step=info.step, created_unix=info.created, shards=info.shards,
+        bytes=info.bytes, complete=info.complete, damaged=info.damaged,
+    )  # fmt: skip
+
+
 def _check_chunk(chunk: codec.Chunk | codec.CodecError) -> codec.Chunk:
     if isinstance(chunk, codec.CodecError):
         raise InvalidArgument(f"malformed PushChunk: {chunk}")
@@ -112,9 +120,14 @@ def _chain_first(first: codec.Chunk, rest: Iterator[codec.Chunk]) -> Iterator[co
     yield from rest
 
 
+# CreateSnapshot calls waiting for their step at once: each holds an RPC thread meanwhile.
+SNAPSHOTS_AT_ONCE = 2
+
+
 class AdminServicer:
     def __init__(self, store: ShardStore, pull_waits: PullWaits | None = None) -> None:
         self.store = store
+        self._snapshot_waits = threading.BoundedSemaphore(SNAPSHOTS_AT_ONCE)
         self.pull_waits = pull_waits  # the ParameterServer's, for Stats
 
     @grpc_errors
@@ -160,6 +173,38 @@ class AdminServicer:
             for name, why in sorted(self.store.damaged.items())
         ]
         return ps_pb2.ListModelsResponse(models=infos)
+
+    @grpc_errors
+    def CreateSnapshot(self, request: ps_pb2.CreateSnapshotRequest, context: grpc.ServicerContext):
+        if not request.model or not request.name:
+            raise InvalidArgument("CreateSnapshot needs a model and a snapshot name")
+        wait = request.wait_seconds or 600.0
+        if not 0 < wait <= 86400:
+            raise InvalidArgument(f"CreateSnapshot: wait_seconds must be in (0, 86400], got {request.wait_seconds}")
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait = min(wait, max(remaining - 1.0, 0.1))  # answer before the caller's deadline
+        if not self._snapshot_waits.acquire(blocking=False):
+            raise ResourceExhausted(
+                f"{SNAPSHOTS_AT_ONCE} snapshots are being taken on this daemon already (each holds an RPC thread while "
+                "it waits for its step); try again when one is done"
+            )
+        try:
+            left = threading.Event()  # the caller cancelled or its deadline passed: stop waiting
+            context.add_callback(lambda: (left.set(), self.store.wake_snapshots(request.model)))
+            info = self.store.create_snapshot(request.model, request.name, request.step, timeout=wait, caller_left=left)
+        finally:
+            self._snapshot_waits.release()
+        return _snapshot_info(request.model, info)
+
+    @grpc_errors
+    def ListSnapshots(self, request: ps_pb2.ListSnapshotsRequest, context: grpc.ServicerContext):
+        infos = self.store.list_snapshots(request.model)
+        return ps_pb2.ListSnapshotsResponse(snapshots=[_snapshot_info(request.model, i) for i in infos])
+
+    @grpc_errors
+    def DeleteSnapshot(self, request: ps_pb2.DeleteSnapshotRequest, context: grpc.ServicerContext):
+        return _snapshot_info(request.model, self.store.delete_snapshot(request.model, request.name))
 
     @grpc_errors
     def DropModel(self, request: ps_pb2.DropModelRequest, context: grpc.ServicerContext):
@@ -268,6 +313,9 @@ def admin_handler(servicer: AdminServicer) -> grpc.GenericRpcHandler:
             "ListModels": _unary(servicer.ListModels, ps_pb2.ListModelsRequest, ps_pb2.ListModelsResponse),
             "GetModel": _unary(servicer.GetModel, ps_pb2.GetModelRequest, ps_pb2.ModelInfo),
             "DropModel": _unary(servicer.DropModel, ps_pb2.DropModelRequest, ps_pb2.DropModelResponse),
+            "CreateSnapshot": _unary(servicer.CreateSnapshot, ps_pb2.CreateSnapshotRequest, ps_pb2.SnapshotInfo),
+            "ListSnapshots": _unary(servicer.ListSnapshots, ps_pb2.ListSnapshotsRequest, ps_pb2.ListSnapshotsResponse),
+            "DeleteSnapshot": _unary(servicer.DeleteSnapshot, ps_pb2.DeleteSnapshotRequest, ps_pb2.SnapshotInfo),
             "Verify": grpc.unary_stream_rpc_method_handler(
                 servicer.Verify,
                 request_deserializer=Undecodable.decoder(ps_pb2.VerifyRequest),

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ps_offload.daemon import inspect
+from ps_offload.daemon import inspect, snapshot
 from ps_offload.daemon.accumulate import add_part
 from ps_offload.daemon.drop import Dropped, release_sums, stop_using
 from ps_offload.daemon.encodings import OneBitGradient
@@ -373,8 +373,10 @@ class ShardStore:
                 return result
             # Outside the shard's lock: the payload and the buffer are this push's own.
             data = None if push.kind == "apply" else push.values(borrow)
-            if push.kind != "parameters":
-                self.prefetcher.pushed(shard, push.step, lambda: self._models[shard.model].shards)
+            push.check_state(shard)
+            if push.kind not in ("parameters", "state"):
+                # (.get: the model may have been dropped since; its shards then end NOT_FOUND below)
+                self.prefetcher.pushed(shard, push.step, lambda: getattr(self._models.get(shard.model), "shards", {}))
             with self._using(shard), shard.writing_lock(), shard.parts.lock:
                 # Re-checked under the lock: a retry may have raced the first attempt.
                 ack = check_step_locked(shard, push)
@@ -385,6 +387,9 @@ class ShardStore:
                 if push.kind == "parameters":
                     shard.master.copy_(data)
                     shard.initialized = True
+                    commit(self.files, shard)
+                elif push.kind == "state":
+                    _restore_state(shard, data, push.step)
                     commit(self.files, shard)
                 else:
                     if push.kind == "apply":
@@ -527,9 +532,48 @@ class ShardStore:
         log.warning("model %r dropped: %d shards, %d bytes of RAM and %d of files freed", name, len(shards), ram, disk)
         return Dropped(len(shards), disk, ram, was_damaged=False)
 
+    # -- snapshots (ps_daemon.snapshot) ------------------------------------------------------
+
+    def create_snapshot(
+        self, model: str, name: str, step: int, *, timeout: float, caller_left: threading.Event | None = None
+    ) -> snapshot.SnapshotInfo:
+        shard_ids = set(self.model(model).shards)
+        return snapshot.take(self.files, model, name, step, shard_ids, timeout, caller_left)
+
+    def wake_snapshots(self, model: str) -> None:
+        snapshot.wake(self.files, model)
+
+    def list_snapshots(self, model: str) -> list[snapshot.SnapshotInfo]:
+        self.model(model)  # NotFound for a model not here
+        return snapshot.listed(self.files, model)
+
+    def delete_snapshot(self, model: str, name: str) -> snapshot.SnapshotInfo:
+        self.model(model)
+        return snapshot.delete(self.files, model, name)
+
+    def pull_snapshot(self, model: str, shard_id: int, name: str, tensor: str = "master") -> tuple[torch.Tensor, int]:
+        """(`tensor` of the shard as snapshot `name` holds it, the snapshot's step): a copy of
+        this pull's own, read from the snapshot's slot."""
+        shard = self.shard(model, shard_id)
+        shard.check_tensor(tensor)
+        values, step = snapshot.read_tensor(self.files, shard, name, tensor)
+        with self._lock:
+            self.stats.pulls += 1
+            self.stats.bytes_pulled += values.numel() * 4
+        return values, step
+
     def close(self) -> None:
         if self.tier is not None:
             self.tier.close()
+
+
+def _restore_state(shard: Shard, values: torch.Tensor, step: int) -> None:
+    """A STATE push, under the shard's write hold: master and optimizer state from `values`
+    (checked by the push), the shard at version `step`."""
+    numel = shard.slice.numel
+    for index, tensor in enumerate([shard.master, *shard.optimizer.state]):
+        tensor.copy_(values[index * numel : (index + 1) * numel])
+    shard.set_version(step, initialized=True)
 
 
 @contextlib.contextmanager

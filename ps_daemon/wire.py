@@ -28,6 +28,7 @@ PUSH_KINDS = {
     ps_pb2.MOMENTUM: "momentum",
     ps_pb2.GRADIENT_PART: "gradient_part",
     ps_pb2.APPLY: "apply",
+    ps_pb2.STATE: "state",
 }
 ENCODING_NAMES = {
     ps_pb2.RAW: "raw",
@@ -133,7 +134,7 @@ def apply_push(
     must be decompressed first gets a buffer from `staging`."""
     if push.kind != "apply":
         shard = store.shard(push.model, push.shard_id)
-        push = push.with_data(parse(push.encoding, payload, push.nbytes, shard.slice.numel, push.where))
+        push = push.with_data(parse(push.encoding, payload, push.nbytes, push.payload_numel(shard), push.where))
     result = store.push(push, scratch=staging.borrow)
     return ps_pb2.PushResponse(applied=result.applied, version=result.version)
 
@@ -149,7 +150,14 @@ def pull_bytes(
 ) -> Iterator[tuple[ps_pb2.ShardHeader, memoryview]]:
     """Holds a pull for the block: yields its ShardHeader and the bytes to send after it.
     fp32: the shard's own bytes, under its read hold for the whole send; bf16 or fp16: a copy
-    rounded under that hold into a buffer from `staging`. Either way, one version."""
+    rounded under that hold into a buffer from `staging`. Either way, one version. With
+    `request.snapshot`: the snapshot's copy, read from its slot (fp32 only)."""
+    if request.snapshot:
+        if pull_dtype(request) != "float32":
+            raise InvalidArgument(f"pull of shard {request.shard_id} from snapshot {request.snapshot!r}: FLOAT32 only")
+        values, step = store.pull_snapshot(request.model, request.shard_id, request.snapshot, pull_tensor(request))
+        yield shard_header(request.model, request.shard_id, step, values), tensor_bytes(values)
+        return
     held = store.pull(
         request.model,
         request.shard_id,

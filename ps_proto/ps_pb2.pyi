@@ -31,6 +31,7 @@ class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MOMENTUM: _ClassVar[PushKind]
     GRADIENT_PART: _ClassVar[PushKind]
     APPLY: _ClassVar[PushKind]
+    STATE: _ClassVar[PushKind]
 
 class ShardTensor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -60,6 +61,7 @@ PARAMETERS: PushKind
 MOMENTUM: PushKind
 GRADIENT_PART: PushKind
 APPLY: PushKind
+STATE: PushKind
 MASTER: ShardTensor
 EXP_AVG: ShardTensor
 EXP_AVG_SQ: ShardTensor
@@ -169,18 +171,20 @@ class RegisterModelResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., created: _Optional[bool] = ..., shard_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., nvme_tier: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "shard_id", "min_version", "tensor", "dtype")
+    __slots__ = ("model", "shard_id", "min_version", "tensor", "dtype", "snapshot")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     model: str
     shard_id: int
     min_version: int
     tensor: ShardTensor
     dtype: DType
-    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., min_version: _Optional[int] = ..., tensor: _Optional[_Union[ShardTensor, str]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    snapshot: str
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., min_version: _Optional[int] = ..., tensor: _Optional[_Union[ShardTensor, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., snapshot: _Optional[str] = ...) -> None: ...
 
 class ShardHeader(_message.Message):
     __slots__ = ("model", "shard_id", "version", "numel", "dtype")
@@ -429,6 +433,58 @@ class GetModelRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     model: str
     def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class CreateSnapshotRequest(_message.Message):
+    __slots__ = ("model", "name", "step", "wait_seconds")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    name: str
+    step: int
+    wait_seconds: float
+    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., step: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class ListSnapshotsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class DeleteSnapshotRequest(_message.Message):
+    __slots__ = ("model", "name")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    name: str
+    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class SnapshotInfo(_message.Message):
+    __slots__ = ("model", "name", "step", "created_unix", "shards", "bytes", "complete", "damaged")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    name: str
+    step: int
+    created_unix: float
+    shards: int
+    bytes: int
+    complete: bool
+    damaged: str
+    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., step: _Optional[int] = ..., created_unix: _Optional[float] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., damaged: _Optional[str] = ...) -> None: ...
+
+class ListSnapshotsResponse(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
 
 class DropModelRequest(_message.Message):
     __slots__ = ("model",)

@@ -293,6 +293,21 @@ class AdminStub:
                 request_serializer=ps__offload_dot_proto_dot_ps__pb2.DropModelRequest.SerializeToString,
                 response_deserializer=ps__offload_dot_proto_dot_ps__pb2.DropModelResponse.FromString,
                 _registered_method=True)
+        self.CreateSnapshot = channel.unary_unary(
+                '/ps.v1.Admin/CreateSnapshot',
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.CreateSnapshotRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.SnapshotInfo.FromString,
+                _registered_method=True)
+        self.ListSnapshots = channel.unary_unary(
+                '/ps.v1.Admin/ListSnapshots',
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.ListSnapshotsRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.ListSnapshotsResponse.FromString,
+                _registered_method=True)
+        self.DeleteSnapshot = channel.unary_unary(
+                '/ps.v1.Admin/DeleteSnapshot',
+                request_serializer=ps__offload_dot_proto_dot_ps__pb2.DeleteSnapshotRequest.SerializeToString,
+                response_deserializer=ps__offload_dot_proto_dot_ps__pb2.SnapshotInfo.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -366,6 +381,31 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateSnapshot(self, request, context):
+        """Snapshots on the NVMe tier (FAILED_PRECONDITION without one): this daemon's shards of a
+        model at one step, kept by pinning the slots that hold that version (no copy). Create
+        answers once every shard here has committed `step` (at once for those there already),
+        or DEADLINE_EXCEEDED after `wait_seconds` with the snapshot cancelled; a shard already
+        past `step` is FAILED_PRECONDITION. A model on several daemons is snapshotted on each
+        (ps-admin snapshot). Pull a snapshot's tensors with PullRequest.snapshot. Create and
+        Delete need the token whenever auth.token_file is set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSnapshots(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -413,6 +453,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.DropModel,
                     request_deserializer=ps__offload_dot_proto_dot_ps__pb2.DropModelRequest.FromString,
                     response_serializer=ps__offload_dot_proto_dot_ps__pb2.DropModelResponse.SerializeToString,
+            ),
+            'CreateSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSnapshot,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.CreateSnapshotRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.SnapshotInfo.SerializeToString,
+            ),
+            'ListSnapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSnapshots,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.ListSnapshotsRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.ListSnapshotsResponse.SerializeToString,
+            ),
+            'DeleteSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSnapshot,
+                    request_deserializer=ps__offload_dot_proto_dot_ps__pb2.DeleteSnapshotRequest.FromString,
+                    response_serializer=ps__offload_dot_proto_dot_ps__pb2.SnapshotInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -659,6 +714,87 @@ class Admin:
             '/ps.v1.Admin/DropModel',
             ps__offload_dot_proto_dot_ps__pb2.DropModelRequest.SerializeToString,
             ps__offload_dot_proto_dot_ps__pb2.DropModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/CreateSnapshot',
+            ps__offload_dot_proto_dot_ps__pb2.CreateSnapshotRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.SnapshotInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/ListSnapshots',
+            ps__offload_dot_proto_dot_ps__pb2.ListSnapshotsRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.ListSnapshotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/DeleteSnapshot',
+            ps__offload_dot_proto_dot_ps__pb2.DeleteSnapshotRequest.SerializeToString,
+            ps__offload_dot_proto_dot_ps__pb2.SnapshotInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,7 +52,9 @@ import torch
 
 from ps_offload.daemon.spec import ModelSpec, spec_from_dict, spec_to_dict
 from ps_offload.daemon.tiers.direct_io import FAULT_ENV as FAULT_ENV  # tests import it from here, as before
-from ps_offload.daemon.tiers.direct_io import PAGE, DirectIO, aligned_empty, round_up
+from ps_offload.daemon.tiers.direct_io import PAGE, DirectIO, aligned_empty
+from ps_offload.daemon.tiers.model_file import FileLayout, ModelFile
+from ps_offload.daemon.tiers.model_file import NoFreeSlot as NoFreeSlot  # persistence imports it from here
 from ps_offload.daemon.tiers.slot_header import (
     FORMAT_VERSION,
     READABLE_FORMATS,
@@ -89,78 +91,6 @@ class NoCapacity(Exception):
     """A model's arena file would take the daemon past `store.nvme_bytes`."""
 
 
-class NoFreeSlot(Exception):
-    """Every slot of a model file is taken for longer than a commit should last."""
-
-
-@dataclass(frozen=True)
-class FileLayout:
-    """Where a model's slots are: `slots` of `slot_bytes` each, from offset 0."""
-
-    slot_bytes: int
-    slots: int
-
-    @classmethod
-    def for_shards(cls, arena_bytes: dict[int, int], *, spare_slots: int) -> FileLayout:
-        largest = max(arena_bytes.values(), default=0)
-        return cls(PAGE + round_up(largest), len(arena_bytes) + min(spare_slots, len(arena_bytes)))
-
-    @property
-    def size(self) -> int:
-        return self.slot_bytes * self.slots
-
-
-class ModelFile:
-    """One model's arena file: which slot holds each shard's committed version, and which
-    slots are free. `active` and `free` change under `cond`."""
-
-    def __init__(self, directory: Path, model: str, layout: FileLayout, *, create: bool) -> None:
-        self.path = directory / f"{urllib.parse.quote(model, safe='')}.arena"  # (NvmeFiles.arena_path)
-        self.floors = VersionFloors(self.path.with_suffix(".versions"))  # read by NvmeFiles.open_model
-        self.layout = layout
-        self.active: dict[int, tuple[int, SlotHeader]] = {}  # shard -> (slot, header)
-        self.free: deque[int] = deque(range(layout.slots))
-        self.cond = threading.Condition()
-        # A new file is truncated: a stale file of the same name (a crash between creating it
-        # and recording the spec) must not lend its old headers to the new model.
-        flags = os.O_RDWR | os.O_DIRECT | (os.O_CREAT | os.O_TRUNC if create else 0)
-        self.fd = os.open(self.path, flags, 0o600)
-        if create:
-            self.floors.remove()  # nor its old floors
-        if create and layout.size:
-            try:
-                os.posix_fallocate(self.fd, 0, layout.size)  # ENOSPC here, not mid-training
-            except OSError:
-                os.close(self.fd)
-                self.path.unlink(missing_ok=True)
-                raise
-
-    def offset(self, slot: int) -> int:
-        return slot * self.layout.slot_bytes
-
-    def take_slot(self, timeout: float) -> int:
-        with self.cond:
-            if not self.cond.wait_for(lambda: self.free, timeout=timeout):
-                raise NoFreeSlot(f"no free slot in {self.path.name} for {timeout:.0f}s")
-            return self.free.popleft()
-
-    def committed(self, shard_id: int, slot: int, header: SlotHeader) -> None:
-        with self.cond:
-            previous = self.active.get(shard_id)
-            self.active[shard_id] = (slot, header)
-            if previous is not None:
-                self.free.append(previous[0])
-            self.cond.notify()
-
-    def give_back(self, slot: int) -> None:
-        with self.cond:
-            self.free.append(slot)
-            self.cond.notify()
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
 class NvmeFiles:
     """The daemon's files under nvme_dir: model specs (JSON) and model arena files.
 
@@ -190,6 +120,7 @@ class NvmeFiles:
         # it has a lock of its own (held for the 4 KiB read or write only).
         self._header_region, self._header = aligned_empty(PAGE)
         self._header_lock = threading.Lock()
+        self._grow_lock = threading.Lock()
         self.bytes_written = 0  # shard bytes, counted once the write returned
         self.bytes_read = 0  # by loads and master-only reads (not verify's)
         self.master_reads = 0  # read_master calls that read a master region
@@ -269,12 +200,31 @@ class NvmeFiles:
                 damaged[urllib.parse.unquote(path.name.removesuffix(".json"))] = why
         return models
 
+    def grow(self, model: str, extra_slots: int) -> None:
+        """Adds `extra_slots` free slots to the end of a model's file (ps_daemon.tiers.snapshots),
+        then records the new slot count. Raises NoCapacity or OSError (ENOSPC) with nothing
+        changed but, at worst, blocks reserved past the recorded end."""
+        with self._grow_lock:
+            file = self.files[model]
+            layout = FileLayout(file.layout.slot_bytes, file.layout.slots + extra_slots)
+            more = layout.size - file.layout.size
+            if self.capacity and self.bytes_allocated + more > self.capacity:
+                raise NoCapacity(
+                    f"{extra_slots} more slots take {more} bytes on NVMe; store.nvme_bytes is {self.capacity} and "
+                    f"{self.bytes_allocated} are taken"
+                )
+            os.posix_fallocate(file.fd, 0, layout.size)
+            data = json.loads(self._spec_path(model).read_text())
+            data["layout"] = {"slot_bytes": layout.slot_bytes, "slots": layout.slots}
+            self._write_record(model, json.dumps(data, indent=1))
+            file.grown(layout)
+
     def delete_model(self, model: str) -> int:
         """Closes a model's file if open and deletes it, its record and its versions record
         (ps_daemon.drop: nothing may be using the file). Returns the bytes freed."""
         self.forget(model)
         arena = self.arena_path(model)
-        paths = [arena, self._spec_path(model), arena.with_suffix(".versions")]
+        paths = [arena, self._spec_path(model), arena.with_suffix(".versions"), arena.with_suffix(".snapshots")]
         paths += [p.with_name(p.name + ".tmp") for p in paths[1:]]
         freed = 0
         for path in paths:
@@ -299,10 +249,11 @@ class NvmeFiles:
         is older than its recorded floor (version_floors) cannot be trusted."""
         file = ModelFile(self.dir, spec.model, layout, create=False)
         newest: dict[int, tuple[int, SlotHeader]] = {}
+        headers: dict[int, SlotHeader | None] = {}  # every slot's, for the snapshots' check
         for slot in range(layout.slots):
             with self._header_lock:
                 self.io.read(file.fd, self._header, file.offset(slot))
-                header = SlotHeader.unpack(self._header)
+                header = headers[slot] = SlotHeader.unpack(self._header)
             if header is None or header.shard_id not in shard_ids:
                 continue
             known = newest.get(header.shard_id)
@@ -318,8 +269,11 @@ class NvmeFiles:
             )  # fmt: skip
         versions = {shard_id: header.version for shard_id, (_, header) in newest.items()}
         lost = file.floors.hold_to(versions, shard_ids, file.path.name)
+        problem = file.snapshots.load(headers, layout.slots)
+        if problem:
+            log.warning("model %r: %s; its snapshots are forgotten", spec.model, problem)
         taken = {slot for slot, _ in newest.values()}
-        file.free = deque(s for s in range(layout.slots) if s not in taken)
+        file.free = deque(s for s in range(layout.slots) if s not in taken and not file.snapshots.is_pinned(s))
         self._upgrade_record(spec.model)
         self.files[spec.model] = file
         return {shard_id: header for shard_id, (_, header) in newest.items()}, lost

@@ -21,7 +21,18 @@ from ps_offload.proto import ps_pb2
 KEPT = "kept"
 FUZZ = "fuzz"
 # Calls that never change a model's values: the fuzz may name the kept model in these.
-KEPT_READERS = {"Pull", "GetShard", "ListShards", "GetModel", "Verify", "Evict", "Load", "Prefetch", "RegisterModel"}
+KEPT_READERS = {
+    "Pull",
+    "GetShard",
+    "ListShards",
+    "GetModel",
+    "Verify",
+    "Evict",
+    "Load",
+    "Prefetch",
+    "RegisterModel",
+    "ListSnapshots",
+}
 
 _INT_BOUNDS = {
     FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),

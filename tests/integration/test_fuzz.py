@@ -50,6 +50,9 @@ UNARY = {
     "/ps.v1.Admin/ListModels": ps_pb2.ListModelsRequest,
     "/ps.v1.Admin/GetModel": ps_pb2.GetModelRequest,
     "/ps.v1.Admin/DropModel": ps_pb2.DropModelRequest,  # never of the kept model (fuzz_inputs.KEPT_READERS)
+    "/ps.v1.Admin/ListSnapshots": ps_pb2.ListSnapshotsRequest,
+    "/ps.v1.Admin/DeleteSnapshot": ps_pb2.DeleteSnapshotRequest,
+    # (CreateSnapshot waits for its step, up to the caller's deadline: tests/integration/test_snapshots.py)
 }
 STREAMING = {"/ps.v1.ParameterServer/Pull": ps_pb2.PullRequest, "/ps.v1.Admin/Verify": ps_pb2.VerifyRequest}
 

@@ -1,0 +1,119 @@
+"""`ps-admin snapshot ...`: snapshots of a model on its daemons' NVMe tiers (snapshots.py
+does the work; ps_daemon/tiers/snapshots.py says how a daemon keeps one without a copy).
+
+    ps-admin snapshot take MODEL NAME [--step S] [--daemon ADDR ...]
+    ps-admin snapshot list MODEL [--daemon ADDR ...]
+    ps-admin snapshot delete MODEL NAME [--daemon ADDR ...]
+    ps-admin snapshot restore MODEL NAME --to ADDR [--to ADDR ...] [--as NEW] [--shard-bytes N] [--daemon ADDR ...]
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from ps_offload.admin import snapshots as work
+from ps_offload.admin import views
+from ps_offload.admin.client import AdminError
+from ps_offload.admin.options import DaemonsOpt, JsonOpt, TimeoutOpt, fail, unique_daemons
+
+snapshot_app = typer.Typer(no_args_is_help=True, help="Snapshots of a model at one step, and restoring them.")
+
+ModelArg = Annotated[str, typer.Argument(help="The model.")]
+NameArg = Annotated[str, typer.Argument(help="The snapshot's name (A-Z a-z 0-9 . _ -).")]
+
+
+def _run(call) -> Any:
+    try:
+        return call()
+    except AdminError as exc:
+        fail(str(exc))
+        raise typer.Exit(1) from None
+
+
+def _table(rows: list[dict[str, Any]]) -> Table:
+    table = Table("daemon", "model", "snapshot", "step", "shards", "disk", "state")
+    for r in rows:
+        state = "DAMAGED: " + r["damaged"] if r["damaged"] else ("complete" if r["complete"] else "being taken")
+        table.add_row(
+            r["daemon"], r["model"], r["name"], str(r["step"]), str(r["shards"]), views.human_bytes(r["bytes"]), state,
+            style="red" if r["damaged"] else None,
+        )  # fmt: skip
+    return table
+
+
+def _show(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        views.print_json(rows)
+    else:
+        views.console().print(_table(rows))
+
+
+@snapshot_app.command()
+def take(
+    model: ModelArg,
+    name: NameArg,
+    step: Annotated[
+        Optional[int], typer.Option(min=0, help="The step to take (default: the highest any shard is at).")
+    ] = None,
+    daemon: DaemonsOpt = None,
+    as_json: JsonOpt = False,
+    timeout: TimeoutOpt = 600.0,
+) -> None:
+    """Snapshot a model at one step on all its daemons, while it trains (no copy of the state)."""
+    _show(_run(lambda: work.take(model, name, unique_daemons(daemon), step, timeout)), as_json)
+
+
+@snapshot_app.command("list")
+def list_(model: ModelArg, daemon: DaemonsOpt = None, as_json: JsonOpt = False, timeout: TimeoutOpt = 10.0) -> None:
+    """List a model's snapshots on each of its daemons."""
+    _show(_run(lambda: work.listing(model, unique_daemons(daemon), timeout)), as_json)
+
+
+@snapshot_app.command()
+def delete(
+    model: ModelArg, name: NameArg, daemon: DaemonsOpt = None, as_json: JsonOpt = False, timeout: TimeoutOpt = 60.0
+) -> None:
+    """Delete a snapshot on all the model's daemons; its disk goes back to the model's file."""
+    _show(_run(lambda: work.delete(model, name, unique_daemons(daemon), timeout)), as_json)
+
+
+@snapshot_app.command()
+def restore(
+    model: ModelArg,
+    name: NameArg,
+    to: Annotated[list[str], typer.Option("--to", help="A daemon to restore onto (repeat: the new daemon list).")],
+    as_name: Annotated[Optional[str], typer.Option("--as", help="Name of the restored model (default: MODEL).")] = None,
+    shard_bytes: Annotated[
+        Optional[int], typer.Option(min=4096, help="fp32 bytes per shard of the restored model (default: the same).")
+    ] = None,
+    daemon: DaemonsOpt = None,
+    as_json: JsonOpt = False,
+    timeout: TimeoutOpt = 600.0,
+) -> None:
+    """Restore a snapshot into a model registered afresh on the --to daemons (any number: the
+    plan is cut again). Training resumes there at the snapshot's step."""
+    sources = unique_daemons(daemon)
+    with views.progress_bar(total_bytes=True) as progress:
+        row = _run(
+            lambda: work.restore(
+                model,
+                name,
+                sources,
+                list(dict.fromkeys(to)),
+                new_name=as_name,
+                shard_bytes=shard_bytes,
+                timeout=timeout,
+                progress=progress,
+            )  # fmt: skip
+        )
+    if as_json:
+        views.print_json(row)
+    else:
+        typer.echo(
+            f"restored snapshot {row['snapshot']!r} of {row['from']!r} at step {row['step']} as model "
+            f"{row['model']!r} on {len(row['daemons'])} daemons: {row['shards']} shards "
+            f"({row['shards_restored']} written now), {views.human_bytes(row['bytes'])}"
+        )
