@@ -128,8 +128,8 @@ class AuthConfig:
     Re-read on SIGHUP. Empty: no token."""
     require_token: str = "admin"
     """Which calls need the token when token_file is set: "admin" (the Admin calls that
-    change state: Evict, Load, DropModel, CreateSnapshot, DeleteSnapshot) or "all" (every call but health checks, including the data
-    plane's pulls and pushes)."""
+    change state: Evict, Load, DropModel, CreateSnapshot, DeleteSnapshot) or "all" (every
+    call but health checks, including the data plane's pulls and pushes)."""
 
 
 @dataclass(frozen=True)

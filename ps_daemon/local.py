@@ -3,6 +3,7 @@ benchmarks start. Production daemons run under systemd instead."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -14,17 +15,30 @@ class LocalDaemon:
     """`ps-daemon serve` on 127.0.0.1, port 0, state under `workdir`, output to
     `workdir/daemon.log`. Construction returns once the daemon listens."""
 
-    def __init__(self, workdir: Path, *extra: str, start_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *extra: str,
+        start_timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        launcher: tuple[str, ...] = (),
+    ) -> None:
+        """`env`: variables added to the daemon's environment (the fault injections' settings).
+        `host`: the address it listens on; `launcher`: a command it runs under (`ip netns exec
+        NAME` for the network fault tests: bench/netns.py)."""
+        self.host = host
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.log_path = workdir / "daemon.log"
         port_file = workdir / "port"
         with open(self.log_path, "w") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "ps_offload.daemon.cli", "serve", "--listen", "127.0.0.1:0",
+                [*launcher, sys.executable, "-m", "ps_offload.daemon.cli", "serve", "--listen", f"{host}:0",
                  "--state-dir", str(workdir / "state"), "--port-file", str(port_file), *extra],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env={**os.environ, **env} if env else None,
             )  # fmt: skip
         deadline = time.monotonic() + start_timeout
         while not port_file.exists():
@@ -38,7 +52,7 @@ class LocalDaemon:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def state_dir(self) -> Path:

@@ -28,7 +28,7 @@ from ps_offload.daemon.metrics import DaemonMetrics
 from ps_offload.daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
 from ps_offload.daemon.store import ShardStore
 from ps_offload.daemon.tiers.nvme import DirectIO, NvmeFiles
-from ps_offload.proto.channel import CHUNK_BYTES, SERVICE_NAMES, channel_options
+from ps_offload.proto.channel import CHUNK_BYTES, SERVER_KEEPALIVE, SERVICE_NAMES, channel_options
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.memory import keep_chunk_buffers_in_heap
 
@@ -82,7 +82,7 @@ class Daemon:
         interceptors.append(security.TokenInterceptor(self.token))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.server.max_workers, thread_name_prefix="rpc"),
-            options=channel_options(config.server.max_message_bytes),
+            options=[*channel_options(config.server.max_message_bytes), *SERVER_KEEPALIVE],
             interceptors=interceptors,
         )
         parameter_server = ParameterServerServicer(

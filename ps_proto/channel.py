@@ -26,3 +26,22 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+
+
+def keepalive_options(dead_peer_seconds: float) -> list[tuple[str, int]]:
+    """A caller's channel options that fail its calls UNAVAILABLE (so they are retried) within
+    about `dead_peer_seconds` when the peer stops answering without a reset (a partition, a
+    host gone): HTTP/2 pings every half of it while calls are in flight, each to be answered
+    within the other half. The daemon accepts them (SERVER_KEEPALIVE)."""
+    half_ms = max(500, int(dead_peer_seconds * 500))
+    return [
+        ("grpc.keepalive_time_ms", half_ms),
+        ("grpc.keepalive_timeout_ms", half_ms),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+# The daemon's side: accept a caller's pings as often as every second even while a call sends
+# no data (a pull waiting for its version), instead of answering them with GOAWAY.
+SERVER_KEEPALIVE = [("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.http2.max_ping_strikes", 0)]

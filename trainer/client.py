@@ -15,7 +15,7 @@ from typing import TypeVar
 import grpc
 
 from ps_offload.proto import codec, ps_pb2
-from ps_offload.proto.channel import CHUNK_BYTES, channel_options
+from ps_offload.proto.channel import CHUNK_BYTES, channel_options, keepalive_options
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.memory import keep_chunk_buffers_in_heap
 from ps_offload.proto.plan import ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
@@ -68,11 +68,19 @@ def _identity(data: bytes) -> bytes:
 class DaemonClient:
     """One channel to one daemon and its data-path methods."""
 
-    def __init__(self, address: str, *, max_message_bytes: int, security: ClientSecurity | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        max_message_bytes: int,
+        security: ClientSecurity | None = None,
+        dead_peer_seconds: float = 10.0,
+    ) -> None:
         self.address = address
         keep_chunk_buffers_in_heap()
         security = security or ClientSecurity()
-        self.channel = security.channel(address, [*channel_options(max_message_bytes), *RECONNECT])
+        options = [*channel_options(max_message_bytes), *RECONNECT, *keepalive_options(dead_peer_seconds)]
+        self.channel = security.channel(address, options)
         self._register = self.channel.unary_unary(
             _method("ParameterServer", "RegisterModel"),
             request_serializer=ps_pb2.RegisterModelRequest.SerializeToString,
@@ -178,7 +186,13 @@ class ShardedClient:
         self.config = config or ClientConfig()
         security = self.config.security
         self.clients = [
-            DaemonClient(a, max_message_bytes=self.config.max_message_bytes, security=security) for a in daemons
+            DaemonClient(
+                a,
+                max_message_bytes=self.config.max_message_bytes,
+                security=security,
+                dead_peer_seconds=self.config.dead_peer_seconds,
+            )
+            for a in daemons
         ]
         self.model = ""
         self.plan: list[ShardSlice] = []
@@ -231,7 +245,11 @@ class ShardedClient:
             current.close()
         host, _ = split_host_port(self.daemons[index])
         self.transports[index] = DataPlaneClient(
-            host, data_port, max_connections=self.config.streams_per_daemon, security=self.config.security
+            host,
+            data_port,
+            max_connections=self.config.streams_per_daemon,
+            security=self.config.security,
+            dead_peer_seconds=self.config.dead_peer_seconds,
         )
 
     def _rediscover(self, index: int) -> None:

@@ -299,6 +299,11 @@ class ClientConfig:
     it fails: a time, not a count, so it covers a daemon's restart however many attempts
     that takes (1.5 to 7 s here; a daemon recovering a large NVMe tier takes longer).
     Retrying is safe: pushes are idempotent on (shard, step), pulls only read. 0: no retry."""
+    dead_peer_seconds: float = 10.0
+    """A call to a daemon that stops answering without closing the connection (a network
+    partition, a host gone) fails and is retried after about this long, not after
+    rpc_timeout_seconds: gRPC keepalive pings and TCP keepalive on the data plane. A daemon
+    gone for good so fails the job within about dead_peer_seconds + retry_seconds."""
     backoff_seconds: float = 0.1
     """First retry delay; doubles per attempt, capped at 2 s (and at what is left of
     retry_seconds)."""
@@ -324,6 +329,8 @@ class ClientConfig:
             raise ValueError(f'ClientConfig.transport must be "auto" or "grpc", got {self.transport!r}')
         if self.streams_per_daemon < 1:
             raise ValueError("ClientConfig.streams_per_daemon must be at least 1")
+        if isinstance(self.dead_peer_seconds, bool) or not 1 <= self.dead_peer_seconds <= 3600:
+            raise ValueError(f"ClientConfig.dead_peer_seconds must be in [1, 3600], got {self.dead_peer_seconds!r}")
         for name in ("retry_seconds", "backoff_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):

@@ -39,11 +39,32 @@ class DataPlaneError(grpc.RpcError):
         return self._details
 
 
+def _fail_when_silent(sock: socket.socket, seconds: float) -> None:
+    """A connection whose peer stops answering without a reset (a partition) fails with
+    ETIMEDOUT within about `seconds`: keepalive probes from half of it while idle (a pull
+    waiting for its version sends nothing), and a user timeout on unacknowledged data."""
+    half = max(1, int(seconds / 2))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, half)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, half)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
+
+
 class DataPlaneClient:
     """Up to `max_connections` persistent connections to one daemon's data plane."""
 
-    def __init__(self, host: str, port: int, *, max_connections: int, security: ClientSecurity | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        max_connections: int,
+        security: ClientSecurity | None = None,
+        dead_peer_seconds: float = 10.0,
+    ) -> None:
         self.address = (host, port)
+        self._dead_peer_seconds = dead_peer_seconds
         self._idle: queue.LifoQueue[socket.socket] = queue.LifoQueue()
         self._max = max_connections
         security = security or ClientSecurity()
@@ -75,7 +96,10 @@ class DataPlaneClient:
             raise
         except (FrameError, OSError) as exc:
             sock.close()
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, TimeoutError) else grpc.StatusCode.UNAVAILABLE
+            # The call's own timeout (socket.timeout: no errno) is a deadline; ETIMEDOUT from
+            # the keepalive or the user timeout below is a peer gone silent: retried.
+            expired = isinstance(exc, TimeoutError) and exc.errno is None
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.UNAVAILABLE
             raise DataPlaneError(code, f"data plane {self.address[0]}:{self.address[1]}: {exc}") from None
         except BaseException:
             sock.close()
@@ -96,6 +120,7 @@ class DataPlaneClient:
                 grpc.StatusCode.UNAVAILABLE, f"cannot reach data plane {self.address[0]}:{self.address[1]}: {exc}"
             ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _fail_when_silent(sock, self._dead_peer_seconds)
         if self._tls is None:
             return sock
         try:

@@ -51,6 +51,7 @@ import crc32c
 import torch
 
 from ps_offload.daemon.spec import ModelSpec, spec_from_dict, spec_to_dict
+from ps_offload.daemon.tiers import crash_points
 from ps_offload.daemon.tiers.direct_io import FAULT_ENV as FAULT_ENV  # tests import it from here, as before
 from ps_offload.daemon.tiers.direct_io import PAGE, DirectIO, aligned_empty
 from ps_offload.daemon.tiers.model_file import FileLayout, ModelFile
@@ -307,9 +308,12 @@ class NvmeFiles:
         header_written = False
         started = time.perf_counter()
         try:
+            crash_points.reached("before_data")
             self.io.write(file.fd, arena, at + PAGE)
+            crash_points.reached("data_written")
             if self.fsync:
                 os.fdatasync(file.fd)
+            crash_points.reached("data_synced")
             master_bytes, master_crc, data_crc = checksums(arena, numel)
             header = SlotHeader(shard_id, version, initialized, numel, len(arena), data_crc, master_bytes, master_crc)
             packed = header.pack()
@@ -317,8 +321,10 @@ class NvmeFiles:
                 self._header[:] = packed + bytes(PAGE - len(packed))
                 header_written = True  # from here the slot may name this version on disk
                 self.io.write(file.fd, self._header, at)
+            crash_points.reached("header_written")
             if self.fsync:
                 os.fdatasync(file.fd)
+            crash_points.reached("header_synced")
         except BaseException:
             if header_written:
                 # Its header may have reached the disk naming a version newer than the

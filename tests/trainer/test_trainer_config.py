@@ -34,6 +34,7 @@ FIELDS = {
         "rpc_timeout_seconds",
         "register_timeout_seconds",
         "retry_seconds",
+        "dead_peer_seconds",
         "backoff_seconds",
         "transport",
         "streams_per_daemon",

@@ -1,0 +1,43 @@
+"""A daemon killed at each point of the commit protocol (PS_OFFLOAD_CRASH_AT, ps_daemon.tiers.
+crash_points) while a trainer trains through it: each restart recovers, the trainer's retries
+carry on, and the run ends bit-identical to torch.optim.AdamW in process."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.daemon.tiers.crash_points import ENV, POINTS
+from tests.integration.test_persistence import _assert_equal, _case, _offload, _reference, _train
+
+
+def test_a_crash_at_every_point_of_a_commit_loses_nothing(tmp_path):
+    nvme = tmp_path / "nvme"
+    model, batches = _case()
+    reference = _reference(model, batches)
+
+    def start(name: str, point: str | None = None, *extra: str) -> LocalDaemon:
+        env = {ENV: f"{point}@3"} if point else None  # the 3rd commit to reach it: mid-step
+        return LocalDaemon(tmp_path / name, "--nvme-dir", str(nvme), *extra, env=env)
+
+    daemons = [start("first", POINTS[0])]
+    listen = ("--listen", f"127.0.0.1:{daemons[0].port}")  # restarted on the port the trainer knows
+    deaths: list[int] = []
+
+    def restarter() -> None:
+        for next_point in (*POINTS[1:], None):
+            deaths.append(daemons[-1].process.wait(timeout=300))  # it kills itself at its point
+            daemons.append(start(f"after{len(deaths)}", next_point, *listen))
+
+    try:
+        thread = threading.Thread(target=restarter)
+        thread.start()
+        with _offload(model, daemons[0].address) as opt:
+            _train(opt, model, batches)
+        thread.join(timeout=300)
+        assert deaths == [-signal.SIGKILL] * len(POINTS)  # each died at its point, by SIGKILL
+        _assert_equal(model, reference)
+    finally:
+        for daemon in daemons:
+            daemon.kill()

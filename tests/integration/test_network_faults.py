@@ -1,0 +1,96 @@
+"""A daemon on another simulated node (a network namespace and a veth pair: bench/netns.py):
+training through delay and loss (tc netem) and through a partition pauses and resumes and
+ends bit-identical to torch; a daemon partitioned for good fails the job within the client's
+retry budget, with an error that names it. Needs root (skipped otherwise, with the reason)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from bench import netns
+from ps_offload import trainer
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.trainer.client import DaemonError
+from tests.integration.test_persistence import SHARD_BYTES, _assert_equal, _case, _reference, _train
+
+WHY_NOT = netns.unavailable()
+pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
+PARTITION_SECONDS = 3.0  # make soak holds one for 10 s
+
+
+def _remote_daemon(tmp_path, ns: netns.Namespace) -> LocalDaemon:
+    # Beyond loopback and without TLS: it starts only with --insecure (secure by default).
+    return LocalDaemon(
+        tmp_path / "d", "--nvme-dir", str(tmp_path / "nvme"), "--insecure", host=ns.ns_ip, launcher=ns.launcher
+    )
+
+
+def _offload(model, address: str, retry_seconds: float):
+    return trainer.offload(
+        model, daemons=[address], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
+        config=trainer.OffloadConfig(shard_bytes=SHARD_BYTES),
+        client=trainer.ClientConfig(retry_seconds=retry_seconds, backoff_seconds=0.05),
+    )  # fmt: skip
+
+
+def test_delay_loss_and_a_partition_pause_training_which_ends_bit_identical(tmp_path):
+    model, batches = _case()
+    reference = _reference(model, batches)
+    with netns.namespace() as ns:
+        daemon = _remote_daemon(tmp_path, ns)
+        try:
+            stepped, faults = threading.Condition(), []
+            with _offload(model, daemon.address, retry_seconds=60) as opt:
+                step = opt.step
+
+                def step_and_tell() -> None:
+                    step()
+                    with stepped:
+                        stepped.notify_all()
+
+                def faulter() -> None:
+                    with stepped:
+                        stepped.wait_for(lambda: opt.step_count >= 4, timeout=120)
+                    faults.append(ns.degrade(loss=0.02, delay_ms=5, rate="50mbit"))
+                    with stepped:
+                        stepped.wait_for(lambda: opt.step_count >= 10, timeout=120)
+                    ns.restore()
+                    ns.partition()
+                    faults.append(opt.step_count)
+                    time.sleep(PARTITION_SECONDS)  # the partition's length is the test's subject
+                    ns.heal()
+                    faults.append(opt.step_count)
+
+                opt.step = step_and_tell
+                thread = threading.Thread(target=faulter)
+                thread.start()
+                _train(opt, model, batches)
+                thread.join(timeout=120)
+            assert len(faults) == 3 and faults[2] - faults[1] <= 1  # training waited out the partition
+            _assert_equal(model, reference)
+            assert "INSECURE" in daemon.log() or "insecure" in daemon.log()
+        finally:
+            daemon.kill()
+
+
+def test_a_daemon_partitioned_for_good_fails_the_job_naming_it_within_the_retry_budget(tmp_path):
+    model, batches = _case()
+    with netns.namespace() as ns:
+        daemon = _remote_daemon(tmp_path, ns)
+        try:
+            with _offload(model, daemon.address, retry_seconds=5) as opt:
+                _train(opt, model, batches[:2])
+                ns.partition()
+                started = time.monotonic()
+                with pytest.raises(DaemonError) as info:
+                    _train(opt, model, batches[2:])
+                waited = time.monotonic() - started
+                ns.heal()  # so that closing the trainer's channels does not wait
+            assert daemon.address in str(info.value)
+            # dead_peer_seconds (10) to notice the silence, then retry_seconds (5) of retries
+            assert waited < 10 + 5 + 10, f"the job failed after {waited:.0f}s, not within about 10 + 5 s"
+        finally:
+            daemon.kill()
