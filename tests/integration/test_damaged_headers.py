@@ -61,8 +61,10 @@ def _recorded(nvme: Path) -> dict[int, int]:
 def test_damaged_newest_header_is_data_loss_not_an_older_version(tmp_path, how):
     nvme = tmp_path / "nvme"
     first = _start(tmp_path, "a")
-    plan = _train(first.address, STEPS)
-    assert first.stop() == 0  # a clean stop records every committed version
+    try:
+        plan = _train(first.address, STEPS)
+    finally:
+        assert first.stop() == 0  # a clean stop records every committed version
     assert _recorded(nvme) == {s.shard_id: STEPS for s in plan}
     _damage_newest_header(nvme, how)
 
@@ -117,12 +119,14 @@ def test_versions_are_recorded_while_running_so_a_sigkill_keeps_the_check(tmp_pa
     the record holds it, so a daemon SIGKILLed later still catches the damaged header."""
     nvme = tmp_path / "nvme"
     first = _start(tmp_path, "a")
-    plan = _train(first.address, STEPS)
-    deadline = time.monotonic() + 60
-    while not (list(nvme.glob("*.versions")) and _recorded(nvme)[DAMAGED_SHARD] == STEPS):
-        assert time.monotonic() < deadline, "the committed versions were not recorded within 60 s"
-        time.sleep(0.05)  # the record is written by a timer; no event reaches the test
-    first.stop(signal.SIGKILL)
+    try:
+        plan = _train(first.address, STEPS)
+        deadline = time.monotonic() + 60
+        while not (list(nvme.glob("*.versions")) and _recorded(nvme)[DAMAGED_SHARD] == STEPS):
+            assert time.monotonic() < deadline, "the committed versions were not recorded within 60 s"
+            time.sleep(0.05)  # the record is written by a timer; no event reaches the test
+    finally:
+        first.stop(signal.SIGKILL)
     _damage_newest_header(nvme, "flip")
     second = _start(tmp_path, "b")
     try:
@@ -138,8 +142,10 @@ def test_versions_are_recorded_while_running_so_a_sigkill_keeps_the_check(tmp_pa
 def test_a_damaged_record_is_a_warning_and_every_shard_serves(tmp_path):
     nvme = tmp_path / "nvme"
     first = _start(tmp_path, "a")
-    plan = _train(first.address, STEPS)
-    assert first.stop() == 0
+    try:
+        plan = _train(first.address, STEPS)
+    finally:
+        assert first.stop() == 0
     record = next(nvme.glob("*.versions"))
     flip_byte(record, 14)
     second = _start(tmp_path, "b")

@@ -6,6 +6,7 @@ its files; and without --yes on a non-terminal nothing is dropped."""
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -58,8 +59,10 @@ def test_drop_frees_the_model_and_leaves_the_others_untouched(tmp_path):
             target=lambda: waited.append(_raised(lambda: _pulled(client, "gone", shard_id=1, min_version=5)))
         )
         waiting.start()
+        deadline = time.monotonic() + 120
         while admin_json("stats", "--daemon", daemon.address)["pulls_waiting"] != 1:  # each asks anew
             assert waiting.is_alive(), waited
+            assert time.monotonic() < deadline, "the pull did not start waiting within 120 s"
 
         dropped = run_admin("drop", "gone", "--daemon", daemon.address, "--yes")
         assert dropped.returncode == 0, dropped.stderr
