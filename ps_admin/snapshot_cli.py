@@ -14,7 +14,6 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from ps_offload.admin import snapshots as work
 from ps_offload.admin import views
 from ps_offload.admin.client import AdminError
 from ps_offload.admin.options import DaemonsOpt, JsonOpt, TimeoutOpt, fail, unique_daemons
@@ -23,6 +22,14 @@ snapshot_app = typer.Typer(no_args_is_help=True, help="Snapshots of a model at o
 
 ModelArg = Annotated[str, typer.Argument(help="The model.")]
 NameArg = Annotated[str, typer.Argument(help="The snapshot's name (A-Z a-z 0-9 . _ -).")]
+
+
+def _work():
+    """snapshots.py, imported when a command runs: it loads torch, which costs every other
+    ps-admin command ~2 s of start-up."""
+    from ps_offload.admin import snapshots
+
+    return snapshots
 
 
 def _run(call) -> Any:
@@ -63,13 +70,13 @@ def take(
     timeout: TimeoutOpt = 600.0,
 ) -> None:
     """Snapshot a model at one step on all its daemons, while it trains (no copy of the state)."""
-    _show(_run(lambda: work.take(model, name, unique_daemons(daemon), step, timeout)), as_json)
+    _show(_run(lambda: _work().take(model, name, unique_daemons(daemon), step, timeout)), as_json)
 
 
 @snapshot_app.command("list")
 def list_(model: ModelArg, daemon: DaemonsOpt = None, as_json: JsonOpt = False, timeout: TimeoutOpt = 10.0) -> None:
     """List a model's snapshots on each of its daemons."""
-    _show(_run(lambda: work.listing(model, unique_daemons(daemon), timeout)), as_json)
+    _show(_run(lambda: _work().listing(model, unique_daemons(daemon), timeout)), as_json)
 
 
 @snapshot_app.command()
@@ -77,7 +84,7 @@ def delete(
     model: ModelArg, name: NameArg, daemon: DaemonsOpt = None, as_json: JsonOpt = False, timeout: TimeoutOpt = 60.0
 ) -> None:
     """Delete a snapshot on all the model's daemons; its disk goes back to the model's file."""
-    _show(_run(lambda: work.delete(model, name, unique_daemons(daemon), timeout)), as_json)
+    _show(_run(lambda: _work().delete(model, name, unique_daemons(daemon), timeout)), as_json)
 
 
 @snapshot_app.command()
@@ -98,7 +105,7 @@ def restore(
     sources = unique_daemons(daemon)
     with views.progress_bar(total_bytes=True) as progress:
         row = _run(
-            lambda: work.restore(
+            lambda: _work().restore(
                 model,
                 name,
                 sources,
