@@ -28,10 +28,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # A push is retried when the daemon was unreachable or the attempt ran out of time: it is
-# idempotent on (shard, step). A pull is retried only when unreachable: DEADLINE_EXCEEDED
-# there usually means the version never came, and waiting again would only repeat that.
+# idempotent on (shard, step). A pull is retried when unreachable, and when refused because
+# as many pulls as the daemon allows are waiting for versions already (server.max_waiting_
+# pulls: its message says to retry later; with backoff, that is the retry). Not on
+# DEADLINE_EXCEEDED: there the version usually never came, and waiting again would repeat it.
 PUSH_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-PULL_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+PULL_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 # gRPC backs off reconnecting after failures, 1 s growing to 120 s by default; a daemon that
 # systemd restarts is back within seconds, and a trainer waiting minutes for it loses steps.
 # Reconnect attempts every 100 ms to 1 s instead (one TCP connect each: cheap on a cluster).

@@ -14,7 +14,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
-from ps_offload.trainer.client import DaemonClient
+from ps_offload.trainer.client import DaemonClient, ShardedClient
+from ps_offload.trainer.config import ClientConfig
 from tests.integration.test_bad_input import _bytes, _spec
 
 WORKERS = 8  # max_waiting_pulls 0: half of them, 4
@@ -102,4 +103,40 @@ def test_waiting_pulls_are_bounded_refused_past_the_bound_and_freed_by_their_cal
     for p in again:
         p.thread.join(timeout=60)
         assert p.code == grpc.StatusCode.OK, p.details
+    client.close()
+
+
+def test_a_trainers_pull_refused_for_waiting_is_retried_until_there_is_room(daemon_factory, tmp_path):
+    """Another client's pulls hold every waiting slot: the trainer's pull of a version not
+    pushed yet is refused RESOURCE_EXHAUSTED, backs off and retries (as the refusal says), and
+    gets its version once the slots free and the version is pushed, instead of failing the job."""
+    config = tmp_path / "workers.toml"
+    config.write_text("[server]\nmax_workers = 4\n")  # 2 waiting pulls at most
+    daemon = daemon_factory(config=config)
+    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+    client.register(_spec(), 0, timeout=10)
+    for shard_id, n in enumerate((1024, 1024, 952)):
+        client.push("m", shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(n)), lr=None, timeout=10)
+    stub = ps_pb2_grpc.ParameterServerStub(client.channel)
+    ended = threading.Semaphore(0)
+    hogs = [Puller(stub, min_version=99, done=ended) for _ in range(2)]
+    _until(lambda s: s.pulls_waiting == 2, "the other client's pulls holding both waiting slots", client)
+
+    trainer_client = ShardedClient(
+        [daemon.address], config=ClientConfig(transport="grpc", retry_seconds=60, backoff_seconds=0.05)
+    )
+    plan = trainer_client.register(_spec())
+    got: list[int] = []
+    pulling = threading.Thread(
+        target=lambda: got.append(trainer_client.pull(plan[0], min_version=1, out=_bytes(torch.empty(1024))))
+    )
+    pulling.start()
+    _until(lambda s: s.pulls_refused_waiting >= 2, "the trainer's pull refused, and refused again", client)
+    for hog in hogs:
+        hog.call.cancel()
+    ack = client.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=None, timeout=10)
+    assert ack.applied
+    pulling.join(timeout=60)
+    assert got == [1]
+    trainer_client.close()
     client.close()
