@@ -28,11 +28,13 @@ def _remote_daemon(tmp_path, ns: netns.Namespace) -> LocalDaemon:
     )
 
 
-def _offload(model, address: str, retry_seconds: float):
+def _offload(model, address: str, retry_seconds: float, dead_peer_seconds: float = 10.0):
+    client = trainer.ClientConfig(
+        retry_seconds=retry_seconds, backoff_seconds=0.05, dead_peer_seconds=dead_peer_seconds
+    )
     return trainer.offload(
         model, daemons=[address], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
-        config=trainer.OffloadConfig(shard_bytes=SHARD_BYTES),
-        client=trainer.ClientConfig(retry_seconds=retry_seconds, backoff_seconds=0.05),
+        config=trainer.OffloadConfig(shard_bytes=SHARD_BYTES), client=client,
     )  # fmt: skip
 
 
@@ -81,7 +83,7 @@ def test_a_daemon_partitioned_for_good_fails_the_job_naming_it_within_the_retry_
     with netns.namespace() as ns:
         daemon = _remote_daemon(tmp_path, ns)
         try:
-            with _offload(model, daemon.address, retry_seconds=5) as opt:
+            with _offload(model, daemon.address, retry_seconds=2, dead_peer_seconds=4) as opt:
                 _train(opt, model, batches[:2])
                 ns.partition()
                 started = time.monotonic()
@@ -90,10 +92,10 @@ def test_a_daemon_partitioned_for_good_fails_the_job_naming_it_within_the_retry_
                 waited = time.monotonic() - started
                 ns.heal()  # so that closing the trainer's channels does not wait
             assert daemon.address in str(info.value)
-            # dead_peer_seconds (10) to notice the silence, then retry_seconds (5) of retries: about
-            # 15 s (under 25 s here). Without the keepalive it waited out the call's
-            # rpc_timeout_seconds (60) first: 68 s. The bound leaves a slow machine room and
-            # still fails without it.
+            # dead_peer_seconds (4) to notice the silence, then retry_seconds (2) of retries: about
+            # 6 s. Without the keepalive the call in flight waited out its rpc_timeout_seconds
+            # (60) first (68 s with retry_seconds 5, measured). The bound leaves a slow machine
+            # room and still fails without it.
             assert waited < 55, f"the job failed after {waited:.0f}s: the silence was not noticed before rpc_timeout"
         finally:
             daemon.kill()
