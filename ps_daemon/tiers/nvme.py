@@ -223,6 +223,9 @@ class NvmeFiles:
     def delete_model(self, model: str) -> int:
         """Closes a model's file if open and deletes it, its record and its versions record
         (ps_daemon.drop: nothing may be using the file). Returns the bytes freed."""
+        file = self.files.get(model)
+        if file is not None:
+            file.floors.retire()  # the floor writer must not bring MODEL.versions back
         self.forget(model)
         arena = self.arena_path(model)
         paths = [arena, self._spec_path(model), arena.with_suffix(".versions"), arena.with_suffix(".snapshots")]

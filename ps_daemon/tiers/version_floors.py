@@ -45,6 +45,8 @@ class VersionFloors:
         self._versions = dict(versions or {})
         self._lock = threading.Lock()
         self._dirty = bool(self._versions)
+        self._writing = threading.Lock()  # one write at a time, and none once retired
+        self._retired = False
 
     @classmethod
     def load(cls, path: Path) -> tuple[VersionFloors, str]:
@@ -96,23 +98,32 @@ class VersionFloors:
     def write(self) -> None:
         """Rewrites the file if a floor rose since the last write. Raises OSError (the floors
         stay marked for the next try)."""
-        with self._lock:
-            if not self._dirty:
+        with self._writing:
+            if self._retired:
                 return
-            data = _encode(self._versions)
-            self._dirty = False
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            tmp.replace(self.path)  # no directory fsync: the old file, if it comes back, is lower
-        except BaseException:
             with self._lock:
-                self._dirty = True
-            tmp.unlink(missing_ok=True)
-            raise
+                if not self._dirty:
+                    return
+                data = _encode(self._versions)
+                self._dirty = False
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                tmp.replace(self.path)  # no directory fsync: the old file, if it comes back, is lower
+            except BaseException:
+                with self._lock:
+                    self._dirty = True
+                tmp.unlink(missing_ok=True)
+                raise
+
+    def retire(self) -> None:
+        """No write from now on (its model is being deleted: a write already running ends
+        first, so none lands after the file is gone)."""
+        with self._writing:
+            self._retired = True
 
     def remove(self) -> None:
         """Deletes the file (a new model of the same name must not be held to an old one's)."""

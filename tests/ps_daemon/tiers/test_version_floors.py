@@ -71,3 +71,12 @@ def test_writer_logs_failures_once_and_writes_at_stop(tmp_path, caplog):
     assert "works again" in caplog.text
     assert VersionFloors.load(tmp_path / "b.versions")[0].get(0) == 10
     assert VersionFloors.load(tmp_path / "gone" / "a.versions")[0].get(0) == 1
+
+
+def test_a_retired_record_is_never_written_again(tmp_path):
+    """A dropped model's record: the writer thread must not bring the file back."""
+    floors = VersionFloors(tmp_path / "m.versions")
+    floors.raise_to(0, 3)
+    floors.retire()
+    floors.write()
+    assert not (tmp_path / "m.versions").exists()
