@@ -54,7 +54,7 @@ fuzz: $(STAMP)
 # The daemon under the faults of issue #15, each phase bounded (about 15 minutes here): 100
 # deaths mid-commit and at random, the fuzz suite, 1,000 waiting pulls and 3,000 idle
 # connections, a 10 s partition (root only). bench/soak.py; docs/reliability.md quotes
-# bench/results/soak.json.
+# bench/results/reliability/soak.json.
 soak: $(STAMP)
 	$(PY) -m bench.soak
 
