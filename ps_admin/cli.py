@@ -51,7 +51,6 @@ T = TypeVar("T")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect running ps-daemons.")
 app.add_typer(snapshot_app, name="snapshot")
-_fail, _unique = fail, unique_daemons
 
 
 def _each_daemon(daemons: list[str], fetch: Callable[[str], T]) -> tuple[list[tuple[str, T]], bool]:
@@ -62,7 +61,7 @@ def _each_daemon(daemons: list[str], fetch: Callable[[str], T]) -> tuple[list[tu
         try:
             answers.append((daemon, fetch(daemon)))
         except AdminError as exc:
-            _fail(str(exc))
+            fail(str(exc))
             failed = True
     return answers, failed
 
@@ -99,7 +98,7 @@ def main(
         )  # fmt: skip
         security.token()  # a token file that cannot be read is one line now, not per call
     except ValueError as exc:
-        _fail(str(exc).removeprefix("ClientSecurity: "))
+        fail(str(exc).removeprefix("ClientSecurity: "))
         raise typer.Exit(1) from None
     client.use_security(security)
 
@@ -107,7 +106,7 @@ def main(
 @app.command()
 def models(daemon: DaemonsOpt = None, as_json: JsonOpt = False, timeout: TimeoutOpt = 10.0) -> None:
     """List the models each daemon holds: spec, plan, optimizer."""
-    daemons = _unique(daemon)
+    daemons = unique_daemons(daemon)
     answers, failed = _each_daemon(daemons, lambda d: client.list_models(d, timeout))
     if not answers:
         raise typer.Exit(1)
@@ -132,7 +131,7 @@ def shards(
     timeout: TimeoutOpt = 10.0,
 ) -> None:
     """List the shards each daemon holds."""
-    daemons = _unique(daemon)
+    daemons = unique_daemons(daemon)
     answers, failed = _each_daemon(daemons, lambda d: client.list_shards(d, model or "", timeout))
     if not answers:  # nothing to show; the errors are on stderr
         raise typer.Exit(1)
@@ -161,7 +160,7 @@ def shard(
         model = client.resolve_model(address, model, timeout)
         info = client.get_shard(address, model, shard_id, bins, timeout)
     except AdminError as exc:
-        _fail(str(exc))
+        fail(str(exc))
         raise typer.Exit(1) from None
     row = views.shard_to_dict(info, address, values=True)
     if as_json:
@@ -186,7 +185,7 @@ def stats(
     def sample(d: str) -> dict[str, Any]:
         return views.stats_to_dict(client.stats(d, timeout), d)
 
-    daemons = _unique(daemon)
+    daemons = unique_daemons(daemon)
     answers, failed = _each_daemon(daemons, sample)
     if interval:
         time.sleep(interval)
@@ -195,7 +194,7 @@ def stats(
         answers, failed = [], failed or failed_later
         for d, last in later:
             if last["uptime_seconds"] < firsts[d]["uptime_seconds"]:
-                _fail(f"daemon {d} restarted during the {interval:g} s interval")
+                fail(f"daemon {d} restarted during the {interval:g} s interval")
                 failed = True
             else:
                 answers.append((d, {**last, **views.rates(last, firsts[d])}))
@@ -219,13 +218,13 @@ def _move(verb: str, shard_ids: list[int], model: str | None, daemon: str | None
     try:
         model = client.resolve_model(address, model, timeout)
     except AdminError as exc:
-        _fail(str(exc))
+        fail(str(exc))
         raise typer.Exit(1) from None
     for shard_id in shard_ids:
         try:
             answer = client.move(address, verb, model, shard_id, timeout)
         except AdminError as exc:
-            _fail(str(exc))
+            fail(str(exc))
             failed = True
             continue
         typer.echo(f"shard {shard_id}: {answer.tier}")
@@ -272,7 +271,7 @@ def verify(
     model: ModelOpt = None, daemon: DaemonsOpt = None, as_json: JsonOpt = False, timeout: TimeoutOpt = 3600.0
 ) -> None:
     """Read every committed shard back from NVMe and check its crc32c. Exit 1 if any is bad."""
-    daemons = _unique(daemon)
+    daemons = unique_daemons(daemon)
     with views.progress_bar() as progress:
         answers, failed = _each_daemon(daemons, lambda d: _verify_daemon(d, model or "", timeout, progress))
     summaries = [s for _, s in answers]
@@ -286,7 +285,7 @@ def verify(
         if bad:
             console.print(views.bad_shards_table(bad))
     for v in bad:
-        _fail(f"shard {v['shard_id']} of model {v['model']!r} on daemon {v['daemon']} is bad: {v['detail']}")
+        fail(f"shard {v['shard_id']} of model {v['model']!r} on daemon {v['daemon']} is bad: {v['detail']}")
     if failed or bad:
         raise typer.Exit(1)
 
@@ -309,18 +308,18 @@ def export(
     from ps_offload.admin.export import export_file
 
     if file_format not in EXPORT_FORMATS:
-        _fail(f"unknown --format {file_format!r}; supported: {', '.join(EXPORT_FORMATS)}")
+        fail(f"unknown --format {file_format!r}; supported: {', '.join(EXPORT_FORMATS)}")
         raise typer.Exit(2)
     if not out.parent.is_dir():  # before pulling a whole model
-        _fail(f"cannot write {out}: {out.parent} is not a directory")
+        fail(f"cannot write {out}: {out.parent} is not a directory")
         raise typer.Exit(1)
     try:
         with views.progress_bar(total_bytes=True) as progress:
             name, tensors, metadata = export_file(
-                out, model, _unique(daemon), timeout=timeout, allow_mixed=allow_mixed_versions, progress=progress
+                out, model, unique_daemons(daemon), timeout=timeout, allow_mixed=allow_mixed_versions, progress=progress
             )
     except AdminError as exc:
-        _fail(str(exc))
+        fail(str(exc))
         raise typer.Exit(1) from None
     row = {
         "model": name, "out": str(out), "format": file_format, "params": len(tensors),
@@ -342,15 +341,15 @@ def drop(
     timeout: TimeoutOpt = 120.0,
 ) -> None:
     """Delete a model from daemons for good: its parameters and optimizer state, in RAM and on NVMe."""
-    daemons = _unique(daemon)
+    daemons = unique_daemons(daemon)
     where = ", ".join(daemons)
     if not yes:
         if not sys.stdin.isatty():
-            _fail(f"drop deletes model {model!r} and all its state on {where}; pass --yes to do it")
+            fail(f"drop deletes model {model!r} and all its state on {where}; pass --yes to do it")
             raise typer.Exit(2)
         typed = typer.prompt(f"This deletes model {model!r} and all its state on {where}. Type its name to confirm")
         if typed != model:
-            _fail("the name typed does not match; nothing was dropped")
+            fail("the name typed does not match; nothing was dropped")
             raise typer.Exit(1)
     spanned = _spanned_daemons(model, daemons, timeout)
     answers, failed = _each_daemon(daemons, lambda d: client.drop_model(d, model, timeout))
@@ -365,7 +364,7 @@ def drop(
         for row in rows:
             typer.echo(views.drop_line(row))
     if spanned:
-        _fail(
+        fail(
             f"model {model!r} has shards on {len(spanned)} daemons ({', '.join(spanned)}, as its trainers named "
             f"them) and was dropped on {len(daemons)}; drop it on the others too"
         )
@@ -392,7 +391,7 @@ def health(
     timeout: TimeoutOpt = 5.0,
 ) -> None:
     """Ask each daemon's grpc.health.v1 service. Exit 1 if any is not SERVING."""
-    daemons = _unique(daemon)
+    daemons = unique_daemons(daemon)
     with ThreadPoolExecutor(max_workers=min(16, len(daemons))) as pool:
         rows = list(pool.map(lambda d: client.check_health(d, service, timeout), daemons))
     if as_json:
@@ -402,7 +401,7 @@ def health(
     unhealthy = [r for r in rows if r["status"] != "SERVING"]
     for r in unhealthy:
         why = f" ({r['error']})" if r["error"] else ""
-        _fail(f"daemon {r['daemon']} is {r['status']}{why}")
+        fail(f"daemon {r['daemon']} is {r['status']}{why}")
     if unhealthy:
         raise typer.Exit(1)
 

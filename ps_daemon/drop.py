@@ -10,7 +10,7 @@ read still running uses the model's file descriptor, and closing it under them c
 descriptor number be reused by another file. If they do not end in time, the drop is undone
 and nothing is lost. (3) The RAM tier forgets the shards (loads in progress finish first) and
 frees their arenas; gradient sums are released. (4) The file is closed and deleted with its
-record and versions record.
+record, its versions record and its snapshots.
 """
 
 from __future__ import annotations

@@ -74,7 +74,10 @@ def take(
         )
     file = files.files[model]
     with file.cond:  # refused early, before the file grows (checked again when pinning)
-        _check_new(file.snapshots.snapshots, file.active, name, step, shard_ids)
+        try:
+            file.snapshots.check_locked(name, step, file.active, shard_ids)
+        except SnapshotRefused as exc:
+            raise FailedPrecondition(f"snapshot {name!r} of model {model!r}: {exc}") from exc
     try:
         files.grow(model, len(shard_ids))  # room for the commits while these slots are pinned
     except NoCapacity as exc:
@@ -112,20 +115,6 @@ def wake(files: NvmeFiles | None, model: str) -> None:
     if file is not None:
         with file.cond:
             file.cond.notify_all()
-
-
-def _check_new(existing: dict, active: dict, name: str, step: int, shard_ids: set[int]) -> None:
-    try:
-        if name in existing:
-            raise SnapshotRefused(f"a snapshot named {name!r} exists already (delete it first, or pick another name)")
-        past = [h.version for sid, (_, h) in active.items() if sid in shard_ids and h.version > step]
-        if past:
-            raise SnapshotRefused(
-                f"{len(past)} shards are past step {step} (up to version {max(past)}); ask for step {max(past)} "
-                "or later"
-            )
-    except SnapshotRefused as exc:
-        raise FailedPrecondition(str(exc)) from exc
 
 
 def listed(files: NvmeFiles | None, model: str) -> list[SnapshotInfo]:

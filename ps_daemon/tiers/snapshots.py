@@ -69,11 +69,11 @@ class SnapshotBook:
         snap.pinned[shard_id] = (slot, header)
         self.pins[slot] += 1
 
-    def begin_locked(
+    def check_locked(
         self, name: str, step: int, active: dict[int, tuple[int, SlotHeader]], shard_ids: set[int]
-    ) -> Snapshot:
-        """A new snapshot of `shard_ids` at `step`, pinning the shards already there (`active`:
-        each shard's committed slot and header). Raises SnapshotRefused, changing nothing."""
+    ) -> None:
+        """Raises SnapshotRefused unless a snapshot `name` of `shard_ids` at `step` can be
+        taken now (`active`: each shard's committed slot and header)."""
         if name in self.snapshots:
             raise SnapshotRefused(f"a snapshot named {name!r} exists already (delete it first, or pick another name)")
         past = {sid: h.version for sid, (_, h) in active.items() if sid in shard_ids and h.version > step}
@@ -83,6 +83,13 @@ class SnapshotBook:
                 f"{len(past)} shards are past step {step} (shard {sid} is at version {version}), and the slot of their "
                 f"version {step} may be reused already; ask for step {max(past.values())} or later"
             )
+
+    def begin_locked(
+        self, name: str, step: int, active: dict[int, tuple[int, SlotHeader]], shard_ids: set[int]
+    ) -> Snapshot:
+        """A new snapshot of `shard_ids` at `step`, pinning the shards already there (`active`:
+        each shard's committed slot and header). Raises SnapshotRefused, changing nothing."""
+        self.check_locked(name, step, active, shard_ids)
         snap = Snapshot(name, step, time.time())
         for sid in shard_ids:
             found = active.get(sid)

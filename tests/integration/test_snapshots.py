@@ -203,11 +203,10 @@ def test_a_ram_only_daemon_says_snapshots_need_the_nvme_tier(tmp_path):
         daemon.kill()
 
 
-@pytest.mark.parametrize("count", [2])
-def test_snapshots_pin_slots_and_deleting_gives_them_back(tmp_path, count):
+def test_snapshots_pin_slots_and_deleting_gives_them_back(tmp_path):
     """While snapshots live, commits go on in the slots the file grew by; deleting them frees
     their slots for reuse (the file does not grow again for the next snapshot)."""
-    batches = _batches()
+    batches, count = _batches(), 2
     daemon = _nvme_daemon(tmp_path, "d")
     arena = tmp_path / "d" / "nvme" / "model.arena"
     try:
