@@ -7,9 +7,10 @@ here), the figures in bench/results/reliability/soak.json (docs/reliability.md q
    daemon's state is compared with torch.optim.AdamW run in process over the same batches:
    updates lost (shards behind the trainer's step) and parameters not bit-identical.
 2. fuzz: the fuzz suite (tests/integration/test_fuzz.py) at 1,500 examples per property.
-3. load: 1,000 pulls waiting for a version that never comes and 3,000 idle data plane
-   connections held open, while health is asked 200 times; its latency against the same
-   daemon idle, asked the same way in the same run.
+3. load: 1,000 gRPC pulls and 1,000 data plane pulls waiting for a version that never
+   comes, and 3,000 idle data plane connections held open, while health is asked 200 times;
+   its latency against the same daemon idle, asked the same way in the same run; the
+   daemon's threads idle and loaded; and a training step taken under that load.
 4. partition: a daemon in a network namespace (bench/netns.py); training through loss and a
    rate limit, then a 10 s partition, ends bit-identical; then a permanent partition: how long
    until the job fails, and whether the error names the daemon. Skipped (and said) without root.
@@ -47,6 +48,7 @@ from ps_offload.daemon.tiers.crash_points import ENV as CRASH_ENV
 from ps_offload.daemon.tiers.crash_points import POINTS
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.channel import method_path
+from ps_offload.proto.frames import send_message
 from ps_offload.trainer.client import DaemonError
 from ps_offload.trainer.debug_models import mlp
 
@@ -213,8 +215,12 @@ def _percentiles(latencies: list[float]) -> dict:
 
 
 def load(workdir: Path, pulls: int, connections: int, checks: int) -> dict:
+    """`pulls` waiting on gRPC and as many parked on the data plane, and `connections` idle
+    data plane connections, all from 127.0.0.1 (so the per-client limits are raised to fit):
+    health's latency against the daemon idle, its threads, and a training step meanwhile."""
     config = workdir / "load.toml"
-    config.write_text(f"[server]\nmax_data_connections = {connections + 64}\n")
+    room = connections + pulls + 64
+    config.write_text(f"[server]\nmax_data_connections = {room}\nmax_data_connections_per_client = {room}\n")
     daemon = LocalDaemon(workdir / "load", "--config", str(config), "--log-level", "WARNING")
     try:
         torch.manual_seed(0)
@@ -222,32 +228,44 @@ def load(workdir: Path, pulls: int, connections: int, checks: int) -> dict:
         with _offload(model, daemon.address) as opt:
             _step(opt, model, 0)
             opt.synchronize()
-        idle, idle_failures = _health_latencies(daemon.address, checks)
-        with grpc.insecure_channel(daemon.address) as admin:
-            data_port = _data_port(admin)
-            held = [socket.create_connection(("127.0.0.1", data_port), timeout=10) for _ in range(connections)]
-            pull = admin.unary_stream(
-                method_path("ParameterServer", "Pull"),
-                request_serializer=ps_pb2.PullRequest.SerializeToString,
-                response_deserializer=bytes,
-            )
-            never = ps_pb2.PullRequest(model="model", shard_id=0, min_version=10**9)
-            calls = [pull(never, timeout=600) for _ in range(pulls)]
-            outcomes = Counter()
-            waiter = threading.Thread(target=_drain, args=(calls, outcomes), daemon=True)
-            waiter.start()
-            loaded, loaded_failures = _health_latencies(daemon.address, checks)
-            stats = ps_pb2_grpc.AdminStub(admin).Stats(ps_pb2.StatsRequest(), timeout=30)
-            for call in calls:
-                call.cancel()
-            waiter.join(timeout=60)
-            for sock in held:
-                sock.close()
+            idle, idle_failures = _health_latencies(daemon.address, checks)
+            threads_idle = _threads(daemon.process.pid)
+            with grpc.insecure_channel(daemon.address) as admin:
+                data_port = _data_port(admin)
+                held = [socket.create_connection(("127.0.0.1", data_port), timeout=10) for _ in range(connections)]
+                parked = [_parked_pull(data_port) for _ in range(pulls)]
+                pull = admin.unary_stream(
+                    method_path("ParameterServer", "Pull"),
+                    request_serializer=ps_pb2.PullRequest.SerializeToString,
+                    response_deserializer=bytes,
+                )
+                never = ps_pb2.PullRequest(model="model", shard_id=0, min_version=10**9)
+                calls = [pull(never, timeout=600) for _ in range(pulls)]
+                outcomes = Counter()
+                waiter = threading.Thread(target=_drain, args=(calls, outcomes), daemon=True)
+                waiter.start()
+                loaded, loaded_failures = _health_latencies(daemon.address, checks)
+                stats = ps_pb2_grpc.AdminStub(admin).Stats(ps_pb2.StatsRequest(), timeout=30)
+                threads_loaded = _threads(daemon.process.pid)
+                started = time.perf_counter()
+                _step(opt, model, 1)  # its pushes and pulls past every waiting pull
+                opt.synchronize()
+                step_seconds = time.perf_counter() - started
+                for call in calls:
+                    call.cancel()
+                waiter.join(timeout=60)
+                for sock in held + parked:
+                    sock.close()
         return {
             "waiting_pulls_sent": pulls,
             "pulls_waiting_at_once": stats.pulls_waiting,
             "pulls_refused": stats.pulls_refused_waiting,
+            "data_plane_pulls_waiting": stats.data_pulls_waiting,
             "idle_connections": connections,
+            "data_connections_open": stats.data_connections,
+            "daemon_threads_idle": threads_idle,
+            "daemon_threads_loaded": threads_loaded,
+            "training_step_under_load_seconds": round(step_seconds, 3),
             "health_checks": checks,
             "health_idle": {**_percentiles(idle), "failures": idle_failures},
             "health_loaded": {**_percentiles(loaded), "failures": loaded_failures},
@@ -256,6 +274,20 @@ def load(workdir: Path, pulls: int, connections: int, checks: int) -> dict:
         }
     finally:
         daemon.kill()
+
+
+def _parked_pull(data_port: int) -> socket.socket:
+    """A data plane pull of a version that never comes: parked by the daemon, holding no thread."""
+    sock = socket.create_connection(("127.0.0.1", data_port), timeout=10)
+    request = ps_pb2.DataRequest(pull=ps_pb2.PullRequest(model="model", shard_id=0, min_version=10**9))
+    request.timeout_ms = 600_000
+    send_message(sock, request)
+    return sock
+
+
+def _threads(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))
 
 
 def _data_port(channel: grpc.Channel) -> int:

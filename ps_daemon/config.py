@@ -38,18 +38,30 @@ class ServerConfig:
     the gRPC port does ([tls]), with the same certificate."""
     port_file: str = ""
     """If set, the bound port is written here once the server listens (tests, demos)."""
-    max_data_connections: int = 1024
-    """Data plane connections open at once (each has a thread); one more is answered
-    RESOURCE_EXHAUSTED and closed."""
+    max_data_connections: int = 4096
+    """Data plane connections open at once (a descriptor each, not a thread: the systemd unit's
+    LimitNOFILE must exceed it); one more is answered RESOURCE_EXHAUSTED and closed. They bound
+    the data plane's waiting pulls too: a connection carries one request at a time."""
+    max_data_connections_per_client: int = 256
+    """Data plane connections open at once from one address (every rank on that host shares
+    them); one more is answered RESOURCE_EXHAUSTED and closed."""
+    data_workers: int = 64
+    """Threads serving data plane requests. A pull waiting for a version holds none."""
     data_idle_seconds: float = 300.0
-    """A data plane connection idle this long (no next request, or one stalled midway) is
-    closed; trainers reconnect unseen."""
+    """A data plane connection with no next request (or a request or TLS handshake stalled
+    half-sent) for this long is closed; trainers reconnect unseen."""
+    data_stall_seconds: float = 30.0
+    """A data plane request whose payload or answer stops moving for this long is cut off,
+    freeing its worker (a client that stopped reading or writing midway)."""
     max_workers: int = 32
     """Threads serving RPCs. Pulls waiting for a version hold one each."""
     max_waiting_pulls: int = 0
     """Most gRPC Pulls waiting at once for a version not pushed yet; one more is answered
     RESOURCE_EXHAUSTED (ps_daemon/pull_wait.py). 0: half of max_workers, so the other half
     serves pushes, admin calls and health checks whatever the pulls do."""
+    max_waiting_pulls_per_client: int = 0
+    """Most of those from one client address (every process on that host shares them); one
+    more is answered RESOURCE_EXHAUSTED. 0: half of max_waiting_pulls."""
     max_message_bytes: int = 8 << 20
     """Largest single gRPC message accepted or sent; larger ones get RESOURCE_EXHAUSTED.
     Bulk data is streamed in chunks well below this."""
@@ -250,12 +262,23 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError("store.max_models and store.max_shards_per_model must be at least 1")
     if config.server.max_workers < 2:
         raise ConfigError("server.max_workers must be at least 2")
-    if config.server.max_data_connections < 1 or not config.server.data_idle_seconds > 0:
-        raise ConfigError("server.max_data_connections must be at least 1 and server.data_idle_seconds above 0")
+    server = config.server
+    if min(server.max_data_connections, server.max_data_connections_per_client, server.data_workers) < 1:
+        raise ConfigError(
+            "server.max_data_connections, server.max_data_connections_per_client and server.data_workers must "
+            "each be at least 1"
+        )
+    if not (server.data_idle_seconds > 0 and server.data_stall_seconds > 0):
+        raise ConfigError("server.data_idle_seconds and server.data_stall_seconds must be above 0")
     if not 0 <= config.server.max_waiting_pulls < config.server.max_workers:
         raise ConfigError(
             f"server.max_waiting_pulls must be in [0, server.max_workers) (0: half of them), got "
             f"{config.server.max_waiting_pulls}: waiting pulls must leave threads for everything else"
+        )
+    if server.max_waiting_pulls_per_client < 0:
+        raise ConfigError(
+            f"server.max_waiting_pulls_per_client must be at least 0 (0: half of max_waiting_pulls), got "
+            f"{server.max_waiting_pulls_per_client}"
         )
     data_listen = config.server.data_listen
     if data_listen not in ("auto", "off") and not re.fullmatch(r".+:\d+", data_listen):

@@ -3,178 +3,66 @@
 gRPC Python copies a streamed payload about four times on its way (the serializer must
 return bytes, the core copies them, the receiver gets a fresh bytes per message); at
 1-2 GB/s that is half of what loopback carries (docs/benchmarks.md). Here a pull is one
-`sendall` straight from the shard's master tensor, which the trainer `recv_into`s straight
-into its parameters, and a push lands with `recv_into` in a staging buffer. gRPC keeps
-everything else: registration, health, admin, and the same Pull/Push as a fallback.
+`sendall` straight from the shard's tensor and a push lands with `recv_into` in a staging
+buffer (ps_daemon.dataplane_requests). gRPC keeps everything else: registration, health,
+admin, and the same Pull/Push as a fallback.
 
-Each connection is served by one thread, one request at a time (the trainer opens a few per
-daemon). At most `server.max_data_connections` are open at once (one more is answered
-RESOURCE_EXHAUSTED and closed), and one idle for `server.data_idle_seconds` (no next request,
-or a request stalled midway) is closed, giving its thread back; the trainer's client
-reconnects unseen (trainer/dataplane.py checks a pooled connection before reusing it).
-Requests go through the same store calls and the same validation as the gRPC servicer
-(ps_daemon.wire), and errors come back as the same status codes and messages. With [tls] the
-connection is TLS with the gRPC port's certificate (and client certificates under mutual
-TLS), the handshake done in the connection's thread; with auth.require_token = "all"
-every request carries the token, checked as gRPC's interceptor checks it (ps_daemon.security).
+Threads are bounded, whatever the clients do. One thread watches every connection with a
+selector (epoll): it accepts, runs TLS handshakes without blocking, gathers each request's
+frame as its bytes come, and closes connections idle for `server.data_idle_seconds` (no next
+request, or a frame or handshake stalled midway). A whole request goes to a fixed pool of
+`server.data_workers` threads, which serve it on the blocking socket, each send or receive
+bounded by `server.data_stall_seconds`, and hand the connection back. A pull waiting for a
+version is parked on its shard, holding no thread, and given to a worker again when the
+commit wakes it or its deadline passes; its client hanging up meanwhile ends it at once. So
+thousands of connections, idle or waiting, cost a descriptor and some memory each, not a
+thread, and waiting pulls cannot starve the pushes that would end their wait.
+
+Limits, checked at accept before any work: `server.max_data_connections` open at once, and
+`server.max_data_connections_per_client` from one address (all the ranks on a host share
+it: an address is the one identity known before a handshake). One more is answered
+RESOURCE_EXHAUSTED naming the limit (under TLS just closed: an answer would need the
+handshake) and closed. A connection holds at most one request, so these bound the waiting
+pulls too. With [tls] connections are TLS with the gRPC port's certificate (client
+certificates under mutual TLS); with auth.require_token = "all" every request carries the
+token, checked as gRPC's interceptor checks it (ps_daemon.security).
 """
 
 from __future__ import annotations
 
-import contextlib
+import collections
+import errno
+import heapq
+import itertools
 import logging
+import selectors
 import socket
-import socketserver
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from ps_offload.daemon import wire
 from ps_offload.daemon.buffers import StagingPool
-from ps_offload.daemon.errors import InvalidArgument, PsError
-from ps_offload.daemon.rpc_errors import from_status, status_of
+from ps_offload.daemon.dataplane_connections import Admission, Connection
+from ps_offload.daemon.dataplane_requests import Outcome, PendingPull, RequestServer
+from ps_offload.daemon.rpc_errors import RateLimitedLog
 from ps_offload.daemon.security import TokenCheck
 from ps_offload.daemon.store import ShardStore
 from ps_offload.proto import ps_pb2
-from ps_offload.proto.frames import FrameError, recv_exact_into, recv_message, send_message
+from ps_offload.proto.frames import FrameError, split_frame
 
 log = logging.getLogger(__name__)
 
-
-class _Handler(socketserver.BaseRequestHandler):
-    server: DataPlaneServer
-
-    def setup(self) -> None:
-        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # The socket stop() shuts down: after a TLS wrap that is the wrapped one (wrapping
-        # detaches the plain socket from its descriptor).
-        self.secured: socket.socket | None = self.request
-        if not self.server.track(self.request, add=True):
-            self._refuse_over_limit()
-            return
-        # Idle past this (no next request, or a request or answer stalled midway): closed,
-        # giving its thread back. A trainer's client reconnects unseen.
-        self.request.settimeout(self.server.idle_seconds)
-        if self.server.tls is None:
-            return
-        self.request.settimeout(30.0)  # a client that never finishes the handshake
-        try:
-            self.secured = self.server.tls.wrap_socket(self.request, server_side=True)
-        except (ssl.SSLError, OSError) as exc:
-            log.info("data plane: TLS handshake with %s failed: %s", self.client_address, exc)
-            self.secured = None
-        finally:
-            self.server.track(self.request, add=False)
-        if self.secured is not None:
-            self.secured.settimeout(self.server.idle_seconds)
-            self.server.track(self.secured, add=True, force=True)
-
-    def _refuse_over_limit(self) -> None:
-        """One connection past server.max_data_connections: its first request is answered
-        RESOURCE_EXHAUSTED, naming the limit, and the connection closed."""
-        limit = self.server.max_connections
-        message = (
-            f"the data plane has {limit} connections open (server.max_data_connections = {limit}): close idle "
-            "connections, or raise server.max_data_connections"
-        )
-        log.info("data plane: refused a connection from %s: %s", self.client_address, message)
-        try:
-            if self.server.tls is None:  # (under TLS the handshake would come first: just close)
-                self.request.settimeout(5.0)
-                send_message(self.request, ps_pb2.DataResponse(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                                                               message=message))  # fmt: skip
-        except OSError:
-            pass
-        self.secured = None
-
-    def finish(self) -> None:
-        if self.secured is not None:
-            self.server.track(self.secured, add=False)
-
-    def handle(self) -> None:
-        sock = self.secured
-        if sock is None:
-            return
-        while not self.server.stopping:
-            try:
-                request = recv_message(sock, ps_pb2.DataRequest)
-            except (FrameError, OSError):
-                return  # hung up (or shut down while idle), or not speaking this protocol
-            with self.server.in_flight(), self._timed(request):
-                try:
-                    in_sync = self._serve(sock, request)
-                except PsError as exc:
-                    self.code = status_of(exc)
-                    in_sync = True
-                    try:
-                        send_message(sock, ps_pb2.DataResponse(code=self.code.value[0], message=str(exc)))
-                    except OSError:
-                        return
-                except (FrameError, OSError) as exc:
-                    self.code = grpc.StatusCode.UNAVAILABLE
-                    log.info("data plane: connection from %s dropped: %s", self.client_address, exc)
-                    return
-                except Exception as exc:  # noqa: BLE001 - answered, logged, connection closed
-                    self.code = grpc.StatusCode.INTERNAL
-                    log.exception("data plane request failed")
-                    message = f"internal error: {type(exc).__name__}: {exc}"
-                    send_message(sock, ps_pb2.DataResponse(code=self.code.value[0], message=message))
-                    return
-            if not in_sync:
-                return
-
-    @contextlib.contextmanager
-    def _timed(self, request: ps_pb2.DataRequest) -> Iterator[None]:
-        """Reports the request's time and outcome (self.code) to server.observe, if any."""
-        self.code, started = grpc.StatusCode.OK, time.perf_counter()
-        try:
-            yield
-        finally:
-            kind = request.WhichOneof("kind")
-            if self.server.observe is not None and kind in _METHODS:
-                self.server.observe(f"DataPlane/{kind.capitalize()}", self.code, time.perf_counter() - started)
-
-    def _serve(self, sock: socket.socket, request: ps_pb2.DataRequest) -> bool:
-        """Answers one request; returns False when the stream can no longer be trusted."""
-        store, kind = self.server.store, request.WhichOneof("kind")
-        if kind in _METHODS and self.server.token is not None:
-            refusal = self.server.token.refusal(_METHODS[kind], request.authorization or None)
-            if refusal is not None:
-                raise from_status(*refusal)
-        if kind == "pull":
-            cap = self.server.max_pull_wait
-            timeout = min(request.timeout_ms / 1000, cap) if request.timeout_ms else cap
-            with wire.pull_bytes(store, request.pull, timeout=timeout, staging=self.server.staging) as (header, raw):
-                send_message(sock, ps_pb2.DataResponse(shard=header))
-                # Still held: the bytes sent are one version, never half an update.
-                sock.sendall(raw)
-            return True
-        if kind == "push":
-            push = wire.push_request(request.push)
-            duplicate = wire.open_push(store, push)
-            if duplicate is not None:
-                send_message(sock, ps_pb2.DataResponse(push=duplicate))
-                return True
-            send_message(sock, ps_pb2.DataResponse(send_payload=True))
-            with self.server.staging.borrow(wire.staging_numel(push)) as staging:
-                recv_exact_into(sock, memoryview(staging.numpy()).cast("B")[: push.nbytes])
-                response = wire.apply_push(store, push, staging, self.server.staging)
-                send_message(sock, ps_pb2.DataResponse(push=response))
-            return True
-        raise InvalidArgument("a DataRequest must carry a pull or a push")
+_READ_BYTES = 256 << 10
+_LISTENER, _WAKE = object(), object()
+_closes = RateLimitedLog()  # a client sending garbage in a loop must not fill the log
 
 
-# The gRPC method each data plane request stands for (the token rule is the same).
-_METHODS = {"pull": "/ps.v1.ParameterServer/Pull", "push": "/ps.v1.ParameterServer/Push"}
-
-
-class DataPlaneServer(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
+class DataPlaneServer:
     def __init__(
         self,
         address: tuple[str, int],
@@ -186,75 +74,361 @@ class DataPlaneServer(socketserver.ThreadingTCPServer):
         token: TokenCheck | None = None,
         observe: Callable[[str, grpc.StatusCode, float], None] | None = None,
         max_connections: int = 1024,
+        max_connections_per_client: int = 256,
         idle_seconds: float = 300.0,
+        stall_seconds: float = 30.0,
+        workers: int = 64,
     ) -> None:
         """tls: wrap connections (ps_daemon.security.server_ssl_context); token: the [auth]
-        rule; observe(method, code, seconds): told about every request (metrics);
-        max_connections: open at once (one more is refused); idle_seconds: a connection
-        with nothing to read or write for this long is closed."""
-        super().__init__(address, _Handler)
-        self.max_connections = max_connections
-        self.idle_seconds = idle_seconds
-        self.store = store
-        self.staging = staging
-        self.max_pull_wait = max_pull_wait
+        rule; observe(method, code, seconds): told about every request (metrics); the rest as
+        the [server] keys of the same names (ps_daemon.config.ServerConfig)."""
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self._listener = socket.create_server(address, family=family, backlog=1024)
+        self._listener.setblocking(False)
+        self.requests = RequestServer(
+            store=store, staging=staging, max_pull_wait=max_pull_wait, token=token, observe=observe
+        )
         self.tls = tls
-        self.token = token
-        self.observe = observe
+        self.admission = Admission(max_connections, max_connections_per_client, tls=tls is not None)
+        self.idle_seconds = idle_seconds
+        self.stall_seconds = stall_seconds
         self.stopping = False
-        self._connections: set[socket.socket] = set()
-        self._busy = 0
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="data-plane-worker")
+        self._selector = selectors.DefaultSelector()
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)
+        self._handed_back: collections.deque[tuple] = collections.deque()  # from workers and commits
+        self._deadlines: list[tuple[float, int, Connection, PendingPull]] = []  # heap of parked pulls
+        self._order = itertools.count()
+        self._accepting_after = 0.0  # accept paused until then (out of descriptors)
+        self._in_flight = 0
+        self.parked_pulls = 0  # data plane pulls waiting for a version
         self._cond = threading.Condition()
+        self._loop_ended = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
-        return self.server_address[1]
+        return self._listener.getsockname()[1]
+
+    @property
+    def connections(self) -> int:
+        return len(self.admission.connections)
+
+    @property
+    def refused(self) -> int:
+        return self.admission.refused
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.serve_forever, name="data-plane", daemon=True)
+        self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
+        self._selector.register(self._wake_reader, selectors.EVENT_READ, _WAKE)
+        self._thread = threading.Thread(target=self._loop, name="data-plane", daemon=True)
         self._thread.start()
-
-    def track(self, sock: socket.socket, *, add: bool, force: bool = False) -> bool:
-        """Adds (unless max_connections are open, or `force`) or removes a connection;
-        returns whether it is tracked now (or was removed)."""
-        with self._cond:
-            if not add:
-                self._connections.discard(sock)
-                return True
-            if len(self._connections) >= self.max_connections and not force:
-                return False
-            self._connections.add(sock)
-            return True
-
-    def in_flight(self) -> _InFlight:
-        return _InFlight(self)
 
     def stop(self, grace: float) -> None:
         """Stops accepting, lets requests in progress finish for up to `grace` seconds, then
-        closes every connection (idle ones at once)."""
+        closes every connection (idle and parked ones at once)."""
         self.stopping = True
-        self.shutdown()
-        self.server_close()
-        deadline = time.monotonic() + grace
+        self._wake()
         with self._cond:
-            self._cond.wait_for(lambda: self._busy == 0, timeout=max(0.0, deadline - time.monotonic()))
-            for sock in self._connections:
+            self._cond.wait_for(lambda: self._in_flight == 0, timeout=grace)
+        self._handed_back.append(("stop", None, None))
+        self._wake()
+        if self._thread is None or not self._loop_ended.wait(10):
+            self._close_everything()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- the selector thread ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        sweep_every, next_sweep = min(1.0, self.idle_seconds / 4), 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                wait = next_sweep - now
+                if self._deadlines:
+                    wait = min(wait, self._deadlines[0][0] - now)
+                if self._accepting_after:
+                    wait = min(wait, self._accepting_after - now)
+                accept = False
+                for key, _ in self._selector.select(max(wait, 0.0)):
+                    if key.data is _LISTENER:
+                        accept = True
+                    elif key.data is _WAKE:
+                        self._drain_wake()
+                    else:
+                        self._on_ready(key.data)
+                if self._take_handed_back():
+                    return
+                if accept:  # last: connections that hung up meanwhile no longer count against the limits
+                    self._accept()
+                now = time.monotonic()
+                if self.stopping:
+                    self._stop_accepting()
+                elif self._accepting_after and now >= self._accepting_after:
+                    self._accepting_after = 0.0
+                    self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
+                self._expire(now)
+                if now >= next_sweep:
+                    self._close_idle(now)
+                    next_sweep = now + sweep_every
+        except Exception:  # noqa: BLE001 - the data plane must not die silently
+            log.exception("data plane: the selector thread failed; closing every connection")
+        finally:
+            self._close_everything()
+            self._loop_ended.set()
+
+    def _accept(self) -> None:
+        while not self.stopping:
+            try:
+                sock, address = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # The pending connection stays queued: retry later rather than spin.
+                    log.warning("data plane: cannot accept (%s); raise LimitNOFILE or lower max_data_connections", exc)
+                    self._selector.unregister(self._listener)
+                    self._accepting_after = time.monotonic() + 0.5
+                    return
+                log.info("data plane: accept failed: %s", exc)
+                continue
+            peer = address[0]
+            if not self.admission.admit(sock, peer):
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
+            conn = Connection(sock, peer, time.monotonic())
+            self.admission.opened(conn)
+            if self.tls is None:
+                self._watch(conn)
+                continue
+            conn.sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            conn.handshaking = True
+            self._handshake(conn)
+
+    def _handshake(self, conn: Connection) -> None:
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._watch(conn, selectors.EVENT_READ)
+            return
+        except ssl.SSLWantWriteError:
+            self._watch(conn, selectors.EVENT_WRITE)
+            return
+        except (ssl.SSLError, OSError) as exc:
+            _closes.info("DataPlane", "handshake", f"TLS handshake with {conn.peer} failed: {exc}")
+            self._close(conn)
+            return
+        conn.handshaking = False
+        conn.last_active = time.monotonic()
+        self._read(conn)  # a request may have come with the handshake's last flight
+
+    def _on_ready(self, conn: Connection) -> None:
+        if conn.closed:
+            return
+        if conn.handshaking:
+            self._handshake(conn)
+        elif conn.parked is not None:
+            # One request at a time: bytes (or the end) while a pull waits mean the client has
+            # given up on it. Unparked at once, so nothing waits for a reader who left.
+            self._unpark(conn)
+            self._close(conn)
+        else:
+            self._read(conn)
+
+    def _read(self, conn: Connection) -> None:
+        """Gathers what the socket has; hands a whole request to a worker."""
+        while len(conn.inbox) <= 2 * _READ_BYTES:
+            try:
+                chunk = conn.sock.recv(_READ_BYTES)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                break
+            except OSError as exc:
+                _closes.info("DataPlane", "dropped", f"connection from {conn.peer}: {exc}")
+                self._close(conn)
+                return
+            if not chunk:
+                self._close(conn)  # hung up
+                return
+            conn.inbox += chunk
+            conn.last_active = time.monotonic()
+            if len(chunk) < _READ_BYTES and not (isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending()):
+                break
+        try:
+            body = split_frame(conn.inbox)
+            request = None if body is None else ps_pb2.DataRequest.FromString(body)
+        except (FrameError, DecodeError) as exc:  # not this protocol
+            _closes.info("DataPlane", "closed", f"{conn.peer} sent what is not a DataRequest: {exc}")
+            self._close(conn)
+            return
+        if request is None:
+            self._watch(conn)
+            return
+        self._give_to_worker(conn, request, time.perf_counter(), None)
+
+    def _give_to_worker(
+        self, conn: Connection, request: ps_pb2.DataRequest, started: float, resumed: PendingPull | None
+    ) -> None:
+        self._unwatch(conn)
+        conn.busy = True
+        with self._cond:
+            self._in_flight += 1
+        self._pool.submit(self._work, conn, request, started, resumed)
+
+    def _take_handed_back(self) -> bool:
+        """Acts on what workers and commits handed back; True once the server is to stop."""
+        while self._handed_back:
+            what, conn, pending = self._handed_back.popleft()
+            if what == "stop":
+                return True
+            if conn.closed:
+                continue
+            if what == "resume":
+                if conn.parked is pending:  # else it ended already (deadline, hang-up)
+                    pending.woken = True
+                    self._resume(conn)
+                continue
+            conn.busy = False
+            conn.last_active = time.monotonic()
+            if what == "close" or self.stopping:
+                self._close(conn)
+            elif what == "park":
+                self._park(conn, pending)
+            else:  # the next request may be here already (read ahead, or inside TLS)
+                self._read(conn)
+        return False
+
+    def _park(self, conn: Connection, pending: PendingPull) -> None:
+        conn.parked = pending
+        self.parked_pulls += 1
+        if len(self._deadlines) > 2 * self.parked_pulls + 1024:
+            # Pulls woken early leave their deadlines behind: drop them before they pile up.
+            self._deadlines = [entry for entry in self._deadlines if entry[2].parked is entry[3]]
+            heapq.heapify(self._deadlines)
+        heapq.heappush(self._deadlines, (pending.deadline, next(self._order), conn, pending))
+        wake = lambda: self._hand_back("resume", conn, pending)  # noqa: E731 - under the shard's lock: only queues
+        if pending.shard.watch(pending.request.pull.min_version, wake):
+            pending.unwatch = lambda: pending.shard.unwatch(wake)
+            self._watch(conn)  # to see the client hang up
+        else:  # there by now (or dropped: the worker answers why)
+            pending.woken = True
+            self._resume(conn)
+
+    def _resume(self, conn: Connection) -> None:
+        pending = conn.parked
+        self._unpark(conn)
+        self._give_to_worker(conn, pending.request, pending.started, pending)
+
+    def _unpark(self, conn: Connection) -> None:
+        pending, conn.parked = conn.parked, None
+        if pending is None:
+            return
+        self.parked_pulls -= 1
+        if pending.unwatch is not None and not pending.woken:
+            pending.unwatch()
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, conn, pending = heapq.heappop(self._deadlines)
+            if conn.parked is pending and not conn.closed:
+                self._resume(conn)  # not woken: answered DEADLINE_EXCEEDED unless there by now
+
+    def _close_idle(self, now: float) -> None:
+        for conn in list(self.admission.connections):
+            if conn.busy or conn.parked is not None:
+                continue
+            limit = self.stall_seconds if conn.handshaking else self.idle_seconds
+            if now - conn.last_active > limit:
+                self._close(conn)
+
+    def _watch(self, conn: Connection, events: int = selectors.EVENT_READ) -> None:
+        if conn.watched == events:
+            return
+        if conn.watched:
+            self._selector.modify(conn.sock, events, conn)
+        else:
+            self._selector.register(conn.sock, events, conn)
+        conn.watched = events
+
+    def _unwatch(self, conn: Connection) -> None:
+        if conn.watched:
+            self._selector.unregister(conn.sock)
+            conn.watched = 0
+
+    def _close(self, conn: Connection) -> None:
+        if conn.closed:
+            return
+        self._unwatch(conn)
+        self._unpark(conn)
+        conn.closed = True
+        self.admission.closed(conn)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    def _stop_accepting(self) -> None:
+        if self._listener.fileno() >= 0:
+            if not self._accepting_after:
+                self._selector.unregister(self._listener)
+            self._accepting_after = 0.0
+            self._listener.close()
+        for conn in list(self.admission.connections):
+            if not conn.busy:  # idle, parked or mid-frame: nothing in progress to let finish
+                self._close(conn)
+
+    def _close_everything(self) -> None:
+        for conn in list(self.admission.connections):
+            if conn.busy:
                 try:
-                    sock.shutdown(socket.SHUT_RDWR)
+                    conn.sock.shutdown(socket.SHUT_RDWR)  # its worker sees the end and hands it back
                 except OSError:
                     pass
+            else:
+                self._close(conn)
+        if self._listener.fileno() >= 0:
+            self._listener.close()
 
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_reader.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
 
-class _InFlight:
-    def __init__(self, server: DataPlaneServer) -> None:
-        self.server = server
+    # -- any thread ---------------------------------------------------------------------------
 
-    def __enter__(self) -> None:
-        with self.server._cond:
-            self.server._busy += 1
+    def _wake(self) -> None:
+        try:
+            self._wake_writer.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake is pending already (or the server is gone)
 
-    def __exit__(self, *exc: object) -> None:
-        with self.server._cond:
-            self.server._busy -= 1
-            self.server._cond.notify_all()
+    def _hand_back(self, what: str, conn: Connection, pending: PendingPull | None = None) -> None:
+        self._handed_back.append((what, conn, pending))
+        self._wake()
+
+    def _work(self, conn: Connection, request: ps_pb2.DataRequest, started: float, resumed: PendingPull | None) -> None:
+        """On a worker: serves one request with the socket blocking, each operation bounded by
+        the stall timeout, then hands the connection back to the selector thread."""
+        outcome: str | PendingPull = Outcome.CLOSE
+        try:
+            conn.sock.settimeout(self.stall_seconds)
+            outcome = self.requests.serve(conn, request, started, resumed)
+            conn.sock.setblocking(False)
+        except OSError as exc:
+            _closes.info("DataPlane", "dropped", f"connection from {conn.peer}: {exc}")
+            outcome = Outcome.CLOSE
+        except BaseException:
+            log.exception("data plane: a worker failed")
+            outcome = Outcome.CLOSE
+        finally:
+            if isinstance(outcome, PendingPull):
+                self._hand_back("park", conn, outcome)
+            else:
+                self._hand_back(outcome, conn)
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()

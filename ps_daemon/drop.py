@@ -35,7 +35,7 @@ def stop_using(shards: list[Shard], timeout: float) -> bool:
     for shard in shards:
         with shard.cond:
             shard.dropped = True
-            shard.cond.notify_all()
+            shard.notify_locked()
     deadline = time.monotonic() + timeout
     for shard in shards:
         with shard.cond:

@@ -11,15 +11,20 @@ is fine. So:
   leaving the rest for pushes, admin calls and health checks); one more is answered
   RESOURCE_EXHAUSTED at once, saying which limit and how to raise it. A pull that need not
   wait (its version is there) is never refused.
+* At most `server.max_waiting_pulls_per_client` of them from one client address (default
+  half of max_waiting_pulls), so one host in a loop cannot take every waiting slot from the
+  others. The address is the identity: every process on a host shares the budget (the
+  shared token names no one, and it is what the data plane's limits count by too).
 * A waiting pull whose caller cancels or passes its deadline is woken by gRPC's callback for
   the call's end and gives its thread back at once, instead of waiting out its timeout.
 
-The TCP data plane's pulls wait on their connection's own thread and take neither (its
-connections are bounded separately).
+The TCP data plane parks its waiting pulls without a thread (ps_daemon.dataplane) and takes
+none of these; its connection limits, total and per address, bound them.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -31,34 +36,63 @@ if TYPE_CHECKING:  # the store imports this module, and loads no gRPC (tests/tes
     import grpc
 
 
-class PullWaits:
-    """The count of gRPC pulls waiting for a version, against `limit`."""
+def client_address(peer: str) -> str:
+    """The address in gRPC's peer string ("ipv4:10.0.0.5:41234", "ipv6:[::1]:41234"), or the
+    whole string for another kind of peer."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return peer
+    return rest.rpartition(":")[0].strip("[]")
 
-    def __init__(self, limit: int) -> None:
+
+class PullWaits:
+    """The count of gRPC pulls waiting for a version, against `limit` in all and `per_client`
+    from one client address."""
+
+    def __init__(self, limit: int, per_client: int | None = None) -> None:
         self.limit = limit
+        self.per_client = per_client if per_client else max(limit // 2, 1)
         self.waiting = 0
         self.refused = 0
+        self._by_client: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
 
     def for_call(self, context: grpc.ServicerContext) -> PullWait:
         return PullWait(self, context)
 
     @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
+    def admitted(self, client: str) -> Iterator[None]:
         with self._lock:
-            if self.waiting >= self.limit:
+            refusal = self._refusal_locked(client)
+            if refusal is not None:
                 self.refused += 1
-                raise ResourceExhausted(
-                    f"{self.waiting} pulls are already waiting for versions not pushed yet (server.max_waiting_pulls "
-                    f"= {self.limit}): retry later, pull versions that exist, or raise server.max_waiting_pulls "
-                    "(with server.max_workers)"
-                )
+                raise ResourceExhausted(refusal)
             self.waiting += 1
+            self._by_client[client] += 1
         try:
             yield
         finally:
             with self._lock:
                 self.waiting -= 1
+                self._by_client[client] -= 1
+                if not self._by_client[client]:
+                    del self._by_client[client]
+
+    def _refusal_locked(self, client: str) -> str | None:
+        if self.waiting >= self.limit:
+            return (
+                f"{self.waiting} pulls are already waiting for versions not pushed yet (server.max_waiting_pulls "
+                f"= {self.limit}): retry later, pull versions that exist, or raise server.max_waiting_pulls "
+                "(with server.max_workers)"
+            )
+        if self._by_client[client] >= self.per_client:
+            return (
+                f"{client} has {self.per_client} pulls waiting for versions not pushed yet "
+                f"(server.max_waiting_pulls_per_client = {self.per_client}, shared by every process on that host): "
+                "retry later, pull versions that exist, use the TCP data plane (its waiting pulls hold no thread), "
+                "or raise server.max_waiting_pulls_per_client"
+            )
+        return None
 
 
 class PullWait:
@@ -66,6 +100,7 @@ class PullWait:
 
     def __init__(self, waits: PullWaits, context: grpc.ServicerContext) -> None:
         self.waits = waits
+        self.client = client_address(context.peer())
         self.ended = False
         self._cond: threading.Condition | None = None
         self._lock = threading.Lock()
@@ -85,7 +120,7 @@ class PullWait:
     def parked(self, cond: threading.Condition) -> Iterator[None]:
         """Around a wait on `cond` (entered with `cond` held): admitted or refused, and woken
         through `cond` when the call ends."""
-        with self.waits.admitted():
+        with self.waits.admitted(self.client):
             with self._lock:
                 self._cond = cond
             try:

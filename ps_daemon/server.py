@@ -93,11 +93,12 @@ class Daemon:
             data_port=self.data_plane.port if self.data_plane else 0,
             nvme_tier=self.files is not None,
             max_waiting_pulls=config.server.max_waiting_pulls or config.server.max_workers // 2,
+            max_waiting_pulls_per_client=config.server.max_waiting_pulls_per_client,
         )
         self.server.add_generic_rpc_handlers(
             [
                 parameter_server_handler(parameter_server),
-                admin_handler(AdminServicer(self.store, parameter_server.pull_waits)),
+                admin_handler(AdminServicer(self.store, parameter_server.pull_waits, self.data_plane)),
             ]
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -319,7 +320,10 @@ def _bind_data_plane(
             staging=staging,
             max_pull_wait=config.server.max_pull_wait_seconds,
             max_connections=config.server.max_data_connections,
+            max_connections_per_client=config.server.max_data_connections_per_client,
             idle_seconds=config.server.data_idle_seconds,
+            stall_seconds=config.server.data_stall_seconds,
+            workers=config.server.data_workers,
             **options,
         )
     except OSError as exc:

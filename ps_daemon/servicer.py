@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -21,6 +22,9 @@ from ps_offload.daemon.pull_wait import PullWaits
 from ps_offload.daemon.rpc_errors import Undecodable, grpc_errors, grpc_errors_stream
 from ps_offload.daemon.store import ShardStore
 from ps_offload.proto import codec, ps_pb2
+
+if TYPE_CHECKING:
+    from ps_offload.daemon.dataplane import DataPlaneServer
 
 
 class ParameterServerServicer:
@@ -34,9 +38,11 @@ class ParameterServerServicer:
         data_port: int = 0,
         nvme_tier: bool = False,
         max_waiting_pulls: int = 16,
+        max_waiting_pulls_per_client: int = 0,
     ) -> None:
+        """max_waiting_pulls_per_client: 0, half of max_waiting_pulls (ps_daemon.pull_wait)."""
         self.store = store
-        self.pull_waits = PullWaits(max_waiting_pulls)  # (ps_daemon.pull_wait)
+        self.pull_waits = PullWaits(max_waiting_pulls, max_waiting_pulls_per_client)
         self.staging = staging
         self.data_port = data_port  # advertised in RegisterModel; 0: no TCP data plane
         self.nvme_tier = nvme_tier  # advertised too: only then are prefetch hints worth sending
@@ -125,10 +131,13 @@ SNAPSHOTS_AT_ONCE = 2
 
 
 class AdminServicer:
-    def __init__(self, store: ShardStore, pull_waits: PullWaits | None = None) -> None:
+    def __init__(
+        self, store: ShardStore, pull_waits: PullWaits | None = None, data_plane: DataPlaneServer | None = None
+    ) -> None:
         self.store = store
         self._snapshot_waits = threading.BoundedSemaphore(SNAPSHOTS_AT_ONCE)
         self.pull_waits = pull_waits  # the ParameterServer's, for Stats
+        self.data_plane = data_plane  # for Stats
 
     @grpc_errors
     def ListShards(self, request: ps_pb2.ListShardsRequest, context: grpc.ServicerContext):
@@ -162,6 +171,9 @@ class AdminServicer:
             **dataclasses.asdict(self.store.stats_snapshot()),
             pulls_waiting=waits.waiting if waits else 0,
             pulls_refused_waiting=waits.refused if waits else 0,
+            data_connections=self.data_plane.connections if self.data_plane else 0,
+            data_pulls_waiting=self.data_plane.parked_pulls if self.data_plane else 0,
+            data_connections_refused=self.data_plane.refused if self.data_plane else 0,
         )
 
     @grpc_errors

@@ -101,6 +101,8 @@ class Shard:
         self.corrupt = ""  # why the shard's bytes on disk cannot be trusted; "" when fine
         self.rolled_back = False  # corrupt because its newest header is gone (tiers.version_floors)
         self.dropped = False  # its model was dropped (ShardStore.drop): every wait and hold ends NOT_FOUND
+        # Data plane pulls parked for a version (min_version, wake), woken by notify_locked.
+        self.watchers: list[tuple[int, Callable[[], None]]] = []
         # The step being pushed in parts (its own lock; in RAM even while the arena is not).
         self.parts = GradientParts(allocate_sum)
 
@@ -156,27 +158,56 @@ class Shard:
     def resident_bytes(self) -> int:
         return self.arena_bytes if self.resident else 0
 
-    def await_version(self, min_version: int, timeout: float, waiting: PullWait | None = None) -> None:
+    def ready_locked(self, min_version: int) -> bool:
+        return self.initialized and self.version >= min_version
+
+    def await_version(
+        self, min_version: int, timeout: float, waiting: PullWait | None = None, *, waited: float | None = None
+    ) -> None:
         """Returns once the shard is initialized at min_version or later, without holding it.
         `waiting` (a gRPC pull's, ps_daemon/pull_wait.py): a wait needs its admission (else
-        RESOURCE_EXHAUSTED) and ends early when its call ends."""
-
-        def ready() -> bool:
-            return self.initialized and self.version >= min_version
-
+        RESOURCE_EXHAUSTED) and ends early when its call ends. `waited`: how long the caller
+        has waited already (a data plane pull parked until its deadline), for the message."""
         with self.cond:
-            if ready():
+            if self.ready_locked(min_version):
                 return
             with waiting.parked(self.cond) if waiting is not None else contextlib.nullcontext():
                 done = self.cond.wait_for(
-                    lambda: ready() or self.dropped or (waiting is not None and waiting.ended), timeout
+                    lambda: self.ready_locked(min_version) or self.dropped or (waiting is not None and waiting.ended),
+                    timeout,
                 )
             self.check_not_dropped()
-            if done and ready():
+            if done and self.ready_locked(min_version):
                 return
             if waiting is not None and waiting.ended:
                 raise DeadlineExceeded(f"pull of shard {self.slice.shard_id} of model {self.model!r}: the caller left")
-            raise self._not_there(min_version, timeout)
+            raise self._not_there(min_version, timeout if waited is None else waited)
+
+    def watch(self, min_version: int, wake: Callable[[], None]) -> bool:
+        """Parks a wait for min_version without a thread: `wake()` is called once (under
+        `cond`, from the committing thread: it must only hand the wait on) when the shard is
+        there or dropped. False, and nothing parked, if it is either already."""
+        with self.cond:
+            if self.dropped or self.ready_locked(min_version):
+                return False
+            self.watchers.append((min_version, wake))
+            return True
+
+    def unwatch(self, wake: Callable[[], None]) -> None:
+        with self.cond:
+            self.watchers = [(v, w) for v, w in self.watchers if w is not wake]
+
+    def notify_locked(self) -> None:
+        """Under `cond`, after a change a wait may be for (a commit, a drop): wakes the threads
+        waiting on it and the parked watchers that can go on."""
+        self.cond.notify_all()
+        if not self.watchers:
+            return
+        waking = [w for v, w in self.watchers if self.dropped or self.ready_locked(v)]
+        if waking:
+            self.watchers = [(v, w) for v, w in self.watchers if not (self.dropped or self.ready_locked(v))]
+            for wake in waking:
+                wake()
 
     def check_not_dropped(self) -> None:
         if self.dropped:
@@ -231,7 +262,7 @@ class Shard:
         finally:
             with self.cond:
                 self.writing = False
-                self.cond.notify_all()
+                self.notify_locked()
 
 
 def shard_resident_bytes(numel: int, optimizer: OptimizerConfig) -> int:

@@ -274,6 +274,7 @@ class ShardStore:
         dtype: str = "float32",
         scratch: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
         waiting: PullWait | None = None,
+        waited: float | None = None,
     ) -> Iterator[tuple[torch.Tensor, int]]:
         """Holds the shard for reading at min_version or later: yields (its `tensor`, version),
         the tensor one of SHARD_TENSORS. The caller streams the tensor inside the block.
@@ -282,16 +283,29 @@ class ShardStore:
         hold ends there. With an NVMe tier, the master values of a shard that is not resident
         are read from disk into a buffer from `scratch`, without loading the shard
         (ps_daemon.master_pull), and the hold ends there too. `waiting`: a gRPC pull's bound
-        on waiting for the version (ps_daemon.pull_wait)."""
-        shard = self.shard(model, shard_id)
-        shard.check_tensor(tensor)
-        check_pull_dtype(dtype, tensor, f"pull of shard {shard_id} of model {model!r}")
-        shard.await_version(min_version, timeout, waiting)  # the wait, without holding anything
+        on waiting for the version (ps_daemon.pull_wait); `waited`: how long the caller has
+        waited already (for the message if the version is still not there)."""
+        shard = self._pullable(model, shard_id, tensor, dtype)
+        shard.await_version(min_version, timeout, waiting, waited=waited)  # the wait, without holding anything
         with contextlib.ExitStack() as sending:
             yield self._pulled(sending, shard, tensor, dtype, min_version, timeout, scratch)
         with self._lock:
             self.stats.pulls += 1
             self.stats.bytes_pulled += shard.slice.numel * element_bytes(dtype)  # the bytes sent
+
+    def _pullable(self, model: str, shard_id: int, tensor: str, dtype: str) -> Shard:
+        shard = self.shard(model, shard_id)
+        shard.check_tensor(tensor)
+        check_pull_dtype(dtype, tensor, f"pull of shard {shard_id} of model {model!r}")
+        return shard
+
+    def pull_waits_on(self, model: str, shard_id: int, *, min_version: int, tensor: str, dtype: str) -> Shard | None:
+        """Checks a pull as pull does (raising what pull would); the shard it would wait on for
+        its version, or None when it can go on now. For a pull that must not hold a thread
+        while it waits (the data plane's parks on the shard: Shard.watch)."""
+        shard = self._pullable(model, shard_id, tensor, dtype)
+        with shard.cond:
+            return None if shard.dropped or shard.ready_locked(min_version) else shard
 
     def _pulled(
         self,

@@ -147,11 +147,13 @@ def pull_bytes(
     timeout: float,
     staging: StagingPool,
     waiting: PullWait | None = None,
+    waited: float | None = None,
 ) -> Iterator[tuple[ps_pb2.ShardHeader, memoryview]]:
     """Holds a pull for the block: yields its ShardHeader and the bytes to send after it.
     fp32: the shard's own bytes, under its read hold for the whole send; bf16 or fp16: a copy
     rounded under that hold into a buffer from `staging`. Either way, one version. With
-    `request.snapshot`: the snapshot's copy, read from its slot (fp32 only)."""
+    `request.snapshot`: the snapshot's copy, read from its slot (fp32 only). `waiting`, `waited`:
+    as ShardStore.pull's."""
     if request.snapshot:
         if pull_dtype(request) != "float32":
             raise InvalidArgument(f"pull of shard {request.shard_id} from snapshot {request.snapshot!r}: FLOAT32 only")
@@ -167,6 +169,7 @@ def pull_bytes(
         dtype=pull_dtype(request),
         scratch=staging.borrow,
         waiting=waiting,
+        waited=waited,
     )
     with held as (values, version):
         yield shard_header(request.model, request.shard_id, version, values), tensor_bytes(values)

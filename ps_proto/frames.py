@@ -49,6 +49,23 @@ def recv_message(sock: socket.socket, cls: type[M]) -> M:
         raise FrameError(f"malformed {cls.__name__}: {exc}") from exc
 
 
+def split_frame(inbox: bytearray) -> bytes | None:
+    """The body of the first whole frame in `inbox`, removed from it; None while the frame
+    is still incomplete. For a reader that gathers bytes as they come (the daemon's data plane
+    reads without blocking)."""
+    if len(inbox) < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack_from(inbox)
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {length} bytes is over the {MAX_FRAME_BYTES}-byte limit: not this protocol?")
+    end = _LENGTH.size + length
+    if len(inbox) < end:
+        return None
+    body = bytes(inbox[_LENGTH.size : end])
+    del inbox[:end]
+    return body
+
+
 def split_host_port(address: str) -> tuple[str, int]:
     """'host:port' or '[v6]:port' -> (host, port)."""
     host, sep, port = address.rpartition(":")

@@ -357,7 +357,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read", "nvme_bytes_written", "ram_bytes_budget", "nvme_bytes_allocated", "nvme_bytes_capacity", "shards_in_ram", "shards_on_nvme", "shards_corrupt", "nvme_write_seconds", "nvme_read_seconds", "nvme_master_reads", "nvme_master_bytes_read", "pulls_waiting", "pulls_refused_waiting")
+    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read", "nvme_bytes_written", "ram_bytes_budget", "nvme_bytes_allocated", "nvme_bytes_capacity", "shards_in_ram", "shards_on_nvme", "shards_corrupt", "nvme_write_seconds", "nvme_read_seconds", "nvme_master_reads", "nvme_master_bytes_read", "pulls_waiting", "pulls_refused_waiting", "data_connections", "data_pulls_waiting", "data_connections_refused")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     RAM_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -387,6 +387,9 @@ class StatsResponse(_message.Message):
     NVME_MASTER_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     PULLS_WAITING_FIELD_NUMBER: _ClassVar[int]
     PULLS_REFUSED_WAITING_FIELD_NUMBER: _ClassVar[int]
+    DATA_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PULLS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    DATA_CONNECTIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     models: int
     shards: int
     ram_bytes_used: int
@@ -416,7 +419,10 @@ class StatsResponse(_message.Message):
     nvme_master_bytes_read: int
     pulls_waiting: int
     pulls_refused_waiting: int
-    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., ram_bytes_budget: _Optional[int] = ..., nvme_bytes_allocated: _Optional[int] = ..., nvme_bytes_capacity: _Optional[int] = ..., shards_in_ram: _Optional[int] = ..., shards_on_nvme: _Optional[int] = ..., shards_corrupt: _Optional[int] = ..., nvme_write_seconds: _Optional[float] = ..., nvme_read_seconds: _Optional[float] = ..., nvme_master_reads: _Optional[int] = ..., nvme_master_bytes_read: _Optional[int] = ..., pulls_waiting: _Optional[int] = ..., pulls_refused_waiting: _Optional[int] = ...) -> None: ...
+    data_connections: int
+    data_pulls_waiting: int
+    data_connections_refused: int
+    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., ram_bytes_budget: _Optional[int] = ..., nvme_bytes_allocated: _Optional[int] = ..., nvme_bytes_capacity: _Optional[int] = ..., shards_in_ram: _Optional[int] = ..., shards_on_nvme: _Optional[int] = ..., shards_corrupt: _Optional[int] = ..., nvme_write_seconds: _Optional[float] = ..., nvme_read_seconds: _Optional[float] = ..., nvme_master_reads: _Optional[int] = ..., nvme_master_bytes_read: _Optional[int] = ..., pulls_waiting: _Optional[int] = ..., pulls_refused_waiting: _Optional[int] = ..., data_connections: _Optional[int] = ..., data_pulls_waiting: _Optional[int] = ..., data_connections_refused: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

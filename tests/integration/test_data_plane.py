@@ -18,6 +18,7 @@ from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import recv_message, send_message
 from ps_offload.trainer.client import DaemonClient
 from ps_offload.trainer.dataplane import DataPlaneClient, DataPlaneError
+from tests.integration.test_liveness import _until
 
 NUMEL = 1024
 _models = itertools.count()
@@ -165,11 +166,12 @@ def test_connections_are_bounded_idle_ones_closed_and_the_trainer_reconnects_uns
     config.write_text("[server]\nmax_data_connections = 3\ndata_idle_seconds = 1.0\n")
     daemon = daemon_factory(config=config)
     client, data, response = _register(daemon)
-    client.close()
     for shard in response.shards:
         data.push("m", shard.shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(shard.numel)),
                   lr=None, timeout=10)  # fmt: skip
     data.close()
+    _until(lambda stats: stats.data_connections == 0, "the pushes' connections closed", client)
+    client.close()
     port = response.data_port
     idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
     extra = socket.create_connection(("127.0.0.1", port), timeout=30)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.trainer.client import DaemonClient, ShardedClient
 from ps_offload.trainer.config import ClientConfig
@@ -58,15 +59,20 @@ def _until(predicate, what: str, client: DaemonClient) -> None:
         timer.cancel()
 
 
-@pytest.mark.slow
-def test_waiting_pulls_are_bounded_refused_past_the_bound_and_freed_by_their_callers_leaving(daemon_factory, tmp_path):
-    config = tmp_path / "workers.toml"
-    config.write_text(f"[server]\nmax_workers = {WORKERS}\n")
-    daemon = daemon_factory(config=config)
-    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+def _initialize(client: DaemonClient) -> None:
     client.register(_spec(), 0, timeout=10)
     for shard_id, n in enumerate((1024, 1024, 952)):
         client.push("m", shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(n)), lr=None, timeout=10)
+
+
+@pytest.mark.slow
+def test_waiting_pulls_are_bounded_refused_past_the_bound_and_freed_by_their_callers_leaving(daemon_factory, tmp_path):
+    config = tmp_path / "workers.toml"
+    # One client here: the per-client bound as high as the whole (the next test shares them out).
+    config.write_text(f"[server]\nmax_workers = {WORKERS}\nmax_waiting_pulls_per_client = {WORKERS // 2}\n")
+    daemon = daemon_factory(config=config)
+    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+    _initialize(client)
     stub = ps_pb2_grpc.ParameterServerStub(client.channel)
     ended = threading.Semaphore(0)
     pullers = [Puller(stub, min_version=5, done=ended) for _ in range(3 * WORKERS)]  # version 5 never comes
@@ -111,12 +117,10 @@ def test_a_trainers_pull_refused_for_waiting_is_retried_until_there_is_room(daem
     pushed yet is refused RESOURCE_EXHAUSTED, backs off and retries (as the refusal says), and
     gets its version once the slots free and the version is pushed, instead of failing the job."""
     config = tmp_path / "workers.toml"
-    config.write_text("[server]\nmax_workers = 4\n")  # 2 waiting pulls at most
+    config.write_text("[server]\nmax_workers = 4\nmax_waiting_pulls_per_client = 2\n")  # 2 waiting pulls at most
     daemon = daemon_factory(config=config)
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
-    client.register(_spec(), 0, timeout=10)
-    for shard_id, n in enumerate((1024, 1024, 952)):
-        client.push("m", shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(n)), lr=None, timeout=10)
+    _initialize(client)
     stub = ps_pb2_grpc.ParameterServerStub(client.channel)
     ended = threading.Semaphore(0)
     hogs = [Puller(stub, min_version=99, done=ended) for _ in range(2)]
@@ -140,3 +144,30 @@ def test_a_trainers_pull_refused_for_waiting_is_retried_until_there_is_room(daem
     assert got == [1]
     trainer_client.close()
     client.close()
+
+
+def test_one_client_address_cannot_take_every_waiting_slot(tmp_path):
+    """max_workers 8: 4 gRPC pulls may wait, 2 from one address (the default, half). A daemon
+    on "localhost" is reached from 127.0.0.1 and from ::1, two client addresses: the first's
+    third waiting pull is refused naming the per-client key, and the second's two still wait."""
+    config = tmp_path / "workers.toml"
+    config.write_text(f"[server]\nmax_workers = {WORKERS}\n")
+    with LocalDaemon(tmp_path / "d", "--config", str(config), host="localhost") as daemon:
+        v4 = DaemonClient(f"127.0.0.1:{daemon.port}", max_message_bytes=8 << 20)
+        v6 = DaemonClient(f"[::1]:{daemon.port}", max_message_bytes=8 << 20)
+        _initialize(v4)
+        ended = threading.Semaphore(0)
+        first = [Puller(ps_pb2_grpc.ParameterServerStub(v4.channel), 5, ended) for _ in range(3)]
+        assert ended.acquire(timeout=60)  # the refused one ends at once
+        (refused,) = [p for p in first if p.code is not None]
+        assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "127.0.0.1 has 2 pulls waiting" in refused.details
+        assert "server.max_waiting_pulls_per_client = 2" in refused.details
+        second = [Puller(ps_pb2_grpc.ParameterServerStub(v6.channel), 5, ended) for _ in range(2)]
+        _until(lambda s: s.pulls_waiting == 4, "two pulls from each address waiting", v4)
+        assert _stats(v4).pulls_refused_waiting == 1
+        for p in first + second:
+            p.call.cancel()
+            p.thread.join(timeout=60)
+        v4.close()
+        v6.close()

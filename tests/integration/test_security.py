@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -59,12 +60,14 @@ def _token_file(path: Path, token: str = TOKEN) -> str:
     return str(path)
 
 
-def _daemon(daemon_factory, tmp_path: Path, *, tls: dict | None = None, auth: dict | None = None, name="d"):
+def _daemon(daemon_factory, tmp_path: Path, *, tls: dict | None = None, auth: dict | None = None,
+            server: dict | None = None, name="d"):  # fmt: skip
     lines = []
-    for section, table in (("tls", tls), ("auth", auth)):
+    for section, table in (("tls", tls), ("auth", auth), ("server", server)):
         if table:
             lines.append(f"[{section}]")
-            lines += [f'{key} = "{value}"' for key, value in table.items()]
+            lines += [f"{key} = {value!r}" if isinstance(value, int) else f'{key} = "{value}"'
+                      for key, value in table.items()]  # fmt: skip
     config = tmp_path / f"{name}.toml"
     config.write_text("\n".join(lines) + "\n")
     return daemon_factory(config=config)
@@ -121,6 +124,22 @@ def test_training_over_tls_on_both_transports_and_plaintext_refused(daemon_facto
     code, _ = _code(lambda: plain.pull_into("m-auto", 0, min_version=0, out=memoryview(bytearray(4096)), timeout=5))
     assert code == grpc.StatusCode.UNAVAILABLE
     assert daemon.process.poll() is None
+
+
+def test_tls_handshakes_stalled_midway_hold_no_data_plane_worker(daemon_factory, tmp_path, pki):
+    """One data plane worker, and clients that connect and never finish (or never start) the
+    TLS handshake, with data_stall_seconds long enough to outlast the test: a handshake run on
+    a worker would hold it, and the training below could not pull or push."""
+    tls = {"cert_file": pki["server_cert"], "key_file": pki["server_key"]}
+    daemon = _daemon(daemon_factory, tmp_path, tls=tls, server={"data_workers": 1, "data_stall_seconds": 600})
+    secure = ClientSecurity(ca_file=pki["ca"])
+    data_port = _register_port(daemon.address, secure)
+    stalled = [socket.create_connection(("127.0.0.1", data_port), timeout=30) for _ in range(3)]
+    stalled[0].sendall(b"\x16\x03\x01\x02\x00")  # the first bytes of a ClientHello, and no more
+    steps, transports = _train(daemon.address, secure)
+    assert steps == 3 and isinstance(transports[0], DataPlaneClient)
+    for sock in stalled:
+        sock.close()
 
 
 def _register_port(address: str, security: ClientSecurity) -> int:

@@ -121,9 +121,13 @@ KNOWN_OPTIONS = [
     "server.data_listen",
     "server.port_file",
     "server.max_data_connections",
+    "server.max_data_connections_per_client",
+    "server.data_workers",
     "server.data_idle_seconds",
+    "server.data_stall_seconds",
     "server.max_workers",
     "server.max_waiting_pulls",
+    "server.max_waiting_pulls_per_client",
     "server.max_message_bytes",
     "server.grace_seconds",
     "server.max_pull_wait_seconds",
@@ -168,9 +172,13 @@ def test_every_option_can_be_set_from_a_file(write_toml, tmp_path):
         "server.data_listen": ('"off"', "off"),
         "server.port_file": ('"p"', "p"),
         "server.max_data_connections": ("8", 8),
+        "server.max_data_connections_per_client": ("4", 4),
+        "server.data_workers": ("2", 2),
         "server.data_idle_seconds": ("2.5", 2.5),
+        "server.data_stall_seconds": ("7.5", 7.5),
         "server.max_workers": ("3", 3),
         "server.max_waiting_pulls": ("1", 1),
+        "server.max_waiting_pulls_per_client": ("1", 1),
         "server.max_message_bytes": ('"1MiB"', MiB),
         "server.grace_seconds": ("1.5", 1.5),
         "server.max_pull_wait_seconds": ("4.0", 4.0),
@@ -525,3 +533,19 @@ def test_tls_auth_and_metrics_settings_that_cannot_work_are_refused(write_toml, 
     pem.write_text("x")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(write_toml(toml.format(pem=pem)))
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("max_data_connections = 0", "server.data_workers must each be at least 1"),
+        ("max_data_connections_per_client = 0", "server.data_workers must each be at least 1"),
+        ("data_workers = 0", "server.data_workers must each be at least 1"),
+        ("data_idle_seconds = 0.0", "data_stall_seconds must be above 0"),
+        ("data_stall_seconds = -1.0", "data_stall_seconds must be above 0"),
+        ("max_waiting_pulls_per_client = -1", "max_waiting_pulls_per_client must be at least 0"),
+    ],
+)
+def test_data_plane_limits_that_cannot_work_are_refused(write_toml, toml, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write_toml(f"[server]\n{toml}\n"))

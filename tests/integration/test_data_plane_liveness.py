@@ -1,0 +1,131 @@
+"""The data plane serves many connections with a bounded number of threads
+(ps_daemon/dataplane.py): pulls waiting for a version are parked on their shard and hold no
+worker, so the push that ends their wait is served by a pool of two; a waiting pull whose
+client hangs up is unparked at once; one past its deadline is answered DEADLINE_EXCEEDED; a
+request stalled half-sent holds no worker; and connections past the per-client limit are
+refused, naming it."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.frames import recv_exact_into, recv_message, send_message
+from tests.integration.test_data_plane import NUMEL, _bytes, _register
+from tests.integration.test_liveness import _stats, _until
+
+WORKERS = 2
+WAITING = 40
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads line in /proc/PID/status")
+
+
+def _ask(port: int, shard_id: int, min_version: int, timeout_ms: int = 120_000) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    pull = ps_pb2.PullRequest(model="m", shard_id=shard_id, min_version=min_version)
+    send_message(sock, ps_pb2.DataRequest(pull=pull, timeout_ms=timeout_ms))
+    return sock
+
+
+def _answer(sock: socket.socket) -> tuple[ps_pb2.DataResponse, torch.Tensor | None]:
+    response = recv_message(sock, ps_pb2.DataResponse)
+    if response.code:
+        return response, None
+    values = torch.empty(response.shard.numel)
+    recv_exact_into(sock, _bytes(values))
+    return response, values
+
+
+@pytest.fixture
+def two_workers(daemon_factory, tmp_path):
+    """A daemon whose data plane has two workers, and model "m" (3 shards, SGD lr 0.1) at
+    version 0 with initial values 1."""
+    config = tmp_path / "workers.toml"
+    config.write_text(f"[server]\ndata_workers = {WORKERS}\n")
+    daemon = daemon_factory(config=config)
+    client, data, response = _register(daemon)
+    for shard in response.shards:
+        data.push("m", shard.shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(shard.numel)),
+                  lr=None, timeout=10)  # fmt: skip
+    yield daemon, client, data, response.data_port
+    data.close()
+    client.close()
+
+
+def test_waiting_pulls_hold_no_thread_and_the_push_they_wait_for_gets_through(two_workers):
+    daemon, client, data, port = two_workers
+    threads_before = _threads(daemon.process.pid)
+    waiting = [_ask(port, 0, min_version=1) for _ in range(WAITING)]
+    _until(lambda s: s.data_pulls_waiting == WAITING, f"{WAITING} pulls parked", client)
+    # A thread per waiting pull would add WAITING; the pool adds at most its workers.
+    assert _threads(daemon.process.pid) <= threads_before + WORKERS
+    # Every worker would be held by a waiting pull if waits held workers: this push would starve.
+    data.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(NUMEL)), lr=None, timeout=30)
+    expected = torch.ones(NUMEL)
+    expected.add_(torch.ones(NUMEL), alpha=-0.1)
+    for sock in waiting:
+        response, values = _answer(sock)
+        assert response.code == 0 and response.shard.version == 1
+        assert torch.equal(values, expected)
+        sock.close()
+    assert _stats(client).data_pulls_waiting == 0
+
+
+def test_a_waiting_pull_whose_client_leaves_is_unparked_at_once(two_workers):
+    _, client, _, port = two_workers
+    waiting = [_ask(port, 1, min_version=5) for _ in range(3)]
+    _until(lambda s: s.data_pulls_waiting == 3, "3 pulls parked", client)
+    for sock in waiting:
+        sock.close()
+    _until(lambda s: s.data_pulls_waiting == 0, "the pulls unparked", client)
+
+
+def test_a_waiting_pull_past_its_deadline_is_answered_deadline_exceeded(two_workers):
+    _, client, data, port = two_workers
+    with _ask(port, 2, min_version=7, timeout_ms=300) as sock:
+        response, _ = _answer(sock)
+        assert response.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert "still at version 0 after 0.3s; waited for version 7" in response.message
+        send_message(sock, ps_pb2.DataRequest(pull=ps_pb2.PullRequest(model="m", shard_id=2)))
+        response, values = _answer(sock)  # the connection serves on
+        assert response.code == 0 and torch.equal(values, torch.ones(NUMEL))
+
+
+def test_requests_stalled_half_sent_hold_no_worker(two_workers):
+    _, _, _, port = two_workers
+    stalled = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(WORKERS + 1)]
+    for sock in stalled:
+        sock.sendall(b"\x20\x00")  # half of a frame's length
+    with _ask(port, 1, min_version=0) as sock:
+        response, values = _answer(sock)
+    assert response.code == 0 and torch.equal(values, torch.ones(NUMEL))
+    for sock in stalled:
+        sock.close()
+
+
+def test_connections_past_the_per_client_limit_are_refused_naming_it(daemon_factory, tmp_path):
+    config = tmp_path / "per_client.toml"
+    config.write_text("[server]\nmax_data_connections_per_client = 2\n")
+    daemon = daemon_factory(config=config)
+    client, data, response = _register(daemon)
+    data.close()
+    _until(lambda s: s.data_connections == 0, "the registration's connections closed", client)
+    held = [socket.create_connection(("127.0.0.1", response.data_port), timeout=30) for _ in range(2)]
+    with _ask(response.data_port, 0, min_version=0) as extra:
+        refusal, _ = _answer(extra)
+    assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "max_data_connections_per_client = 2" in refusal.message
+    assert _stats(client).data_connections_refused == 1
+    for sock in held:
+        sock.close()
+    client.close()
