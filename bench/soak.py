@@ -109,9 +109,12 @@ def kills(workdir: Path, target: int) -> dict:
     deaths: Counter[str] = Counter()
 
     def start(k: int, *extra: str) -> tuple[LocalDaemon, str]:
-        """Daemon k: even ones crash themselves at a point of a commit, odd ones are killed."""
+        """Daemon k: even ones crash themselves at a point of a commit, odd ones are killed;
+        the one after the last death lives, so that the trainer can finish on it."""
         how = POINTS[(k // 2) % len(POINTS)] if k % 2 == 0 else "sigkill"
-        env = {CRASH_ENV: f"{how}@{rng.randint(1, 7)}"} if how != "sigkill" else None
+        if k >= target:
+            how = "lives"
+        env = {CRASH_ENV: f"{how}@{rng.randint(1, 7)}"} if how not in ("sigkill", "lives") else None
         daemon = LocalDaemon(workdir / f"d{k}", "--nvme-dir", str(nvme), "--log-level", "WARNING", *extra, env=env)
         return daemon, how
 

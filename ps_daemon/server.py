@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import resource
 import shutil
 import signal
 import tempfile
@@ -313,6 +314,7 @@ def _bind_data_plane(
     host, port = split_host_port(config.server.listen) if setting == "auto" else split_host_port(setting)
     if setting == "auto":
         port = 0
+    _raise_open_files_limit(config.server.max_data_connections + _OTHER_DESCRIPTORS)
     try:
         return DataPlaneServer(
             (host, port),
@@ -328,6 +330,29 @@ def _bind_data_plane(
         )
     except OSError as exc:
         raise OSError(f"cannot listen for the data plane on {host}:{port}: {exc.strerror}") from exc
+
+
+# Descriptors beside the data plane's connections: gRPC's, the arena and record files, logs.
+_OTHER_DESCRIPTORS = 1024
+
+
+def _raise_open_files_limit(needed: int) -> None:
+    """Raises the soft limit on open descriptors toward the hard one, as far as `needed`: each
+    data plane connection holds one, and a shell's default soft limit (often 1024) would refuse
+    connections long before server.max_data_connections. Warns when the hard limit is short
+    too (the systemd units set LimitNOFILE=65536)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        if raised < needed:
+            log.warning(
+                "open descriptors are limited to %d, below the %d that server.max_data_connections needs: "
+                "connections past it are refused at accept; raise LimitNOFILE (ulimit -n) or lower "
+                "server.max_data_connections",
+                raised,
+                needed,
+            )
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -2,11 +2,13 @@
 (ps_daemon/dataplane.py): pulls waiting for a version are parked on their shard and hold no
 worker, so the push that ends their wait is served by a pool of two; a waiting pull whose
 client hangs up is unparked at once; one past its deadline is answered DEADLINE_EXCEEDED; a
-request stalled half-sent holds no worker; and connections past the per-client limit are
-refused, naming it."""
+request stalled half-sent holds no worker; connections past the per-client limit are refused,
+naming it; and the daemon raises its descriptor limit to hold its connections."""
 
 from __future__ import annotations
 
+import resource
+import shutil
 import socket
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import grpc
 import pytest
 import torch
 
+from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import recv_exact_into, recv_message, send_message
 from tests.integration.test_data_plane import NUMEL, _bytes, _register
@@ -129,3 +132,27 @@ def test_connections_past_the_per_client_limit_are_refused_naming_it(daemon_fact
     for sock in held:
         sock.close()
     client.close()
+
+
+def _open_files_limit(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no Max open files line in /proc/PID/limits")
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux) to start the daemon low")
+def test_the_daemon_raises_its_descriptor_limit_for_its_connections(tmp_path):
+    """Started with a soft limit of 256 descriptors (a connection holds one): the daemon raises
+    it to what max_data_connections (4096) and its own files (1024) need, or to the hard limit
+    with a warning that says what to raise."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    roomy = 65536 if hard == resource.RLIM_INFINITY else hard
+    if roomy >= 4096 + 1024:
+        with LocalDaemon(tmp_path / "roomy", launcher=("prlimit", f"--nofile=256:{roomy}")) as daemon:
+            assert _open_files_limit(daemon.process.pid) == (4096 + 1024, roomy)
+            assert "LimitNOFILE" not in daemon.log()
+    with LocalDaemon(tmp_path / "short", launcher=("prlimit", "--nofile=256:2048")) as daemon:
+        assert _open_files_limit(daemon.process.pid) == (2048, 2048)
+        assert "below the 5120 that server.max_data_connections needs" in daemon.log()
