@@ -51,9 +51,9 @@ bench-scale: $(STAMP) bench-tools
 fuzz: $(STAMP)
 	FUZZ_EXAMPLES=2000 $(PY) -m pytest -q -s -p no:cacheprovider -o timeout=3600 tests/integration/test_fuzz.py
 
-# The daemon under the faults of issue #15, each phase bounded (about 15 minutes here): 100
-# deaths mid-commit and at random, the fuzz suite, 1,000 waiting pulls and 3,000 idle
-# connections, a 10 s partition (root only). bench/soak.py; docs/reliability.md quotes
+# The daemon under the faults of issue #15, each phase bounded (6-15 minutes here): 100
+# deaths mid-commit and at random, the fuzz suite, 1,000 waiting pulls on each transport and
+# 3,000 idle connections, a 10 s partition (root only). bench/soak.py; docs/reliability.md quotes
 # bench/results/reliability/soak.json.
 soak: $(STAMP)
 	$(PY) -m bench.soak

@@ -1,4 +1,4 @@
-"""`make soak`: the daemon under the faults of issue #15, each phase bounded (about 15 minutes
+"""`make soak`: the daemon under the faults of issue #15, each phase bounded (6-15 minutes
 here), the figures in bench/results/reliability/soak.json (docs/reliability.md quotes them).
 
 1. kills: a trainer trains through at least 100 daemon deaths on one NVMe tier, half of them
