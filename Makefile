@@ -15,10 +15,12 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 # systemd-analyze checks the unit files (tests/ps_daemon/test_systemd_units.py); installed
-# from Debian when this user may, else those tests skip and say why.
+# from Debian when this user may, else those tests skip and say why. The suite runs on one
+# pytest worker per core, at most 4 (pytest-xdist; most tests wait on daemons in other
+# processes), a test file to a worker so that module fixtures are shared.
 test: $(STAMP)
 	command -v systemd-analyze >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd) || echo "systemd-analyze not installed"
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --numprocesses auto --maxprocesses 4 --dist loadfile
 
 # The benchmarks' peers: fio (NVMe), iperf3 (loopback TCP) and libaio-dev (DeepSpeed's async
 # I/O) from Debian when this user may; DeepSpeed, the `bench` extra, into the venv (see
