@@ -78,10 +78,13 @@ class DataPlaneServer:
         idle_seconds: float = 300.0,
         stall_seconds: float = 30.0,
         workers: int = 64,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         """tls: wrap connections (ps_daemon.security.server_ssl_context); token: the [auth]
-        rule; observe(method, code, seconds): told about every request (metrics); the rest as
-        the [server] keys of the same names (ps_daemon.config.ServerConfig)."""
+        rule; observe(method, code, seconds): told about every request (metrics);
+        on_failure(why): told if the selector thread dies (the data plane is then gone, and
+        the daemon must not look healthy); the rest as the [server] keys of the same names
+        (ps_daemon.config.ServerConfig)."""
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self._listener = socket.create_server(address, family=family, backlog=1024)
         self._listener.setblocking(False)
@@ -93,6 +96,8 @@ class DataPlaneServer:
         self.idle_seconds = idle_seconds
         self.stall_seconds = stall_seconds
         self.stopping = False
+        self.failure = ""  # why the selector thread died; "" while it runs
+        self.on_failure = on_failure
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="data-plane-worker")
         self._selector = selectors.DefaultSelector()
         self._wake_reader, self._wake_writer = socket.socketpair()
@@ -173,8 +178,11 @@ class DataPlaneServer:
                 if now >= next_sweep:
                     self._close_idle(now)
                     next_sweep = now + sweep_every
-        except Exception:  # noqa: BLE001 - the data plane must not die silently
-            log.exception("data plane: the selector thread failed; closing every connection")
+        except Exception as exc:  # noqa: BLE001 - the data plane must not die silently
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.exception("data plane: the selector thread failed; closing every connection and accepting no more")
+            if self.on_failure is not None:
+                self.on_failure(self.failure)
         finally:
             self._close_everything()
             self._loop_ended.set()

@@ -76,6 +76,7 @@ class Daemon:
             tls=security.server_ssl_context(config.tls),
             token=self.token,
             observe=self.metrics.observe_rpc if self.metrics else None,
+            on_failure=self._data_plane_failed,
         )
         self.health = health.HealthServicer()
         # Outermost first: a call refused for its token is still timed, with its code.
@@ -185,9 +186,20 @@ class Daemon:
         answer: the poller stuck, or every RPC thread held (a deadlock in the store, or more
         Pulls waiting for versions than `server.max_workers`). Either way the STATUS line
         says it."""
-        problem = self._probe_health(timeout)
+        if self.data_plane is not None and self.data_plane.failure:
+            problem = f"the data plane stopped ({self.data_plane.failure})"
+        else:
+            problem = self._probe_health(timeout)
         self._set_status(self._serving_status() if problem is None else f"Not serving: {problem}")
         return problem
+
+    def _data_plane_failed(self, why: str) -> None:
+        """The data plane's selector thread died: pulls and pushes can no longer reach this
+        daemon, so health says NOT_SERVING (probes and orchestrators see it) and the watchdog's
+        check fails, so that systemd restarts it."""
+        for name in ["", *SERVICE_NAMES]:
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._set_status(f"Not serving: the data plane stopped ({why})")
 
     def _probe_health(self, timeout: float) -> str | None:
         try:
