@@ -10,6 +10,7 @@ from __future__ import annotations
 import resource
 import shutil
 import socket
+import threading
 from pathlib import Path
 
 import grpc
@@ -82,6 +83,37 @@ def test_waiting_pulls_hold_no_thread_and_the_push_they_wait_for_gets_through(tw
         assert torch.equal(values, expected)
         sock.close()
     assert _stats(client).data_pulls_waiting == 0
+
+
+def test_pulls_parked_for_versions_the_pushes_pass_each_get_theirs_bit_for_bit(two_workers):
+    """Pulls park for versions 1..5 while the steps that make them are pushed: whether a pull
+    parks before its commit, races it, or arrives after it, it gets a version at least the one
+    it asked for, with exactly that version's values."""
+    _, _, data, port = two_workers
+    steps = 5
+    values_at = [torch.ones(NUMEL)]
+    for _ in range(steps):
+        values_at.append(values_at[-1].clone().add_(torch.ones(NUMEL), alpha=-0.1))
+    asked = [1 + i % steps for i in range(30)]
+    answers: list[tuple[int, ps_pb2.DataResponse, torch.Tensor | None]] = []
+
+    def pull(min_version: int) -> None:
+        with _ask(port, 0, min_version=min_version) as sock:
+            answers.append((min_version, *_answer(sock)))
+
+    pullers = [threading.Thread(target=pull, args=(v,)) for v in asked]
+    for i, thread in enumerate(pullers):
+        thread.start()
+        if i % 6 == 5:  # pushes interleaved with the pulls arriving
+            step = i // 6
+            data.push("m", 0, step=step, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(NUMEL)), lr=None, timeout=30)
+    for thread in pullers:
+        thread.join(timeout=120)
+    assert len(answers) == len(asked)
+    for min_version, response, values in answers:
+        assert response.code == 0, response.message
+        assert response.shard.version >= min_version
+        assert torch.equal(values, values_at[response.shard.version])
 
 
 def test_a_waiting_pull_whose_client_leaves_is_unparked_at_once(two_workers):
