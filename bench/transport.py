@@ -48,8 +48,9 @@ REQUEST = struct.Struct("!cQQ")  # command, offset, length
 
 
 def _tcp_server(listener: socket.socket, connections: int) -> None:
-    """The peer's daemon: one process, a thread per connection (as the daemon's data plane,
-    a ThreadingTCPServer), serving pieces of one preallocated buffer."""
+    """The peer's daemon: one process, a thread per connection (the daemon's data plane
+    serves each request on a worker thread of its own too), serving pieces of one
+    preallocated buffer."""
     view = memoryview(bytearray(NBYTES))
 
     def serve(conn: socket.socket) -> None:
