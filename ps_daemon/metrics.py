@@ -6,7 +6,8 @@ Two kinds, to keep the data path free of metric bookkeeping:
   `DataPlane/Push`), and each shard's optimizer step;
 * everything else read from the store's counters when Prometheus scrapes (`StatsSnapshot`,
   the same numbers `ps-admin stats` shows): bytes and calls in and out, shards and bytes per
-  tier, prefetch hits and misses, NVMe bytes and seconds.
+  tier, prefetch hits and misses, NVMe bytes and seconds; and the pulls waiting for a
+  version (per transport) and the data plane's connections.
 
 Names follow Prometheus' conventions: a `ps_` prefix, base units (seconds, bytes), `_total`
 on counters. The registry is the daemon's own, not the process-wide default, so that tests
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -25,6 +27,10 @@ from prometheus_client.registry import Collector
 
 from ps_offload.daemon.grpc_handlers import rebuild
 from ps_offload.daemon.store import ShardStore
+
+if TYPE_CHECKING:
+    from ps_offload.daemon.dataplane import DataPlaneServer
+    from ps_offload.daemon.pull_wait import PullWaits
 
 # From a small pull of a cached shard (~1 ms) to a pull that waits for its version or a
 # 256 MiB shard read from disk (seconds).
@@ -55,6 +61,10 @@ class DaemonMetrics:
         self.registry.register(_StoreCollector(store))
         store.on_optimizer_step = self.optimizer_seconds.observe
         self._server = None
+
+    def watch_waits(self, pull_waits: PullWaits, data_plane: DataPlaneServer | None) -> None:
+        """Adds the pulls waiting now (per transport) and the data plane's connections."""
+        self.registry.register(_WaitsCollector(pull_waits, data_plane))
 
     def observe_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self.rpc_seconds.labels(method, code.name).observe(seconds)
@@ -120,6 +130,36 @@ class _StoreCollector(Collector):
         yield capacity
         yield GaugeMetricFamily("ps_models", "Models registered", value=s.models)
         yield GaugeMetricFamily("ps_uptime_seconds", "Seconds since the daemon started", value=s.uptime_seconds)
+
+
+class _WaitsCollector(Collector):
+    """Pulls waiting for a version and data plane connections, read at each scrape."""
+
+    def __init__(self, pull_waits: PullWaits, data_plane: DataPlaneServer | None) -> None:
+        self.pull_waits = pull_waits
+        self.data_plane = data_plane
+
+    def collect(self) -> Iterator:
+        plane = self.data_plane
+        waiting = GaugeMetricFamily(
+            "ps_pulls_waiting", "Pulls waiting for a version not pushed yet, by transport", labels=["transport"]
+        )
+        waiting.add_metric(["grpc"], self.pull_waits.waiting)  # each holds an RPC thread
+        waiting.add_metric(["data_plane"], plane.parked_pulls if plane else 0)  # parked, no thread
+        yield waiting
+        yield _counter(
+            "ps_pulls_refused_waiting",
+            "gRPC pulls refused because server.max_waiting_pulls (or _per_client) were waiting",
+            self.pull_waits.refused,
+        )
+        yield GaugeMetricFamily(
+            "ps_data_connections", "Data plane connections open", value=plane.connections if plane else 0
+        )
+        yield _counter(
+            "ps_data_connections_refused",
+            "Data plane connections refused for server.max_data_connections or _per_client",
+            plane.refused if plane else 0,
+        )
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

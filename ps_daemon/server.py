@@ -103,6 +103,8 @@ class Daemon:
                 admin_handler(AdminServicer(self.store, parameter_server.pull_waits, self.data_plane)),
             ]
         )
+        if self.metrics is not None:
+            self.metrics.watch_waits(parameter_server.pull_waits, self.data_plane)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],

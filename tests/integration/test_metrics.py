@@ -4,6 +4,7 @@ data plane's too), the optimizer's step time per shard, the tiers and NVMe traff
 
 from __future__ import annotations
 
+import socket
 import urllib.request
 
 import grpc
@@ -13,7 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ps_offload import trainer
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
+from ps_offload.proto.frames import send_message
 from ps_offload.trainer.debug_models import mlp
+from tests.integration.test_data_plane import _register
+from tests.integration.test_liveness import _until
 
 STEPS = 4
 
@@ -95,3 +99,21 @@ def test_nvme_bytes_and_seconds_and_tiers(daemon_factory, tmp_path):
 
 def test_no_metrics_endpoint_unless_configured(daemon):
     assert "metrics on http" not in daemon.log()
+
+
+def test_waiting_pulls_and_data_plane_connections_are_gauged(daemon_factory, tmp_path):
+    """A data plane pull parked for a version no one pushes shows as waiting on the data
+    plane (a gRPC one would show under "grpc"), and its connection is counted."""
+    daemon, port = _daemon_with_metrics(daemon_factory, tmp_path)
+    client, data, response = _register(daemon)
+    data.close()
+    with socket.create_connection(("127.0.0.1", response.data_port), timeout=30) as sock:
+        pull = ps_pb2.PullRequest(model="m", shard_id=0, min_version=9)
+        send_message(sock, ps_pb2.DataRequest(pull=pull, timeout_ms=120_000))
+        _until(lambda s: s.data_pulls_waiting == 1 and s.data_connections == 1, "the pull parked, alone", client)
+        samples = _scrape(port)
+        assert samples[("ps_pulls_waiting", (("transport", "data_plane"),))] == 1
+        assert samples[("ps_pulls_waiting", (("transport", "grpc"),))] == 0
+        assert samples[("ps_data_connections", ())] == 1
+        assert samples[("ps_data_connections_refused_total", ())] == 0
+    client.close()
