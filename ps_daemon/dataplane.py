@@ -47,9 +47,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ps_offload.daemon.buffers import StagingPool
-from ps_offload.daemon.dataplane_connections import Admission, Connection
+from ps_offload.daemon.dataplane_connections import Admission, Connection, quiet_log
 from ps_offload.daemon.dataplane_requests import Outcome, PendingPull, RequestServer
-from ps_offload.daemon.rpc_errors import RateLimitedLog
 from ps_offload.daemon.security import TokenCheck
 from ps_offload.daemon.store import ShardStore
 from ps_offload.proto import ps_pb2
@@ -59,7 +58,6 @@ log = logging.getLogger(__name__)
 
 _READ_BYTES = 256 << 10
 _LISTENER, _WAKE = object(), object()
-_closes = RateLimitedLog()  # a client sending garbage in a loop must not fill the log
 
 
 class DataPlaneServer:
@@ -226,7 +224,7 @@ class DataPlaneServer:
             self._watch(conn, selectors.EVENT_WRITE)
             return
         except (ssl.SSLError, OSError) as exc:
-            _closes.info("DataPlane", "handshake", f"TLS handshake with {conn.peer} failed: {exc}")
+            quiet_log.info("DataPlane", "handshake", f"TLS handshake with {conn.peer} failed: {exc}")
             self._close(conn)
             return
         conn.handshaking = False
@@ -254,7 +252,7 @@ class DataPlaneServer:
             except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 break
             except OSError as exc:
-                _closes.info("DataPlane", "dropped", f"connection from {conn.peer}: {exc}")
+                quiet_log.info("DataPlane", "dropped", f"connection from {conn.peer}: {exc}")
                 self._close(conn)
                 return
             if not chunk:
@@ -268,7 +266,7 @@ class DataPlaneServer:
             body = split_frame(conn.inbox)
             request = None if body is None else ps_pb2.DataRequest.FromString(body)
         except (FrameError, DecodeError) as exc:  # not this protocol
-            _closes.info("DataPlane", "closed", f"{conn.peer} sent what is not a DataRequest: {exc}")
+            quiet_log.info("DataPlane", "closed", f"{conn.peer} sent what is not a DataRequest: {exc}")
             self._close(conn)
             return
         if request is None:
@@ -427,7 +425,7 @@ class DataPlaneServer:
             outcome = self.requests.serve(conn, request, started, resumed)
             conn.sock.setblocking(False)
         except OSError as exc:
-            _closes.info("DataPlane", "dropped", f"connection from {conn.peer}: {exc}")
+            quiet_log.info("DataPlane", "dropped", f"connection from {conn.peer}: {exc}")
             outcome = Outcome.CLOSE
         except BaseException:
             log.exception("data plane: a worker failed")

@@ -16,7 +16,9 @@ from ps_offload.proto.frames import recv_exact_into, send_message
 
 log = logging.getLogger(__name__)
 
-refusals = RateLimitedLog()  # a client connecting in a loop must not fill the log
+# The data plane's log of refusals and closed connections: a client connecting or sending
+# garbage in a loop must not fill the log.
+quiet_log = RateLimitedLog()
 
 
 class Connection:
@@ -65,7 +67,7 @@ class Admission:
         if refusal is None:
             return True
         self.refused += 1
-        refusals.info("DataPlane", "RESOURCE_EXHAUSTED", f"refused a connection from {peer}: {refusal}")
+        quiet_log.info("DataPlane", "RESOURCE_EXHAUSTED", f"refused a connection from {peer}: {refusal}")
         try:
             if not self.tls:
                 sock.setblocking(False)

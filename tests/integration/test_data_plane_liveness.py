@@ -71,8 +71,9 @@ def test_waiting_pulls_hold_no_thread_and_the_push_they_wait_for_gets_through(tw
     threads_before = _threads(daemon.process.pid)
     waiting = [_ask(port, 0, min_version=1) for _ in range(WAITING)]
     _until(lambda s: s.data_pulls_waiting == WAITING, f"{WAITING} pulls parked", client)
-    # A thread per waiting pull would add WAITING; the pool adds at most its workers.
-    assert _threads(daemon.process.pid) <= threads_before + WORKERS
+    # A thread per waiting pull would add WAITING (40); the pool adds at most its workers (and
+    # gRPC's pool a few for the Stats calls, on a loaded machine).
+    assert _threads(daemon.process.pid) <= threads_before + WORKERS + 4
     # Every worker would be held by a waiting pull if waits held workers: this push would starve.
     data.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(NUMEL)), lr=None, timeout=30)
     expected = torch.ones(NUMEL)
