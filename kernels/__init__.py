@@ -308,6 +308,11 @@ def _impl(t: torch.Tensor, backend: str | None):
                 f"backend='cuda' needs CUDA tensors, got a tensor on {t.device} "
                 "(CPU tensors only under the CUDA simulator, NUMBA_ENABLE_CUDASIM=1)"
             )
-    from ps_offload.kernels import cuda
+    try:
+        from ps_offload.kernels import cuda
+    except ImportError as exc:  # numba-cuda is the `cuda` extra, not a base requirement
+        raise ImportError(
+            f"the CUDA compression kernels need Numba CUDA ({exc}): pip install 'ps-offload[cuda]'"
+        ) from exc
 
     return cuda
