@@ -3,12 +3,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: soak fuzz demo test bench bench-tools bench-scale proto lint clean
+.PHONY: soak fuzz demo test bench bench-tools bench-scale proto lint clean gpu-wheels gpu-check
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,12 +24,13 @@ test: $(STAMP)
 
 # The benchmarks' peers: fio (NVMe), iperf3 (loopback TCP) and libaio-dev (DeepSpeed's async
 # I/O) from Debian when this user may; DeepSpeed, the `bench` extra, into the venv (see
-# pyproject.toml), with a check that torch is still the pinned build. bench/deepspeed_ops.py
-# then compiles DeepSpeed's ops once (minutes on the first run), outside every benchmark.
+# pyproject.toml), with a check that torch is still the build constraints.txt pins.
+# bench/deepspeed_ops.py then compiles DeepSpeed's ops once (minutes on the first run),
+# outside every benchmark.
 BENCH_STAMP := $(VENV)/.bench-installed
 
-$(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet --no-build-isolation -e '.[dev,bench]'
+$(BENCH_STAMP): $(STAMP) pyproject.toml constraints.txt
+	$(PY) -m pip install --quiet --no-build-isolation -c constraints.txt -e '.[dev,bench]'
 	$(PY) -c "import torch; v = torch.__version__.split('+')[0]; assert v == '2.13.0', f'bench extra changed torch to {v}'"
 	touch $(BENCH_STAMP)
 
@@ -73,3 +74,18 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The GPU machine's one-shot check (docs/gpu.md; bench/gpu_check.py). `make gpu-wheels` here
+# (PyPI) fetches into gpu-wheels/ the cp312 x86_64 wheels the GPU image lacks, about 12 MB; the
+# device tool then carries that folder and runs `make gpu-check OUT=$OUT` there. gpu-check uses
+# the machine's python3 (its CUDA torch) and a venv of its own, never $(VENV), whose recipe
+# needs PyPI: on this CPU, `make gpu-check GPU_PY=.venv/bin/python GPU_CHECK_ARGS=--no-install` is a dry run.
+OUT            ?= runs/gpu-check
+GPU_PY         ?= python3
+GPU_CHECK_ARGS ?=
+
+gpu-wheels:
+	python3 bench/gpu_check.py wheels --dest gpu-wheels
+
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py check --out $(OUT) --wheels gpu-wheels $(GPU_CHECK_ARGS)

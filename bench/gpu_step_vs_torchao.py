@@ -10,10 +10,15 @@ Beside it, each one's GPU idle fraction per step: 1 - (time the compute stream w
 forward and backward, from CUDA events) / (the step's wall time).
 
     python -m bench.gpu_step_vs_torchao
+    python -m bench.gpu_step_vs_torchao --n-layer 4 --blocks 4 --block-steps 3   # smaller: a check
+
+A run smaller than the defaults is recorded as scaled down (bench/results/quick/), never over
+the real figure.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -22,18 +27,19 @@ from bench.common import BenchDaemon, median, quick, record, spread
 from ps_offload import trainer
 from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
 
-CONFIG = GPTConfig(vocab_size=32768, block_size=1024, n_layer=quick(24, 2), n_head=16, n_embd=quick(2048, 256))
+N_LAYER = quick(24, 2)
+N_EMBD = quick(2048, 256)
 BATCH = 4
 BLOCK_STEPS = quick(5, 2)
 BLOCKS = quick(6, 2)
 
 
-def _model() -> TinyGPT:
+def _model(config: GPTConfig) -> TinyGPT:
     torch.manual_seed(0)
-    return TinyGPT(CONFIG).to("cuda", torch.bfloat16)
+    return TinyGPT(config).to("cuda", torch.bfloat16)
 
 
-def _runner(model, opt, batch):
+def _runner(model, opt, batch, block_steps: int):
     """One block of steps; returns (seconds per step, GPU idle fraction)."""
     x, y = batch
 
@@ -41,7 +47,7 @@ def _runner(model, opt, batch):
         busy = 0.0
         torch.cuda.synchronize()
         started = time.perf_counter()
-        for _ in range(BLOCK_STEPS):
+        for _ in range(block_steps):
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             model(x, y)[1].backward()
@@ -51,13 +57,18 @@ def _runner(model, opt, batch):
             end.synchronize()
             busy += begin.elapsed_time(end) / 1000
         torch.cuda.synchronize()
-        per_step = (time.perf_counter() - started) / BLOCK_STEPS
-        return per_step, 1 - busy / BLOCK_STEPS / per_step
+        per_step = (time.perf_counter() - started) / block_steps
+        return per_step, 1 - busy / block_steps / per_step
 
     return run
 
 
-def main() -> dict | None:
+def main(
+    *, n_layer: int = N_LAYER, n_embd: int = N_EMBD, blocks: int = BLOCKS, block_steps: int = BLOCK_STEPS
+) -> dict | None:
+    """The defaults are the benchmark; anything smaller is recorded as scaled down."""
+    config = GPTConfig(vocab_size=32768, block_size=1024, n_layer=n_layer, n_head=16, n_embd=n_embd)
+    scaled_down = (n_layer, n_embd, blocks, block_steps) != (N_LAYER, N_EMBD, BLOCKS, BLOCK_STEPS)
     if not torch.cuda.is_available():
         print("gpu_step_vs_torchao: skipped, no CUDA device")
         return None
@@ -67,11 +78,11 @@ def main() -> dict | None:
         print("gpu_step_vs_torchao: skipped, torchao is not installed (pip install torchao)")
         return None
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=g).cuda()
+    tokens = torch.randint(config.vocab_size, (BATCH, config.block_size + 1), generator=g).cuda()
     batch = (tokens[:, :-1], tokens[:, 1:])
     # 1.2B parameters x 12 bytes of AdamW state: all in the daemon's RAM tier.
     with BenchDaemon("--ram-bytes", str(32 << 30)) as daemon:
-        ours_model, peer_model = _model(), _model()
+        ours_model, peer_model = _model(config), _model(config)
         n_params = sum(p.numel() for p in ours_model.parameters())
         ours_opt = trainer.offload(
             ours_model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-4, weight_decay=0.1),
@@ -79,10 +90,13 @@ def main() -> dict | None:
         )  # fmt: skip
         peer_opt = CPUOffloadOptimizer(peer_model.parameters(), torch.optim.AdamW, fused=True, lr=1e-4,
                                        weight_decay=0.1)  # fmt: skip
-        ours, peer = _runner(ours_model, ours_opt, batch), _runner(peer_model, peer_opt, batch)
+        ours, peer = (
+            _runner(ours_model, ours_opt, batch, block_steps),
+            _runner(peer_model, peer_opt, batch, block_steps),
+        )
         ours(), peer()  # warm-up
         times = {"ours": [], "torchao": []}
-        for block in range(BLOCKS):
+        for block in range(blocks):
             pair = [("ours", ours), ("torchao", peer)]
             for who, fn in pair if block % 2 == 0 else pair[::-1]:
                 times[who].append(fn())
@@ -102,10 +116,20 @@ def main() -> dict | None:
             "params": n_params,
             "device": torch.cuda.get_device_name(),
         },
-        notes=f"{n_params / 1e9:.2f}B-param GPT in bf16, batch {BATCH} x {CONFIG.block_size}, one local daemon "
-        f"(64 MiB shards); {BLOCKS} ABBA blocks of {BLOCK_STEPS} steps",
+        notes=f"{n_params / 1e9:.2f}B-param GPT in bf16 ({n_layer} layers of {n_embd}), batch {BATCH} x "
+        f"{config.block_size}, one local daemon (64 MiB shards); {blocks} ABBA blocks of {block_steps} steps",
+        scaled_down=scaled_down,
     )
 
 
+def _parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="daemon vs torchao's CPUOffloadOptimizer on one GPU")
+    parser.add_argument("--n-layer", type=int, default=N_LAYER, help=f"transformer blocks ({N_LAYER})")
+    parser.add_argument("--n-embd", type=int, default=N_EMBD, help=f"width, a multiple of 16 ({N_EMBD})")
+    parser.add_argument("--blocks", type=int, default=BLOCKS, help=f"ABBA blocks, an even number ({BLOCKS})")
+    parser.add_argument("--block-steps", type=int, default=BLOCK_STEPS, help=f"steps per block ({BLOCK_STEPS})")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    main()
+    main(**vars(_parse()))

@@ -25,7 +25,8 @@ _f16_to_f32 = cuda.jit(device=True)(rounding.f16_to_f32)
 
 
 def _dev(t: torch.Tensor):
-    """A Numba view of the tensor's memory (no copy); 2-byte floats as uint16."""
+    """A Numba view of the tensor's memory (no copy); 2-byte floats as uint16. On a GPU, call
+    it inside the tensor's device context: Numba ties the view to the current context."""
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.uint16)
     t = t.detach()
@@ -33,17 +34,24 @@ def _dev(t: torch.Tensor):
 
 
 def _launch(kernel, blocks: int, like: torch.Tensor, *args) -> None:
-    """kernel[blocks, LANES] on like's device and torch's current stream there."""
+    """kernel[blocks, LANES](*args) on like's device and torch's current stream there; tensor
+    arguments are wrapped (_dev) in that device's context, so a tensor on cuda:1 is not taken
+    for memory of the context current on the thread (cuda:0 by default)."""
     if _SIM:
-        kernel[blocks, LANES](*args)
+        kernel[blocks, LANES](*_wrapped(args))
         return
     with cuda.gpus[like.device.index]:
         stream = cuda.external_stream(torch.cuda.current_stream(like.device).cuda_stream)
-        kernel[blocks, LANES, stream](*args)
+        kernel[blocks, LANES, stream](*_wrapped(args))
 
 
-def _error(grad: torch.Tensor, error: torch.Tensor | None):
-    return (_dev(grad), False) if error is None else (_dev(error), True)
+def _wrapped(args: tuple) -> list:
+    return [_dev(a) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _error(grad: torch.Tensor, error: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """The error buffer to pass and whether it is one (the kernel ignores `grad` passed for it)."""
+    return (grad, False) if error is None else (error, True)
 
 
 def _blocks(n: int) -> int:
@@ -56,7 +64,7 @@ def _blocks(n: int) -> int:
 def onebit_compress(grad: torch.Tensor, error: torch.Tensor | None, bits: torch.Tensor, scales: torch.Tensor) -> None:
     err, has_error = _error(grad, error)
     n = grad.numel()
-    _launch(_onebit_compress, _blocks(n), grad, _dev(grad), err, has_error, _dev(bits), _dev(scales), n)
+    _launch(_onebit_compress, _blocks(n), grad, grad, err, has_error, bits, scales, n)
 
 
 @cuda.jit
@@ -109,7 +117,7 @@ def _onebit_compress(grad, error, has_error, bits, scales, n):
 
 def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
     n = out.numel()
-    _launch(_onebit_decompress, _blocks(n), bits, _dev(bits), _dev(scales), _dev(out), n)
+    _launch(_onebit_decompress, _blocks(n), bits, bits, scales, out, n)
 
 
 @cuda.jit
@@ -130,7 +138,7 @@ def cast_compress(grad: torch.Tensor, error: torch.Tensor | None, values: torch.
     err, has_error = _error(grad, error)
     n = grad.numel()
     to_fp16 = values.dtype == torch.float16
-    _launch(_cast_compress, _blocks(n), grad, _dev(grad), err, has_error, to_fp16, _dev(values), n)
+    _launch(_cast_compress, _blocks(n), grad, grad, err, has_error, to_fp16, values, n)
 
 
 @cuda.jit
@@ -162,8 +170,7 @@ def topk_compress(
 ) -> None:
     err, has_error = _error(grad, error)
     n = grad.numel()
-    args = (_dev(grad), err, has_error, k_full, k_last, _dev(indices), _dev(values), n)
-    _launch(_topk_compress, _blocks(n), grad, *args)
+    _launch(_topk_compress, _blocks(n), grad, grad, err, has_error, k_full, k_last, indices, values, n)
 
 
 @cuda.jit
@@ -277,7 +284,7 @@ def _exclusive_scan(counts, t, mine):
 def topk_decompress(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
     """out (already zeroed) gets values at indices (checked to lie in range)."""
     k = indices.numel()
-    _launch(_topk_decompress, (k + LANES - 1) // LANES, indices, _dev(indices), _dev(values), _dev(out), k)
+    _launch(_topk_decompress, (k + LANES - 1) // LANES, indices, indices, values, out, k)
 
 
 @cuda.jit

@@ -26,8 +26,8 @@ Decisions:
   min((w+1)*C, n)], and the last non-empty chunk may be short or the trailing ones empty
   (when n < (W - 1) * C). Nothing is compressed that is not a gradient (a padded zero
   would dilute the last block's scale). Only the wire pads: every chunk's payload has the
-  room of a full chunk, rounded up to 4 bytes, so all_to_all_single and all_gather_single
-  move equal splits. For large buckets the imbalance is below one block per rank; a
+  room of a full chunk, rounded up to 4 bytes, so all_to_all_single and
+  all_gather_into_tensor move equal splits. For large buckets the imbalance is below one block per rank; a
   bucket of fewer than W blocks leaves some ranks without a chunk to sum.
 * **Traffic** per rank and phase: (W - 1) / W x the payload of the bucket, as a ring
   all-reduce's two phases move (W - 1) / W x 4 bytes per element each. 1-bit: 1/8 byte per
@@ -35,14 +35,22 @@ Decisions:
   element, 2 x ratio.
 * **Memory.** A worker error of the bucket's size (fp32) per bucket, and a server error of
   one chunk: about (1 + 1/W) x the gradients, kept for the run (not in checkpoints).
-* **Overlap.** The hook queues the bucket on one background thread per hook and returns a
-  handle; GradReducer.finish() waits on it. One thread keeps the collectives in launch
-  order, the same on every rank, as the plain all-reduce path does. On CUDA the thread
-  first waits for the stream that produced the gradients, and wait() makes the caller's
-  stream wait for the result. The thread runs Numba with torch's intra-op thread count.
-  overlap=False runs it inline (in the caller's Numba setting) and returns None.
-* **gloo and NCCL.** Both take all_to_all_single and all_gather_single on uint8 (gloo in
-  torch 2.13 has both for CPU tensors; checked), so one code path serves both.
+* **Every collective from the calling thread, in a fixed order.** Collectives on one
+  communicator (and, under NCCL, on the communicators of one GPU) must be issued in the
+  same order on every rank; a second thread issuing some of them (the pipeline's sends and
+  the plain all-reduce come from the caller) could interleave them differently on two
+  ranks and hang. So the hook issues phase 1 (encode, all_to_all_single, async) and
+  returns a handle; phase 2 (the server's sum and encode, all_gather_into_tensor, async) of
+  a bucket is issued by the next hook call or by its handle's wait(), whichever comes
+  first, and wait() decodes. The order is then A2A 0, AG 0, A2A 1, AG 1, ... on every rank.
+  The network of phase 1 overlaps backward until the next bucket is ready. On a GPU
+  nothing blocks the host: kernels and NCCL calls queue on the caller's stream (each
+  work's wait() makes it wait for NCCL's). The Numba CPU kernels run with torch's intra-op
+  thread count (`_numba_threads`). overlap=False runs both phases inline and returns None.
+* **gloo and NCCL.** Both take all_to_all_single and the all-gather into one tensor on uint8
+  (gloo in torch 2.13 has both for CPU tensors; checked), so one code path serves both. That
+  all-gather is `all_gather_into_tensor` up to torch 2.12 and `all_gather_single` from 2.13,
+  which deprecates the old name (`_all_gather`).
 * **W = 1** is left alone (the sum over one rank is the bucket, as all_reduce would leave).
 
 Wire, per chunk of L elements (the codecs' payload, padded with zeros to the chunk room):
@@ -54,9 +62,9 @@ Wire, per chunk of L elements (the codecs' payload, padded with zeros to the chu
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +73,7 @@ import torch.distributed as dist
 from ps_offload import kernels
 
 METHODS = ("none", "bf16", "fp16", "onebit", "topk")
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _pad4(nbytes: int) -> int:
@@ -126,14 +135,21 @@ class _TopK:
         kernels.topk_decompress(indices, kept, n, out=out, **self.kw)
 
 
-def _numba_threads(count: int) -> None:
+@contextlib.contextmanager
+def _numba_threads(count: int) -> Iterator[None]:
     """Numba's thread count is per thread, and defaults to every core in each process: on a
     node of several ranks the CPU kernels' spinning OpenMP threads then take the other
-    ranks' turns (2 ranks on 2 cores: 50-90 ms per bucket instead of 2-5). The hook's
-    thread uses as many as torch's intra-op pool has (torchrun sets 1 per process)."""
+    ranks' turns (2 ranks on 2 cores: 50-90 ms per bucket instead of 2-5). The hook's work
+    uses as many as torch's intra-op pool has (torchrun sets 1 per process), and gives the
+    calling thread its own setting back."""
     import numba
 
+    before = numba.get_num_threads()
     numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
 
 
 @dataclass
@@ -150,14 +166,35 @@ class _BucketState:
         return max(0, min(self.chunk, self.numel - w * self.chunk))
 
 
+class _Reduction:
+    """One bucket's reduction under way: its buffers (allocated at the hook, on the caller's
+    stream there) and the works of its two collectives."""
+
+    def __init__(self, bucket: torch.Tensor, group: dist.ProcessGroup, state: _BucketState) -> None:
+        self.bucket, self.group, self.state = bucket, group, state
+        room, device = state.room, bucket.device
+        self.send = torch.zeros(state.world * room, dtype=torch.uint8, device=device)
+        self.recv = torch.empty_like(self.send)
+        self.mine = torch.zeros(room, dtype=torch.uint8, device=device)
+        self.gathered = torch.empty(state.world * room, dtype=torch.uint8, device=device)
+        # On an accelerator: the stream the buffers were allocated on (the caller's at the
+        # hook), which every later phase's stream is joined back into before they are freed.
+        self.stream = None if device.type == "cpu" else torch.accelerator.current_stream(device)
+        self.to_all: dist.Work | None = None
+        self.gather: dist.Work | None = None
+
+    def joined(self) -> None:
+        """Orders the buffers' allocation stream after the current one's work on them."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.accelerator.current_stream(self.bucket.device))
+
+
 class _Handle:
-    def __init__(self, future: Future, done: Callable[[], None] | None) -> None:
-        self._future, self._done = future, done
+    def __init__(self, hook: CompressedAllReduce, job: _Reduction) -> None:
+        self._hook, self._job = hook, job
 
     def wait(self) -> None:
-        self._future.result()
-        if self._done is not None:
-            self._done()
+        self._hook._complete(self._job)
 
 
 class CompressedAllReduce:
@@ -182,11 +219,10 @@ class CompressedAllReduce:
         self.method = method
         self.enabled = True
         """False: a plain all_reduce (the uncompressed warm-up steps); set between steps."""
+        self.overlap = overlap
+        self._threads = torch.get_num_threads()
         self._states: dict[tuple[int, int], _BucketState] = {}
-        self._thread = None
-        if overlap:
-            threads = torch.get_num_threads()
-            self._thread = ThreadPoolExecutor(1, "compressed-allreduce", _numba_threads, (threads,))
+        self._pending: list[_Reduction] = []  # hooked, not yet waited for, in hook order
 
     def __call__(self, bucket: torch.Tensor, group: dist.ProcessGroup) -> object:
         if not self.enabled:
@@ -196,27 +232,41 @@ class CompressedAllReduce:
         if bucket.dtype != torch.float32 or bucket.dim() != 1 or not bucket.is_contiguous():
             got = f"{bucket.dtype} of shape {tuple(bucket.shape)}"
             raise ValueError(f"a bucket must be a contiguous 1-D float32 tensor, got {got}")
-        if self._thread is None:
-            self._reduce(bucket, group)
-            return None
-        if not bucket.is_cuda:
-            return _Handle(self._thread.submit(self._reduce, bucket, group), None)
-        # The thread's stream waits for the one that produced the gradients, and the
-        # caller's stream for the result, at wait().
-        ready, finished = torch.cuda.Event(), torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(bucket.device))
-
-        def run() -> None:
-            with torch.cuda.device(bucket.device):
-                torch.cuda.current_stream().wait_event(ready)
-                self._reduce(bucket, group)
-                finished.record()
-
-        return _Handle(self._thread.submit(run), lambda: torch.cuda.current_stream(bucket.device).wait_event(finished))
+        self._advance(len(self._pending))  # the earlier buckets' phase 2 first: a fixed order
+        job = _Reduction(bucket, group, self._state(bucket, group))
+        self._pending.append(job)
+        self._scatter(job)
+        if self.overlap:
+            return _Handle(self, job)
+        self._complete(job)
+        return None
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
+        """Drops the reductions never waited for (their buckets are left as they are)."""
+        self._pending.clear()
+
+    def _advance(self, through: int) -> None:
+        """Issues phase 2 of the first `through` pending reductions that lack it, in order."""
+        for job in self._pending[:through]:
+            if job.gather is None:
+                self._gather(job)
+
+    def _complete(self, job: _Reduction) -> None:
+        """Phase 2 of the reductions up to `job` (in hook order), then `job`'s result."""
+        if job not in self._pending:
+            return  # completed already (wait() twice)
+        self._advance(self._pending.index(job) + 1)
+        self._pending.remove(job)
+        job.gather.wait()
+        state, chunk, room = job.state, job.state.chunk, job.state.room
+        with _numba_threads(self._threads):
+            for w in range(state.world):
+                length = state.length(w)
+                if length:
+                    self.codec.decode(
+                        job.gathered[w * room : (w + 1) * room], length, job.bucket[w * chunk : w * chunk + length]
+                    )
+        job.joined()
 
     def _state(self, bucket: torch.Tensor, group: dist.ProcessGroup) -> _BucketState:
         world, rank, n = dist.get_world_size(group), dist.get_rank(group), bucket.numel()
@@ -235,33 +285,30 @@ class CompressedAllReduce:
             raise ValueError(f"bucket {key} was reduced over {state.world} ranks before, now over {world}")
         return state
 
-    def _reduce(self, bucket: torch.Tensor, group: dist.ProcessGroup) -> None:
-        state = self._state(bucket, group)
-        world, rank, chunk, room = state.world, dist.get_rank(group), state.chunk, state.room
-        device = bucket.device
-        # Phase 1: every rank's chunk w, compressed, to rank w (a reduce-scatter's traffic).
-        send = torch.zeros(world * room, dtype=torch.uint8, device=device)
-        for w in range(world):
-            length = state.length(w)
-            if length:
-                part = slice(w * chunk, w * chunk + length)
-                self.codec.encode(bucket[part], state.worker_error[part], send[w * room : (w + 1) * room])
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        # Server: this rank's chunk of the sum, plus its error, compressed again.
-        mine = torch.zeros(room, dtype=torch.uint8, device=device)
-        length = state.length(rank)
+    def _scatter(self, job: _Reduction) -> None:
+        """Phase 1: every rank's chunk w, compressed, to rank w (a reduce-scatter's traffic)."""
+        state, bucket, chunk, room = job.state, job.bucket, job.state.chunk, job.state.room
+        with _numba_threads(self._threads):
+            for w in range(state.world):
+                length = state.length(w)
+                if length:
+                    part = slice(w * chunk, w * chunk + length)
+                    self.codec.encode(bucket[part], state.worker_error[part], job.send[w * room : (w + 1) * room])
+        job.to_all = dist.all_to_all_single(job.recv, job.send, group=job.group, async_op=True)
+
+    def _gather(self, job: _Reduction) -> None:
+        """Phase 2: this rank's chunk of the sum, plus its error, compressed again (the
+        server), and every chunk owner's result to every rank (an all-gather's traffic)."""
+        state, room = job.state, job.state.room
+        job.to_all.wait()
+        length = state.length(dist.get_rank(job.group))
         if length:
-            total = torch.zeros(length, dtype=torch.float32, device=device)
+            total = torch.zeros(length, dtype=torch.float32, device=job.bucket.device)
             decoded = torch.empty_like(total)
-            for w in range(world):  # a fixed order: the same sum on every run
-                self.codec.decode(recv[w * room : (w + 1) * room], length, decoded)
-                total += decoded
-            self.codec.encode(total, state.server_error, mine)
-        # Phase 2: every chunk owner's result to every rank (an all-gather's traffic).
-        gathered = torch.empty(world * room, dtype=torch.uint8, device=device)
-        dist.all_gather_single(gathered, mine, group=group)
-        for w in range(world):
-            length = state.length(w)
-            if length:
-                self.codec.decode(gathered[w * room : (w + 1) * room], length, bucket[w * chunk : w * chunk + length])
+            with _numba_threads(self._threads):
+                for w in range(state.world):  # a fixed order: the same sum on every run
+                    self.codec.decode(job.recv[w * room : (w + 1) * room], length, decoded)
+                    total += decoded
+                self.codec.encode(total, state.server_error, job.mine)
+        job.gather = _all_gather(job.gathered, job.mine, group=job.group, async_op=True)
+        job.joined()

@@ -16,6 +16,7 @@ tests/trainer/test_config.py freezes the set of fields.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ps_offload.proto import ps_pb2
@@ -116,6 +117,18 @@ class OffloadConfig:
     changed after backward (clip_grad_norm_) or a second backward before step() is noticed,
     and step() sends the whole gradient again: the result is the same either way. offload()
     only, with staleness=0 and no compression."""
+    audit_every: int = 0
+    """Every this many steps, check one shard's update against torch.optim (trainer/audit.py):
+    its state is pulled before and after the step, the step is recomputed in process by
+    torch.optim.AdamW(fused=True) or SGD(fused=True) on the same gradient and settings, and a
+    difference raises ps_offload.AuditMismatch. Shards are taken in turn; `opt.audit.stats`
+    counts the audits. 0: off. With staleness=0 and no compression; offload() and unstreamed
+    PipelineTrainer stages (a streamed model is not audited yet). Costs one shard's state
+    pulled twice and stepped once per audit."""
+    audit_tolerance: float = 0.0
+    """The largest |difference| an audit lets pass, per element of the master and of each state
+    tensor. 0: bit for bit, what a CPU daemon running the trainer's torch build gives. Raise it
+    for daemons whose CPU takes other kernel paths (another instruction set or torch build)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -134,6 +147,17 @@ class OffloadConfig:
             raise ValueError(
                 "OffloadConfig.push_in_backward needs staleness=0 (the delayed update pushes after backward)"
             )
+        every = self.audit_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"OffloadConfig.audit_every must be an int >= 0 (0: off), got {every!r}")
+        tolerance = self.audit_tolerance
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < math.inf:
+            raise ValueError(f"OffloadConfig.audit_tolerance must be a finite number >= 0, got {tolerance!r}")
+        if every and self.staleness:
+            raise ValueError(
+                "OffloadConfig.audit_every needs staleness=0: under the delayed update the step's state is not "
+                "pulled before its push"
+            )
 
 
 @dataclass(frozen=True)
@@ -144,19 +168,27 @@ class DeviceConfig:
     """Host buffers of one shard each (in the compute dtype) that carry pushes and pulls
     between an accelerator and the wire, at most this many shards in flight. They are pinned
     memory, so this bounds it: host_buffers x the largest shard's bytes in the compute dtype,
-    checked against RLIMIT_MEMLOCK at start; it also caps the transfers run at once (so none
-    waits for a buffer while holding one of the I/O threads). Not used on the CPU unless
+    checked against `max_pinned_bytes` at start; it also caps the transfers run at once (so
+    none waits for a buffer while holding one of the I/O threads). Not used on the CPU unless
     staging="always"."""
     staging: str = "auto"
     """"auto": a CPU model pushes and pulls its own buffers in place, an accelerator's go
     through the host buffers; "always": through the host buffers on the CPU too (the
     accelerator's path, without one)."""
+    max_pinned_bytes: int | None = None
+    """The most bytes the host buffers may take (pinned on an accelerator, which the kernel
+    cannot page out). None: a quarter of the host's MemAvailable (/proc/meminfo) at start.
+    Either way a start that needs more, or more than MemAvailable, fails with what to change.
+    (CUDA's pinned memory is not charged to RLIMIT_MEMLOCK: that limit is only logged.)"""
 
     def __post_init__(self) -> None:
         if isinstance(self.host_buffers, bool) or not isinstance(self.host_buffers, int) or self.host_buffers < 1:
             raise ValueError(f"DeviceConfig.host_buffers must be an int >= 1, got {self.host_buffers!r}")
         if self.staging not in ("auto", "always"):
             raise ValueError(f'DeviceConfig.staging must be "auto" or "always", got {self.staging!r}')
+        budget = self.max_pinned_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"DeviceConfig.max_pinned_bytes must be None or an int >= 1, got {budget!r}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,10 @@ exact either way.
 An inf or a NaN anywhere in a step's gradients, on any rank of the job, skips the step on
 every rank: nobody pushes, no daemon version moves, and the scale backs off. After
 `growth_interval` good steps in a row it grows, unless that would overflow fp32.
+
+Device syncs: the scale lives on the host (a Python float) and reaches the device as a
+kernel argument, so scaling the loss waits for nothing; the one sync of a step is
+`found_inf`, whose answer the host needs before it pushes anything.
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ class LossScaler:
         self.skipped_steps = 0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss` times the scale, as GradScaler.scale spells it (an fp32 scale tensor)."""
-        return loss * torch.tensor(self.scale, dtype=torch.float32, device=loss.device)
+        """`loss` times the scale, as GradScaler.scale spells it (an fp32 scale tensor). The
+        scale is a 0-d CPU tensor, which torch passes to a device kernel as a scalar: a copy
+        of it to the device would wait for the device's queued work (a pageable copy syncs
+        the stream), every step."""
+        return loss * torch.tensor(self.scale, dtype=torch.float32)
 
     @property
     def grad_multiplier(self) -> float:

@@ -117,7 +117,11 @@ class PushCompressor:
 
     def payload(self, shard: ShardSlice, step: int, grads: torch.Tensor) -> Payload | None:
         """The push of `shard` at `step`, from `grads` (the flat gradient buffer, in the
-        compute dtype on its device); None: send the gradient as it is (a warm-up step)."""
+        compute dtype on its device); None: send the gradient as it is (a warm-up step).
+        Its device work (the kernels, the error and momentum updates, the copy of the bytes
+        to the host) runs on the calling thread's current stream: on an accelerator, call it
+        inside `ShardMover.following(after)`, as ShardIO does, so that it follows the compute
+        stream's writes of `grads` and is complete when the bytes are read."""
         grad = grads[shard.offset : shard.end]
         if self.momentum is None and not self.compresses(step):
             return None

@@ -64,10 +64,13 @@ class ShardIO:
     def attach(self, values: torch.Tensor) -> int:
         """Fresh model: pushes `values` (the initial compute copy). Known model: pulls the
         daemons' values into it (every shard must be at the same version). Returns the step."""
+        # Either way the copies follow what the device queued into `values` so far (the flat
+        # buffer's fill, trainer/flat.py), on this thread's current stream.
+        after = self.mover.mark_compute()
         if self.fresh():
-            self.run_all(lambda s: self._push_initial(values, s))
+            self.run_all(lambda s: self._push_initial(values, s, after))
             return 0
-        versions = self.run_all(lambda s: self.pull(s, 0, values, None, None))
+        versions = self.run_all(lambda s: self.pull(s, 0, values, after, None))
         if len(set(versions)) != 1:
             raise RuntimeError(f"shards are at different versions {sorted(set(versions))}; cannot resume")
         momentum = self.compressor.momentum if self.compressor else None
@@ -96,10 +99,11 @@ class ShardIO:
             )
         return all(created)
 
-    def _push_initial(self, values: torch.Tensor, shard: ShardSlice) -> None:
-        # The daemons' master starts as the compute copy widened to fp32 (exact).
-        piece = values[shard.offset : shard.end].to("cpu", torch.float32)
-        self.client.push(shard, step=0, kind=ps_pb2.PARAMETERS, data=byte_view(piece), lr=None)
+    def _push_initial(self, values: torch.Tensor, shard: ShardSlice, after: object) -> None:
+        # The daemons' master starts as the compute copy widened to fp32 (exact), on the host.
+        with self.mover.host_copy(values, shard, after) as host:
+            piece = host.to(torch.float32)
+            self.client.push(shard, step=0, kind=ps_pb2.PARAMETERS, data=byte_view(piece), lr=None)
 
     def run_all(self, fn: Callable[[ShardSlice], object]) -> list:
         futures = [self.pool.submit(fn, s) for s in self.plan]
@@ -215,7 +219,12 @@ class ShardIO:
     ) -> tuple[ps_pb2.PushResponse, int]:
         groups, multiplier = settings
         # Compressed here, in the pool: shard i is compressed while shard i-1 is on the wire.
-        payload = self.compressor.payload(shard, step, grads) if self.compressor is not None else None
+        # On an accelerator the kernels run on a side stream after `after` (this thread's own
+        # current stream is not the compute stream), and are done when `following` returns.
+        payload = None
+        if self.compressor is not None:
+            with self.mover.following(after):
+                payload = self.compressor.payload(shard, step, grads)
         if payload is not None:
             momentum = payload.kind == ps_pb2.MOMENTUM  # 1-bit Adam: one lr, no groups
             ack = self.client.push(

@@ -105,6 +105,11 @@ class StreamedOptimizer(DaemonOptimizer):
                 "streaming pushes each block in its backward and applies at step(): it takes staleness=0 and "
                 "push_in_backward=False"
             )
+        if config.audit_every:
+            raise ValueError(
+                "OffloadConfig.audit_every is not run for streamed models yet (their pushes are applied as parts): "
+                "set audit_every=0 with stream=..."
+            )
         if config.push_share != (0, 1) and stream.micro_batches == 1:
             raise ValueError("Streaming(micro_batches=1) applies pushes on arrival: it takes push_share=(0, 1)")
         first = next(model.parameters(), None)
@@ -171,7 +176,8 @@ class StreamedOptimizer(DaemonOptimizer):
                 if unit.from_meta:
                     unit.allocate()
                     initialise(unit, self._owners, init)
-                wait_all([self.io.pool.submit(self._push_initial, unit, s) for s in unit.shards])
+                after = self.mover.mark_compute()  # the copies follow the initialisation
+                wait_all([self.io.pool.submit(self._push_initial, unit, s, after) for s in unit.shards])
                 unit.release()
             return 0
         # A known model: its version is the first shard's; every pull checks its own against it.
@@ -186,9 +192,10 @@ class StreamedOptimizer(DaemonOptimizer):
                 wait_all(self.window.submit_pulls(unit, version))
         return version
 
-    def _push_initial(self, unit: StreamUnit, shard: ShardSlice) -> None:
-        local = unit.local(shard)
-        piece = unit.values[local.offset : local.end].to("cpu", torch.float32, copy=True)
+    def _push_initial(self, unit: StreamUnit, shard: ShardSlice, after: object) -> None:
+        with self.mover.host_copy(unit.values, unit.local(shard), after) as host:
+            # A copy: a byte view of the unit's own storage would keep it from being released.
+            piece = host.to(torch.float32, copy=True)
         self.client.push(shard, step=0, kind=ps_pb2.PARAMETERS, data=byte_view(piece), lr=None)
 
     def _install_hooks(self, model: nn.Module) -> list:
