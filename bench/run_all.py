@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from bench import (
+    audit_overhead,
     compress_cpu,
     compress_gpu,
     compression_convergence,
@@ -175,6 +176,13 @@ def _train_step_overhead(r: dict) -> str:
     )
 
 
+def _audit_overhead(r: dict) -> str:
+    return (
+        f"{r['audits']} audits of one shard, {r['audit_ms']} ms each: {100 * r['audit_share']:.2f}% of the "
+        f"{r['audit_every']} plain steps between two."
+    )
+
+
 def _pipeline(r: dict) -> str:
     rows = ", ".join(f"{x['schedule']} m={x['microbatches']}: {x['efficiency']:.3f}" for x in r["results"])
     head = next(x for x in r["results"] if x["schedule"] == "1f1b" and x["microbatches"] == max(
@@ -239,6 +247,7 @@ DETAILS: dict[str, Callable[[dict], str]] = {
     "staleness_convergence": _convergence,
     "train_step_overhead": _train_step_overhead,
     "train_step_overhead_bf16": _train_step_overhead,
+    "audit_overhead": _audit_overhead,
     "pipeline_efficiency": _pipeline,
     "ps_overhead_pp_dp": _ps_overhead,
     "compress_cpu": _compress_cpu,
@@ -294,6 +303,7 @@ def main() -> None:
     _timed("transport", transport.main, seconds)
     _timed("train_step_overhead", train_step_overhead.main, seconds)
     _timed("train_step_overhead_bf16", train_step_overhead_bf16.main, seconds)
+    _timed("audit_overhead", audit_overhead.main, seconds)
     _timed("pull_bytes_bf16", pull_bytes_bf16.main, seconds)
     _timed("stream_overhead", stream_overhead.main, seconds)
     _timed("pipeline_efficiency", lambda: pipeline_efficiency.main([]), seconds)

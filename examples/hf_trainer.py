@@ -3,6 +3,7 @@
     ps-daemon serve --port 50051 &
     python examples/hf_trainer.py --daemons 127.0.0.1:50051 --output-dir /tmp/hf-run --steps 40
     python examples/hf_trainer.py --daemons 127.0.0.1:50051 --output-dir /tmp/hf-run --steps 80 --resume
+    torchrun --nproc-per-node 2 examples/hf_trainer.py --daemons 127.0.0.1:50051 --output-dir /tmp/hf-ddp
 
 The model is a small GPT-2 built from its config (nothing is downloaded), with its input and
 output embeddings tied, trained on the characters of examples/data/corpus.txt. The offload
@@ -64,26 +65,39 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=40, help="train up to this global step")
     parser.add_argument("--total-steps", type=int, default=80, help="the schedule's length")
     parser.add_argument("--save-steps", type=int, default=20)
+    parser.add_argument("--logging-steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--model-name", default="hf-gpt2")
     parser.add_argument("--resume", action="store_true", help="go on from the last checkpoint in --output-dir")
+    parser.add_argument(
+        "--optimizer", choices=["offload", "torch"], default="offload",
+        help="offload: AdamW on the daemons; torch: torch.optim.AdamW(fused=True) in process, the same groups",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     model = build_model()
-    opt = ps_offload.offload(
-        model,
-        daemons=args.daemons.split(","),
-        optimizer=ps_offload.AdamW(lr=args.lr, weight_decay=0.01),
-        no_weight_decay=no_weight_decay,
-        config=ps_offload.OffloadConfig(model_name=args.model_name, shard_bytes=64 << 10),
-    )
+    if args.optimizer == "offload":
+        opt = ps_offload.offload(
+            model,
+            daemons=args.daemons.split(","),
+            optimizer=ps_offload.AdamW(lr=args.lr, weight_decay=0.01),
+            no_weight_decay=no_weight_decay,
+            config=ps_offload.OffloadConfig(model_name=args.model_name, shard_bytes=64 << 10),
+        )
+    else:
+        named = list(model.named_parameters())
+        opt = torch.optim.AdamW(
+            [{"params": [p for n, p in named if not no_weight_decay(n, p)], "weight_decay": 0.01},
+             {"params": [p for n, p in named if no_weight_decay(n, p)], "weight_decay": 0.0}],
+            lr=args.lr, fused=True,
+        )  # fmt: skip
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=5, num_training_steps=args.total_steps)
     training = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.steps,
         save_steps=args.save_steps,
-        logging_steps=5,
+        logging_steps=args.logging_steps,
         per_device_train_batch_size=args.batch_size,
         max_grad_norm=1.0,
         use_cpu=True,
@@ -98,12 +112,15 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         trainer.train(resume_from_checkpoint=checkpoint)
     finally:
-        opt.close()
+        if args.optimizer == "offload":
+            opt.close()
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
     for entry in history:
         print(f"step {entry['step']}: loss {entry['loss']:.4f}, lr {entry['learning_rate']:.2e}")
-    print(f"global step {trainer.state.global_step}; daemons at version {opt.step_count}")
-    return {"history": history, "global_step": trainer.state.global_step, "version": opt.step_count}
+    version = getattr(opt, "step_count", None)
+    print(f"global step {trainer.state.global_step}; daemons at version {version}")
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"history": history, "global_step": trainer.state.global_step, "version": version, "weights": weights}
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ps_offload.daemon import faults
 from ps_offload.daemon.encodings import KERNEL_LOCK, OneBitGradient
 from ps_offload.kernels.fused_adamw import adam_frozen_variance_, onebit_adam_
 from ps_offload.proto.plan import KernelRun, Segment, kernel_runs
@@ -182,6 +183,7 @@ class ShardOptimizer:
             calls = [(runs, self._registered(lr, decay)) for decay, runs in self._runs_by_decay.items()]
         for runs, settings in calls:
             self._step_runs(master, grad, runs, settings)
+        faults.after_update(master, self.step)  # tests only: PS_OFFLOAD_FAULT_PERTURB_STEP
 
     def _registered(self, lr: float, weight_decay: float) -> GroupHyperparams:
         config = self.config

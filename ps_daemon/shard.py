@@ -12,7 +12,7 @@ import torch
 
 from ps_offload.daemon.accumulate import GradientParts
 from ps_offload.daemon.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
-from ps_offload.daemon.optim import AdamWConfig, OptimizerConfig, ShardOptimizer
+from ps_offload.daemon.optim import OptimizerConfig, ShardOptimizer
 from ps_offload.daemon.pull_wait import PullWait
 from ps_offload.daemon.tiers.nvme import arena_tensor
 from ps_offload.proto.plan import FP32_BYTES, ParamLayout, ShardSlice, segments_of
@@ -35,7 +35,7 @@ def allocate_arena(nbytes: int) -> tuple[torch.Tensor, memoryview]:
 
 
 # The fp32 tensors a pull can stream (proto ShardTensor, in its order): the master values,
-# then AdamW's state in the order the arena holds it.
+# then the optimizer state in the order the arena holds it (SGD's momentum buffer as exp_avg).
 SHARD_TENSORS = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -120,14 +120,16 @@ class Shard:
         """Raises unless `name` (one of SHARD_TENSORS) is a tensor this shard holds."""
         if name not in SHARD_TENSORS:
             raise InvalidArgument(f"unknown shard tensor {name!r}; one of {', '.join(SHARD_TENSORS)}")
-        if name != "master" and not isinstance(self.optimizer.config, AdamWConfig):
+        # The state tensors in arena order: AdamW's exp_avg and exp_avg_sq; SGD's momentum
+        # buffer, served as exp_avg (SGD without momentum has none).
+        if SHARD_TENSORS.index(name) > self.optimizer.config.state_per_param:
             raise FailedPrecondition(
                 f"shard {self.slice.shard_id} of model {self.model!r} runs {type(self.optimizer.config).__name__}, "
                 f"which has no {name}"
             )
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The master values or an AdamW state tensor (check_tensor first); resident only."""
+        """The master values or a state tensor (check_tensor first); resident only."""
         return self.master if name == "master" else self.optimizer.state[SHARD_TENSORS.index(name) - 1]
 
     def detach(self) -> tuple[torch.Tensor, memoryview | None] | None:

@@ -25,6 +25,7 @@ _TRAINER_EXPORTS = frozenset(
     {
         "SGD",
         "AdamW",
+        "AuditMismatch",
         "ClientConfig",
         "ClientSecurity",
         "CompressionConfig",
@@ -35,6 +36,7 @@ _TRAINER_EXPORTS = frozenset(
         "OffloadConfig",
         "OffloadOptimizer",
         "ParallelConfig",
+        "ParameterChanged",
         "PipelineTrainer",
         "ShardedClient",
         "StepLost",

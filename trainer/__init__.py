@@ -24,6 +24,7 @@ The same names are in `ps_offload.trainer` (`from ps_offload import trainer`).
 """
 
 from ps_offload.proto.security import ClientSecurity
+from ps_offload.trainer.audit import AuditMismatch
 from ps_offload.trainer.client import DaemonError, ShardedClient
 from ps_offload.trainer.cluster import daemon_addresses
 from ps_offload.trainer.config import (
@@ -39,12 +40,14 @@ from ps_offload.trainer.config import (
 from ps_offload.trainer.offload import OffloadOptimizer, offload
 from ps_offload.trainer.optim import LocalOptimizer, StepOptimizer
 from ps_offload.trainer.parallel import PipelineTrainer, init_distributed
+from ps_offload.trainer.param_binding import ParameterChanged
 from ps_offload.trainer.stream_config import StepLost, StepTorn, Streaming
 from ps_offload.trainer.streaming import StreamedOptimizer
 
 __all__ = [
     "SGD",
     "AdamW",
+    "AuditMismatch",
     "ClientConfig",
     "ClientSecurity",
     "CompressionConfig",
@@ -55,6 +58,7 @@ __all__ = [
     "OffloadConfig",
     "OffloadOptimizer",
     "ParallelConfig",
+    "ParameterChanged",
     "PipelineTrainer",
     "ShardedClient",
     "StepLost",

@@ -51,6 +51,11 @@ class FlatParams:
         layout = self.layouts[index]
         return buffer[layout.offset : layout.offset + layout.numel].view(layout.shape)
 
+    def value_view(self, index: int) -> torch.Tensor:
+        """Parameter `index`'s slice of `values`, shaped as the parameter (what its `.data`
+        is, unless something re-pointed it)."""
+        return self._view(self.values, index)
+
     def grad_view(self, index: int) -> torch.Tensor:
         """Parameter `index`'s slice of `grads`, shaped as the parameter."""
         return self._view(self.grads, index)

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.audit import ParityAudit, check_auditable
 from ps_offload.trainer.backward_push import BackwardPushes
 from ps_offload.trainer.config import (
     AdamW,
@@ -73,9 +74,10 @@ from ps_offload.trainer.config import (
     expect_config,
 )
 from ps_offload.trainer.daemon_optimizer import DaemonOptimizer, check_uniform
-from ps_offload.trainer.device import ShardMover
+from ps_offload.trainer.device import WIRE_DTYPES, ShardMover
 from ps_offload.trainer.flat import FlatParams
 from ps_offload.trainer.loss_scale import found_inf
+from ps_offload.trainer.param_binding import ParamBinding, ParameterChanged
 from ps_offload.trainer.push_compression import PushCompressor, check_compression
 from ps_offload.trainer.shard_io import ShardIO, first_error
 from ps_offload.trainer.streaming import StreamedOptimizer, Streaming
@@ -150,6 +152,7 @@ class OffloadOptimizer(DaemonOptimizer):
         device = expect_config(device, DeviceConfig, "device")
         adam = isinstance(optimizer, AdamW)
         check_compression(compression.method, compression.warmup_steps, compression.topk_ratio, adam=adam)
+        check_auditable(config, compression)
         if config.push_in_backward and compression.method != "none":
             raise ValueError("OffloadConfig.push_in_backward sends gradients as they are: not with compression")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -169,6 +172,7 @@ class OffloadOptimizer(DaemonOptimizer):
                 "trainer/flat.py and ps_proto/plan.py disagree on the layout"
             )
         self.params = self.flat.params
+        self._device_config = device
         self.mover = ShardMover(self.flat.values, max(s.numel for s in self.plan), config=device)
         self.staleness = config.staleness
         self.io = ShardIO(
@@ -196,8 +200,12 @@ class OffloadOptimizer(DaemonOptimizer):
         self._delayed: tuple[int, list, float | None, list[Future] | None] | None = None
 
         self._pending_pulls: dict[int, Future] = {}
+        self._model = model
         self._hooks = self._install_forward_hooks(model)
+        # Checked at every step: the model still trains with the tensors updated here.
+        self._binding = ParamBinding(model, [n for n, _ in named], self.flat)
         self.step_count = self.io.attach(self.flat.values)
+        self.audit = ParityAudit(self, config)  # every config.audit_every steps (trainer/audit.py)
         self._clip_coefficient: float | None = None  # from clip_grad_norm_, for the next step
         self._backward_pushes: BackwardPushes | None = None
         if config.push_in_backward:
@@ -277,6 +285,7 @@ class OffloadOptimizer(DaemonOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow_model()  # before anything is pushed: refuses, or adopts moved parameters
         groups = self._groups.hyperparams(self.param_groups)  # refuses what the daemons cannot follow
         parts: dict[int, Future] = {}
         if self._backward_pushes is not None:  # before adopt_grads, which may write (zeros)
@@ -316,6 +325,7 @@ class OffloadOptimizer(DaemonOptimizer):
             self._finish_step()
             self.io.hint_after(self._delayed[3])
             return loss
+        audit = self.audit.before_push(step, groups, multiplier, self.flat.grads)  # before the shard's push
         pushes, pulls = self.io.submit(
             step, (groups, multiplier), grads=self.flat.grads, params=self.flat.values, parts=parts
         )
@@ -331,6 +341,7 @@ class OffloadOptimizer(DaemonOptimizer):
         self.step_count = step + 1
         self._finish_step()
         self.io.hint_after(list(pulls.values()))
+        self.audit.after_step(audit)  # raises AuditMismatch
         return loss
 
     def _finish_step(self) -> None:
@@ -354,6 +365,97 @@ class OffloadOptimizer(DaemonOptimizer):
             raise error
         self._delayed = None
         self.flat.values.copy_(self._next_params)
+
+    # -- a model moved or re-created after offload() ----------------------------------------
+
+    def _follow_model(self) -> None:
+        """Adopts the model's new tensors when its parameters were moved, cast or re-created
+        with the values they had here (model.to(), .cuda(), .to(dtype), load_state_dict(
+        assign=True) of the same weights, a wrapper); raises ParameterChanged, before any
+        push, for what cannot be followed. See ps_offload.trainer.param_binding."""
+        changes = self._binding.changes()
+        if not changes:
+            return
+        self.synchronize()  # the buffer compared below holds the daemons' newest values
+        untied = self._binding.untied()
+        if untied:
+            raise ParameterChanged(
+                f"parameters {untied} were one tensor when offload() registered the model and are different tensors "
+                "now (tied weights untied): re-tie them (model.tie_weights()) or build the optimizer after the change"
+            )
+        current = self._binding.current_params()
+        try:
+            check_uniform(current)
+        except ValueError as exc:
+            raise ParameterChanged(f"the model was moved in part: {exc}") from None
+        device, dtype = current[0][1].device, current[0][1].dtype
+        moved = (device, dtype) != (self.flat.values.device, self.flat.values.dtype)
+        refusal = self._refuse_move(changes, dtype) if moved else None
+        for change in changes:
+            refusal = refusal or self._values_differ(change)
+        if refusal:
+            raise ParameterChanged(
+                f"model {self.client.model!r}, before step {self.step_count}: parameter {refusal}. Nothing was pushed."
+            )
+        flat = FlatParams(current)  # re-points the model's tensors into new buffers
+        old_groups = {id(old): new for old, (_, new) in zip(self.params, current, strict=True)}
+        for group in self.param_groups:
+            group["params"] = [old_groups.get(id(p), p) for p in group["params"]]
+        self._groups.follow(self.param_groups)
+        self.flat, self.params = flat, flat.params
+        if moved:
+            self.mover = ShardMover(flat.values, max(s.numel for s in self.plan), config=self._device_config)
+            io = ShardIO(self.client, self.mover, pushes=self.io.pushes, hints=self.io.hints, compressor=None)
+            io.bytes_pushed, old_io, self.io = self.io.bytes_pushed, self.io, io
+            old_io.pool.shutdown(wait=True)
+            # The compute copy is the daemons' master as this dtype rounds it (a bf16 model
+            # cast to fp32 computes on the fp32 master, not on its widened bf16 values).
+            after = self.mover.mark_compute()  # after FlatParams' fill of the new buffer
+            versions = self.io.run_all(lambda s: self.io.pull(s, self.step_count, flat.values, after, None))
+            if set(versions) != {self.step_count}:
+                raise RuntimeError(f"re-pulling after the move found versions {sorted(set(versions))}")
+            if self.staleness:
+                self._next_params = torch.empty_like(flat.values)
+                self._sent_grads = torch.empty_like(flat.grads)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = self._install_forward_hooks(self._model)
+        self._binding.bind(flat)
+        log.info("model %r: adopted the model's new tensors (%s on %s) before step %d: %s", self.client.model,
+                 dtype, device, self.step_count, "; ".join(f"{c.name} {c.what}" for c in changes))  # fmt: skip
+
+    def _refuse_move(self, changes: list, dtype: torch.dtype) -> str | None:
+        """Why a change of device or dtype cannot be followed (None: it can)."""
+        name = changes[0].name
+        if dtype not in WIRE_DTYPES:
+            return f"{name!r} is now {dtype}: offload() trains float32, bfloat16 or float16 parameters"
+        if dtype == torch.float16 and self.loss_scaler is None:
+            return f"{name!r} is now float16, which needs the loss scaling offload() sets up for a float16 model"
+        if self.io.compressor is not None:
+            return f"{name!r} {changes[0].what}: the compressor's error feedback lives on the old device and dtype"
+        if self._backward_pushes is not None:
+            return f"{name!r} {changes[0].what}: push_in_backward's hooks are on the old tensors"
+        return None
+
+    def _values_differ(self, change) -> str | None:
+        """Why `change`'s new tensor is not the registered one moved or cast (None: it is)."""
+        if change.removed:
+            return f"{change.name!r} {change.what}"
+        was = self.flat.value_view(change.index)
+        now = change.current.detach()
+        if tuple(now.shape) != tuple(was.shape):
+            return f"{change.name!r} {change.what}"
+        expected = was.to(now.device, now.dtype)
+        if torch.equal(now, expected):
+            return None
+        differ = now.float().cpu() != expected.float().cpu()
+        biggest = float((now.float().cpu() - expected.float().cpu()).abs().max())
+        return (
+            f"{change.name!r} {change.what} and holds other values than the daemons' ({int(differ.sum())} of "
+            f"{now.numel()} elements differ, max |difference| {biggest:g}): the daemons would go on from their own "
+            "values and silently discard these. To train from new weights, load them before offload() under a new "
+            "model_name; if the model was moved while a step's pulls were landing, call opt.synchronize() first"
+        )
 
     def close(self) -> None:
         try:

@@ -62,6 +62,11 @@ class GroupTracker:
         self.members = [[id(p) for p in group["params"]] for group in param_groups]
         self.nesterov = None if self.adam else [group["nesterov"] for group in param_groups]
 
+    def follow(self, param_groups: list[dict]) -> None:
+        """Takes the groups' parameters as they are now: the optimizer adopted the model's new
+        tensors for the registered ones (ps_offload.trainer.param_binding), one for one."""
+        self.members = [[id(p) for p in group["params"]] for group in param_groups]
+
     def hyperparams(self, param_groups: list[dict]) -> list[ps_pb2.GroupHyperparams]:
         """This step's settings of every group, after checking the daemons can apply them."""
         if len(param_groups) != len(self.members):
