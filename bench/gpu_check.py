@@ -77,7 +77,7 @@ PLATFORMS = [
     "manylinux1_x86_64",
 ]
 
-ACCELERATOR = "tests/trainer/test_accelerator.py"
+ACCELERATOR = "tests/trainer/io/test_accelerator.py"
 EQUIVALENCE_TESTS = [
     f"{ACCELERATOR}::test_bf16_model_on_cuda_through_a_daemon_equals_fp32_masters_in_process",
     f"{ACCELERATOR}::test_fp16_model_on_cuda_through_a_daemon_with_loss_scaling_equals_fp32_masters_in_process",

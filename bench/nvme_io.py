@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from bench.common import REPO, interleaved_many, median, quick, record, spread
-from ps_offload.daemon.optim import AdamWConfig
-from ps_offload.daemon.store import ModelSpec, ParamSpec, allocate_arena, arena_numel
+from ps_offload.daemon.model.optimizer import AdamWConfig
+from ps_offload.daemon.model.spec import spec_to_dict
+from ps_offload.daemon.store.shard_store import ModelSpec, ParamSpec, allocate_arena, arena_numel
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
 
 SHARDS = quick(16, 4)
@@ -135,7 +136,7 @@ def main() -> list[dict]:
         files = NvmeFiles(directory / "nvme", io=DirectIO(threads=IO_THREADS, block_bytes=IO_BLOCK), fsync=True)
         nbytes = arena_numel(SHARD_NUMEL, 2) * 4
         spec = ModelSpec("bench", (ParamSpec("w", (SHARDS * SHARD_NUMEL,)),), AdamWConfig(), SHARD_NUMEL * 4, ("d",))
-        layout = files.create_model(spec, 0, {i: nbytes for i in range(SHARDS)})
+        layout = files.create_model(spec_to_dict(spec), 0, {i: nbytes for i in range(SHARDS)})
         arenas = [allocate_arena(nbytes) for _ in range(SHARDS)]
         for tensor, _ in arenas:
             tensor.normal_()

@@ -18,10 +18,10 @@ import contextlib
 import torch
 
 from bench.common import interleaved_many, median, quick, record, spread
-from ps_offload.daemon.buffers import StagingPool
-from ps_offload.daemon.optim import AdamWConfig
-from ps_offload.daemon.push import PushRequest
-from ps_offload.daemon.store import ModelSpec, ParamSpec, ShardStore
+from ps_offload.daemon.model.optimizer import AdamWConfig
+from ps_offload.daemon.rpc.staging import StagingPool
+from ps_offload.daemon.store.push import PushRequest
+from ps_offload.daemon.store.shard_store import ModelSpec, ParamSpec, ShardStore
 
 N_PARAMS = 16  # 16 tensors of 4M elements = 64M parameters
 NUMEL = quick(4 << 20, 1 << 20)

@@ -7,7 +7,7 @@ make 12 bytes of AdamW state per parameter (fp32 master, exp_avg, exp_avg_sq) at
 `--ram-multiple` x MemTotal: 54 blocks, 4.25B parameters, for 2x on a 23.5 GiB machine. Its
 context is 64 tokens of batch 1, so that a step's compute stays small beside its disk I/O.
 The trainer (bench/scale_worker.py) runs in a process of its own, so that its peak RSS is
-its own: it builds the model on the meta device and streams it (trainer/streaming.py), each
+its own: it builds the model on the meta device and streams it (trainer/stream/optimizer.py), each
 block initialised and pushed in turn at creation (the state's initial write), then pulled
 before its forward and again before its backward, a window of two blocks on the trainer at
 most; with `micro_batches=1` the daemon applies each block's gradient as it arrives during
@@ -50,8 +50,8 @@ from bench.nvme_io import fio_seconds
 from bench.scale_worker import WINDOW_BLOCKS, gpt_config
 from ps_offload.daemon.config import StoreConfig
 from ps_offload.daemon.local import LocalDaemon
-from ps_offload.daemon.optim import AdamWConfig
-from ps_offload.daemon.store import shard_resident_bytes
+from ps_offload.daemon.model.optimizer import AdamWConfig
+from ps_offload.daemon.store.shard_store import shard_resident_bytes
 from ps_offload.daemon.tiers.nvme import FileLayout
 from ps_offload.proto.plan import (
     FP32_BYTES,

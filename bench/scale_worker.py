@@ -1,6 +1,6 @@
 """The trainer of `make bench-scale` (bench/scale.py), in a process of its own so that its
 peak RSS is its own: a GPT built on the meta device, streamed block by block through one
-daemon (trainer/streaming.py), driven one step at a time over stdin and stdout.
+daemon (trainer/stream/optimizer.py), driven one step at a time over stdin and stdout.
 
     python -m bench.scale_worker --daemon ADDR --n-layer L --n-embd E --shard-bytes B
     stdin:  "step" (one forward, backward and optimizer step), "close"

@@ -1,5 +1,5 @@
 """stream_overhead: a GPT that fits, trained streamed (a window of blocks on the trainer,
-trainer/streaming.py) vs unstreamed (the whole model on the trainer, offload()), through the
+trainer/stream/optimizer.py) vs unstreamed (the whole model on the trainer, offload()), through the
 same daemon, interleaved in one run.
 
 A step = forward, backward, optimizer step, for one micro-batch. Ratio = the streamed step

@@ -37,8 +37,8 @@ import torch
 
 from bench.common import BenchDaemon, interleaved_many, median, quick, record, spread
 from ps_offload.proto import ps_pb2
-from ps_offload.trainer.client import ShardedClient
 from ps_offload.trainer.config import ClientConfig
+from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 NBYTES = 256 << 20
 NUMEL = NBYTES // 4

@@ -1,5 +1,5 @@
 """zero_infinity_small, zero_infinity_large: the system this project exists to beat, on the
-same machine. A GPT trained from NVMe by our streamed trainer (trainer/streaming.py) on a
+same machine. A GPT trained from NVMe by our streamed trainer (trainer/stream/optimizer.py) on a
 ps-daemon whose RAM tier is a quarter of the AdamW state, against DeepSpeed ZeRO-Infinity
 (ZeRO stage 3, `offload_param` and `offload_optimizer` on NVMe): the same TinyGPT (pre-norm
 blocks, tied embeddings, fp32), the same initial values, batches, number of steps and AdamW

@@ -16,7 +16,7 @@ Replies go to their own descriptor because DeepSpeed prints to stdout (which, wi
 to the worker's log file). A failure answers {"error": ...} and exits 1.
 
 `ours`: a ps-daemon with an NVMe tier (its RAM tier smaller than the state), and the model
-built on the meta device, streamed a window of blocks at a time (trainer/streaming.py), each
+built on the meta device, streamed a window of blocks at a time (trainer/stream/optimizer.py), each
 block's gradient applied by the daemon as backward pushes it (Streaming(micro_batches=1)).
 `deepspeed`: ZeRO stage 3 with offload_param and offload_optimizer on NVMe, the model built
 inside `deepspeed.zero.Init`; see bench/zero_infinity.py for the configuration and the errors

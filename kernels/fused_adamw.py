@@ -33,7 +33,7 @@ torch (`adam_frozen_variance_`) agrees within an ulp or two (the compiler may co
 multiply-add); tests compare the two, and that one with the formula in float64.
 
 Parallel over chunks of blocks (numba prange), so one call uses every core; callers that run
-it from several threads serialize the calls (the daemon does: ps_daemon.encodings.KERNEL_LOCK),
+it from several threads serialize the calls (the daemon does: ps_offload.daemon.model.encodings.KERNEL_LOCK),
 as Numba's fallback threading layer (workqueue) aborts on concurrent parallel launches.
 """
 

@@ -1,5 +1,5 @@
 """`ps-admin snapshot ...`: snapshots of a model on its daemons' NVMe tiers (snapshots.py
-does the work; ps_daemon/tiers/snapshots.py says how a daemon keeps one without a copy).
+does the work; ps_daemon/tiers/snapshot_pins.py says how a daemon keeps one without a copy).
 
     ps-admin snapshot take MODEL NAME [--step S] [--daemon ADDR ...]
     ps-admin snapshot list MODEL [--daemon ADDR ...]

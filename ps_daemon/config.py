@@ -57,7 +57,7 @@ class ServerConfig:
     """Threads serving RPCs. Pulls waiting for a version hold one each."""
     max_waiting_pulls: int = 0
     """Most gRPC Pulls waiting at once for a version not pushed yet; one more is answered
-    RESOURCE_EXHAUSTED (ps_daemon/pull_wait.py). 0: half of max_workers, so the other half
+    RESOURCE_EXHAUSTED (ps_daemon/store/pull_wait.py). 0: half of max_workers, so the other half
     serves pushes, admin calls and health checks whatever the pulls do."""
     max_waiting_pulls_per_client: int = 0
     """Most of those from one client address (every process on that host shares them); one

@@ -1,5 +1,5 @@
 """Typed errors of the daemon's domain: plain exceptions, no transport in sight. The store
-raises them; the RPC layer (ps_daemon.rpc_errors) is the one place that turns them into
+raises them; the RPC layer (ps_offload.daemon.rpc.status) is the one place that turns them into
 gRPC status codes, for the gRPC servicers and the TCP data plane alike.
 
 Every message names the thing that is wrong and, where there is one, what to do instead.

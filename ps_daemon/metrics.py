@@ -25,12 +25,12 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ps_offload.daemon.grpc_handlers import rebuild
-from ps_offload.daemon.store import ShardStore
+from ps_offload.daemon.rpc.handlers import rebuild
+from ps_offload.daemon.store.shard_store import ShardStore
 
 if TYPE_CHECKING:
-    from ps_offload.daemon.dataplane import DataPlaneServer
-    from ps_offload.daemon.pull_wait import PullWaits
+    from ps_offload.daemon.dataplane.server import DataPlaneServer
+    from ps_offload.daemon.store.pull_wait import PullWaits
 
 # From a small pull of a cached shard (~1 ms) to a pull that waits for its version or a
 # 256 MiB shard read from disk (seconds).

@@ -20,14 +20,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ps_offload.daemon import security, systemd
-from ps_offload.daemon.buffers import StagingPool
+from ps_offload.daemon import systemd
 from ps_offload.daemon.config import ConfigError, DaemonConfig, exposed_in_plaintext
-from ps_offload.daemon.dataplane import DataPlaneServer
-from ps_offload.daemon.limits import StoreLimits
+from ps_offload.daemon.dataplane.server import DataPlaneServer
 from ps_offload.daemon.metrics import DaemonMetrics
-from ps_offload.daemon.servicer import AdminServicer, ParameterServerServicer, admin_handler, parameter_server_handler
-from ps_offload.daemon.store import ShardStore
+from ps_offload.daemon.rpc import server_security
+from ps_offload.daemon.rpc.servicer import (
+    AdminServicer,
+    ParameterServerServicer,
+    admin_handler,
+    parameter_server_handler,
+)
+from ps_offload.daemon.rpc.staging import StagingPool
+from ps_offload.daemon.store.limits import StoreLimits
+from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import DirectIO, NvmeFiles
 from ps_offload.proto.channel import CHUNK_BYTES, SERVER_KEEPALIVE, SERVICE_NAMES, channel_options
 from ps_offload.proto.frames import split_host_port
@@ -65,7 +71,7 @@ class Daemon:
         # allocated on demand and dropped.
         staging = StagingPool(max_bytes=4 * config.store.shard_bytes)
         try:
-            self.token = security.TokenCheck(config.auth)
+            self.token = server_security.TokenCheck(config.auth)
         except ValueError as exc:
             raise OSError(f"auth.token_file: {exc}") from None
         self.metrics = DaemonMetrics(self.store) if config.metrics.listen else None
@@ -73,7 +79,7 @@ class Daemon:
             config,
             self.store,
             staging,
-            tls=security.server_ssl_context(config.tls),
+            tls=server_security.server_ssl_context(config.tls),
             token=self.token,
             observe=self.metrics.observe_rpc if self.metrics else None,
             on_failure=self._data_plane_failed,
@@ -81,7 +87,7 @@ class Daemon:
         self.health = health.HealthServicer()
         # Outermost first: a call refused for its token is still timed, with its code.
         interceptors = [self.metrics.interceptor()] if self.metrics else []
-        interceptors.append(security.TokenInterceptor(self.token))
+        interceptors.append(server_security.TokenInterceptor(self.token))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.server.max_workers, thread_name_prefix="rpc"),
             options=[*channel_options(config.server.max_message_bytes), *SERVER_KEEPALIVE],
@@ -124,7 +130,7 @@ class Daemon:
             self._recover()
         listen = self.config.server.listen
         self._set_status(f"Starting: opening {listen}")
-        credentials = security.server_credentials(self.config.tls)
+        credentials = server_security.server_credentials(self.config.tls)
         try:
             if credentials is None:
                 self.port = self.server.add_insecure_port(listen)

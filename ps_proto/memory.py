@@ -41,7 +41,7 @@ def keep_chunk_buffers_in_heap(*, mmap_threshold: int = 32 << 20, trim_threshold
 
 def return_freed_blocks(*, mmap_threshold: int = 2 << 20, trim_threshold: int = 16 << 20) -> bool:
     """For a process whose memory must follow what it holds: a trainer streaming blocks
-    (trainer/streaming.py) frees a block after each use and allocates it again, between
+    (trainer/stream/optimizer.py) frees a block after each use and allocates it again, between
     small allocations that live on (activations saved for backward). With the bulk-stream
     setting above, blocks under 32 MiB come from the heap, which then keeps their freed
     space (measured: RSS 167 -> 538 MiB from 8 to 32 blocks of 6.8 MiB, live bytes flat).

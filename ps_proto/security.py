@@ -1,6 +1,6 @@
 """What a trainer or ps-admin needs to connect to daemons that use TLS or a bearer token
 (`ClientSecurity`), and the token file format both ends read. The daemon's side of the same
-settings is ps_offload.daemon.security.
+settings is ps_offload.daemon.rpc.server_security.
 
 The token is a shared secret read from a file (never from a command line, where `ps` would
 show it), sent as gRPC metadata `authorization: Bearer <token>` and, on the data plane, in

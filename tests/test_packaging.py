@@ -59,7 +59,15 @@ def test_wheel_installs_one_import_name(wheel: Path):
     assert packages == {"ps_offload"}, f"the wheel installs import names other than ps_offload: {sorted(packages)}"
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-    for module in ("trainer", "daemon", "daemon/tiers", "admin", "kernels", "proto"):
+    for module in (
+        "trainer",
+        *(f"trainer/{p}" for p in ("wire", "io", "optimizer", "stream", "pipeline")),
+        "daemon",
+        *(f"daemon/{p}" for p in ("tiers", "model", "store", "rpc", "dataplane")),
+        "admin",
+        "kernels",
+        "proto",
+    ):
         assert f"ps_offload/{module}/__init__.py" in names, f"ps_offload.{module.replace('/', '.')} missing"
     assert "ps_offload/proto/ps_pb2_grpc.py" in names
 

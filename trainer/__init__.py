@@ -24,9 +24,7 @@ The same names are in `ps_offload.trainer` (`from ps_offload import trainer`).
 """
 
 from ps_offload.proto.security import ClientSecurity
-from ps_offload.trainer.audit import AuditMismatch
-from ps_offload.trainer.client import DaemonError, ShardedClient
-from ps_offload.trainer.cluster import daemon_addresses
+from ps_offload.trainer.api import offload
 from ps_offload.trainer.config import (
     SGD,
     AdamW,
@@ -37,12 +35,15 @@ from ps_offload.trainer.config import (
     OffloadConfig,
     ParallelConfig,
 )
-from ps_offload.trainer.offload import OffloadOptimizer, offload
-from ps_offload.trainer.optim import LocalOptimizer, StepOptimizer
-from ps_offload.trainer.parallel import PipelineTrainer, init_distributed
-from ps_offload.trainer.param_binding import ParameterChanged
-from ps_offload.trainer.stream_config import StepLost, StepTorn, Streaming
-from ps_offload.trainer.streaming import StreamedOptimizer
+from ps_offload.trainer.optimizer.audit import AuditMismatch
+from ps_offload.trainer.optimizer.offload import OffloadOptimizer
+from ps_offload.trainer.optimizer.param_binding import ParameterChanged
+from ps_offload.trainer.pipeline.local_optimizer import LocalOptimizer, StepOptimizer
+from ps_offload.trainer.pipeline.trainer import PipelineTrainer, init_distributed
+from ps_offload.trainer.stream.optimizer import StreamedOptimizer
+from ps_offload.trainer.stream.settings import StepLost, StepTorn, Streaming
+from ps_offload.trainer.wire.cluster import daemon_addresses
+from ps_offload.trainer.wire.sharded_client import DaemonError, ShardedClient
 
 __all__ = [
     "SGD",

@@ -113,12 +113,12 @@ class OffloadConfig:
     stage) push each shard once between them. PipelineTrainer sets it from the grid."""
     push_in_backward: bool = False
     """Push each shard's gradient as soon as backward has finished all of it, overlapping the
-    rest of backward; step() then only applies it (trainer/backward_push.py). A gradient
+    rest of backward; step() then only applies it (trainer/optimizer/backward_push.py). A gradient
     changed after backward (clip_grad_norm_) or a second backward before step() is noticed,
     and step() sends the whole gradient again: the result is the same either way. offload()
     only, with staleness=0 and no compression."""
     audit_every: int = 0
-    """Every this many steps, check one shard's update against torch.optim (trainer/audit.py):
+    """Every this many steps, check one shard's update against torch.optim (trainer/optimizer/audit.py):
     its state is pulled before and after the step, the step is recomputed in process by
     torch.optim.AdamW(fused=True) or SGD(fused=True) on the same gradient and settings, and a
     difference raises ps_offload.AuditMismatch. Shards are taken in turn; `opt.audit.stats`
@@ -162,7 +162,7 @@ class OffloadConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """How shards move between the trainer's device and the wire (trainer/device.py)."""
+    """How shards move between the trainer's device and the wire (trainer/io/device.py)."""
 
     host_buffers: int = 4
     """Host buffers of one shard each (in the compute dtype) that carry pushes and pulls
@@ -268,7 +268,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """"1f1b" (one forward, one backward: at most pp - s micro-batches of activations on
     stage s) or "gpipe" (all forwards, then all backwards). Checked when the trainer is
-    built (trainer/pipeline_check.py)."""
+    built (trainer/pipeline/schedule_check.py)."""
     split: str = "params"
     """How layers are cut into stages: "params" (the largest stage has the fewest
     parameters) or "uniform" (layer counts as equal as possible)."""
@@ -279,7 +279,7 @@ class ParallelConfig:
     max_grad_norm: float | None = None
     """Clip the whole model's gradient norm (over every stage) to this; None: no clipping."""
     dp_compression: CompressionConfig = field(default_factory=CompressionConfig)
-    """Compression of the data-parallel all-reduce, both ways (trainer/compressed_allreduce.py),
+    """Compression of the data-parallel all-reduce, both ways (trainer/pipeline/compressed_allreduce.py),
     after `warmup_steps` plain steps."""
 
     def __post_init__(self) -> None:
@@ -327,7 +327,7 @@ class ClientConfig:
     register_timeout_seconds: float = 30.0
     """Deadline of RegisterModel, which also covers waiting for a daemon to come up."""
     retry_seconds: float = 60.0
-    """How long a call keeps retrying after transient errors (see trainer/client.py) before
+    """How long a call keeps retrying after transient errors (see trainer/wire/sharded_client.py) before
     it fails: a time, not a count, so it covers a daemon's restart however many attempts
     that takes (1.5 to 7 s here; a daemon recovering a large NVMe tier takes longer).
     Retrying is safe: pushes are idempotent on (shard, step), pulls only read. 0: no retry."""

@@ -1,4 +1,4 @@
-"""Accumulators of steps pushed in parts (ps_daemon/accumulate.py) on the NVMe tier.
+"""Accumulators of steps pushed in parts (ps_daemon/store/accumulate.py) on the NVMe tier.
 
 A daemon with an NVMe tier holds models larger than its RAM, and a trainer accumulating
 micro-batches keeps one fp32 sum per shard on the daemon until the step's APPLY: 4 bytes per

@@ -1,6 +1,6 @@
 """Testing aid: `PS_OFFLOAD_CRASH_AT=POINT@N` kills the daemon with SIGKILL (no cleanup, as a
 power cut or the OOM killer would) the N-th time any commit reaches POINT of the commit
-protocol (ps_daemon.tiers.nvme), so that `make soak` and the tests can crash it at each point
+protocol (ps_offload.daemon.tiers.nvme), so that `make soak` and the tests can crash it at each point
 on purpose rather than hoping a random kill lands there. Unset: one dictionary lookup per point."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""O_DIRECT I/O for the NVMe tier (ps_daemon.tiers.nvme): page-aligned buffers, positional
+"""O_DIRECT I/O for the NVMe tier (ps_offload.daemon.tiers.nvme): page-aligned buffers, positional
 reads and writes split into blocks with several in flight, and the injected write errors the
 tests use in place of a full or failing disk. Nothing here knows shards or slots."""
 

@@ -1,6 +1,6 @@
 """One model's arena file under nvme_dir (the layout and commit protocol are in
-ps_daemon.tiers.nvme's docstring): its slots, which slot holds each shard's committed version,
-which are free, and which a snapshot pins (ps_daemon.tiers.snapshots)."""
+ps_offload.daemon.tiers.nvme's docstring): its slots, which slot holds each shard's committed version,
+which are free, and which a snapshot pins (ps_offload.daemon.tiers.snapshot_pins)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ps_offload.daemon.tiers.direct_io import PAGE, round_up
 from ps_offload.daemon.tiers.slot_header import SlotHeader
-from ps_offload.daemon.tiers.snapshots import SnapshotBook
+from ps_offload.daemon.tiers.snapshot_pins import SnapshotBook
 from ps_offload.daemon.tiers.version_floors import VersionFloors
 
 

@@ -1,8 +1,8 @@
 """Shards at rest: one arena file per model under `nvme_dir`, O_DIRECT, crc32c-checked.
 
-Layout. A model's file is a row of equal slots, each a 4 KiB header block (ps_daemon.tiers.
+Layout. A model's file is a row of equal slots, each a 4 KiB header block (ps_offload.daemon.tiers.
 slot_header) followed by room for the model's largest shard arena (master, then optimizer
-state: ps_daemon.shard):
+state: ps_offload.daemon.store.shard):
 
     [slot 0][slot 1] ... [slot N-1][spare 0] ... [spare K-1]
 
@@ -23,7 +23,7 @@ the shard is corrupt at rest and refused with DATA_LOSS, never silently rolled b
 older version the trainer has already moved past.
 
 Reads. `load` reads a committed arena whole (the RAM tier's swap-in); `read_master` reads only
-its master region, for a pull of a shard that is not in RAM (ps_daemon.master_pull). The
+its master region, for a pull of a shard that is not in RAM (ps_offload.daemon.store.master_pull). The
 slot being read must stay the shard's: its caller holds the shard for reading, which keeps
 the shard's next commit, the only thing that frees that slot, waiting.
 
@@ -44,13 +44,13 @@ import threading
 import time
 import urllib.parse
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
 import torch
 
-from ps_offload.daemon.spec import ModelSpec, spec_from_dict, spec_to_dict
 from ps_offload.daemon.tiers import crash_points
 from ps_offload.daemon.tiers.direct_io import FAULT_ENV as FAULT_ENV  # tests import it from here, as before
 from ps_offload.daemon.tiers.direct_io import PAGE, DirectIO, aligned_empty
@@ -68,24 +68,24 @@ from ps_offload.daemon.tiers.version_floors import FloorWriter, VersionFloors
 log = logging.getLogger(__name__)
 
 
-def spec_to_json(spec: ModelSpec, daemon_index: int, layout: FileLayout) -> str:
+def spec_to_json(spec: dict, daemon_index: int, layout: FileLayout) -> str:
     return json.dumps(
         {
             "format": FORMAT_VERSION,
             "daemon_index": daemon_index,
             "layout": {"slot_bytes": layout.slot_bytes, "slots": layout.slots},
-            **spec_to_dict(spec),
+            **spec,
         },
         indent=1,
     )
 
 
-def spec_from_json(text: str) -> tuple[ModelSpec, int, FileLayout]:
+def spec_from_json(text: str, parse: Callable[[dict], object]) -> tuple[object, int, FileLayout]:
     data = json.loads(text)
     if data.get("format") not in READABLE_FORMATS:
         readable = " and ".join(str(f) for f in READABLE_FORMATS)
         raise ValueError(f"format {data.get('format')}, this daemon reads formats {readable}")
-    return spec_from_dict(data), data["daemon_index"], FileLayout(**data["layout"])
+    return parse(data), data["daemon_index"], FileLayout(**data["layout"])
 
 
 class NoCapacity(Exception):
@@ -147,7 +147,7 @@ class NvmeFiles:
     def layout_for(self, arena_bytes: dict[int, int]) -> FileLayout:
         return FileLayout.for_shards(arena_bytes, spare_slots=self.spare_slots)
 
-    def create_model(self, spec, daemon_index: int, arena_bytes: dict[int, int]) -> FileLayout:
+    def create_model(self, spec: dict, daemon_index: int, arena_bytes: dict[int, int]) -> FileLayout:
         """Allocates the model's file and records its spec and layout (atomically: temp,
         fsync, rename). Raises NoCapacity past `capacity`, OSError (ENOSPC) past the disk."""
         layout = self.layout_for(arena_bytes)
@@ -157,15 +157,15 @@ class NvmeFiles:
                 f"shard and {layout.slots - len(arena_bytes)} spare); store.nvme_bytes is {self.capacity} and "
                 f"{self.bytes_allocated} are taken"
             )
-        file = ModelFile(self.dir, spec.model, layout, create=True)
+        file = ModelFile(self.dir, spec["model"], layout, create=True)
         try:
-            self._write_record(spec.model, spec_to_json(spec, daemon_index, layout))
+            self._write_record(spec["model"], spec_to_json(spec, daemon_index, layout))
         except BaseException:
             # No record, no model: the arena must not stay behind, taking the disk's room.
             file.close()
             file.path.unlink(missing_ok=True)
             raise
-        self.files[spec.model] = file
+        self.files[spec["model"]] = file
         return layout
 
     def _write_record(self, model: str, text: str) -> None:
@@ -183,14 +183,16 @@ class NvmeFiles:
             raise
         self._sync_dir()
 
-    def recorded_models(self, damaged: dict[str, str] | None = None) -> list[tuple[object, int, FileLayout]]:
+    def recorded_models(
+        self, damaged: dict[str, str] | None = None, *, parse: Callable[[dict], object] = dict
+    ) -> list[tuple[object, int, FileLayout]]:
         """(spec, daemon_index, layout) of every model recorded in the directory. A record
         that cannot be read raises OSError naming the file; with `damaged` given, it goes
         there instead (model name, from the file's name -> why), and the others are read."""
         models = []
         for path in sorted(self.dir.glob("*.json")):
             try:
-                models.append(spec_from_json(path.read_text()))
+                models.append(spec_from_json(path.read_text(), parse))
             except (ValueError, KeyError, TypeError, OSError) as exc:
                 why = (
                     f"{path} is not a model record this daemon can read ({exc}); move it and its .arena file "
@@ -202,7 +204,7 @@ class NvmeFiles:
         return models
 
     def grow(self, model: str, extra_slots: int) -> None:
-        """Adds `extra_slots` free slots to the end of a model's file (ps_daemon.tiers.snapshots),
+        """Adds `extra_slots` free slots to the end of a model's file (ps_offload.daemon.tiers.snapshot_pins),
         then records the new slot count. Raises NoCapacity or OSError (ENOSPC) with nothing
         changed but, at worst, blocks reserved past the recorded end."""
         with self._grow_lock:
@@ -222,7 +224,7 @@ class NvmeFiles:
 
     def delete_model(self, model: str) -> int:
         """Closes a model's file if open and deletes it, its record and its versions record
-        (ps_daemon.drop: nothing may be using the file). Returns the bytes freed."""
+        (ps_offload.daemon.store.drop: nothing may be using the file). Returns the bytes freed."""
         file = self.files.get(model)
         if file is not None:
             file.floors.retire()  # the floor writer must not bring MODEL.versions back

@@ -1,6 +1,6 @@
 """The RAM tier over NVMe: which shards are resident, within a byte budget.
 
-Every committed version is already on disk (ps_daemon.tiers.nvme writes through before the
+Every committed version is already on disk (ps_offload.daemon.tiers.nvme writes through before the
 ack), so a resident shard is always clean and evicting it is only dropping its memory. An
 access pins its shard (`use`): if the shard is not resident, room is made by evicting the
 least recently used unpinned shards and it is read from disk, outside the lock. Freed arena
@@ -16,7 +16,7 @@ has used yet. Using a shard takes it out of the order. Hits and misses are count
 
 `use_if_resident` pins a shard only if it is resident (or being loaded, which it waits for)
 and loads nothing: a pull of the master values of a shard on NVMe reads them from disk
-without a place in the tier (ps_daemon.master_pull), so it counts as neither hit nor miss,
+without a place in the tier (ps_offload.daemon.store.master_pull), so it counts as neither hit nor miss,
 takes no room, evicts nothing and leaves the order of upcoming use alone.
 
 Invariants (under `cond`): used + pooled <= budget; a shard is at most one of resident or
@@ -236,7 +236,7 @@ class RamTier:
             return True
 
     def forget(self, shards: list, timeout: float) -> int:
-        """Frees the arenas of a dropped model's shards (ps_daemon.drop), once loads of them
+        """Frees the arenas of a dropped model's shards (ps_offload.daemon.store.drop), once loads of them
         in progress have ended, and forgets their places in the LRU and the prefetch queue.
         Returns the bytes freed; raises TimeoutError if a load outlasts `timeout`."""
         gone = set(shards)

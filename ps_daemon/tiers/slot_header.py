@@ -1,12 +1,12 @@
-"""The 4 KiB header at the start of every slot of a model's arena file (ps_daemon.tiers.nvme):
+"""The 4 KiB header at the start of every slot of a model's arena file (ps_offload.daemon.tiers.nvme):
 which shard and version the slot's bytes are, and their checksums.
 
 Formats, by the number each header carries after its magic:
 
 * 3 (written by this release): the crc32c of the whole arena (`data_crc`) and, on its own, of
   its master region: the first `master_bytes` of the arena, the shard's fp32 master values
-  rounded up to whole pages (ps_daemon.shard puts them first). A pull of the master values of
-  a shard that is not in RAM reads and checks that region alone (ps_daemon.master_pull).
+  rounded up to whole pages (ps_offload.daemon.store.shard puts them first). A pull of the master values of
+  a shard that is not in RAM reads and checks that region alone (ps_offload.daemon.store.master_pull).
 * 2: the same without the master fields. Still read: recovery, loads and verify check the whole
   arena as before, and a master-only pull of such a slot loads the shard whole instead. Every
   commit writes format 3, so a shard leaves format 2 at its first update after an upgrade.

@@ -1,7 +1,7 @@
 """Each shard's committed version as last recorded beside its model's arena file: a floor
 that recovery holds the slot headers to, so that a damaged header is never a silent rollback.
 
-Why. Recovery (ps_daemon.tiers.nvme) takes, per shard, the valid slot header with the newest
+Why. Recovery (ps_offload.daemon.tiers.nvme) takes, per shard, the valid slot header with the newest
 version. A freed slot keeps the header of the version it held until it is reused, so when
 the newest header is damaged (a flipped bit fails its crc32c, or the block reads back as
 zeros), the shard's previous header looks newest and the shard would come back one version

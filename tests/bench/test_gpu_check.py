@@ -148,7 +148,7 @@ def test_the_carried_wheels_and_the_image_meet_every_requirement_of_the_project(
 
 def test_the_tests_it_names_exist_and_are_marked_gpu():
     gpu_files = gpu_check._gpu_test_files()
-    assert "tests/trainer/test_accelerator.py" in gpu_files and "tests/kernels/test_cuda.py" in gpu_files
+    assert "tests/trainer/io/test_accelerator.py" in gpu_files and "tests/kernels/test_cuda.py" in gpu_files
     for node in gpu_check.EQUIVALENCE_TESTS + gpu_check.NCCL_TESTS:
         path, name = node.split("::")
         assert path in gpu_files and f"def {name}(" in (REPO / path).read_text(), node

@@ -17,7 +17,7 @@ import torch
 from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.trainer.debug_models import mlp
-from ps_offload.trainer.pipeline_check import ScheduleRecorder, compute_order
+from ps_offload.trainer.pipeline.schedule_check import ScheduleRecorder, compute_order
 
 SIZES = (32, 64, 64, 64, 10)
 GLOBAL_BATCH = 16

@@ -21,9 +21,9 @@ import torch
 
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
-from ps_offload.trainer.client import ShardedClient
 from ps_offload.trainer.config import AdamW, ClientConfig
-from ps_offload.trainer.device import byte_view
+from ps_offload.trainer.io.device import byte_view
+from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 CGROUPS = Path("/sys/fs/cgroup/memory")
 NUMEL = 64 << 20  # fp32 sums of 256 MiB

@@ -1,7 +1,7 @@
-"""The parity audit (OffloadConfig.audit_every, trainer/audit.py) against real daemons: it
+"""The parity audit (OffloadConfig.audit_every, trainer/optimizer/audit.py) against real daemons: it
 passes on honest daemons whatever the dtype, optimizer, param groups, clipping and shard cuts,
 it rotates through the shards, it catches a daemon that commits a wrong update (injected with
-PS_OFFLOAD_FAULT_PERTURB_STEP, ps_daemon/faults.py), and what it cannot recompute is refused
+PS_OFFLOAD_FAULT_PERTURB_STEP, ps_daemon/model/faults.py), and what it cannot recompute is refused
 when the optimizer is built."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from ps_offload import trainer
-from ps_offload.daemon.faults import ENV as PERTURB_STEP
 from ps_offload.daemon.local import LocalDaemon
+from ps_offload.daemon.model.faults import ENV as PERTURB_STEP
 from ps_offload.proto.plan import shard_numel_for
-from ps_offload.trainer.audit import AuditMismatch
+from ps_offload.trainer.optimizer.audit import AuditMismatch
 from tests.integration.test_odd_shapes import _no_decay, _odd_case, _odd_cuts
 
 SHARD_BYTES = 4096  # 1024 elements: cuts inside fc2.weight and fc3.weight at odd offsets

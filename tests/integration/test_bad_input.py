@@ -10,7 +10,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.proto import codec, ps_pb2
-from ps_offload.trainer.client import DaemonClient
+from ps_offload.trainer.wire.sharded_client import DaemonClient
 
 SHARD_BYTES = 4096
 NUMEL = 3000  # one parameter of 3000 fp32 -> shards 0 (1024), 1 (1024), 2 (952)

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from ps_offload.admin import client as admin
-from ps_offload.daemon import wire
-from ps_offload.daemon.spec import spec_from_dict, spec_to_dict
+from ps_offload.daemon.model.spec import spec_from_dict, spec_to_dict
+from ps_offload.daemon.rpc import conversions
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice, plan_shards, shard_numel_for
-from ps_offload.trainer.client import DaemonClient, ShardedClient
 from ps_offload.trainer.config import ClientConfig
+from ps_offload.trainer.wire.sharded_client import DaemonClient, ShardedClient
 
 SHARD_BYTES = 4096  # 1024 elements
 # (name, shape, starts_shard). Offsets: embed 0, block0.w 1000, block0.b 2500, block1.w 2513,
@@ -58,9 +58,9 @@ def _view(t: torch.Tensor) -> memoryview:
 
 
 def test_the_flag_survives_the_wire_and_the_json():
-    spec = wire.spec_from_proto(_spec("m"))
+    spec = conversions.spec_from_proto(_spec("m"))
     assert [p.starts_shard for p in spec.params] == [flag for _, _, flag in PARAMS]
-    assert wire.spec_from_proto(wire.spec_to_proto(spec)) == spec
+    assert conversions.spec_from_proto(conversions.spec_to_proto(spec)) == spec
     assert spec_from_dict(spec_to_dict(spec)) == spec
     written_before_the_flag = spec_to_dict(spec)
     for param in written_before_the_flag["params"]:

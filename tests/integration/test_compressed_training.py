@@ -24,14 +24,14 @@ import torch
 from torch import nn
 
 from ps_offload import trainer
-from ps_offload.daemon.encodings import onebit_nbytes
 from ps_offload.daemon.local import LocalDaemon
+from ps_offload.daemon.model.encodings import onebit_nbytes
 from ps_offload.kernels import BLOCK, topk_count
 from ps_offload.kernels.fused_adamw import onebit_adam_
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.trainer.config import CompressionConfig, OffloadConfig
 from ps_offload.trainer.debug_models import mlp
-from ps_offload.trainer.push_compression import Payload, PushCompressor
+from ps_offload.trainer.io.push_compression import Payload, PushCompressor
 
 STEPS, WARMUP = 12, 4
 LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.999), 1e-8

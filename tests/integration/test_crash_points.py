@@ -1,4 +1,4 @@
-"""A daemon killed at each point of the commit protocol (PS_OFFLOAD_CRASH_AT, ps_daemon.tiers.
+"""A daemon killed at each point of the commit protocol (PS_OFFLOAD_CRASH_AT, ps_offload.daemon.tiers.
 crash_points) while a trainer trains through it: each restart recovers, the trainer's retries
 carry on, and the run ends bit-identical to torch.optim.AdamW in process."""
 

@@ -1,5 +1,5 @@
 """The data plane serves many connections with a bounded number of threads
-(ps_daemon/dataplane.py): pulls waiting for a version are parked on their shard and hold no
+(ps_daemon/dataplane/server.py): pulls waiting for a version are parked on their shard and hold no
 worker, so the push that ends their wait is served by a pool of two; a waiting pull whose
 client hangs up is unparked at once; one past its deadline is answered DEADLINE_EXCEEDED; a
 request stalled half-sent holds no worker; connections past the per-client limit are refused,

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from ps_offload.proto import ps_pb2
-from ps_offload.trainer.client import DaemonError, ShardedClient
 from ps_offload.trainer.config import ClientConfig
+from ps_offload.trainer.wire.sharded_client import DaemonError, ShardedClient
 from tests.integration.test_bad_compressed_input import _onebit
 from tests.integration.test_group_hyperparams import _flat, _spec, _unflat, _view
-from tests.ps_daemon.test_group_steps import Reference, gradients, initial_values, proto_groups
+from tests.ps_daemon.model.test_group_steps import Reference, gradients, initial_values, proto_groups
 
 TENSORS = ((ps_pb2.MASTER, ""), (ps_pb2.EXP_AVG, "exp_avg"), (ps_pb2.EXP_AVG_SQ, "exp_avg_sq"))
 LOSS_SCALE = 2.0**16

@@ -24,10 +24,10 @@ import torch
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
-from ps_offload.trainer.client import DaemonClient, ShardedClient
 from ps_offload.trainer.config import ClientConfig
-from ps_offload.trainer.dataplane import DataPlaneClient
-from tests.ps_daemon.test_group_steps import (
+from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
+from ps_offload.trainer.wire.sharded_client import DaemonClient, ShardedClient
+from tests.ps_daemon.model.test_group_steps import (
     GROUP_OF,
     SHAPES,
     Reference,

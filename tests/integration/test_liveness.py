@@ -1,4 +1,4 @@
-"""Nothing a client does with pulls stops a daemon from answering (ps_daemon/pull_wait.py):
+"""Nothing a client does with pulls stops a daemon from answering (ps_daemon/store/pull_wait.py):
 pulls waiting for a version no one pushes are bounded, those past the bound are refused at
 once with RESOURCE_EXHAUSTED naming the limit, health checks and other calls are still
 served meanwhile, and a waiting pull whose caller cancels gives its thread back at once
@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
-from ps_offload.trainer.client import DaemonClient, ShardedClient
 from ps_offload.trainer.config import ClientConfig
+from ps_offload.trainer.wire.sharded_client import DaemonClient, ShardedClient
 from tests.integration.test_bad_input import _bytes, _spec
 
 WORKERS = 8  # max_waiting_pulls 0: half of them, 4

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ps_offload import trainer
-from ps_offload.daemon.optim import AdamWConfig, SGDConfig, ShardOptimizer
+from ps_offload.daemon.model.optimizer import AdamWConfig, SGDConfig, ShardOptimizer
 from ps_offload.proto.plan import layout_params, plan_shards, segments_of, shard_numel_for
 from tests.integration.test_train_equivalence import _train_offloaded, _train_reference
 

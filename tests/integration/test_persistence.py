@@ -19,8 +19,8 @@ from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.tiers.nvme import FAULT_ENV, PAGE, SlotHeader
 from ps_offload.proto import ps_pb2
-from ps_offload.trainer.client import DaemonClient
 from ps_offload.trainer.debug_models import mlp
+from ps_offload.trainer.wire.sharded_client import DaemonClient
 
 STEPS = 24
 SHARD_BYTES = 8192

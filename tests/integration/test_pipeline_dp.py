@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ps_offload.daemon.local import LocalDaemon
-from ps_offload.trainer.pipeline_check import check_schedule
+from ps_offload.trainer.pipeline.schedule_check import check_schedule
 from tests.integration import pp_dp_worker as worker
 
 STEPS = 5
@@ -71,7 +71,7 @@ def _assert_ran_as_planned(out: Path, schedule: str) -> None:
         planned = [tuple(action) for action in trace["planned"]]
         if schedule == "1f1b" and trace["stage"] == PP - 1:
             # torch 2.13 plans the last 1F1B stage's forwards one micro-batch ahead of what it
-            # runs (tests/trainer/test_pipeline_check.py pins it); what runs is F0 B0 F1 B1 ...
+            # runs (tests/trainer/pipeline/test_schedule_check.py pins it); what runs is F0 B0 F1 B1 ...
             planned = [(kind, mb - 1 if kind == "F" else mb) for kind, mb in planned]
         ran = [[tuple(action) for action in step] for step in trace["steps"]]
         assert ran == [planned] * STEPS, (rank, ran, planned)

@@ -22,9 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ps_offload import trainer
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.security import ClientSecurity
-from ps_offload.trainer.client import DaemonError
-from ps_offload.trainer.dataplane import DataPlaneClient
 from ps_offload.trainer.debug_models import mlp
+from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
+from ps_offload.trainer.wire.sharded_client import DaemonError
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -143,7 +143,7 @@ def test_tls_handshakes_stalled_midway_hold_no_data_plane_worker(daemon_factory,
 
 
 def _register_port(address: str, security: ClientSecurity) -> int:
-    from ps_offload.trainer.client import DaemonClient
+    from ps_offload.trainer.wire.sharded_client import DaemonClient
 
     client = DaemonClient(address, max_message_bytes=8 << 20, security=security)
     spec = ps_pb2.ModelSpec(

@@ -9,7 +9,7 @@ import grpc
 import torch
 
 from ps_offload.proto import codec, ps_pb2, ps_pb2_grpc
-from ps_offload.trainer.client import DaemonClient
+from ps_offload.trainer.wire.sharded_client import DaemonClient
 
 NUMEL = 4 << 20  # 16 MiB shard: 16 chunks
 

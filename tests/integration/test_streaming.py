@@ -3,7 +3,7 @@ with only one block on the trainer at a time equals, bit for bit, the same GPT t
 process the way torch users spell it (an fp32 master, torch.optim.AdamW(fused=True) on it,
 the master cast back into the model's dtype).
 
-With micro-batches the daemons add each block's gradients in fp32 (ps_daemon/accumulate.py),
+With micro-batches the daemons add each block's gradients in fp32 (ps_daemon/store/accumulate.py),
 so the reference accumulates as they do: each micro-batch's gradient, in the model's dtype,
 widened and added into an fp32 sum in micro-batch order. For an fp32 model that is what
 torch's own `.grad` accumulation computes; for bf16 it is more exact than a bf16 `.grad`.

@@ -23,7 +23,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.proto import codec, ps_pb2
-from ps_offload.trainer.client import DaemonClient
+from ps_offload.trainer.wire.sharded_client import DaemonClient
 
 NUMEL = 4096
 SHARD_BYTES = 8192  # two shards of 2048 floats
@@ -273,7 +273,7 @@ def test_watchdog_stops_pinging_while_rpc_threads_are_stuck(daemon_factory, syst
     log = daemon.log()
     assert "Fatal Python error: Aborted" in log
     # The stuck pushes, waiting for the rest of their payload.
-    assert re.search(r'File ".*ps_daemon/servicer.py", line \d+ in _receive', log), log
+    assert re.search(r'File ".*ps_daemon/rpc/servicer.py", line \d+ in _receive', log), log
     release.set()
     for thread in threads:
         thread.join(timeout=10)

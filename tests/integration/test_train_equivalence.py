@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from ps_offload import trainer
-from ps_offload.trainer.dataplane import DataPlaneClient
 from ps_offload.trainer.debug_models import GPTConfig, TinyGPT, mlp
+from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 
 STEPS = 50
 

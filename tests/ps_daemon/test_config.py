@@ -115,7 +115,7 @@ def _dotted_keys(obj, prefix: str = "") -> list[str]:
 # Every option of DaemonConfig, as a dotted key. ADDING, REMOVING OR RENAMING AN OPTION MUST
 # UPDATE THE DOCS (the config section of docs/architecture.md) AND THIS LIST, in the same
 # change, so that options cannot drift away from their documentation silently. A rename also
-# needs an entry in ps_daemon.config.RENAMED_KEYS so existing config files keep working.
+# needs an entry in ps_offload.daemon.config.RENAMED_KEYS so existing config files keep working.
 KNOWN_OPTIONS = [
     "server.listen",
     "server.data_listen",

@@ -1,4 +1,4 @@
-"""ps_daemon.systemd against a real datagram socket standing in for systemd's: the notify
+"""ps_offload.daemon.systemd against a real datagram socket standing in for systemd's: the notify
 protocol (path and abstract addresses, no-op outside systemd), $WATCHDOG_USEC/$WATCHDOG_PID,
 the watchdog's pings following its check, journald's priority prefixes; and the config diff
 a SIGHUP logs."""

@@ -77,9 +77,9 @@ def _package() -> str:
 
 @pytest.fixture(scope="module")
 def handlers() -> dict[str, grpc.GenericRpcHandler]:
-    from ps_offload.daemon import servicer
-    from ps_offload.daemon.buffers import StagingPool
-    from ps_offload.daemon.store import ShardStore
+    from ps_offload.daemon.rpc import servicer
+    from ps_offload.daemon.rpc.staging import StagingPool
+    from ps_offload.daemon.store.shard_store import ShardStore
 
     store = ShardStore(ram_bytes=1 << 20, default_shard_bytes=4096)
     return {
@@ -132,7 +132,7 @@ def test_lookup_of_undeclared_method_finds_nothing(handlers):
 
 
 def test_missing_handler_fails_at_construction():
-    from ps_offload.daemon import servicer
+    from ps_offload.daemon.rpc import servicer
 
     with pytest.raises(RuntimeError, match="Stats"):
         servicer._handlers("Admin", {})

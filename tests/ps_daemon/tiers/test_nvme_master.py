@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from ps_offload.daemon.optim import SGDConfig
-from ps_offload.daemon.spec import ModelSpec, ParamSpec
+from ps_offload.daemon.model.optimizer import SGDConfig
+from ps_offload.daemon.model.spec import ModelSpec, ParamSpec, spec_from_dict, spec_to_dict
 from ps_offload.daemon.tiers.nvme import (
     FORMAT_VERSION,
     PAGE,
@@ -34,7 +34,7 @@ def _files(directory) -> NvmeFiles:
 def _model(directory) -> NvmeFiles:
     files = _files(directory)
     spec = ModelSpec("m", (ParamSpec("w", (SHARDS * NUMEL,)),), SGDConfig(lr=0.1), NUMEL * 4, ("d",))
-    files.create_model(spec, 0, {i: ARENA for i in range(SHARDS)})
+    files.create_model(spec_to_dict(spec), 0, {i: ARENA for i in range(SHARDS)})
     return files
 
 
@@ -143,7 +143,7 @@ def test_files_of_format_2_are_read_and_their_record_upgraded_before_any_commit(
     assert downgrade_to_format_2(tmp_path) == 3  # shard 0's versions 1 and 2, shard 1's version 1
 
     files = _files(tmp_path)
-    ((spec, _, layout),) = files.recorded_models()
+    ((spec, _, layout),) = files.recorded_models(parse=spec_from_dict)
     headers, rolled_back = files.open_model(spec, layout, set(range(SHARDS)))
     assert rolled_back == {}
     assert {s: (h.version, h.format, h.master_crc) for s, h in headers.items()} == {0: (2, 2, None), 1: (1, 2, None)}
@@ -162,7 +162,7 @@ def test_files_of_format_2_are_read_and_their_record_upgraded_before_any_commit(
 
     # A file of both formats recovers each shard's newest version, whichever its format.
     files = _files(tmp_path)
-    ((spec, _, layout),) = files.recorded_models()
+    ((spec, _, layout),) = files.recorded_models(parse=spec_from_dict)
     headers, rolled_back = files.open_model(spec, layout, set(range(SHARDS)))
     assert rolled_back == {}
     assert {s: (h.version, h.format) for s, h in headers.items()} == {0: (2, 2), 1: (2, 3)}

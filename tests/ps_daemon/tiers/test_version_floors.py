@@ -1,4 +1,4 @@
-"""The committed-version record (ps_daemon.tiers.version_floors): floors only rise, the file
+"""The committed-version record (ps_offload.daemon.tiers.version_floors): floors only rise, the file
 round-trips, and a torn, flipped or foreign file is reported, never trusted."""
 
 from __future__ import annotations

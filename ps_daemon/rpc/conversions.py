@@ -1,0 +1,281 @@
+"""Protobuf <-> domain conversions shared by the two front ends of the data path (the gRPC
+servicer and the TCP data plane), so both validate and answer identically."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from ps_offload.daemon.errors import InvalidArgument
+from ps_offload.daemon.model.encodings import parse
+from ps_offload.daemon.model.optimizer import AdamWConfig, GroupHyperparams, SGDConfig
+from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
+from ps_offload.daemon.rpc.staging import StagingPool
+from ps_offload.daemon.store.inspection import Verdict
+from ps_offload.daemon.store.pull_rounding import PULL_DTYPES, tensor_bytes
+from ps_offload.daemon.store.pull_wait import PullWait
+from ps_offload.daemon.store.push import PushRequest
+from ps_offload.daemon.store.shard import SHARD_TENSORS
+from ps_offload.daemon.store.shard_store import RegisteredModel, ShardStore
+from ps_offload.proto import ps_pb2
+
+DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
+PUSH_KINDS = {
+    ps_pb2.GRADIENT: "gradient",
+    ps_pb2.PARAMETERS: "parameters",
+    ps_pb2.MOMENTUM: "momentum",
+    ps_pb2.GRADIENT_PART: "gradient_part",
+    ps_pb2.APPLY: "apply",
+    ps_pb2.STATE: "state",
+}
+ENCODING_NAMES = {
+    ps_pb2.RAW: "raw",
+    ps_pb2.ONEBIT: "onebit",
+    ps_pb2.BF16: "bf16",
+    ps_pb2.FP16: "fp16",
+    ps_pb2.TOPK: "topk",
+}
+
+
+def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
+    params = []
+    for p in spec.params:
+        if p.dtype not in DTYPE_NAMES:
+            raise InvalidArgument(f"parameter {p.name!r}: dtype is unspecified or unknown ({p.dtype})")
+        params.append(
+            ParamSpec(
+                name=p.name,
+                shape=tuple(p.shape),
+                dtype=DTYPE_NAMES[p.dtype],
+                weight_decay=p.weight_decay if p.HasField("weight_decay") else None,
+                group=p.group,
+                starts_shard=p.starts_shard,
+            )
+        )
+    which = spec.optimizer.WhichOneof("kind")
+    if which == "adamw":
+        o = spec.optimizer.adamw
+        optimizer = AdamWConfig(o.lr, o.beta1, o.beta2, o.eps, o.weight_decay)
+    elif which == "sgd":
+        o = spec.optimizer.sgd
+        optimizer = SGDConfig(o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov)
+    else:
+        raise InvalidArgument(f"model {spec.model!r}: no optimizer given (adamw or sgd)")
+    return ModelSpec(spec.model, tuple(params), optimizer, spec.shard_bytes, tuple(spec.daemons))
+
+
+def plan_to_proto(
+    model: RegisteredModel, created: bool, *, data_port: int, nvme_tier: bool
+) -> ps_pb2.RegisterModelResponse:
+    return ps_pb2.RegisterModelResponse(
+        created=created,
+        data_port=data_port,
+        nvme_tier=nvme_tier,
+        shard_bytes=model.spec.shard_bytes,
+        shards=_placements(model),
+    )
+
+
+def _placements(model: RegisteredModel) -> list[ps_pb2.ShardPlacement]:
+    return [
+        ps_pb2.ShardPlacement(shard_id=s.shard_id, daemon_index=s.daemon_index, offset=s.offset, numel=s.numel)
+        for s in model.plan
+    ]
+
+
+def push_request(header: ps_pb2.PushHeader) -> PushRequest:
+    """The domain's push for a header, checked as far as the header alone allows."""
+    if header.kind not in PUSH_KINDS:
+        known = ", ".join(ps_pb2.PushKind.Name(k) for k in PUSH_KINDS)
+        raise InvalidArgument(f"push to shard {header.shard_id}: kind {header.kind} is unknown; send {known}")
+    if header.encoding not in ENCODING_NAMES:
+        known = ", ".join(ps_pb2.Encoding.Name(e) for e in ENCODING_NAMES)
+        raise InvalidArgument(f"push to shard {header.shard_id}: encoding {header.encoding} is unknown; send {known}")
+    return PushRequest(
+        header.model,
+        header.shard_id,
+        step=header.step,
+        kind=PUSH_KINDS[header.kind],
+        encoding=ENCODING_NAMES[header.encoding],
+        dtype=DTYPE_NAMES.get(header.dtype, f"unspecified ({header.dtype})"),
+        nbytes=header.nbytes,
+        lr=header.lr if header.HasField("lr") else None,
+        variance_frozen_at=header.variance_frozen_at if header.HasField("variance_frozen_at") else None,
+        groups=tuple(
+            GroupHyperparams(g.lr, g.weight_decay, g.beta1, g.beta2, g.eps, g.momentum, g.dampening)
+            for g in header.groups
+        ),
+        grad_multiplier=header.grad_multiplier if header.HasField("grad_multiplier") else None,
+        part=header.part,
+        parts=header.parts,
+        check_only=header.check_only,
+    )
+
+
+def open_push(store: ShardStore, push: PushRequest) -> ps_pb2.PushResponse | None:
+    """Validates a push before its payload is read. Returns the answer for a push that was
+    applied before (its payload need not be read), else None."""
+    ack = store.check_push(push)
+    return None if ack is None else ps_pb2.PushResponse(applied=False, version=ack.version)
+
+
+def staging_numel(push: PushRequest) -> int:
+    """fp32 elements of the staging buffer that holds a push's payload (nbytes, rounded up)."""
+    return (push.nbytes + 3) // 4
+
+
+def apply_push(
+    store: ShardStore, push: PushRequest, payload: torch.Tensor, staging: StagingPool
+) -> ps_pb2.PushResponse:
+    """Applies a push whose whole payload is in `payload` (an fp32 staging buffer holding
+    push.nbytes bytes, validated by open_push; none for an APPLY). A compressed gradient that
+    must be decompressed first gets a buffer from `staging`."""
+    if push.kind != "apply":
+        shard = store.shard(push.model, push.shard_id)
+        push = push.with_data(parse(push.encoding, payload, push.nbytes, push.payload_numel(shard), push.where))
+    result = store.push(push, scratch=staging.borrow)
+    return ps_pb2.PushResponse(applied=result.applied, version=result.version)
+
+
+@contextlib.contextmanager
+def pull_bytes(
+    store: ShardStore,
+    request: ps_pb2.PullRequest,
+    *,
+    timeout: float,
+    staging: StagingPool,
+    waiting: PullWait | None = None,
+    waited: float | None = None,
+) -> Iterator[tuple[ps_pb2.ShardHeader, memoryview]]:
+    """Holds a pull for the block: yields its ShardHeader and the bytes to send after it.
+    fp32: the shard's own bytes, under its read hold for the whole send; bf16 or fp16: a copy
+    rounded under that hold into a buffer from `staging`. Either way, one version. With
+    `request.snapshot`: the snapshot's copy, read from its slot (fp32 only). `waiting`, `waited`:
+    as ShardStore.pull's."""
+    if request.snapshot:
+        if pull_dtype(request) != "float32":
+            raise InvalidArgument(f"pull of shard {request.shard_id} from snapshot {request.snapshot!r}: FLOAT32 only")
+        values, step = store.pull_snapshot(request.model, request.shard_id, request.snapshot, pull_tensor(request))
+        yield shard_header(request.model, request.shard_id, step, values), tensor_bytes(values)
+        return
+    held = store.pull(
+        request.model,
+        request.shard_id,
+        min_version=request.min_version,
+        timeout=timeout,
+        tensor=pull_tensor(request),
+        dtype=pull_dtype(request),
+        scratch=staging.borrow,
+        waiting=waiting,
+        waited=waited,
+    )
+    with held as (values, version):
+        yield shard_header(request.model, request.shard_id, version, values), tensor_bytes(values)
+
+
+_SENT_DTYPES = {PULL_DTYPES[name]: value for value, name in DTYPE_NAMES.items()}  # torch dtype -> DType
+
+
+def shard_header(model: str, shard_id: int, version: int, values: torch.Tensor) -> ps_pb2.ShardHeader:
+    """The header of a pull that sends `values`: their element count and dtype, read off the
+    tensor itself so that the header cannot disagree with the bytes."""
+    dtype = _SENT_DTYPES[values.dtype]
+    return ps_pb2.ShardHeader(model=model, shard_id=shard_id, version=version, numel=values.numel(), dtype=dtype)
+
+
+def pull_dtype(request: ps_pb2.PullRequest) -> str:
+    """The store's name of the dtype a pull asks to travel in (unset: float32). Whether the
+    tensor pulled may travel in it is the store's rule (ps_offload.daemon.store.pull_rounding)."""
+    if request.dtype == ps_pb2.DTYPE_UNSPECIFIED:
+        return "float32"
+    if request.dtype not in DTYPE_NAMES:  # proto3 enums are open: any int32 arrives
+        known = ", ".join(ps_pb2.DType.Name(d) for d in DTYPE_NAMES)
+        raise InvalidArgument(
+            f"pull of shard {request.shard_id}: dtype {request.dtype} is unknown; ask for {known} (unset: FLOAT32)"
+        )
+    return DTYPE_NAMES[request.dtype]
+
+
+def pull_tensor(request: ps_pb2.PullRequest) -> str:
+    """The store's name of the tensor a pull asks for."""
+    if not 0 <= request.tensor < len(SHARD_TENSORS):  # proto3 enums are open: any int32 arrives
+        known = ", ".join(ps_pb2.ShardTensor.Name(i) for i in range(len(SHARD_TENSORS)))
+        raise InvalidArgument(f"pull of shard {request.shard_id}: tensor {request.tensor} is unknown; ask for {known}")
+    return SHARD_TENSORS[request.tensor]
+
+
+# -- Admin ---------------------------------------------------------------------------------
+
+DEFAULT_HISTOGRAM_BINS = 20
+MAX_HISTOGRAM_BINS = 1000
+VERIFY_STATUS = {"ok": ps_pb2.VERIFY_OK, "bad": ps_pb2.VERIFY_BAD, "not_at_rest": ps_pb2.VERIFY_NOT_AT_REST}
+
+
+def spec_to_proto(spec: ModelSpec) -> ps_pb2.ModelSpec:
+    """The inverse of spec_from_proto."""
+    dtypes = {name: value for value, name in DTYPE_NAMES.items()}
+    params = [
+        ps_pb2.ParamSpec(
+            name=p.name,
+            shape=list(p.shape),
+            dtype=dtypes[p.dtype],
+            weight_decay=p.weight_decay,
+            group=p.group,
+            starts_shard=p.starts_shard,
+        )
+        for p in spec.params
+    ]
+    o = spec.optimizer
+    if isinstance(o, AdamWConfig):
+        optimizer = ps_pb2.OptimizerSpec(
+            adamw=ps_pb2.AdamWSpec(lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay)
+        )
+    else:
+        optimizer = ps_pb2.OptimizerSpec(
+            sgd=ps_pb2.SGDSpec(
+                lr=o.lr, momentum=o.momentum, dampening=o.dampening, weight_decay=o.weight_decay, nesterov=o.nesterov
+            )
+        )
+    return ps_pb2.ModelSpec(
+        model=spec.model, params=params, optimizer=optimizer, shard_bytes=spec.shard_bytes, daemons=list(spec.daemons)
+    )
+
+
+def model_info(model: RegisteredModel) -> ps_pb2.ModelInfo:
+    """A registered model's spec, plan and each parameter's place in the flat layout."""
+    return ps_pb2.ModelInfo(
+        spec=spec_to_proto(model.spec),
+        daemon_index=model.daemon_index,
+        shards=_placements(model),
+        params=[
+            ps_pb2.ParamPlacement(name=p.name, shape=list(p.shape), offset=p.offset, numel=p.numel)
+            for p in model.layouts
+        ],
+        total_numel=sum(p.numel for p in model.layouts),
+    )
+
+
+def histogram_bins(request: ps_pb2.GetShardRequest) -> int:
+    if request.histogram_bins > MAX_HISTOGRAM_BINS:
+        raise InvalidArgument(
+            f"histogram_bins {request.histogram_bins} is too many; ask for at most {MAX_HISTOGRAM_BINS} "
+            f"(0: {DEFAULT_HISTOGRAM_BINS})"
+        )
+    return request.histogram_bins or DEFAULT_HISTOGRAM_BINS
+
+
+def verdict_to_proto(v: Verdict) -> ps_pb2.VerifyResponse:
+    return ps_pb2.VerifyResponse(
+        shard=ps_pb2.ShardVerdict(
+            model=v.model,
+            shard_id=v.shard_id,
+            status=VERIFY_STATUS[v.status],
+            detail=v.detail,
+            version=v.version,
+            bytes_read=v.bytes_read,
+            tier=v.tier,
+            nonfinite=v.nonfinite,
+        )
+    )

@@ -1,0 +1,152 @@
+"""A step's gradient pushed in parts (GRADIENT_PART pushes, then APPLY; proto/ps.proto): per
+shard, the fp32 sum of the parts received so far, until APPLY steps the optimizer with it.
+
+A trainer pushes a shard's gradient as soon as backward has produced it, or once per backward
+pass when it accumulates several, and applies the step when it knows the step's settings
+(APPLY's groups, lr and grad_multiplier: a clip or the loss scale). Part 0 widens its payload
+(RAW, BF16 or FP16; exact) into a new fp32 accumulator, a copy rather than an add to zeros, so
+that one part and its APPLY are bit-identical to a GRADIENT push of that payload. Part i > 0 is
+widened into a buffer of its own and added, `acc += part` in fp32, and only as the next part:
+the sum is ((p0 + p1) + p2) + ... whatever order the parts' pushes raced in.
+
+Invariants (one GradientParts per shard, changed only under its `lock`): `values` holds the
+sum of parts 0..held-1 of `step` (fp32, the shard's numel), or is None with held 0. It is for
+the shard's step in progress: an update of the shard (APPLY's, a GRADIENT push's, which
+replaces the parts, or a MOMENTUM push's) drops an accumulator of an older step once the update
+is committed, and a part 0 finding one of another step starts over. So a daemon holds at most
+one accumulator per shard. Without an NVMe tier it lives in RAM, beside the shard's arena:
+counted in the store's ram_bytes_used but not bounded by the RAM tier's budget. With one, it
+is a file-backed mapping on the NVMe tier (ps_daemon/tiers/accumulator_files.py: the kernel
+pages it out under memory pressure), so sums as large as a model larger than RAM fit. Either
+way it is kept while the shard is evicted to NVMe (a part needs neither the shard's values nor
+its residency), and lost on a restart (APPLY then answers that no parts are held, and the
+trainer sends them again).
+
+Locks: `lock` is taken inside the shard's write hold (an update) and never while holding
+shard.cond. A part takes only `lock`; APPLY holds it from the count check to the commit, so no
+part slips in between, and a failed update or commit keeps the parts for a retry.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from ps_offload.daemon.errors import FailedPrecondition
+from ps_offload.daemon.store.push import PushRequest, PushResult, Shard, check_step_locked, multiplied
+
+
+class GradientParts:
+    """One shard's accumulator for the step being pushed in parts (the module docstring)."""
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+        """`allocate(numel)`: where a sum is made (a file-backed one on the NVMe tier); None:
+        in RAM."""
+        self.lock = threading.Lock()
+        self.step = 0
+        self.held = 0
+        self.values: torch.Tensor | None = None
+        self._allocate = allocate
+
+    @property
+    def in_ram(self) -> bool:
+        return self._allocate is None
+
+    def new_sum(self, numel: int) -> torch.Tensor:
+        """Room for a step's sum (part 0 is widened into it)."""
+        if self._allocate is None:
+            return torch.empty(numel, dtype=torch.float32)
+        return self._allocate(numel)
+
+    @property
+    def nbytes(self) -> int:
+        values = self.values  # read once: no lock for a figure in the stats
+        return 0 if values is None else values.numel() * values.element_size()
+
+    def held_for(self, step: int) -> int:
+        """Parts of `step` held (under `lock`)."""
+        return self.held if self.values is not None and self.step == step else 0
+
+    def check(self, push: PushRequest, version: int) -> PushResult | None:
+        """Before a GRADIENT_PART's payload is read, or before an APPLY (the shard at version
+        push.step): the acknowledgement of a part held already, None for one to apply now;
+        raises for a part out of order or an APPLY of another number of parts. Checked again
+        when applied."""
+        with self.lock:
+            if push.kind == "apply":
+                self.check_count_locked(push)
+                return None
+            return self.check_place_locked(push, version)
+
+    def check_place_locked(self, push: PushRequest, version: int) -> PushResult | None:
+        held = self.held_for(push.step)
+        if push.part < held:  # resent after a lost answer: added once only
+            return PushResult(applied=False, version=version)
+        if push.part > held:
+            expected = f"part {held} (parts 0..{held - 1} are held)" if held else "part 0"
+            raise FailedPrecondition(
+                f"{push.where}: part {push.part} of step {push.step} is out of order; the daemon expects {expected}. "
+                "Parts are added in order, each once"
+            )
+        return None
+
+    def check_count_locked(self, push: PushRequest) -> None:
+        held = self.held_for(push.step)
+        if held != push.parts:
+            why = " (none: they were not pushed, or the daemon restarted since; push them again)" if not held else ""
+            raise FailedPrecondition(
+                f"{push.where}: APPLY of step {push.step} names {push.parts} parts, the daemon holds {held} parts "
+                f"of that step{why}"
+            )
+
+    def gradient_locked(self, push: PushRequest, borrow: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Under `lock` and the shard's write hold: the fp32 gradient an APPLY steps with, the
+        sum times grad_multiplier (into `borrow()`, as a GRADIENT push's gradient is).
+        The sum itself stays until the update is committed (drop_applied_locked). Raises
+        unless exactly push.parts parts of push.step are held."""
+        self.check_count_locked(push)
+        if push.grad_multiplier is None:
+            return self.values
+        return multiplied(self.values, push.grad_multiplier, borrow()[: self.values.numel()])
+
+    def drop_applied_locked(self, version: int) -> None:
+        """Under `lock`, once an update to `version` is committed: frees an accumulator of a
+        step now applied."""
+        if self.values is not None and self.step < version:
+            self.values, self.held = None, 0
+
+
+class PartsShard(Shard, Protocol):
+    parts: GradientParts
+
+
+def add_part(shard: PartsShard, push: PushRequest, borrow: Callable[[], torch.Tensor]) -> PushResult:
+    """Adds a GRADIENT_PART (its payload parsed, push.check_shard passed) to `shard`'s
+    accumulator. Acknowledges without effect a part held already, or one of a step applied
+    already; raises, changing nothing, for one that cannot be added (a step ahead of the
+    shard, a part out of order)."""
+    parts = shard.parts
+    # Widened outside the lock: the payload and these buffers are this push's own.
+    if push.part == 0:
+        values = _widened(push, parts.new_sum(shard.slice.numel))
+    else:
+        values = push.values(borrow)  # RAW as sent; BF16 and FP16 widened into a buffer
+    with parts.lock:
+        ack = check_step_locked(shard, push) or parts.check_place_locked(push, shard.version)
+        if ack is not None:
+            return ack
+        if push.part == 0:  # starts the step's sum, or starts over on another step's
+            parts.step, parts.held, parts.values = push.step, 1, values
+        else:
+            parts.values.add_(values)
+            parts.held += 1
+        return PushResult(applied=True, version=shard.version)
+
+
+def _widened(push: PushRequest, out: torch.Tensor) -> torch.Tensor:
+    """The part's values in `out`, fp32: copied (RAW) or widened exactly (BF16, FP16)."""
+    data = push.data
+    return out.copy_(data) if isinstance(data, torch.Tensor) else data.decompress(out)

@@ -1,0 +1,46 @@
+"""What the RAM tier loads ahead: shards a trainer hinted, and the shards that followed the
+one just pushed in the previous step's push order (learned, per model).
+
+Both only queue loads (ps_offload.daemon.tiers.ram does them, bounded by its free room); without an
+NVMe tier every shard is resident and there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from ps_offload.daemon.store.shard import Shard
+from ps_offload.daemon.tiers.ram import RamTier
+
+
+class Prefetcher:
+    def __init__(self, tier: RamTier | None, *, depth: int) -> None:
+        """depth: how many of the shards that came next last step to load as each push
+        arrives (0: learn nothing)."""
+        self.tier = tier
+        self.depth = depth
+        # Per model: (the step being pushed, the previous step's push order, this step's so far).
+        self._orders: dict[str, tuple[int, list[int], list[int]]] = {}
+        self._lock = threading.Lock()
+
+    def hint(self, shards: list[Shard]) -> int:
+        """A trainer's hint: these shards next, in this order. Returns how many were queued."""
+        return self.tier.prefetch(shards) if self.tier is not None else 0
+
+    def pushed(self, shard: Shard, step: int, shards_of_model: Callable[[], dict[int, Shard]]) -> None:
+        """Records that `shard` is being pushed for `step`; queues what came after it last
+        step. `shards_of_model`: the model's shards on this daemon, by id."""
+        if self.tier is None or not self.depth:
+            return
+        with self._lock:
+            current_step, previous, current = self._orders.get(shard.model, (step, [], []))
+            if step != current_step:
+                previous, current = current, []
+            current.append(shard.slice.shard_id)
+            self._orders[shard.model] = (step, previous, current)
+            if shard.slice.shard_id not in previous:
+                return
+            upcoming = previous[previous.index(shard.slice.shard_id) + 1 :]
+        shards = shards_of_model()
+        self.tier.prefetch([shards[i] for i in upcoming if i in shards], limit=self.depth)

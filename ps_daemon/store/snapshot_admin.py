@@ -1,0 +1,181 @@
+"""A model's snapshots on this daemon, as the store offers them (Admin.CreateSnapshot,
+ListSnapshots, DeleteSnapshot; pulls with PullRequest.snapshot): the pinning itself is
+ps_offload.daemon.tiers.snapshot_pins', which says how a snapshot is kept without a copy."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from dataclasses import dataclass
+
+import crc32c
+import torch
+
+from ps_offload.daemon.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from ps_offload.daemon.store.shard import ARENA_STAGGER, SHARD_TENSORS, Shard, arena_numel
+from ps_offload.daemon.tiers.direct_io import PAGE
+from ps_offload.daemon.tiers.nvme import NoCapacity, NvmeFiles, arena_tensor
+from ps_offload.daemon.tiers.snapshot_pins import NAME, Snapshot, SnapshotRefused
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    name: str
+    step: int
+    created: float
+    shards: int  # this daemon's shards in it
+    pinned: int  # of those, pinned so far (all, once complete)
+    bytes: int  # disk the pinned slots hold
+    complete: bool
+    damaged: str
+
+
+def _info(files: NvmeFiles, model: str, snap: Snapshot) -> SnapshotInfo:
+    slot_bytes = files.files[model].layout.slot_bytes
+    shards = len(snap.pinned) + len(snap.waiting)
+    pinned = len(snap.pinned)
+    return SnapshotInfo(
+        snap.name, snap.step, snap.created, shards, pinned, pinned * slot_bytes, snap.complete, snap.damaged
+    )
+
+
+def _files(files: NvmeFiles | None) -> NvmeFiles:
+    if files is None:
+        raise FailedPrecondition(
+            "this daemon has no NVMe tier (store.nvme_dir): snapshots pin committed slots on disk; "
+            "use ps-admin export for a copy of the parameters"
+        )
+    return files
+
+
+def take(
+    files: NvmeFiles | None,
+    model: str,
+    name: str,
+    step: int,
+    shard_ids: set[int],
+    timeout: float,
+    caller_left: threading.Event | None = None,
+):
+    """Snapshots this daemon's shards of `model` at `step` (ps_offload.daemon.tiers.snapshot_pins), waiting
+    up to `timeout` for the shards behind it to commit that version; cancelled if they do not,
+    or when `caller_left` is set (then wake() the model's waiters)."""
+    files = _files(files)
+    if not NAME.match(name):
+        raise InvalidArgument(
+            f"snapshot name {name!r} is not allowed: 1 to 100 of A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        )
+    file = files.files[model]
+    with file.cond:  # refused early, before the file grows (checked again when pinning)
+        try:
+            file.snapshots.check_locked(name, step, file.active, shard_ids)
+        except SnapshotRefused as exc:
+            raise FailedPrecondition(f"snapshot {name!r} of model {model!r}: {exc}") from exc
+    try:
+        files.grow(model, len(shard_ids))  # room for the commits while these slots are pinned
+    except NoCapacity as exc:
+        raise ResourceExhausted(f"snapshot {name!r} of model {model!r}: {exc}") from exc
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise ResourceExhausted(f"snapshot {name!r} of model {model!r}: nvme_dir is full ({exc})") from exc
+        raise
+    with file.cond:
+        try:
+            snap = file.snapshots.begin_locked(name, step, file.active, shard_ids)
+        except SnapshotRefused as exc:
+            raise FailedPrecondition(f"snapshot {name!r} of model {model!r}: {exc}") from exc
+        left = caller_left or threading.Event()
+        done = file.cond.wait_for(
+            lambda: snap.complete or name not in file.snapshots.snapshots or left.is_set(), timeout
+        )
+        if not done or not snap.complete and left.is_set():
+            behind = sorted(snap.waiting)
+            file.release(file.snapshots.remove_locked(name))
+            raise DeadlineExceeded(
+                f"snapshot {name!r} of model {model!r}: {len(behind)} shards (first: {behind[0]}) did not reach "
+                f"step {step} in {timeout:.0f}s; it was cancelled. Take it while the trainers run, or at the "
+                "step they stopped at"
+            )
+        if name not in file.snapshots.snapshots:
+            raise FailedPrecondition(f"snapshot {name!r} of model {model!r} was deleted while it was being taken")
+    _write_record(file)
+    return _info(files, model, snap)
+
+
+def wake(files: NvmeFiles | None, model: str) -> None:
+    """Wakes the snapshots waiting on the model, to see whether their caller left."""
+    file = files.files.get(model) if files is not None else None
+    if file is not None:
+        with file.cond:
+            file.cond.notify_all()
+
+
+def listed(files: NvmeFiles | None, model: str) -> list[SnapshotInfo]:
+    if files is None:
+        return []
+    file = files.files[model]
+    with file.cond:
+        return [_info(files, model, snap) for _, snap in sorted(file.snapshots.snapshots.items())]
+
+
+def delete(files: NvmeFiles | None, model: str, name: str) -> SnapshotInfo:
+    """Forgets a snapshot; its slots go back to the file's free list."""
+    files = _files(files)
+    file = files.files[model]
+    with file.cond:
+        snap = _named(file.snapshots.snapshots, model, name)
+        info = _info(files, model, snap)
+        file.release(file.snapshots.remove_locked(name))
+    _write_record(file)
+    return info
+
+
+def _write_record(file) -> None:
+    """Records the file's complete snapshots as they are now: each write takes the state
+    under the save lock, so the last write is never an older state than an earlier one's."""
+    with file.snapshots.save_lock:
+        with file.cond:
+            recorded = file.snapshots.record_locked()
+        file.snapshots.write(recorded)
+
+
+def _named(snapshots: dict[str, Snapshot], model: str, name: str) -> Snapshot:
+    snap = snapshots.get(name)
+    if snap is None:
+        known = ", ".join(sorted(snapshots)) or "none"
+        raise NotFound(f"model {model!r} has no snapshot {name!r} on this daemon (snapshots: {known})")
+    return snap
+
+
+def read_tensor(files: NvmeFiles | None, shard: Shard, name: str, tensor: str) -> tuple[torch.Tensor, int]:
+    """`tensor` (one of SHARD_TENSORS) of the shard as snapshot `name` holds it, read from its
+    pinned slot and checked against the slot's crc32c; and the snapshot's step."""
+    files, model = _files(files), shard.model
+    file = files.files[model]
+    with file.cond:
+        snap = _named(file.snapshots.snapshots, model, name)
+        if not snap.complete:
+            raise FailedPrecondition(f"snapshot {name!r} of model {model!r} is still being taken")
+        if snap.damaged:
+            raise DataLoss(f"snapshot {name!r} of model {model!r} is damaged: {snap.damaged}")
+        slot, header = snap.pinned[shard.slice.shard_id]
+    numel, states = shard.slice.numel, shard.optimizer.config.state_per_param
+    index = SHARD_TENSORS.index(tensor)
+    if index > states:
+        raise FailedPrecondition(f"model {model!r} runs {type(shard.optimizer.config).__name__}, which has no {tensor}")
+    values, view = arena_tensor(arena_numel(numel, states), header.arena_bytes)
+    files.io.read(file.fd, view, file.offset(slot) + PAGE)
+    if crc32c.crc32c(view) != header.data_crc:
+        raise DataLoss(
+            f"snapshot {name!r} of model {model!r}: shard {shard.slice.shard_id}'s bytes in slot {slot} fail their "
+            "checksum"
+        )
+    start = index * (numel + ARENA_STAGGER)
+    return values[start : start + numel], snap.step

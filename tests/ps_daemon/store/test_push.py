@@ -1,0 +1,93 @@
+"""PushRequest's validation, and the store's guard for a kernel that fails midway (which
+validation should make unreachable): the shard never keeps half a step under its old version."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ps_offload.daemon.errors import DataLoss, InvalidArgument
+from ps_offload.daemon.model.optimizer import AdamWConfig
+from ps_offload.daemon.model.spec import MAX_LR, ModelSpec, ParamSpec
+from ps_offload.daemon.store.push import PushRequest
+from ps_offload.daemon.store.shard_store import ShardStore
+from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
+
+NUMEL = 1024
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(lr=math.nan), "lr must be finite, got nan"),
+        (dict(lr=-math.inf), "lr must be finite"),
+        (dict(lr=-1e-9), "lr must be in [0, 1000]"),
+        (dict(lr=MAX_LR * 1.0001), "lr must be in [0, 1000]"),
+        (dict(step=-1), "step must be >= 0"),
+        (dict(kind="weights"), "kind 'weights' is unknown"),
+        (dict(dtype="float64"), "dtype float64 is not accepted"),
+        (dict(kind="parameters", encoding="onebit"), "initial PARAMETERS must be RAW float32"),
+        (dict(variance_frozen_at=1), "variance_frozen_at is for MOMENTUM pushes only, this is GRADIENT"),
+    ],
+)
+def test_a_push_that_says_something_wrong_cannot_be_built(fields, message):
+    with pytest.raises(InvalidArgument, match="push to shard 3") as info:
+        PushRequest("m", 3, **(dict(step=0, kind="gradient", nbytes=4) | fields))
+    assert message in str(info.value)
+
+
+def test_the_bounds_themselves_are_accepted():
+    for lr in (0.0, MAX_LR):
+        assert PushRequest("m", 0, step=0, kind="gradient", lr=lr).lr == lr
+
+
+def _store(tmp_path=None) -> ShardStore:
+    files = None
+    if tmp_path is not None:
+        files = NvmeFiles(tmp_path, io=DirectIO(threads=2, block_bytes=PAGE), fsync=False, spare_slots=1)
+    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
+    store.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamWConfig(lr=0.1), NUMEL * 4, ("d",)), 0)
+    store.push(PushRequest("m", 0, step=0, kind="parameters", data=torch.ones(NUMEL)))
+    store.push(PushRequest("m", 0, step=0, kind="gradient", data=torch.linspace(-1, 1, NUMEL)))
+    return store
+
+
+def _failing_midway(monkeypatch, store: ShardStore) -> None:
+    shard = store.shard("m", 0)
+    real = shard.optimizer.apply
+
+    def apply(master, grad, lr, groups=()):
+        real(master, grad, lr, groups)  # the step and the state change, then the kernel fails
+        master.fill_(math.inf)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(shard.optimizer, "apply", apply)
+
+
+def test_a_failed_update_goes_back_to_the_committed_version_on_nvme(monkeypatch, tmp_path):
+    store = _store(tmp_path)
+    shard = store.shard("m", 0)
+    before = [t.clone() for t in (shard.master, *shard.optimizer.state)]
+    _failing_midway(monkeypatch, store)
+    with pytest.raises(RuntimeError, match="injected"):
+        store.push(PushRequest("m", 0, step=1, kind="gradient", data=torch.ones(NUMEL)))
+    monkeypatch.undo()
+    assert shard.version == 1 and shard.optimizer.step.item() == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, (shard.master, *shard.optimizer.state), strict=True))
+    assert store.push(PushRequest("m", 0, step=1, kind="gradient", data=torch.ones(NUMEL))).version == 2
+    store.close()
+    store.files.close()
+
+
+def test_a_failed_update_without_nvme_takes_the_shard_out_of_use(monkeypatch):
+    store = _store()
+    _failing_midway(monkeypatch, store)
+    with pytest.raises(RuntimeError, match="injected"):
+        store.push(PushRequest("m", 0, step=1, kind="gradient", data=torch.ones(NUMEL)))
+    with pytest.raises(DataLoss, match="an update failed midway"):
+        store.push(PushRequest("m", 0, step=1, kind="gradient", data=torch.ones(NUMEL)))
+    with pytest.raises(DataLoss):
+        with store.pull("m", 0, min_version=0, timeout=1):
+            pass

@@ -1,0 +1,322 @@
+"""Parity audit: now and then, one shard's update recomputed in process by torch.optim.
+
+    opt = ps_offload.offload(model, ..., config=ps_offload.OffloadConfig(audit_every=1000))
+    opt.audit.stats        # AuditStats(audited=..., skipped=..., mismatches=..., per_shard={...})
+
+The daemons promise torch.optim.AdamW(fused=True) (and SGD(fused=True)) bit for bit. Every
+`audit_every` steps this checks the promise on the real run: one shard, in turn through the
+shards this process pushes, is pulled before its push (master, and the optimizer state:
+exp_avg and exp_avg_sq, or SGD's momentum buffer, which the daemon serves as EXP_AVG) at the
+step's version, the step happens, and its committed state is pulled at the next version. In
+between, torch's own optimizer steps a copy of the pre-step state with the gradient the push
+carried (the compute dtype widened to fp32, times the step's fp32 grad multiplier when
+clipping or loss scaling set one, as the daemon takes it) and the settings of each param
+group the step sent. A difference beyond `audit_tolerance` (none, by default) raises
+AuditMismatch.
+
+[Note: where the elements go] torch's fused CPU kernels round an element differently in
+their SIMD body and in their scalar tail, and the daemon steps each parameter piece of a
+shard as `kernel_runs` (ps_proto/plan.py, the shared contract) places it: whole blocks of
+the parameter in place, a partial block at either end in a scratch tensor as long as that
+block. The recompute builds its tensors from the same runs (each one a parameter of
+torch.optim, in the param group of the parameter it is a piece of), so every element lands in
+the loop it lands in on the daemon and in torch.optim's call on the whole parameter. The
+math is torch.optim's public optimizer, not the daemon's code.
+
+[Note: cost] One shard per audit, pulled into CPU fp32 scratch: three pulls before the step
+(synchronously, so they complete before the shard's push leaves) and three after (AdamW;
+two for SGD with momentum), and one optimizer step over that shard. An audit whose pulls
+find another version than the step's (another process stepped the shard first) is counted
+as skipped, not failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.plan import ParamLayout, ShardSlice, kernel_runs, segments_of
+from ps_offload.trainer.config import SGD, AdamW, CompressionConfig, OffloadConfig, OptimizerConfig
+from ps_offload.trainer.io.device import byte_view
+from ps_offload.trainer.wire.sharded_client import ShardedClient
+
+log = logging.getLogger(__name__)
+
+
+class AuditMismatch(RuntimeError):
+    """The daemon committed another update than torch.optim computes in process from the same
+    state, gradient and settings. The step did happen on the daemons (the optimizer's step
+    count moved); the message names model, shard, step, tensor, the largest difference and
+    how many elements differ."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        shard_id: int,
+        step: int,
+        tensor: str,
+        max_difference: float,
+        differing: int,
+        numel: int,
+        detail: str,
+    ) -> None:
+        self.model = model
+        self.shard_id = shard_id
+        self.step = step
+        self.tensor = tensor
+        self.max_difference = max_difference
+        self.differing = differing
+        super().__init__(
+            f"parity audit of model {model!r}, shard {shard_id}, step {step}: the daemon's {tensor} differs from "
+            f"torch.optim's in-process update in {differing} of {numel} elements, max |difference| "
+            f"{max_difference:.6g}; {detail}"
+        )
+
+
+@dataclass
+class AuditStats:
+    """What the audits of one optimizer found so far."""
+
+    audited: int = 0
+    """Audits compared (passed or not)."""
+    skipped: int = 0
+    """Audits not compared: a pull found another version than the step's."""
+    mismatches: int = 0
+    """Audits that found a difference (each raised AuditMismatch)."""
+    per_shard: dict[int, int] = field(default_factory=dict)
+    """Audits compared, by shard id."""
+    seconds: float = 0.0
+    """Time spent in the audits (pulls and recompute), for the overhead."""
+
+
+@dataclass
+class _Audit:
+    """One audit under way: its shard and step, the pre-step state, and what the push carries."""
+
+    shard: ShardSlice
+    step: int
+    before: list[torch.Tensor]  # master, then each state tensor; fp32 on the CPU
+    grad: torch.Tensor  # the gradient as the daemon applies it: fp32, multiplied
+    groups: list[ps_pb2.GroupHyperparams]
+    seconds: float
+
+
+def check_auditable(config: OffloadConfig, compression: CompressionConfig) -> None:
+    """Refuses what the audit cannot recompute (with audit_every > 0): a compressed push (the
+    daemon applies the decompressed payload with the trainer's error feedback, 1-bit Adam
+    its momentum), and the delayed update (OffloadConfig refuses staleness=1 itself)."""
+    if config.audit_every and compression.method != "none":
+        raise ValueError(
+            f"OffloadConfig.audit_every recomputes the update from the gradient as it is: not with "
+            f'CompressionConfig(method={compression.method!r}); use method="none" or audit_every=0'
+        )
+
+
+class ParityAudit:
+    """The audits of one OffloadOptimizer (trainer/optimizer/offload.py): step() calls `before_push`
+    before its pushes and `after_step` once they were acknowledged."""
+
+    def __init__(self, opt: object, config: OffloadConfig) -> None:
+        """`opt`: the OffloadOptimizer, built up to its attach (plan, flat buffers, io, groups)."""
+        self.every = config.audit_every
+        self.tolerance = config.audit_tolerance
+        self.stats = AuditStats()
+        self.client: ShardedClient = opt.client
+        self.optimizer: OptimizerConfig = opt.optimizer
+        self.layouts: list[ParamLayout] = opt.flat.layouts
+        position = {id(p): i for i, p in enumerate(opt.flat.params)}
+        self.group_of = [0] * len(opt.flat.params)
+        for index, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                self.group_of[position[id(p)]] = index
+        self.shards = [s for s in opt.plan if s.shard_id in opt.io.pushes]
+        self.tensors = _tensors(self.optimizer)
+        self._turn = 0
+        if self.every:
+            log.info(
+                "parity audit of model %r every %d steps over its %d shards, tolerance %g",
+                self.client.model, self.every, len(self.shards), self.tolerance,
+            )  # fmt: skip
+
+    def before_push(
+        self, step: int, groups: list[ps_pb2.GroupHyperparams], multiplier: float | None, grads: torch.Tensor
+    ) -> _Audit | None:
+        """On an audited step: pulls the next shard's pre-step state (it must be at version
+        `step`) and keeps its slice of `grads` (the flat gradient buffer the step pushes), as
+        the daemon applies it. None on other steps."""
+        if not self.every or step % self.every or not self.shards:
+            return None
+        started = time.perf_counter()
+        shard = self.shards[self._turn % len(self.shards)]
+        self._turn += 1
+        before = self._pull(shard, step)
+        if before is None:
+            self._skipped(shard, step, "before the push", started)
+            return None
+        grad = grads[shard.offset : shard.end].to("cpu", torch.float32, copy=True)  # exact widening
+        if multiplier is not None:  # as the daemon applies it (ps_offload.daemon.store.push.multiplied)
+            torch.mul(grad, torch.tensor(multiplier, dtype=torch.float32), out=grad)
+        return _Audit(shard, step, before, grad, list(groups), time.perf_counter() - started)
+
+    def after_step(self, audit: _Audit | None) -> None:
+        """Pulls the committed state at version step + 1, recomputes and compares; raises
+        AuditMismatch on a difference beyond the tolerance."""
+        if audit is None:
+            return
+        started = time.perf_counter() - audit.seconds
+        shard, step = audit.shard, audit.step
+        after = self._pull(shard, step + 1)
+        if after is None:
+            self._skipped(shard, step, "after the step", started)
+            return
+        expected = recompute(
+            self.optimizer, shard, self.layouts, self.group_of, audit.before, audit.grad, step, audit.groups
+        )
+        self.stats.audited += 1
+        self.stats.per_shard[shard.shard_id] = self.stats.per_shard.get(shard.shard_id, 0) + 1
+        self.stats.seconds += time.perf_counter() - started
+        found = [
+            (name, *difference(got, want, self.tolerance))
+            for name, got, want in zip(self.tensors, after, expected, strict=True)
+        ]
+        bad = [(name, worst, count, first) for name, worst, count, first in found if count]
+        if not bad:
+            log.debug("parity audit of model %r shard %d step %d: equal", self.client.model, shard.shard_id, step)
+            return
+        self.stats.mismatches += 1
+        name, worst, count, first = bad[0]
+        index = self.tensors.index(name)
+        detail = (
+            f"first at {self._where(shard, first)}: daemon {after[index][first].item()!r}, torch "
+            f"{expected[index][first].item()!r}; {self.tolerance:g} allowed (OffloadConfig.audit_tolerance)"
+        )
+        if len(bad) > 1:
+            detail += "; also " + ", ".join(f"{n} ({c} elements, max {w:.6g})" for n, w, c, _ in bad[1:])
+        raise AuditMismatch(
+            model=self.client.model, shard_id=shard.shard_id, step=step, tensor=name, max_difference=worst,
+            differing=count, numel=shard.numel, detail=detail,
+        )  # fmt: skip
+
+    def _pull(self, shard: ShardSlice, version: int) -> list[torch.Tensor] | None:
+        """The shard's master and state at exactly `version`, fp32 on the CPU; None if a
+        pull found another version."""
+        out = []
+        for tensor in (ps_pb2.MASTER, ps_pb2.EXP_AVG, ps_pb2.EXP_AVG_SQ)[: len(self.tensors)]:
+            values = torch.empty(shard.numel, dtype=torch.float32)
+            got = self.client.pull(shard, min_version=version, out=byte_view(values), tensor=tensor)
+            if got != version:
+                return None
+            out.append(values)
+        return out
+
+    def _skipped(self, shard: ShardSlice, step: int, when: str, started: float) -> None:
+        self.stats.skipped += 1
+        self.stats.seconds += time.perf_counter() - started
+        log.info(
+            "parity audit of model %r shard %d step %d skipped: the shard was at another version %s "
+            "(another process stepped it)", self.client.model, shard.shard_id, step, when,
+        )  # fmt: skip
+
+    def _where(self, shard: ShardSlice, element: int) -> str:
+        flat = shard.offset + element
+        for layout in self.layouts:
+            if layout.offset <= flat < layout.offset + layout.numel:
+                return f"shard element {element} ({layout.name}.view(-1)[{flat - layout.offset}])"
+        return f"shard element {element}"
+
+
+def _tensors(optimizer: OptimizerConfig) -> tuple[str, ...]:
+    """The shard tensors an audit compares, in pull order (proto ShardTensor)."""
+    if isinstance(optimizer, AdamW):
+        return ("master", "exp_avg", "exp_avg_sq")
+    return ("master", "momentum_buffer") if optimizer.momentum else ("master",)
+
+
+def recompute(
+    optimizer: OptimizerConfig,
+    shard: ShardSlice,
+    layouts: list[ParamLayout],
+    group_of: list[int],
+    before: list[torch.Tensor],
+    grad: torch.Tensor,
+    step: int,
+    groups: list[ps_pb2.GroupHyperparams],
+) -> list[torch.Tensor]:
+    """The shard's master and state after one step of torch.optim.AdamW(fused=True) or
+    SGD(fused=True) from `before` (master, then the state tensors; the daemon's step count is
+    `step`, its version) with the fp32 gradient `grad` and each param group's `groups[g]`.
+    Each kernel run of the shard (see the note on placement above) is one parameter of the
+    torch optimizer, in its parameter's group."""
+    runs_by_group: dict[int, list] = defaultdict(list)
+    for segment in segments_of(shard, layouts):
+        runs_by_group[group_of[segment.param_index]].extend(kernel_runs(segment))
+    adam = isinstance(optimizer, AdamW)
+    placed = []  # (torch parameter, its state tensors, the run's elements in it, in the shard)
+    param_groups = []
+    for group, runs in sorted(runs_by_group.items()):
+        params = []
+        for run in runs:
+            # A scratch run: zero padding around the elements, where the whole parameter's
+            # block has its other elements (the kernels are elementwise).
+            inner = slice(run.context_start, run.context_start + run.numel)
+            piece = slice(run.shard_start, run.shard_start + run.numel)
+            tensors = [torch.zeros(run.context or run.numel, dtype=torch.float32) for _ in range(1 + len(before))]
+            for tensor, source in zip(tensors, [before[0], grad, *before[1:]], strict=True):
+                tensor[inner] = source[piece]
+            param, param_grad, *state = tensors
+            param.grad = param_grad
+            params.append(param)
+            placed.append((param, state, inner, piece))
+        settings = groups[group]
+        if adam:
+            hyper = dict(lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps)
+        else:
+            hyper = dict(lr=settings.lr, momentum=settings.momentum, dampening=settings.dampening)
+        param_groups.append({"params": params, "weight_decay": settings.weight_decay, **hyper})
+    if adam:
+        torch_opt = torch.optim.AdamW(param_groups, fused=True)
+        for param, state, _, _ in placed:
+            exp_avg, exp_avg_sq = state
+            # The step count before this step: torch adds 1, as the daemon does, before the kernel.
+            torch_opt.state[param] = {
+                "step": torch.tensor(float(step), dtype=torch.float32), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
+            }  # fmt: skip
+    else:
+        assert isinstance(optimizer, SGD)
+        first = groups[0]  # the defaults torch checks nesterov against; every group sets its own
+        torch_opt = torch.optim.SGD(
+            param_groups, momentum=first.momentum, dampening=first.dampening, nesterov=optimizer.nesterov, fused=True
+        )
+        if optimizer.momentum and step:  # at step 0 torch makes the buffer (its "first step"), as the daemon
+            for param, state, _, _ in placed:
+                torch_opt.state[param] = {"momentum_buffer": state[0]}
+    torch_opt.step()
+    after = [t.clone() for t in before]
+    for param, state, inner, piece in placed:
+        if not adam and optimizer.momentum:
+            state = [torch_opt.state[param]["momentum_buffer"]]
+        for target, source in zip(after, [param, *state], strict=True):
+            target[piece] = source.detach()[inner]
+    return after
+
+
+def difference(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> tuple[float, int, int]:
+    """(max |got - want| over the elements that differ, how many differ, the first one's
+    index); (0.0, 0, -1) when none does. An element differs when its bits do and, with a
+    tolerance, when it is further than that (a NaN against anything else always differs)."""
+    differs = got.view(torch.int32) != want.view(torch.int32)
+    if tolerance:
+        differs &= ~((got - want).abs() <= tolerance) & ~(got.isnan() & want.isnan())
+    count = int(differs.sum())
+    if not count:
+        return 0.0, 0, -1
+    gap = (got[differs] - want[differs]).abs()
+    worst = math.nan if bool(gap.isnan().any()) else float(gap.max())
+    return worst, count, int(differs.nonzero()[0])

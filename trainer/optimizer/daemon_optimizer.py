@@ -1,0 +1,155 @@
+"""What the two daemon-backed optimizers share: the torch.optim.Optimizer face and the
+registration of a model with the daemons.
+
+    OffloadOptimizer   the whole model stays on the trainer (trainer/optimizer/offload.py)
+    StreamedOptimizer  only a window of blocks does (trainer/stream/optimizer.py)
+
+Both are a torch.optim.Optimizer whose `param_groups` travel with every step (trainer/
+param_groups.py), whose `state_dict()` names the model and the version on the daemons, and
+whose float16 models get dynamic loss scaling (trainer/optimizer/loss_scale.py). A subclass sets `io`
+(a ShardIO: its byte count and host buffers are reported here) and `step_count`, and defines
+`synchronize()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.config import (
+    ClientConfig,
+    LossScaling,
+    OffloadConfig,
+    OptimizerConfig,
+    expect_config,
+)
+from ps_offload.trainer.io.device import WIRE_DTYPES
+from ps_offload.trainer.optimizer.loss_scale import LossScaler
+from ps_offload.trainer.optimizer.param_groups import GroupTracker, defaults_of, initial_groups
+from ps_offload.trainer.wire.sharded_client import ShardedClient
+
+
+class DaemonOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer whose state and update live on the daemons."""
+
+    io: object  # trainer/io/shard_io.py ShardIO, set by the subclass
+    step_count: int
+
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        *,
+        daemons: list[str],
+        optimizer: OptimizerConfig,
+        no_weight_decay: Callable[[str, nn.Parameter], bool] | None,
+        config: OffloadConfig | None,
+        client: ClientConfig | None,
+        loss_scaling: LossScaling | None,
+        starts_shard: set[str] = frozenset(),
+    ) -> None:
+        """Registers `named` (the trainable parameters, in the flat layout's order; all of one
+        dtype) with the daemons and sets `plan`. `starts_shard`: the names of the parameters
+        a shard must begin at (the first of each streamed block)."""
+        self.config = expect_config(config, OffloadConfig, "config")
+        client = expect_config(client, ClientConfig, "client")
+        compute_dtype = named[0][1].dtype
+        if loss_scaling is None and compute_dtype == torch.float16:
+            loss_scaling = LossScaling()
+        self.loss_scaler = None
+        if loss_scaling is not None:  # expect_config would make a default one of None
+            self.loss_scaler = LossScaler(expect_config(loss_scaling, LossScaling, "loss_scaling"))
+        groups, group_of = initial_groups(named, no_weight_decay)
+        # The groups' own weight decay (no_weight_decay's 0), before torch fills in defaults.
+        decay_overrides = [group.get("weight_decay") for group in groups]
+        super().__init__(groups, defaults_of(optimizer))
+        self._groups = GroupTracker(self.param_groups, optimizer)
+        self.optimizer = optimizer
+        self.client = ShardedClient(daemons, config=client)
+        spec = ps_pb2.ModelSpec(
+            model=self.config.model_name, optimizer=optimizer.to_proto(), shard_bytes=self.config.shard_bytes
+        )
+        for (name, p), group in zip(named, group_of, strict=True):
+            param = spec.params.add(
+                name=name, shape=list(p.shape), dtype=WIRE_DTYPES.get(p.dtype, 0), group=group,
+                starts_shard=name in starts_shard,
+            )  # fmt: skip
+            if decay_overrides[group] is not None:  # for pushes without groups (1-bit Adam's)
+                param.weight_decay = decay_overrides[group]
+        self.plan: list[ShardSlice] = self.client.register(spec)
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def bytes_pushed(self) -> int:
+        """Payload bytes of this process's gradient pushes that the daemons applied."""
+        return self.io.bytes_pushed
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Bytes of host buffers (pinned on an accelerator) this optimizer holds; bounded by
+        DeviceConfig.host_buffers shards."""
+        return self.io.mover.host_bytes
+
+    @property
+    def lr(self) -> float:
+        """Group 0's learning rate; setting it sets every group's (a StepOptimizer's schedule)."""
+        return float(self.param_groups[0]["lr"])
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = value
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "_groups"):  # after __init__: the daemons' grouping is fixed
+            raise ValueError("param groups cannot be added after offload(): the daemons were registered with them")
+        super().add_param_group(param_group)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward() on: times the loss scale for float16 parameters, as is
+        otherwise."""
+        return self.loss_scaler.scale_loss(loss) if self.loss_scaler else loss
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        self.synchronize()
+        state["ps_offload"] = {
+            "model": self.client.model,
+            "version": self.step_count,
+            "daemons": list(self.client.daemons),
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores the param groups and the loss scale; the daemons must hold the version the
+        state dict was taken at (they keep only their newest)."""
+        saved = state_dict.get("ps_offload")
+        if saved is None:
+            raise ValueError("not a ps-offload optimizer state dict (no 'ps_offload' entry)")
+        self.synchronize()
+        if saved["model"] != self.client.model or saved["version"] != self.step_count:
+            raise ValueError(
+                f"the state dict is of model {saved['model']!r} at version {saved['version']}, the daemons hold "
+                f"{self.client.model!r} at version {self.step_count}: the daemons keep only their newest state, "
+                "so resume from the checkpoint saved last"
+            )
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "ps_offload"})
+        if self.loss_scaler and saved["loss_scaler"]:
+            self.loss_scaler.load_state_dict(saved["loss_scaler"])
+
+
+def check_uniform(named: list[tuple[str, nn.Parameter]]) -> None:
+    """One device and one dtype for all parameters (one flat buffer each)."""
+    first_name, first = named[0]
+    for name, p in named:
+        if p.device != first.device or p.dtype != first.dtype:
+            raise ValueError(
+                f"parameter {name!r} is {p.dtype} on {p.device}, {first_name!r} is {first.dtype} on {first.device}: "
+                "offload() takes a model whose parameters share one device and one dtype"
+            )

@@ -1,0 +1,130 @@
+"""A streamed model's gradients on their way out: each unit's gradient of a backward pass,
+gathered from `.grad` into one flat buffer and pushed as soon as the unit's last parameter
+has it.
+
+`BlockGradients` is the streamed optimizer's (trainer/stream/optimizer.py) push half. A parameter's
+post-accumulate-grad hook hands its gradient over (`add`); a parameter the pass does not
+reach counts as zero (its slice is zeroed at the push); the `.grad` is dropped at once, so no
+full-model gradient ever exists on the trainer. A complete unit is pushed, one task per shard
+in a pool of its own (in a pipeline stage, after `reduce` summed the buffer over the
+data-parallel replicas, only this replica's share of the shards): as GRADIENT_PART `part`
+(accumulated on the daemons, applied by APPLY), or with `groups` as a GRADIENT (applied on
+arrival). Buffers still waiting for their pushes are bounded by `window_bytes`: past it, the
+oldest pushes are waited for, so a slow wire paces backward instead of filling memory.
+Pushes run on threads of their own, beside the pulls'.
+
+For clipping, the first pass of a step also keeps each parameter's 2-norm as torch's
+clip_grad_norm_ takes it (`torch._foreach_norm` of the gradient), by parameter index.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import torch
+
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.io.device import ShardMover
+from ps_offload.trainer.io.shard_io import ShardIO
+from ps_offload.trainer.stream.units import StreamUnit
+from ps_offload.trainer.wire.sharded_client import ShardedClient
+
+
+class BlockGradients:
+    def __init__(
+        self,
+        units: list[StreamUnit],
+        *,
+        client: ShardedClient,
+        mover: ShardMover,
+        io: ShardIO,
+        window_bytes: int,
+        reduce: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        """`reduce(buffer)`: sums a unit's gradient over data-parallel replicas in place before
+        the push (every replica calls it for the same units in the same order); each replica
+        then pushes only its shards, `io.pushes`."""
+        self.units = units
+        self.reduce = reduce
+        self.client = client
+        self.mover = mover
+        self.io = io
+        self.window_bytes = window_bytes
+        # Threads of their own: a push holds its thread until the daemon has applied (and, on
+        # NVMe, written) the shard, and the next blocks' pulls must not queue behind that.
+        self.pool = ThreadPoolExecutor(max_workers=io.workers, thread_name_prefix="ps-push")
+        self.norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient's 2-norm (first pass)
+        self._buffers: dict[int, torch.Tensor] = {}  # unit index -> this pass's gradient buffer
+        self._received: dict[int, set[int]] = collections.defaultdict(set)  # unit index -> its parameters in
+        self._pushed: set[int] = set()  # units whose gradient of this pass is pushed
+        self._pushes: collections.deque[tuple[list[Future], int]] = collections.deque()  # with their buffer bytes
+        self._failures: list[BaseException] = []
+
+    def add(self, unit: StreamUnit, i: int, grad: torch.Tensor, *, norm_index: int | None) -> bool:
+        """Copies parameter i of `unit`'s gradient into the unit's buffer (and keeps its norm
+        under `norm_index`); returns whether the unit is complete."""
+        buffer = self._buffers.get(unit.index)
+        if buffer is None:  # not zeroed: every parameter's slice is written, or zeroed at push()
+            buffer = self._buffers[unit.index] = torch.empty_like(unit.values, device=grad.device)
+        offset = unit.offsets[i]
+        buffer[offset : offset + grad.numel()].view(grad.shape).copy_(grad)
+        if norm_index is not None:
+            self.norms[norm_index] = torch._foreach_norm([grad], 2.0)[0]
+        self._received[unit.index].add(i)
+        return len(self._received[unit.index]) == len(unit.params)
+
+    def push(self, unit: StreamUnit, *, step: int, part: int, groups: list[ps_pb2.GroupHyperparams] | None) -> None:
+        """Pushes the unit's buffer of this pass (zeros if nothing came) and forgets it."""
+        buffer = self._buffers.pop(unit.index, None)
+        received = self._received.pop(unit.index, set())
+        if buffer is None:
+            buffer = torch.zeros_like(unit.values)
+        elif len(received) < len(unit.params):  # parameters the pass did not reach count as zero
+            for i, p in enumerate(unit.params):
+                if i not in received:
+                    buffer[unit.offsets[i] : unit.offsets[i] + p.numel()].zero_()
+        if self.reduce is not None:
+            self.reduce(buffer)
+        after = self.mover.mark_compute()
+        mine = [s for s in unit.shards if s.shard_id in self.io.pushes]
+        pushes = [self.pool.submit(self._push, unit, s, step, part, groups, buffer, after) for s in mine]
+        self._pushed.add(unit.index)
+        self._pushes.append((pushes, buffer.numel() * buffer.element_size()))
+        while len(self._pushes) > 1 and sum(n for _, n in self._pushes) > self.window_bytes:
+            self._failures.extend(_failures(self._pushes.popleft()[0]))
+
+    def _push(
+        self, unit: StreamUnit, shard: ShardSlice, step: int, part: int, groups: list | None, buffer, after: object
+    ) -> ps_pb2.PushResponse:
+        if groups is not None:  # applied on arrival, with these settings
+            how = {"kind": ps_pb2.GRADIENT, "groups": groups}
+        else:
+            how = {"kind": ps_pb2.GRADIENT_PART, "part": part}
+        with self.mover.host_view(buffer, unit.local(shard), after) as data:
+            ack = self.client.push(shard, step=step, data=data, lr=None, encoding=self.mover.gradient_encoding, **how)
+            return self.io.counted(ack, len(data))
+
+    def unpushed(self) -> list[StreamUnit]:
+        """The units whose gradient of this pass has not been pushed (the pass ends)."""
+        return [unit for unit in self.units if unit.index not in self._pushed]
+
+    def end_pass(self) -> None:
+        self._pushed.clear()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def drain(self) -> list[BaseException]:
+        """Waits for every push; returns the failures since the last drain."""
+        failures, self._failures = self._failures, []
+        while self._pushes:
+            failures.extend(_failures(self._pushes.popleft()[0]))
+        return failures
+
+
+def _failures(pushes: list[Future]) -> list[BaseException]:
+    wait(pushes)
+    return [f.exception() for f in pushes if f.exception() is not None]

@@ -1,0 +1,249 @@
+"""The trainer's end of a daemon's TCP data plane (ps_daemon/dataplane/server.py says why it
+exists). A pull `recv_into`s the shard straight into the caller's buffer (the model's flat
+parameters); a push `sendall`s straight from the gradient buffer (or the compressed payload).
+
+Failures raise DataPlaneError, which looks like a grpc.RpcError (`code()`, `details()`), so
+ShardedClient retries and reports them exactly as it does gRPC calls. A connection that
+failed mid-request is closed, never reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import select
+import socket
+import ssl
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.frames import FrameError, recv_exact_into, recv_message, send_message
+from ps_offload.proto.pull import PullStreamError, check_pull_header
+from ps_offload.proto.security import ClientSecurity
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class DataPlaneError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def _fail_when_silent(sock: socket.socket, seconds: float) -> None:
+    """A connection whose peer stops answering without a reset (a partition) fails with
+    ETIMEDOUT within about `seconds`: keepalive probes from half of it while idle (a pull
+    waiting for its version sends nothing), and a user timeout on unacknowledged data."""
+    half = max(1, int(seconds / 2))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, half)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, half)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
+
+
+class DataPlaneClient:
+    """Up to `max_connections` persistent connections to one daemon's data plane."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        max_connections: int,
+        security: ClientSecurity | None = None,
+        dead_peer_seconds: float = 10.0,
+    ) -> None:
+        self.address = (host, port)
+        self._dead_peer_seconds = dead_peer_seconds
+        self._idle: queue.LifoQueue[socket.socket] = queue.LifoQueue()
+        self._max = max_connections
+        security = security or ClientSecurity()
+        # The daemon's data plane speaks TLS exactly when its gRPC port does (same certificate).
+        self._tls = security.ssl_context()
+        self._server_name = security.server_name or host
+        token = security.token()
+        self._authorization = f"Bearer {token}" if token else ""
+
+    @contextlib.contextmanager
+    def _connection(self, timeout: float) -> Iterator[socket.socket]:
+        sock = None
+        while sock is None:
+            try:
+                sock = self._idle.get_nowait()
+            except queue.Empty:
+                sock = self._connect(timeout)
+                break
+            if select.select([sock], [], [], 0)[0]:
+                # Readable while idle: the daemon closed it (data_idle_seconds) or is about to;
+                # a pooled connection never has anything to read between requests.
+                sock.close()
+                sock = None
+        sock.settimeout(timeout)
+        try:
+            yield sock
+        except _StatusFromDaemon:
+            self._release(sock)  # a complete answer: the stream is still in step
+            raise
+        except (FrameError, OSError) as exc:
+            sock.close()
+            # The call's own timeout (socket.timeout: no errno) is a deadline; ETIMEDOUT from
+            # the keepalive or the user timeout below is a peer gone silent: retried.
+            expired = isinstance(exc, TimeoutError) and exc.errno is None
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.UNAVAILABLE
+            raise DataPlaneError(code, f"data plane {self.address[0]}:{self.address[1]}: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        self._release(sock)
+
+    def _release(self, sock: socket.socket) -> None:
+        if self._idle.qsize() < self._max:
+            self._idle.put(sock)
+        else:
+            sock.close()
+
+    def _connect(self, timeout: float) -> socket.socket:
+        try:
+            sock = socket.create_connection(self.address, timeout=timeout)
+        except OSError as exc:
+            raise DataPlaneError(
+                grpc.StatusCode.UNAVAILABLE, f"cannot reach data plane {self.address[0]}:{self.address[1]}: {exc}"
+            ) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _fail_when_silent(sock, self._dead_peer_seconds)
+        if self._tls is None:
+            return sock
+        try:
+            return self._tls.wrap_socket(sock, server_hostname=self._server_name)
+        except (ssl.SSLError, OSError) as exc:
+            sock.close()
+            raise DataPlaneError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"TLS handshake with data plane {self.address[0]}:{self.address[1]} failed: {exc}",
+            ) from None
+
+    @staticmethod
+    def _answer(sock: socket.socket) -> ps_pb2.DataResponse:
+        response = recv_message(sock, ps_pb2.DataResponse)
+        if response.code:
+            raise _StatusFromDaemon(response.code, response.message)
+        return response
+
+    def pull_into(
+        self,
+        model: str,
+        shard_id: int,
+        *,
+        min_version: int,
+        out: memoryview,
+        timeout: float,
+        tensor: int = ps_pb2.MASTER,
+        dtype: int = ps_pb2.FLOAT32,
+    ) -> int:
+        request = ps_pb2.DataRequest(
+            pull=ps_pb2.PullRequest(
+                model=model, shard_id=shard_id, min_version=min_version, tensor=tensor, dtype=dtype
+            ),
+            timeout_ms=max(1, int(timeout * 1000)),
+            authorization=self._authorization,
+        )
+        with _daemon_status(), self._connection(timeout + 5.0) as sock:
+            send_message(sock, request)
+            header = self._answer(sock).shard
+            try:
+                check_pull_header(header, len(out), dtype, f"shard {shard_id}")
+            except PullStreamError as exc:
+                # Read and drop nothing: close the connection, the plan is wrong.
+                raise FrameError(str(exc)) from None
+            recv_exact_into(sock, out)
+            return header.version
+
+    def push(
+        self,
+        model: str,
+        shard_id: int,
+        *,
+        step: int,
+        kind: int,
+        data: memoryview,
+        lr: float | None,
+        timeout: float,
+        encoding: int = ps_pb2.RAW,
+        variance_frozen_at: int | None = None,
+        groups: Sequence[ps_pb2.GroupHyperparams] = (),
+        grad_multiplier: float | None = None,
+        part: int = 0,
+        parts: int = 0,
+        check_only: bool = False,
+    ) -> ps_pb2.PushResponse:
+        header = push_header(
+            model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding,
+            variance_frozen_at=variance_frozen_at, groups=groups, grad_multiplier=grad_multiplier, part=part,
+            parts=parts, check_only=check_only,
+        )  # fmt: skip
+        with _daemon_status(), self._connection(timeout) as sock:
+            send_message(sock, ps_pb2.DataRequest(push=header, authorization=self._authorization))
+            response = self._answer(sock)
+            if not response.send_payload:
+                return response.push  # applied before: the daemon needs no payload
+            sock.sendall(data)
+            return self._answer(sock).push
+
+    def close(self) -> None:
+        while not self._idle.empty():
+            self._idle.get_nowait().close()
+
+
+def push_header(
+    model: str,
+    shard_id: int,
+    *,
+    step: int,
+    kind: int,
+    nbytes: int,
+    lr: float | None,
+    encoding: int = ps_pb2.RAW,
+    variance_frozen_at: int | None = None,
+    groups: Sequence[ps_pb2.GroupHyperparams] = (),
+    grad_multiplier: float | None = None,
+    part: int = 0,
+    parts: int = 0,
+    check_only: bool = False,
+) -> ps_pb2.PushHeader:
+    """The header of a push of `nbytes` laid out as `encoding` (RAW: fp32 values; the others:
+    compressed or half precision, see proto/ps.proto); `lr` None leaves the optional field
+    unset (the daemon then uses the registered learning rate); `variance_frozen_at` is for
+    MOMENTUM pushes; `groups` (every param group's settings for this step) and
+    `grad_multiplier` (1/loss scale) for GRADIENT and APPLY pushes; `part` for GRADIENT_PART
+    and `parts` (and `check_only`) for APPLY pushes."""
+    return ps_pb2.PushHeader(
+        model=model, shard_id=shard_id, step=step, kind=kind, encoding=encoding, dtype=ps_pb2.FLOAT32,
+        nbytes=nbytes, lr=lr, variance_frozen_at=variance_frozen_at, groups=list(groups),
+        grad_multiplier=grad_multiplier, part=part, parts=parts, check_only=check_only,
+    )  # fmt: skip
+
+
+class _StatusFromDaemon(Exception):
+    """A status the daemon answered with; the connection stays usable."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+        self.message = message
+
+
+@contextlib.contextmanager
+def _daemon_status() -> Iterator[None]:
+    try:
+        yield
+    except _StatusFromDaemon as status:
+        raise DataPlaneError(status.code, status.message) from None

@@ -1,0 +1,394 @@
+"""The trainer's side of the wire: push, pull and wait, ps-lite style.
+
+`DaemonClient` talks to one daemon. `ShardedClient` holds the plan and a client per daemon
+and moves one shard at a time, with deadlines and retries. Retrying is safe: a push is
+applied at most once per (shard, step) and a pull only reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import grpc
+
+from ps_offload.proto import codec, ps_pb2
+from ps_offload.proto.channel import CHUNK_BYTES, channel_options, keepalive_options
+from ps_offload.proto.frames import split_host_port
+from ps_offload.proto.memory import keep_chunk_buffers_in_heap
+from ps_offload.proto.plan import ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
+from ps_offload.proto.pull import read_pull_stream
+from ps_offload.proto.security import ClientSecurity
+from ps_offload.trainer.config import ClientConfig
+from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError, push_header
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# A push is retried when the daemon was unreachable or the attempt ran out of time: it is
+# idempotent on (shard, step). A pull is retried when unreachable, and when refused because
+# as many pulls as the daemon allows are waiting for versions already (server.max_waiting_
+# pulls: its message says to retry later; with backoff, that is the retry). Not on
+# DEADLINE_EXCEEDED: there the version usually never came, and waiting again would repeat it.
+PUSH_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+PULL_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# gRPC backs off reconnecting after failures, 1 s growing to 120 s by default; a daemon that
+# systemd restarts is back within seconds, and a trainer waiting minutes for it loses steps.
+# Reconnect attempts every 100 ms to 1 s instead (one TCP connect each: cheap on a cluster).
+RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class DaemonError(RuntimeError):
+    """A daemon refused a call or could not be reached; the message names both ends."""
+
+    def __init__(self, address: str, what: str, error: grpc.RpcError) -> None:
+        self.address = address
+        self.code = error.code()
+        hint = ""
+        if self.code == grpc.StatusCode.UNAVAILABLE:
+            hint = (
+                " (is the daemon up and its port reachable? If it uses TLS, ClientConfig.security must name the CA "
+                "that signed its certificate, and a client certificate from its client CA under mutual TLS)"
+            )
+        super().__init__(f"{what} on daemon {address}: {self.code.name}: {error.details()}{hint}")
+
+
+def _method(service: str, name: str) -> str:
+    return f"/{ps_pb2.DESCRIPTOR.services_by_name[service].full_name}/{name}"
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class DaemonClient:
+    """One channel to one daemon and its data-path methods."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        max_message_bytes: int,
+        security: ClientSecurity | None = None,
+        dead_peer_seconds: float = 10.0,
+    ) -> None:
+        self.address = address
+        keep_chunk_buffers_in_heap()
+        security = security or ClientSecurity()
+        options = [*channel_options(max_message_bytes), *RECONNECT, *keepalive_options(dead_peer_seconds)]
+        self.channel = security.channel(address, options)
+        self._register = self.channel.unary_unary(
+            _method("ParameterServer", "RegisterModel"),
+            request_serializer=ps_pb2.RegisterModelRequest.SerializeToString,
+            response_deserializer=ps_pb2.RegisterModelResponse.FromString,
+        )
+        self._pull = self.channel.unary_stream(
+            _method("ParameterServer", "Pull"),
+            request_serializer=ps_pb2.PullRequest.SerializeToString,
+            response_deserializer=codec.pull_chunks.decode,
+        )
+        self._push = self.channel.stream_unary(
+            _method("ParameterServer", "Push"),
+            request_serializer=_identity,
+            response_deserializer=ps_pb2.PushResponse.FromString,
+        )
+        self._prefetch = self.channel.unary_unary(
+            _method("ParameterServer", "Prefetch"),
+            request_serializer=ps_pb2.PrefetchRequest.SerializeToString,
+            response_deserializer=ps_pb2.PrefetchResponse.FromString,
+        )
+
+    def register(self, spec: ps_pb2.ModelSpec, daemon_index: int, *, timeout: float) -> ps_pb2.RegisterModelResponse:
+        """Waits up to `timeout` for the daemon to come up (systemd may be restarting it)."""
+        request = ps_pb2.RegisterModelRequest(spec=spec, daemon_index=daemon_index)
+        try:
+            return self._register(request, timeout=timeout, wait_for_ready=True)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+        # Waiting hides why no connection came up (a refused port, a failed TLS handshake):
+        # one attempt that does not wait reports it as UNAVAILABLE with gRPC's reason.
+        return self._register(request, timeout=min(timeout, 5.0), wait_for_ready=False)
+
+    def pull_into(
+        self,
+        model: str,
+        shard_id: int,
+        *,
+        min_version: int,
+        out: memoryview,
+        timeout: float,
+        tensor: int = ps_pb2.MASTER,
+        dtype: int = ps_pb2.FLOAT32,
+    ) -> int:
+        """Streams shard `shard_id`'s `tensor` (its master values unless told otherwise) in
+        `dtype` into `out` (a byte view of exactly the shard's size in that dtype); returns
+        the version received."""
+        request = ps_pb2.PullRequest(
+            model=model, shard_id=shard_id, min_version=min_version, tensor=tensor, dtype=dtype
+        )
+        chunks = self._pull(request, timeout=timeout)
+        return read_pull_stream(chunks, out, what=f"shard {shard_id} from daemon {self.address}", dtype=dtype)
+
+    def push(
+        self,
+        model: str,
+        shard_id: int,
+        *,
+        step: int,
+        kind: int,
+        data: memoryview,
+        lr: float | None,
+        timeout: float,
+        encoding: int = ps_pb2.RAW,
+        variance_frozen_at: int | None = None,
+        groups: Sequence[ps_pb2.GroupHyperparams] = (),
+        grad_multiplier: float | None = None,
+        part: int = 0,
+        parts: int = 0,
+        check_only: bool = False,
+    ) -> ps_pb2.PushResponse:
+        """Streams one shard's payload, laid out as `encoding`. `lr` None keeps the
+        registered learning rate (see push_header for the rest)."""
+        header = push_header(
+            model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding,
+            variance_frozen_at=variance_frozen_at, groups=groups, grad_multiplier=grad_multiplier, part=part,
+            parts=parts, check_only=check_only,
+        )  # fmt: skip
+
+        def chunks():
+            yield codec.push_chunks.encode(header, data[:CHUNK_BYTES])
+            for start in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
+                yield codec.push_chunks.encode(None, data[start : start + CHUNK_BYTES])
+
+        return self._push(chunks(), timeout=timeout)
+
+    def prefetch(self, model: str, shard_ids: list[int], *, timeout: float) -> int:
+        return self._prefetch(ps_pb2.PrefetchRequest(model=model, shard_ids=shard_ids), timeout=timeout).accepted
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class ShardedClient:
+    """A model's plan over an ordered daemon list, and shard-level push/pull with retries."""
+
+    def __init__(self, daemons: list[str], *, config: ClientConfig | None = None) -> None:
+        if not daemons:
+            raise ValueError("no daemon addresses given")
+        if len(set(daemons)) != len(daemons):
+            raise ValueError(f"daemon addresses repeat: {daemons}")
+        self.daemons = list(daemons)
+        self.config = config or ClientConfig()
+        security = self.config.security
+        self.clients = [
+            DaemonClient(
+                a,
+                max_message_bytes=self.config.max_message_bytes,
+                security=security,
+                dead_peer_seconds=self.config.dead_peer_seconds,
+            )
+            for a in daemons
+        ]
+        self.model = ""
+        self.plan: list[ShardSlice] = []
+        self.created: list[bool] = []
+        # The daemons with an NVMe tier: only their Prefetch hints can save a read.
+        self.nvme_daemons: set[int] = set()
+        # Per daemon, what carries pulls and pushes: its data plane when it has one (and the
+        # config allows it), else the gRPC client. Both offer pull_into() and push().
+        self.transports: list[DaemonClient | DataPlaneClient] = list(self.clients)
+
+    def register(self, spec: ps_pb2.ModelSpec) -> list[ShardSlice]:
+        """Registers on every daemon (the first resolves the shard size when the spec leaves
+        it 0), checks each daemon's plan equals the one computed here, and returns it."""
+        spec = _copy(spec)
+        del spec.daemons[:]
+        spec.daemons.extend(self.daemons)
+        self.model = spec.model
+        self.created = []
+        for index, client in enumerate(self.clients):
+            response = self._call(
+                f"RegisterModel {spec.model!r}",
+                index,
+                lambda c=client, i=index: c.register(spec, i, timeout=self.config.register_timeout_seconds),
+            )
+            if index == 0:
+                spec.shard_bytes = response.shard_bytes
+                self.plan = expected_plan(spec, response.shard_bytes)
+                self._spec = spec
+            got = [ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel) for s in response.shards]
+            if got != self.plan:
+                raise RuntimeError(
+                    f"daemon {self.daemons[index]} computed a different shard plan for {spec.model!r}; "
+                    "are all daemons and trainers running the same ps-offload version?"
+                )
+            self.created.append(response.created)
+            if response.nvme_tier:
+                self.nvme_daemons.add(index)
+            else:
+                self.nvme_daemons.discard(index)
+            self._use_data_plane(index, response.data_port)
+        return self.plan
+
+    def _use_data_plane(self, index: int, data_port: int) -> None:
+        current = self.transports[index]
+        if not data_port or self.config.transport != "auto":
+            return
+        if isinstance(current, DataPlaneClient) and current.address[1] == data_port:
+            return
+        if isinstance(current, DataPlaneClient):
+            current.close()
+        host, _ = split_host_port(self.daemons[index])
+        self.transports[index] = DataPlaneClient(
+            host,
+            data_port,
+            max_connections=self.config.streams_per_daemon,
+            security=self.config.security,
+            dead_peer_seconds=self.config.dead_peer_seconds,
+        )
+
+    def _rediscover(self, index: int) -> None:
+        """After the data plane became unreachable: ask the daemon again (RegisterModel is
+        idempotent, and a restarted daemon has recovered the model), for its data port may
+        have changed. Failures are left to the next attempt."""
+        try:
+            response = self.clients[index].register(self._spec, index, timeout=2.0)
+        except grpc.RpcError:
+            return
+        self._use_data_plane(index, response.data_port)
+
+    def _call(self, what: str, daemon_index: int, fn: Callable[[], T], retryable: frozenset = PUSH_RETRYABLE) -> T:
+        """Runs fn with retries on transient errors; raises DaemonError otherwise."""
+        address = self.daemons[daemon_index]
+        delay = self.config.backoff_seconds
+        give_up_at: float | None = None  # retry_seconds after the first transient error
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except grpc.RpcError as error:
+                now = time.monotonic()
+                give_up_at = give_up_at if give_up_at is not None else now + self.config.retry_seconds
+                if error.code() not in retryable or now >= give_up_at:
+                    raise DaemonError(address, what, error) from None
+                log.warning("%s on %s: %s (attempt %d), retrying", what, address, error.code().name, attempt)
+                if isinstance(error, DataPlaneError) and error.code() == grpc.StatusCode.UNAVAILABLE and self.plan:
+                    self._rediscover(daemon_index)
+            time.sleep(max(0.0, min(delay, give_up_at - time.monotonic())))
+            delay = min(delay * 2, 2.0)
+
+    def push(
+        self,
+        shard: ShardSlice,
+        *,
+        step: int,
+        kind: int,
+        data: memoryview,
+        lr: float | None,
+        encoding: int = ps_pb2.RAW,
+        variance_frozen_at: int | None = None,
+        groups: Sequence[ps_pb2.GroupHyperparams] = (),
+        grad_multiplier: float | None = None,
+        part: int = 0,
+        parts: int = 0,
+        check_only: bool = False,
+    ) -> ps_pb2.PushResponse:
+        """Pushes one shard's payload (retried as a whole, the same bytes each attempt)."""
+        return self._call(
+            f"push of shard {shard.shard_id} step {step}",
+            shard.daemon_index,
+            lambda: self.transports[shard.daemon_index].push(
+                self.model,
+                shard.shard_id,
+                step=step,
+                kind=kind,
+                data=data,
+                lr=lr,
+                timeout=self.config.rpc_timeout_seconds,
+                encoding=encoding,
+                variance_frozen_at=variance_frozen_at,
+                groups=groups,
+                grad_multiplier=grad_multiplier,
+                part=part,
+                parts=parts,
+                check_only=check_only,
+            ),
+        )
+
+    def pull(
+        self,
+        shard: ShardSlice,
+        *,
+        min_version: int,
+        out: memoryview,
+        tensor: int = ps_pb2.MASTER,
+        dtype: int = ps_pb2.FLOAT32,
+    ) -> int:
+        """Pulls the shard's `tensor` (master values by default) in `dtype` into `out`;
+        returns its version."""
+        what = "" if tensor == ps_pb2.MASTER else f" {ps_pb2.ShardTensor.Name(tensor)}"
+        return self._call(
+            f"pull of shard {shard.shard_id}{what} (version >= {min_version})",
+            shard.daemon_index,
+            lambda: self.transports[shard.daemon_index].pull_into(
+                self.model,
+                shard.shard_id,
+                min_version=min_version,
+                out=out,
+                timeout=self.config.rpc_timeout_seconds,
+                tensor=tensor,
+                dtype=dtype,
+            ),
+            PULL_RETRYABLE,
+        )
+
+    def _by_daemon(self, shard_ids: list[int]) -> list[tuple[int, DaemonClient, list[int]]]:
+        """(daemon index, client, its shards in the given order) for daemons with any."""
+        groups = [(i, c, [s for s in shard_ids if self.plan[s].daemon_index == i]) for i, c in enumerate(self.clients)]
+        return [group for group in groups if group[2]]
+
+    def prefetch(self, shard_ids: list[int]) -> None:
+        """Sends each daemon the hint for its shards, in the given order."""
+        for index, client, mine in self._by_daemon(shard_ids):
+            self._call("prefetch", index, lambda c=client, m=mine: c.prefetch(self.model, m, timeout=5.0))
+
+    def hint(self, shard_ids: list[int]) -> None:
+        """Like prefetch, but once, without raising, and only to daemons with an NVMe tier
+        (on a RAM-only one it would be a call on each side for nothing): a lost hint costs
+        only its speed-up, and a daemon that is down is for the next push to find (and retry)."""
+        for index, client, mine in self._by_daemon(shard_ids):
+            if index not in self.nvme_daemons:
+                continue
+            try:
+                client.prefetch(self.model, mine, timeout=5.0)
+            except grpc.RpcError as error:
+                log.debug("prefetch hint to %s failed: %s", self.daemons[index], error.code().name)
+
+    def close(self) -> None:
+        for transport in self.transports:
+            if transport not in self.clients:
+                transport.close()
+        for client in self.clients:
+            client.close()
+
+
+def expected_plan(spec: ps_pb2.ModelSpec, shard_bytes: int) -> list[ShardSlice]:
+    """The plan every daemon must answer with (ps_daemon/store/shard_store.py computes the same)."""
+    layouts = layout_params([(p.name, tuple(p.shape), None) for p in spec.params])
+    total = sum(layout.numel for layout in layouts)
+    starts = shard_starts(layouts, [p.starts_shard for p in spec.params])
+    return plan_shards(total, shard_numel_for(shard_bytes), len(spec.daemons), starts)
+
+
+def _copy(spec: ps_pb2.ModelSpec) -> ps_pb2.ModelSpec:
+    out = ps_pb2.ModelSpec()
+    out.CopyFrom(spec)
+    return out
