@@ -20,7 +20,9 @@ Pipeline stages x data-parallel replicas, under torchrun:
                                        daemons=ps_offload.daemon_addresses())
     loss = model.step(inputs, targets)
 
-The same names are in `ps_offload.trainer` (`from ps_offload import trainer`).
+The same names are in `ps_offload.trainer` (`from ps_offload import trainer`): what a training
+script needs. The plumbing stays importable from its module (the clients from
+ps_offload.trainer.wire.sharded_client, StepOptimizer from ps_offload.trainer.pipeline.local_optimizer).
 """
 
 from ps_offload.proto.security import ClientSecurity
@@ -38,12 +40,12 @@ from ps_offload.trainer.config import (
 from ps_offload.trainer.optimizer.audit import AuditMismatch
 from ps_offload.trainer.optimizer.offload import OffloadOptimizer
 from ps_offload.trainer.optimizer.param_binding import ParameterChanged
-from ps_offload.trainer.pipeline.local_optimizer import LocalOptimizer, StepOptimizer
+from ps_offload.trainer.pipeline.local_optimizer import LocalOptimizer
 from ps_offload.trainer.pipeline.trainer import PipelineTrainer, init_distributed
 from ps_offload.trainer.stream.optimizer import StreamedOptimizer
 from ps_offload.trainer.stream.settings import StepLost, StepTorn, Streaming
 from ps_offload.trainer.wire.cluster import daemon_addresses
-from ps_offload.trainer.wire.sharded_client import DaemonError, ShardedClient
+from ps_offload.trainer.wire.sharded_client import DaemonError
 
 __all__ = [
     "SGD",
@@ -61,9 +63,7 @@ __all__ = [
     "ParallelConfig",
     "ParameterChanged",
     "PipelineTrainer",
-    "ShardedClient",
     "StepLost",
-    "StepOptimizer",
     "StepTorn",
     "StreamedOptimizer",
     "Streaming",

@@ -30,12 +30,13 @@ from ps_offload.daemon.rpc.status import from_status, status_of
 from ps_offload.daemon.store.shard import Shard
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.channel import method_path
 from ps_offload.proto.frames import FrameError, send_message
 
 log = logging.getLogger(__name__)
 
 # The gRPC method each data plane request stands for (the token rule is the same).
-_METHODS = {"pull": "/ps.v1.ParameterServer/Pull", "push": "/ps.v1.ParameterServer/Push"}
+_METHODS = {"pull": method_path("ParameterServer", "Pull"), "push": method_path("ParameterServer", "Push")}
 
 
 class Stream(Protocol):

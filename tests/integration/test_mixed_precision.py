@@ -4,8 +4,8 @@ torch.optim.AdamW(fused=True) on the masters, and the masters cast back into the
 parameters after each step (fp16 with dynamic loss scaling, unscaled in fp32).
 
 Why it can be exact: the trainer pushes its half-precision gradients as they are and the daemon
-widens them to fp32 (exact), runs the same fused kernel on the same fp32 values (ps_daemon
-optim.py), and rounds its master to the compute dtype as Tensor.to does when the trainer pulls.
+widens them to fp32 (exact), runs the same fused kernel on the same fp32 values (ps_daemon/
+model/optimizer.py), and rounds its master to the compute dtype as Tensor.to does when the trainer pulls.
 The CPU runs the whole path; DeviceConfig(staging="always") runs it through the host buffers an
 accelerator uses.
 """

@@ -5,7 +5,7 @@ registration of a model with the daemons.
     StreamedOptimizer  only a window of blocks does (trainer/stream/optimizer.py)
 
 Both are a torch.optim.Optimizer whose `param_groups` travel with every step (trainer/
-param_groups.py), whose `state_dict()` names the model and the version on the daemons, and
+optimizer/param_groups.py), whose `state_dict()` names the model and the version on the daemons, and
 whose float16 models get dynamic loss scaling (trainer/optimizer/loss_scale.py). A subclass sets `io`
 (a ShardIO: its byte count and host buffers are reported here) and `step_count`, and defines
 `synchronize()`.

@@ -1,4 +1,5 @@
-"""`offload(model, daemons=..., optimizer=...)`: a torch optimizer whose state lives on the daemons.
+"""OffloadOptimizer, what `offload(model, daemons=..., optimizer=...)` (ps_offload.trainer.api)
+returns for a model held whole on the trainer: a torch optimizer whose state lives on the daemons.
 
     model = build_model().to("cuda", dtype=torch.bfloat16)      # or fp32, fp16; or the CPU
     opt = ps_offload.offload(model, daemons=["127.0.0.1:50051"], optimizer=ps_offload.AdamW(lr=3e-4))

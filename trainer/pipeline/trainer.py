@@ -1,7 +1,7 @@
 """Pipeline stages x data-parallel replicas under torchrun, with the optimizer on the daemons.
 
     torchrun --nproc-per-node 4 train.py        # in train.py:
-    ctx = trainer.parallel.init_distributed(pp=2, dp=2)
+    ctx = trainer.init_distributed(pp=2, dp=2)
     model = trainer.PipelineTrainer(layers, loss_fn, ctx=ctx, optimizer=trainer.AdamW(lr=3e-4),
                                     config=trainer.ParallelConfig(microbatches=4), daemons=[...])
     loss = model.step(inputs, targets)          # inputs on the first stage, targets on the last

@@ -15,7 +15,7 @@ from typing import TypeVar
 import grpc
 
 from ps_offload.proto import codec, ps_pb2
-from ps_offload.proto.channel import CHUNK_BYTES, channel_options, keepalive_options
+from ps_offload.proto.channel import CHUNK_BYTES, channel_options, keepalive_options, method_path
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.memory import keep_chunk_buffers_in_heap
 from ps_offload.proto.plan import ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
@@ -59,10 +59,6 @@ class DaemonError(RuntimeError):
         super().__init__(f"{what} on daemon {address}: {self.code.name}: {error.details()}{hint}")
 
 
-def _method(service: str, name: str) -> str:
-    return f"/{ps_pb2.DESCRIPTOR.services_by_name[service].full_name}/{name}"
-
-
 def _identity(data: bytes) -> bytes:
     return data
 
@@ -84,22 +80,22 @@ class DaemonClient:
         options = [*channel_options(max_message_bytes), *RECONNECT, *keepalive_options(dead_peer_seconds)]
         self.channel = security.channel(address, options)
         self._register = self.channel.unary_unary(
-            _method("ParameterServer", "RegisterModel"),
+            method_path("ParameterServer", "RegisterModel"),
             request_serializer=ps_pb2.RegisterModelRequest.SerializeToString,
             response_deserializer=ps_pb2.RegisterModelResponse.FromString,
         )
         self._pull = self.channel.unary_stream(
-            _method("ParameterServer", "Pull"),
+            method_path("ParameterServer", "Pull"),
             request_serializer=ps_pb2.PullRequest.SerializeToString,
             response_deserializer=codec.pull_chunks.decode,
         )
         self._push = self.channel.stream_unary(
-            _method("ParameterServer", "Push"),
+            method_path("ParameterServer", "Push"),
             request_serializer=_identity,
             response_deserializer=ps_pb2.PushResponse.FromString,
         )
         self._prefetch = self.channel.unary_unary(
-            _method("ParameterServer", "Prefetch"),
+            method_path("ParameterServer", "Prefetch"),
             request_serializer=ps_pb2.PrefetchRequest.SerializeToString,
             response_deserializer=ps_pb2.PrefetchResponse.FromString,
         )

@@ -8,6 +8,7 @@ import torch
 from ps_offload import trainer
 from ps_offload.proto.plan import layout_params
 from ps_offload.trainer.io.flat import FlatParams
+from ps_offload.trainer.pipeline.local_optimizer import StepOptimizer
 
 
 def _model() -> torch.nn.Module:
@@ -49,7 +50,7 @@ def test_local_optimizer_is_torchs_fused_adamw_behind_the_step_interface():
     model, reference = _model(), _model()
     nwd = lambda name, p: p.dim() < 2  # noqa: E731
     opt = trainer.LocalOptimizer(model, optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1), no_weight_decay=nwd)
-    assert isinstance(opt, trainer.StepOptimizer)
+    assert isinstance(opt, StepOptimizer)
     decay = [p for n, p in reference.named_parameters() if not nwd(n, p)]
     other = [p for n, p in reference.named_parameters() if nwd(n, p)]
     torch_opt = torch.optim.AdamW(
