@@ -5,7 +5,7 @@ kernel of torch.optim.AdamW(fused=True)) on an fp32 gradient of the same size: t
 daemon runs for an uncompressed push.
 
 Both run on memory laid out as the daemon lays it out: master, m and v in a shard arena,
-1 KiB apart modulo 4 KiB (ps_offload.daemon.store.shard_store.ARENA_STAGGER), and torch's gradient in a staging
+1 KiB apart modulo 4 KiB (ps_offload.daemon.store.shard.ARENA_STAGGER), and torch's gradient in a staging
 buffer 3 KiB into its page (ps_offload.daemon.rpc.staging). Ours reads the 1-bit payload instead: 16M
 sign bits and 16K scales (2.1 MB against torch's 64 MiB gradient). The JIT is warmed first.
 
@@ -28,7 +28,7 @@ import torch
 from bench.common import interleaved, median, quick, record, spread
 from ps_offload import kernels
 from ps_offload.daemon.rpc.staging import StagingPool
-from ps_offload.daemon.store.shard_store import ARENA_STAGGER, arena_numel
+from ps_offload.daemon.store.shard import ARENA_STAGGER, arena_numel
 from ps_offload.kernels.fused_adamw import adam_frozen_variance_, onebit_adam_
 
 NUMEL = 16 << 20

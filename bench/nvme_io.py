@@ -29,8 +29,8 @@ import torch
 
 from bench.common import REPO, interleaved_many, median, quick, record, spread
 from ps_offload.daemon.model.optimizer import AdamWConfig
-from ps_offload.daemon.model.spec import spec_to_dict
-from ps_offload.daemon.store.shard_store import ModelSpec, ParamSpec, allocate_arena, arena_numel
+from ps_offload.daemon.model.spec import ModelSpec, ParamSpec, spec_to_dict
+from ps_offload.daemon.store.shard import allocate_arena, arena_numel
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
 
 SHARDS = quick(16, 4)

@@ -19,9 +19,10 @@ import torch
 
 from bench.common import interleaved_many, median, quick, record, spread
 from ps_offload.daemon.model.optimizer import AdamWConfig
+from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store.push import PushRequest
-from ps_offload.daemon.store.shard_store import ModelSpec, ParamSpec, ShardStore
+from ps_offload.daemon.store.shard_store import ShardStore
 
 N_PARAMS = 16  # 16 tensors of 4M elements = 64M parameters
 NUMEL = quick(4 << 20, 1 << 20)

@@ -51,7 +51,7 @@ from bench.scale_worker import WINDOW_BLOCKS, gpt_config
 from ps_offload.daemon.config import StoreConfig
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.model.optimizer import AdamWConfig
-from ps_offload.daemon.store.shard_store import shard_resident_bytes
+from ps_offload.daemon.store.shard import shard_resident_bytes
 from ps_offload.daemon.tiers.nvme import FileLayout
 from ps_offload.proto.plan import (
     FP32_BYTES,

@@ -20,7 +20,8 @@ import torch
 from ps_offload.daemon.errors import DataLoss, ResourceExhausted, StorageError
 from ps_offload.daemon.model.spec import ModelSpec, spec_to_dict
 from ps_offload.daemon.store.shard import Shard
-from ps_offload.daemon.tiers.nvme import CorruptShard, NoCapacity, NoFreeSlot, NvmeFiles, SlotHeader
+from ps_offload.daemon.tiers.model_file import NoFreeSlot
+from ps_offload.daemon.tiers.nvme import CorruptShard, NoCapacity, NvmeFiles, SlotHeader
 
 # The store's name: these lines were logged by ps_offload.daemon.store.shard_store before it was split, and
 # journald filters or alerts written against that name keep matching.

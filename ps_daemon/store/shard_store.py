@@ -39,11 +39,11 @@ from ps_offload.daemon.errors import (
     StorageError,
 )
 from ps_offload.daemon.model.encodings import OneBitGradient
-from ps_offload.daemon.model.spec import ModelSpec, ParamSpec, spec_difference, spec_from_dict, validate_spec
+from ps_offload.daemon.model.spec import ModelSpec, spec_difference, spec_from_dict, validate_spec
 from ps_offload.daemon.store import inspection, snapshot_admin
 from ps_offload.daemon.store.accumulate import add_part
 from ps_offload.daemon.store.drop import Dropped, release_sums, stop_using
-from ps_offload.daemon.store.inspection import VERIFY_ATTEMPTS, StatsSnapshot, StoreStats, ValueStats, Verdict
+from ps_offload.daemon.store.inspection import StatsSnapshot, StoreStats, ValueStats, Verdict
 from ps_offload.daemon.store.limits import StoreLimits, arena_bytes, check_model_count, check_plan_size, check_ram
 from ps_offload.daemon.store.master_pull import pull_master
 from ps_offload.daemon.store.persistence import commit, create_files, load_into, roll_back
@@ -52,12 +52,8 @@ from ps_offload.daemon.store.pull_rounding import check_pull_dtype, element_byte
 from ps_offload.daemon.store.pull_wait import PullWait
 from ps_offload.daemon.store.push import PushRequest, PushResult, check_step_locked
 from ps_offload.daemon.store.shard import (
-    ARENA_STAGGER,
-    SHARD_TENSORS,
     Shard,
     allocate_arena,
-    arena_numel,
-    shard_resident_bytes,
 )
 from ps_offload.daemon.tiers.accumulator_files import AccumulatorFiles
 from ps_offload.daemon.tiers.nvme import NvmeFiles
@@ -65,13 +61,6 @@ from ps_offload.daemon.tiers.ram import RamTier, TierFull
 from ps_offload.proto.plan import ParamLayout, ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
 
 log = logging.getLogger(__name__)
-
-# Names that moved to the modules above and are still imported from here (bench/, tools).
-__all__ = [
-    "ARENA_STAGGER", "SHARD_TENSORS", "VERIFY_ATTEMPTS", "ModelSpec", "ParamSpec", "PushRequest", "PushResult",
-    "RegisteredModel", "ShardStore", "StatsSnapshot", "ValueStats", "Verdict", "allocate_arena", "arena_numel",
-    "shard_resident_bytes",
-]  # fmt: skip
 
 
 @dataclass

@@ -52,10 +52,8 @@ import crc32c
 import torch
 
 from ps_offload.daemon.tiers import crash_points
-from ps_offload.daemon.tiers.direct_io import FAULT_ENV as FAULT_ENV  # tests import it from here, as before
 from ps_offload.daemon.tiers.direct_io import PAGE, DirectIO, aligned_empty
 from ps_offload.daemon.tiers.model_file import FileLayout, ModelFile
-from ps_offload.daemon.tiers.model_file import NoFreeSlot as NoFreeSlot  # persistence imports it from here
 from ps_offload.daemon.tiers.slot_header import (
     FORMAT_VERSION,
     READABLE_FORMATS,

@@ -17,7 +17,8 @@ import torch
 
 from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
-from ps_offload.daemon.tiers.nvme import FAULT_ENV, PAGE, SlotHeader
+from ps_offload.daemon.tiers.direct_io import FAULT_ENV
+from ps_offload.daemon.tiers.nvme import PAGE, SlotHeader
 from ps_offload.proto import ps_pb2
 from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.wire.sharded_client import DaemonClient

@@ -18,7 +18,7 @@ import torch
 from ps_offload import trainer
 from ps_offload.admin import views
 from ps_offload.daemon.model.optimizer import AdamWConfig
-from ps_offload.daemon.store.shard_store import shard_resident_bytes
+from ps_offload.daemon.store.shard import shard_resident_bytes
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.plan import ShardSlice
 

@@ -11,8 +11,10 @@ import torch
 
 from ps_offload.daemon.errors import NotFound
 from ps_offload.daemon.model.optimizer import SGDConfig
+from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
+from ps_offload.daemon.store.inspection import VERIFY_ATTEMPTS
 from ps_offload.daemon.store.push import PushRequest
-from ps_offload.daemon.store.shard_store import VERIFY_ATTEMPTS, ModelSpec, ParamSpec, ShardStore
+from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
 
 NUMEL = 1024  # one 4 KiB shard of fp32 per 1024 elements

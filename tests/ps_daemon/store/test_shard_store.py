@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from ps_offload.daemon.model.optimizer import AdamWConfig, SGDConfig
+from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc.staging import StagingPool
-from ps_offload.daemon.store.shard_store import ARENA_STAGGER, ModelSpec, ParamSpec, ShardStore, shard_resident_bytes
+from ps_offload.daemon.store.shard import ARENA_STAGGER, shard_resident_bytes
+from ps_offload.daemon.store.shard_store import ShardStore
 
 
 def _shard(optimizer, numel=4096):

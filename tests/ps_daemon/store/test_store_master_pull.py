@@ -13,9 +13,11 @@ import torch
 
 from ps_offload.daemon.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 from ps_offload.daemon.model.optimizer import AdamWConfig
+from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store.push import PushRequest
-from ps_offload.daemon.store.shard_store import ModelSpec, ParamSpec, ShardStore, shard_resident_bytes
+from ps_offload.daemon.store.shard import shard_resident_bytes
+from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
 from tests.ps_daemon.tiers.format2 import downgrade_to_format_2
 
