@@ -67,9 +67,13 @@ class BackwardPushes:
         self._waiting = dict(self._params_of)  # per shard: parameters still to finish
         self.parts: dict[int, Future] = {}  # shard id -> its GRADIENT_PART push
         self._version_at_end: int | None = None
+        self._moved = False
 
     def _hook_for(self, index: int):
         def on_grad(param: torch.nn.Parameter) -> None:
+            if (param.dtype, param.device) != (self.flat.grads.dtype, self.flat.grads.device):
+                self._moved = True  # cast or moved since: step() adopts it (rebind); push it whole
+                return
             self.flat.adopt_grad(index)  # a fresh .grad (zero_grad(set_to_none=True)) goes into the buffer
             if not any(self._done):  # the first parameter this backward finished
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -91,9 +95,19 @@ class BackwardPushes:
         anything wrote to the gradients after backward, or backward ran more than once)."""
         untouched = self._version_at_end is not None and self.flat.grads._version == self._version_at_end
         stale, self._held_elsewhere = self._held_elsewhere, False
-        if stale or not untouched or max(self._done, default=0) > 1:
+        if stale or self._moved or not untouched or max(self._done, default=0) > 1:
             return {}
         return dict(self.parts)
+
+    def rebind(self, flat: FlatParams) -> None:
+        """The optimizer adopted the model's new tensors (ps_offload.trainer.optimizer.
+        param_binding): hook those, and count this step's early parts, made from the old
+        buffer, as unusable (the step is pushed whole, replacing them). What the daemons hold
+        (`skipped`) is kept."""
+        self.close()
+        self.flat = flat
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(flat.params)]
+        self._version_at_end = None
 
     def close(self) -> None:
         for hook in self._hooks:

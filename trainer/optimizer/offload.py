@@ -380,6 +380,8 @@ class OffloadOptimizer(DaemonOptimizer):
         for hook in self._hooks:
             hook.remove()
         self._hooks = self._install_forward_hooks(self._model)
+        if self._backward_pushes is not None:
+            self._backward_pushes.rebind(flat)
         self._binding.bind(flat)
         log.info("model %r: adopted the model's new tensors (%s on %s) before step %d: %s", self.client.model,
                  dtype, device, self.step_count, "; ".join(f"{c.name} {c.what}" for c in changes))  # fmt: skip
@@ -393,8 +395,6 @@ class OffloadOptimizer(DaemonOptimizer):
             return f"{name!r} is now float16, which needs the loss scaling offload() sets up for a float16 model"
         if self.io.compressor is not None:
             return f"{name!r} {changes[0].what}: the compressor's error feedback lives on the old device and dtype"
-        if self._backward_pushes is not None:
-            return f"{name!r} {changes[0].what}: push_in_backward's hooks are on the old tensors"
         return None
 
     def _values_differ(self, change) -> str | None:
@@ -408,13 +408,13 @@ class OffloadOptimizer(DaemonOptimizer):
         expected = was.to(now.device, now.dtype)
         if torch.equal(now, expected):
             return None
-        differ = now.float().cpu() != expected.float().cpu()
-        biggest = float((now.float().cpu() - expected.float().cpu()).abs().max())
+        difference = (now.float() - expected.float()).abs()
         return (
-            f"{change.name!r} {change.what} and holds other values than the daemons' ({int(differ.sum())} of "
-            f"{now.numel()} elements differ, max |difference| {biggest:g}): the daemons would go on from their own "
-            "values and silently discard these. To train from new weights, load them before offload() under a new "
-            "model_name; if the model was moved while a step's pulls were landing, call opt.synchronize() first"
+            f"{change.name!r} {change.what} and holds other values than the daemons' ({int((difference != 0).sum())} "
+            f"of {now.numel()} elements differ, max |difference| {float(difference.max()):g}): the daemons would "
+            "go on from their own values and silently discard these. To train from new weights, load them before "
+            "offload() under a new model_name; if the model was moved while a step's pulls were landing, call "
+            "opt.synchronize() first"
         )
 
     def close(self) -> None:

@@ -24,10 +24,10 @@ def _model(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(48, 64), nn.Tanh(), nn.Linear(64, 3))
 
 
-def _offload(model: nn.Module, daemons: list[str]):
+def _offload(model: nn.Module, daemons: list[str], **config):
     return ps_offload.offload(
         model, daemons=daemons, optimizer=ps_offload.AdamW(lr=1e-2),
-        config=ps_offload.OffloadConfig(model_name=f"binding-{next(_names)}", shard_bytes=4096),
+        config=ps_offload.OffloadConfig(model_name=f"binding-{next(_names)}", shard_bytes=4096, **config),
     )  # fmt: skip
 
 
@@ -45,11 +45,11 @@ def _train(model: nn.Module, opt, steps: int) -> list[float]:
     return losses
 
 
-def _reference(daemons: list[str], *runs: int) -> dict[str, torch.Tensor]:
+def _reference(daemons: list[str], *runs: int, **config) -> dict[str, torch.Tensor]:
     """The model trained without a move, in runs of the same lengths (each run's data starts
     from the same seed)."""
     model = _model()
-    with _offload(model, daemons) as opt:
+    with _offload(model, daemons, **config) as opt:
         for steps in runs:
             _train(model, opt, steps)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -86,6 +86,33 @@ def test_a_model_moved_after_offload_trains_as_if_it_had_not_moved(daemons, move
         assert torch.equal(dict(model.named_parameters())[name], value), name
     # The optimizer's param groups hold the model's own Parameter objects again.
     assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+
+
+@pytest.mark.parametrize(
+    "move",
+    [pytest.param(lambda m: m.to("cpu:0"), id="to-cpu:0"), pytest.param(lambda m: m.to(torch.bfloat16), id="bf16")],
+)
+def test_push_in_backward_follows_the_move(daemons, move):
+    """The early-push hooks move to the adopted tensors; the step that finds the move is
+    pushed whole (its early parts came from the old buffer), later steps early again."""
+    model = _model()
+    opt = _offload(model, daemons, push_in_backward=True)
+    _train(model, opt, 2)
+    move(model)
+    _train(model, opt, 3)
+    opt.close()
+    assert opt.step_count == 5
+    moved = dict(model.named_parameters())
+    for name, value in _reference(daemons, 2, 3, push_in_backward=True).items():
+        if moved[name].dtype == torch.float32:
+            assert torch.equal(moved[name], value), name
+    reference = _model()
+    with _offload(reference, daemons) as plain:  # pushing early or not trains the same
+        _train(reference, plain, 2)
+        move(reference)
+        _train(reference, plain, 3)
+    for name, value in reference.named_parameters():
+        assert torch.equal(moved[name], value), name
 
 
 def test_a_model_cast_to_bf16_and_back_computes_on_the_daemons_masters(daemons):
