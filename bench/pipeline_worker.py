@@ -41,7 +41,8 @@ import torch.distributed as dist
 
 from ps_offload import trainer
 from ps_offload.trainer.debug_models import GPTConfig, gpt_layers, gpt_loss
-from ps_offload.trainer.pipeline.trainer import PipelineTrainer, init_distributed
+from ps_offload.trainer.pipeline.grid import init_distributed
+from ps_offload.trainer.pipeline.trainer import PipelineTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 

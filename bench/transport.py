@@ -37,6 +37,7 @@ import torch
 
 from bench.common import BenchDaemon, interleaved_many, median, quick, record, spread
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.sharded_client import ShardedClient
 
@@ -274,7 +275,11 @@ def _measure(address: str, transport: str, *, reps: int, tcp: TcpPeer | None = N
 
     def push_all() -> None:
         futures = [
-            pool.submit(client.push, s, step=0, kind=ps_pb2.PARAMETERS, data=raw[s.offset * 4 : s.end * 4], lr=None)
+            pool.submit(
+                client.push,
+                s,
+                Push.build(client.model, s.shard_id, raw[s.offset * 4 : s.end * 4], step=0, kind=ps_pb2.PARAMETERS),
+            )
             for s in plan
         ]
         for f in futures:

@@ -8,7 +8,7 @@ error == c - decompress(compressed), updated in place, so nothing is lost: it is
 n = grad.numel() may be any size >= 1; elements are grouped in blocks of BLOCK (1024)
 starting at element 0, and the last block may be partial (length L = n - (blocks-1)*BLOCK).
 
-Formats (these are the wire formats too; all little-endian):
+Formats (all little-endian; a push payload's byte layout is ps_offload.proto.payloads'):
 
 onebit_compress(grad, error) -> (bits, scales)
     scales: float32[ceil(n / BLOCK)]; scale of block b = mean(|c|) over the block's elements
@@ -20,12 +20,10 @@ onebit_compress(grad, error) -> (bits, scales)
     bits: uint8[ceil(n / 8)]; bit j of byte i (LSB first: (byte >> j) & 1) is element 8*i + j;
         1 means c >= 0 (decompresses to +scale; -0.0 counts as >= 0), 0 means c < 0 or NaN
         (-scale). The unused bits of the last byte are 0.
-    Wire ONEBIT: the scales, then the bits.
 cast_compress(grad, error, dtype=torch.bfloat16 | torch.float16, *, out=None) -> values[n]
     of that dtype (into `out` when given). Round to nearest even, as torch's .to(dtype)
     (overflow to +-inf). A NaN stays a NaN, but its bits are not specified (torch's own CPU
     and CUDA conversions differ there). error becomes c - the rounded value, exactly.
-    Wire BF16 / FP16: the n 2-byte values.
 topk_compress(grad, error, ratio) -> (indices: int32[K], values: float32[K])
     Each block keeps k_b = max(1, ceil(ratio * L_b)) elements (ceil of the float64 product;
     see topk_count), those of largest |c|, ties to the lower index (|c| is compared as the
@@ -33,7 +31,6 @@ topk_compress(grad, error, ratio) -> (indices: int32[K], values: float32[K])
     ascending index order; indices are global (into the flat buffer), values are c there.
     error gets c with the kept elements set to 0. K = sum of k_b = topk_count(n, ratio).
     0 < ratio <= 1.
-    Wire TOPK: K (uint32), then the K int32 indices (shard-local), then the K float32 values.
 
 onebit_decompress(bits, scales, n, out=None), cast_decompress(values, out=None) and
 topk_decompress(indices, values, n, out=None) give float32[n] (into `out` when given; top-k

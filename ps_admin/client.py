@@ -17,9 +17,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.proto import codec, ps_pb2, ps_pb2_grpc
-from ps_offload.proto.channel import CHUNK_BYTES, method_path
+from ps_offload.proto.channel import method_path
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.pull import PullStreamError, read_pull_stream
+from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
 
 T = TypeVar("T")
@@ -168,16 +169,7 @@ def register(daemon: str, spec: ps_pb2.ModelSpec, index: int, timeout: float) ->
 def push_state(daemon: str, model: str, shard_id: int, step: int, data: memoryview, timeout: float) -> bool:
     """A STATE push (a shard's master and optimizer state at `step`); whether it was applied
     (False: the shard held that state already)."""
-    header = ps_pb2.PushHeader(
-        model=model, shard_id=shard_id, step=step, kind=ps_pb2.STATE, encoding=ps_pb2.RAW, dtype=ps_pb2.FLOAT32,
-        nbytes=len(data),
-    )  # fmt: skip
-
-    def chunks() -> Iterator[bytes]:
-        yield codec.push_chunks.encode(header, data[:CHUNK_BYTES])
-        for start in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
-            yield codec.push_chunks.encode(None, data[start : start + CHUNK_BYTES])
-
+    state = Push.build(model, shard_id, data, step=step, kind=ps_pb2.STATE)
     try:
         with channel(daemon) as ch:
             push = ch.stream_unary(
@@ -185,7 +177,7 @@ def push_state(daemon: str, model: str, shard_id: int, step: int, data: memoryvi
                 request_serializer=_identity,
                 response_deserializer=ps_pb2.PushResponse.FromString,
             )
-            return push(chunks(), timeout=timeout).applied
+            return push(state.chunks(), timeout=timeout).applied
     except grpc.RpcError as exc:
         raise admin_error(daemon, f"restore of shard {shard_id} of model {model!r}", exc) from None
 

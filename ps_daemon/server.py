@@ -57,11 +57,10 @@ class Daemon:
         self.config = config
         self.watchdog = watchdog
         keep_chunk_buffers_in_heap()
-        self.files = _open_nvme(config)
         self.store = ShardStore(
             ram_bytes=config.store.ram_bytes,
             default_shard_bytes=config.store.shard_bytes,
-            files=self.files,
+            files=_open_nvme(config),
             prefetch_depth=config.store.prefetch_depth,
             limits=StoreLimits(
                 max_models=config.store.max_models, max_shards_per_model=config.store.max_shards_per_model
@@ -99,7 +98,7 @@ class Daemon:
             chunk_bytes=CHUNK_BYTES,
             staging=staging,
             data_port=self.data_plane.port if self.data_plane else 0,
-            nvme_tier=self.files is not None,
+            nvme_tier=self.store.files.at_rest,
             max_waiting_pulls=config.server.max_waiting_pulls or config.server.max_workers // 2,
             max_waiting_pulls_per_client=config.server.max_waiting_pulls_per_client,
         )
@@ -126,7 +125,7 @@ class Daemon:
 
     def start(self) -> int:
         """Recovers, listens, and tells systemd READY=1 when trainers may connect."""
-        if self.files is not None:
+        if self.store.files.at_rest:  # (RAM only, nothing was kept)
             self._recover()
         listen = self.config.server.listen
         self._set_status(f"Starting: opening {listen}")
@@ -167,8 +166,8 @@ class Daemon:
 
     def _recover(self) -> None:
         # Before the port opens: nobody may see a shard until its committed version is back.
-        where = self.files.dir
-        models = _count(len(list(self.files.dir.glob("*.json"))), "model")
+        where = self.store.files.dir
+        models = _count(len(list(where.glob("*.json"))), "model")
         self._set_status(f"Starting: recovering {models} from {where} (reading slot headers)")
         started = time.monotonic()
         shards = self.store.recover()
@@ -300,8 +299,7 @@ class Daemon:
         if self._probe_dir is not None:
             shutil.rmtree(self._probe_dir, ignore_errors=True)
         self.store.close()
-        if self.files is not None:
-            self.files.close()
+        self.store.files.close()
         log.info("stopped")
 
 
@@ -340,12 +338,7 @@ def _bind_data_plane(
             (host, port),
             store=store,
             staging=staging,
-            max_pull_wait=config.server.max_pull_wait_seconds,
-            max_connections=config.server.max_data_connections,
-            max_connections_per_client=config.server.max_data_connections_per_client,
-            idle_seconds=config.server.data_idle_seconds,
-            stall_seconds=config.server.data_stall_seconds,
-            workers=config.server.data_workers,
+            limits=config.server,
             **options,
         )
     except OSError as exc:

@@ -7,7 +7,7 @@ install, and sdnotify is unmaintained, for about twenty lines of socket code. Ev
 a no-op outside systemd (no $NOTIFY_SOCKET, no $WATCHDOG_USEC), so the same daemon runs by
 hand, in tests and under systemd.
 
-Messages sent (docs/architecture.md, "Lifecycle"): STATUS= at each step of the start and
+Messages sent (docs/configuration.md, "Lifecycle"): STATUS= at each step of the start and
 while serving, READY=1 once every shard is recovered and the ports listen, WATCHDOG=1 while
 the serving path answers, RELOADING=1 / READY=1 around a SIGHUP, STOPPING=1 at SIGTERM.
 """

@@ -40,8 +40,9 @@ from ps_offload.trainer.config import (
 from ps_offload.trainer.optimizer.audit import AuditMismatch
 from ps_offload.trainer.optimizer.offload import OffloadOptimizer
 from ps_offload.trainer.optimizer.param_binding import ParameterChanged
+from ps_offload.trainer.pipeline.grid import init_distributed
 from ps_offload.trainer.pipeline.local_optimizer import LocalOptimizer
-from ps_offload.trainer.pipeline.trainer import PipelineTrainer, init_distributed
+from ps_offload.trainer.pipeline.trainer import PipelineTrainer
 from ps_offload.trainer.stream.optimizer import StreamedOptimizer
 from ps_offload.trainer.stream.settings import StepLost, StepTorn, Streaming
 from ps_offload.trainer.wire.cluster import daemon_addresses

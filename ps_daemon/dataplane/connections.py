@@ -4,8 +4,11 @@ before any work, and the connection's own state."""
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import logging
 import socket
+from collections.abc import Iterator
 
 import grpc
 
@@ -102,3 +105,51 @@ class Admission:
                 "shared by every process on that host): close idle ones, or raise the limit"
             )
         return None
+
+
+class Waker:
+    """Wakes the selector thread from any thread: a byte on a socket pair it watches."""
+
+    def __init__(self) -> None:
+        self.reader, self._writer = socket.socketpair()
+        self.reader.setblocking(False)
+        self._writer.setblocking(False)
+
+    def wake(self) -> None:
+        try:
+            self._writer.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake is pending already (or the server is gone)
+
+    def drain(self) -> None:
+        try:
+            while self.reader.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+
+class ParkedDeadlines:
+    """The deadlines of parked pulls, soonest first. A pull woken early leaves its entry
+    behind (removing it from a heap costs more than skipping it later)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Connection, PendingPull]] = []
+        self._order = itertools.count()  # ties: no comparing connections
+
+    def add(self, conn: Connection, pending: PendingPull, parked: int) -> None:
+        """`parked`: how many pulls are parked now, to drop stale entries before they pile up."""
+        if len(self._heap) > 2 * parked + 1024:
+            self._heap = [entry for entry in self._heap if entry[2].parked is entry[3]]
+            heapq.heapify(self._heap)
+        heapq.heappush(self._heap, (pending.deadline, next(self._order), conn, pending))
+
+    def next_deadline(self) -> float | None:
+        return self._heap[0][0] if self._heap else None
+
+    def expired(self, now: float) -> Iterator[Connection]:
+        """The connections whose pull is still parked and past its deadline."""
+        while self._heap and self._heap[0][0] <= now:
+            _, _, conn, pending = heapq.heappop(self._heap)
+            if conn.parked is pending and not conn.closed:
+                yield conn

@@ -1,7 +1,7 @@
 """One data plane request, served by a worker of the data plane's pool (ps_offload.daemon.dataplane.server).
 
-Requests go through the same store calls and the same validation as the gRPC servicer
-(ps_offload.daemon.rpc.conversions), and errors come back as the same status codes and messages. A pull is one
+Requests go through the same data path as the gRPC servicer (ps_offload.daemon.rpc.data_path:
+receive_push, serve_pull), and errors come back as the same status codes and messages. A pull is one
 `sendall` straight from the shard's master tensor (the trainer `recv_into`s it straight into
 its parameters); a push's payload lands with `recv_into` in a staging buffer.
 
@@ -23,10 +23,11 @@ from typing import Protocol
 import grpc
 
 from ps_offload.daemon.errors import InvalidArgument, PsError
-from ps_offload.daemon.rpc import conversions
+from ps_offload.daemon.rpc import conversions, data_path
 from ps_offload.daemon.rpc.server_security import TokenCheck
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.rpc.status import from_status, status_of
+from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.shard import Shard
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import ps_pb2
@@ -54,6 +55,7 @@ class PendingPull:
     """A pull parked until its shard reaches the version or `deadline` (time.monotonic) passes."""
 
     request: ps_pb2.DataRequest
+    pull: PullRequest  # request.pull, converted and checked on its own once
     started: float  # time.perf_counter() when the request arrived: its observed time includes the wait
     deadline: float
     timeout: float  # seconds it may wait in all, for the message when they pass
@@ -134,24 +136,21 @@ class RequestServer:
     def _pull(
         self, conn: Stream, request: ps_pb2.DataRequest, started: float, resumed: PendingPull | None
     ) -> str | PendingPull:
-        pull, waited = request.pull, None
+        waited = None
         if resumed is None:
+            pull = conversions.pull_request(request.pull)
             timeout = min(request.timeout_ms / 1000, self.max_pull_wait) if request.timeout_ms else self.max_pull_wait
-            shard = None
-            if not pull.snapshot:
-                shard = self.store.pull_waits_on(
-                    pull.model, pull.shard_id, min_version=pull.min_version, tensor=conversions.pull_tensor(pull),
-                    dtype=conversions.pull_dtype(pull),
-                )  # fmt: skip
+            shard = self.store.pull_waits_on(pull)
             if shard is not None:
-                return PendingPull(request, started, time.monotonic() + timeout, timeout, shard)
+                return PendingPull(request, pull, started, time.monotonic() + timeout, timeout, shard)
         else:
+            pull = resumed.pull
             # Woken by the commit: a writer may still hold the shard for a moment. Past the
             # deadline: one last look, and the message says how long the pull waited.
             timeout = max(resumed.deadline - time.monotonic(), 0.0)
             if not resumed.woken:
                 timeout, waited = 0.0, resumed.timeout
-        with conversions.pull_bytes(self.store, pull, timeout=timeout, staging=self.staging, waited=waited) as (
+        with data_path.serve_pull(self.store, pull, timeout=timeout, staging=self.staging, waited=waited) as (
             header,
             raw,
         ):
@@ -161,14 +160,10 @@ class RequestServer:
         return Outcome.KEEP
 
     def _push(self, conn: Stream, header: ps_pb2.PushHeader) -> str:
-        push = conversions.push_request(header)
-        duplicate = conversions.open_push(self.store, push)
-        if duplicate is not None:
-            send_message(conn.sock, ps_pb2.DataResponse(push=duplicate))
-            return Outcome.KEEP
-        send_message(conn.sock, ps_pb2.DataResponse(send_payload=True))
-        with self.staging.borrow(conversions.staging_numel(push)) as staging:
-            conn.recv_exact_into(memoryview(staging.numpy()).cast("B")[: push.nbytes])
-            response = conversions.apply_push(self.store, push, staging, self.staging)
-            send_message(conn.sock, ps_pb2.DataResponse(push=response))
+        def read_payload(view: memoryview) -> None:  # not called for a push applied before
+            send_message(conn.sock, ps_pb2.DataResponse(send_payload=True))
+            conn.recv_exact_into(view)
+
+        response = data_path.receive_push(self.store, header, self.staging, read_payload)
+        send_message(conn.sock, ps_pb2.DataResponse(push=response))
         return Outcome.KEEP

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import heapq
-import itertools
 import logging
 import selectors
 import socket
@@ -46,7 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from google.protobuf.message import DecodeError
 
-from ps_offload.daemon.dataplane.connections import Admission, Connection, quiet_log
+from ps_offload.daemon.config import ServerConfig
+from ps_offload.daemon.dataplane.connections import Admission, Connection, ParkedDeadlines, Waker, quiet_log
 from ps_offload.daemon.dataplane.requests import Outcome, PendingPull, RequestServer
 from ps_offload.daemon.rpc.server_security import TokenCheck
 from ps_offload.daemon.rpc.staging import StagingPool
@@ -67,43 +66,38 @@ class DataPlaneServer:
         *,
         store: ShardStore,
         staging: StagingPool,
-        max_pull_wait: float,
+        limits: ServerConfig,
         tls: ssl.SSLContext | None = None,
         token: TokenCheck | None = None,
         observe: Callable[[str, grpc.StatusCode, float], None] | None = None,
-        max_connections: int = 1024,
-        max_connections_per_client: int = 256,
-        idle_seconds: float = 300.0,
-        stall_seconds: float = 30.0,
-        workers: int = 64,
         on_failure: Callable[[str], None] | None = None,
     ) -> None:
-        """tls: wrap connections (ps_offload.daemon.rpc.server_security.server_ssl_context); token: the [auth]
-        rule; observe(method, code, seconds): told about every request (metrics);
+        """limits: the [server] keys it follows (max_pull_wait_seconds, max_data_connections,
+        max_data_connections_per_client, data_idle_seconds, data_stall_seconds, data_workers);
+        tls: wrap connections (ps_offload.daemon.rpc.server_security.server_ssl_context); token:
+        the [auth] rule; observe(method, code, seconds): told about every request (metrics);
         on_failure(why): told if the selector thread dies (the data plane is then gone, and
-        the daemon must not look healthy); the rest as the [server] keys of the same names
-        (ps_offload.daemon.config.ServerConfig)."""
+        the daemon must not look healthy)."""
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self._listener = socket.create_server(address, family=family, backlog=1024)
         self._listener.setblocking(False)
         self.requests = RequestServer(
-            store=store, staging=staging, max_pull_wait=max_pull_wait, token=token, observe=observe
+            store=store, staging=staging, max_pull_wait=limits.max_pull_wait_seconds, token=token, observe=observe
         )
         self.tls = tls
-        self.admission = Admission(max_connections, max_connections_per_client, tls=tls is not None)
-        self.idle_seconds = idle_seconds
-        self.stall_seconds = stall_seconds
+        self.admission = Admission(
+            limits.max_data_connections, limits.max_data_connections_per_client, tls=tls is not None
+        )
+        self.idle_seconds = limits.data_idle_seconds
+        self.stall_seconds = limits.data_stall_seconds
         self.stopping = False
         self.failure = ""  # why the selector thread died; "" while it runs
         self.on_failure = on_failure
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="data-plane-worker")
+        self._pool = ThreadPoolExecutor(max_workers=limits.data_workers, thread_name_prefix="data-plane-worker")
         self._selector = selectors.DefaultSelector()
-        self._wake_reader, self._wake_writer = socket.socketpair()
-        self._wake_reader.setblocking(False)
-        self._wake_writer.setblocking(False)
+        self._waker = Waker()
         self._handed_back: collections.deque[tuple] = collections.deque()  # from workers and commits
-        self._deadlines: list[tuple[float, int, Connection, PendingPull]] = []  # heap of parked pulls
-        self._order = itertools.count()
+        self._deadlines = ParkedDeadlines()
         self._accepting_after = 0.0  # accept paused until then (out of descriptors)
         self._in_flight = 0
         self.parked_pulls = 0  # data plane pulls waiting for a version
@@ -125,7 +119,7 @@ class DataPlaneServer:
 
     def start(self) -> None:
         self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
-        self._selector.register(self._wake_reader, selectors.EVENT_READ, _WAKE)
+        self._selector.register(self._waker.reader, selectors.EVENT_READ, _WAKE)
         self._thread = threading.Thread(target=self._loop, name="data-plane", daemon=True)
         self._thread.start()
 
@@ -133,11 +127,11 @@ class DataPlaneServer:
         """Stops accepting, lets requests in progress finish for up to `grace` seconds, then
         closes every connection (idle and parked ones at once)."""
         self.stopping = True
-        self._wake()
+        self._waker.wake()
         with self._cond:
             self._cond.wait_for(lambda: self._in_flight == 0, timeout=grace)
         self._handed_back.append(("stop", None, None))
-        self._wake()
+        self._waker.wake()
         if self._thread is None or not self._loop_ended.wait(10):
             self._close_everything()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -150,8 +144,9 @@ class DataPlaneServer:
             while True:
                 now = time.monotonic()
                 wait = next_sweep - now
-                if self._deadlines:
-                    wait = min(wait, self._deadlines[0][0] - now)
+                deadline = self._deadlines.next_deadline()
+                if deadline is not None:
+                    wait = min(wait, deadline - now)
                 if self._accepting_after:
                     wait = min(wait, self._accepting_after - now)
                 accept = False
@@ -159,7 +154,7 @@ class DataPlaneServer:
                     if key.data is _LISTENER:
                         accept = True
                     elif key.data is _WAKE:
-                        self._drain_wake()
+                        self._waker.drain()
                     else:
                         self._on_ready(key.data)
                 if self._take_handed_back():
@@ -172,7 +167,8 @@ class DataPlaneServer:
                 elif self._accepting_after and now >= self._accepting_after:
                     self._accepting_after = 0.0
                     self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
-                self._expire(now)
+                for conn in self._deadlines.expired(now):
+                    self._resume(conn)  # not woken: answered DEADLINE_EXCEEDED unless there by now
                 if now >= next_sweep:
                     self._close_idle(now)
                     next_sweep = now + sweep_every
@@ -309,13 +305,9 @@ class DataPlaneServer:
     def _park(self, conn: Connection, pending: PendingPull) -> None:
         conn.parked = pending
         self.parked_pulls += 1
-        if len(self._deadlines) > 2 * self.parked_pulls + 1024:
-            # Pulls woken early leave their deadlines behind: drop them before they pile up.
-            self._deadlines = [entry for entry in self._deadlines if entry[2].parked is entry[3]]
-            heapq.heapify(self._deadlines)
-        heapq.heappush(self._deadlines, (pending.deadline, next(self._order), conn, pending))
+        self._deadlines.add(conn, pending, self.parked_pulls)
         wake = lambda: self._hand_back("resume", conn, pending)  # noqa: E731 - under the shard's lock: only queues
-        if pending.shard.watch(pending.request.pull.min_version, wake):
+        if pending.shard.watch(pending.pull.min_version, wake):
             pending.unwatch = lambda: pending.shard.unwatch(wake)
             self._watch(conn)  # to see the client hang up
         else:  # there by now (or dropped: the worker answers why)
@@ -334,12 +326,6 @@ class DataPlaneServer:
         self.parked_pulls -= 1
         if pending.unwatch is not None and not pending.woken:
             pending.unwatch()
-
-    def _expire(self, now: float) -> None:
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, conn, pending = heapq.heappop(self._deadlines)
-            if conn.parked is pending and not conn.closed:
-                self._resume(conn)  # not woken: answered DEADLINE_EXCEEDED unless there by now
 
     def _close_idle(self, now: float) -> None:
         for conn in list(self.admission.connections):
@@ -397,24 +383,11 @@ class DataPlaneServer:
         if self._listener.fileno() >= 0:
             self._listener.close()
 
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_reader.recv(4096):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
-
     # -- any thread ---------------------------------------------------------------------------
-
-    def _wake(self) -> None:
-        try:
-            self._wake_writer.send(b"\0")
-        except (BlockingIOError, OSError):
-            pass  # a wake is pending already (or the server is gone)
 
     def _hand_back(self, what: str, conn: Connection, pending: PendingPull | None = None) -> None:
         self._handed_back.append((what, conn, pending))
-        self._wake()
+        self._waker.wake()
 
     def _work(self, conn: Connection, request: ps_pb2.DataRequest, started: float, resumed: PendingPull | None) -> None:
         """On a worker: serves one request with the socket blocking, each operation bounded by

@@ -7,10 +7,7 @@ returns views into the buffer: the fp32 gradient itself for RAW, else a compress
 that `ShardStore.push` applies. Both raise InvalidArgument naming the shard and what was
 expected; the store takes the shard's lock only after parsing, so bad input changes nothing.
 
-Layouts (n = the shard's numel, blocks of kernels.BLOCK elements from the shard's start):
-RAW 4n bytes of float32; ONEBIT ceil(n/BLOCK) float32 scales then ceil(n/8) sign bytes;
-BF16 / FP16 2n bytes; TOPK a uint32 K (1 <= K <= n), K int32 indices strictly ascending
-(block-major, ascending within a block), K float32 values.
+The layouts themselves are the contract's: ps_offload.proto.payloads.
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ import torch
 
 from ps_offload import kernels
 from ps_offload.daemon.errors import InvalidArgument
+from ps_offload.proto import payloads
 
-BLOCK = kernels.BLOCK
 ENCODINGS = ("raw", "onebit", "bf16", "fp16", "topk")
 # Held around every Numba kernel the daemon runs (decompression, the fused 1-bit AdamW): each
 # call is parallel over all cores already, and Numba's workqueue threading layer (its fallback
@@ -68,30 +65,24 @@ class TopKGradient:
 CompressedGradient = OneBitGradient | CastGradient | TopKGradient
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def onebit_nbytes(numel: int) -> int:
-    return 4 * _cdiv(numel, BLOCK) + _cdiv(numel, 8)
-
-
 def check_size(encoding: str, nbytes: int, numel: int, where: str) -> None:
     """Raises InvalidArgument unless `nbytes` is a valid payload size for `numel` elements.
     `where` names the push ("push to shard 3") for the message."""
     if encoding == "raw":
         expected, how = 4 * numel, f"{numel} float32 = {4 * numel} bytes"
     elif encoding == "onebit":
-        expected = onebit_nbytes(numel)
+        expected = payloads.onebit_nbytes(numel)
         how = (
-            f"ONEBIT: {_cdiv(numel, BLOCK)} float32 scales + {_cdiv(numel, 8)} sign bytes = {expected} bytes "
+            f"ONEBIT: {payloads.blocks(numel)} float32 scales + {expected - payloads.onebit_sign_offset(numel)} "
+            f"sign bytes = {expected} bytes "
             f"for its {numel} elements"
         )
     elif encoding in ("bf16", "fp16"):
-        expected, how = 2 * numel, f"{encoding.upper()}: {numel} 2-byte values = {2 * numel} bytes"
+        expected = payloads.half_nbytes(numel)
+        how = f"{encoding.upper()}: {numel} 2-byte values = {expected} bytes"
     elif encoding == "topk":
-        k, rest = divmod(nbytes - 4, 8)
-        if nbytes < 12 or rest or k > numel:
+        k = payloads.topk_count(nbytes)
+        if k is None or k > numel:
             raise InvalidArgument(
                 f"{where}: header says {nbytes} bytes, but TOPK needs 4 + 8 K bytes (a uint32 K, then K int32 "
                 f"indices and K float32 values) with 1 <= K <= {numel}, the shard's numel"
@@ -112,8 +103,8 @@ def parse(
         return staging[:numel]
     raw = staging.view(torch.uint8)[:nbytes]
     if encoding == "onebit":
-        blocks = _cdiv(numel, BLOCK)
-        return OneBitGradient(scales=raw[: 4 * blocks].view(torch.float32), bits=raw[4 * blocks :], numel=numel)
+        signs = payloads.onebit_sign_offset(numel)
+        return OneBitGradient(scales=raw[:signs].view(torch.float32), bits=raw[signs:], numel=numel)
     if encoding in ("bf16", "fp16"):
         return CastGradient(raw.view(torch.bfloat16 if encoding == "bf16" else torch.float16))
     if encoding == "topk":
@@ -122,12 +113,13 @@ def parse(
 
 
 def _parse_topk(raw: torch.Tensor, numel: int, where: str) -> TopKGradient:
-    k = (raw.numel() - 4) // 8
-    said = int(raw[:4].view(torch.int32).item()) & 0xFFFFFFFF  # uint32 on the wire
+    k = payloads.topk_count(raw.numel())  # size-checked already: not None
+    count = payloads.TOPK_COUNT_BYTES
+    said = int(raw[:count].view(torch.int32).item()) & 0xFFFFFFFF  # uint32 on the wire
     if said != k:
         raise InvalidArgument(f"{where}: TOPK payload says K = {said}, but its {raw.numel()} bytes hold K = {k}")
-    indices = raw[4 : 4 + 4 * k].view(torch.int32)
-    values = raw[4 + 4 * k :].view(torch.float32)
+    indices = raw[count : payloads.topk_value_offset(k)].view(torch.int32)
+    values = raw[payloads.topk_value_offset(k) :].view(torch.float32)
     lo, hi = int(indices.min()), int(indices.max())
     if lo < 0 or hi >= numel:
         bad = lo if lo < 0 else hi

@@ -1,24 +1,20 @@
 """Protobuf <-> domain conversions shared by the two front ends of the data path (the gRPC
-servicer and the TCP data plane), so both validate and answer identically."""
+servicer and the TCP data plane, through ps_offload.daemon.rpc.data_path), so both validate and
+answer identically."""
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 
 from ps_offload.daemon.errors import InvalidArgument
-from ps_offload.daemon.model.encodings import parse
 from ps_offload.daemon.model.optimizer import AdamWConfig, GroupHyperparams, SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
-from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store.inspection import Verdict
-from ps_offload.daemon.store.pull_rounding import PULL_DTYPES, tensor_bytes
-from ps_offload.daemon.store.pull_wait import PullWait
+from ps_offload.daemon.store.pull import PullRequest
+from ps_offload.daemon.store.pull_rounding import PULL_DTYPES
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard import SHARD_TENSORS
-from ps_offload.daemon.store.shard_store import RegisteredModel, ShardStore
+from ps_offload.daemon.store.shard_store import RegisteredModel
 from ps_offload.proto import ps_pb2
 
 DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
@@ -114,65 +110,24 @@ def push_request(header: ps_pb2.PushHeader) -> PushRequest:
     )
 
 
-def open_push(store: ShardStore, push: PushRequest) -> ps_pb2.PushResponse | None:
-    """Validates a push before its payload is read. Returns the answer for a push that was
-    applied before (its payload need not be read), else None."""
-    ack = store.check_push(push)
-    return None if ack is None else ps_pb2.PushResponse(applied=False, version=ack.version)
-
-
-def staging_numel(push: PushRequest) -> int:
-    """fp32 elements of the staging buffer that holds a push's payload (nbytes, rounded up)."""
-    return (push.nbytes + 3) // 4
-
-
-def apply_push(
-    store: ShardStore, push: PushRequest, payload: torch.Tensor, staging: StagingPool
-) -> ps_pb2.PushResponse:
-    """Applies a push whose whole payload is in `payload` (an fp32 staging buffer holding
-    push.nbytes bytes, validated by open_push; none for an APPLY). A compressed gradient that
-    must be decompressed first gets a buffer from `staging`."""
-    if push.kind != "apply":
-        shard = store.shard(push.model, push.shard_id)
-        push = push.with_data(parse(push.encoding, payload, push.nbytes, push.payload_numel(shard), push.where))
-    result = store.push(push, scratch=staging.borrow)
-    return ps_pb2.PushResponse(applied=result.applied, version=result.version)
-
-
-@contextlib.contextmanager
-def pull_bytes(
-    store: ShardStore,
-    request: ps_pb2.PullRequest,
-    *,
-    timeout: float,
-    staging: StagingPool,
-    waiting: PullWait | None = None,
-    waited: float | None = None,
-) -> Iterator[tuple[ps_pb2.ShardHeader, memoryview]]:
-    """Holds a pull for the block: yields its ShardHeader and the bytes to send after it.
-    fp32: the shard's own bytes, under its read hold for the whole send; bf16 or fp16: a copy
-    rounded under that hold into a buffer from `staging`. Either way, one version. With
-    `request.snapshot`: the snapshot's copy, read from its slot (fp32 only). `waiting`, `waited`:
-    as ShardStore.pull's."""
+def pull_request(request: ps_pb2.PullRequest) -> PullRequest:
+    """The domain's pull for a PullRequest, its enums checked (what the shard allows is the
+    store's to check). A snapshot's pull travels in FLOAT32 only."""
     if request.snapshot:
-        if pull_dtype(request) != "float32":
+        dtype = pull_dtype(request)
+        if dtype != "float32":
             raise InvalidArgument(f"pull of shard {request.shard_id} from snapshot {request.snapshot!r}: FLOAT32 only")
-        values, step = store.pull_snapshot(request.model, request.shard_id, request.snapshot, pull_tensor(request))
-        yield shard_header(request.model, request.shard_id, step, values), tensor_bytes(values)
-        return
-    held = store.pull(
+        tensor = pull_tensor(request)
+    else:
+        tensor, dtype = pull_tensor(request), pull_dtype(request)
+    return PullRequest(
         request.model,
         request.shard_id,
         min_version=request.min_version,
-        timeout=timeout,
-        tensor=pull_tensor(request),
-        dtype=pull_dtype(request),
-        scratch=staging.borrow,
-        waiting=waiting,
-        waited=waited,
+        tensor=tensor,
+        dtype=dtype,
+        snapshot=request.snapshot,
     )
-    with held as (values, version):
-        yield shard_header(request.model, request.shard_id, version, values), tensor_bytes(values)
 
 
 _SENT_DTYPES = {PULL_DTYPES[name]: value for value, name in DTYPE_NAMES.items()}  # torch dtype -> DType

@@ -8,17 +8,18 @@ says why). Every other method uses the generated message classes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import grpc
-import torch
 
 from ps_offload.daemon.errors import InvalidArgument, ResourceExhausted
-from ps_offload.daemon.rpc import conversions
+from ps_offload.daemon.rpc import conversions, data_path
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.rpc.status import Undecodable, grpc_errors, grpc_errors_stream
+from ps_offload.daemon.store import inspection, snapshot_admin, tier_admin
 from ps_offload.daemon.store.pull_wait import PullWaits
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import codec, ps_pb2
@@ -66,10 +67,11 @@ class ParameterServerServicer:
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         remaining = context.time_remaining()
         timeout = self.max_pull_wait if remaining is None else min(remaining, self.max_pull_wait)
+        waiting = self.pull_waits.for_call(context)
+        pull = conversions.pull_request(request)
         # Held while chunks are encoded (an fp32 pull under the shard's read hold), so a pull
         # never sees half an update.
-        waiting = self.pull_waits.for_call(context)
-        with conversions.pull_bytes(self.store, request, timeout=timeout, staging=self.staging, waiting=waiting) as (
+        with data_path.serve_pull(self.store, pull, timeout=timeout, staging=self.staging, waiting=waiting) as (
             header,
             raw,
         ):
@@ -82,21 +84,13 @@ class ParameterServerServicer:
         first = next(chunks, None)
         if first is None or first.header is None:
             raise InvalidArgument("a push stream must start with a chunk that carries the PushHeader")
-        header: ps_pb2.PushHeader = first.header
-        push = conversions.push_request(header)
-        duplicate = conversions.open_push(self.store, push)
-        if duplicate is not None:  # applied before: answer without reading the payload
-            return duplicate
-        with self.staging.borrow(conversions.staging_numel(push)) as staging:
-            self._receive(header, first, chunks, staging)
-            return conversions.apply_push(self.store, push, staging, self.staging)
+        read_payload = functools.partial(self._receive, first.header, first, chunks)
+        return data_path.receive_push(self.store, first.header, self.staging, read_payload)
 
     @staticmethod
-    def _receive(
-        header: ps_pb2.PushHeader, first: codec.Chunk, rest: Iterator[codec.Chunk], staging: torch.Tensor
-    ) -> None:
-        """Copies the payload of every chunk into `staging`, checking sizes and headers."""
-        view = memoryview(staging.numpy()).cast("B")[: header.nbytes]
+    def _receive(header: ps_pb2.PushHeader, first: codec.Chunk, rest: Iterator[codec.Chunk], view: memoryview) -> None:
+        """Copies the payload of every chunk into `view` (header.nbytes bytes), checking sizes
+        and headers."""
         received = 0
         for chunk in _chain_first(first, rest):
             if chunk.header is not None and chunk is not first:
@@ -158,7 +152,7 @@ class AdminServicer:
         bins = conversions.histogram_bins(request)
         shard = self.store.shard(request.model, request.shard_id)
         info = _shard_info(shard)
-        stats = self.store.value_stats(shard, bins=bins)
+        stats = inspection.value_stats(self.store, shard, bins=bins)
         info.norm, info.min, info.max, info.nan_count = stats.norm, stats.min, stats.max, stats.nan_count
         info.histogram.extend(stats.histogram)
         info.histogram_low, info.histogram_high = stats.histogram_low, stats.histogram_high
@@ -166,11 +160,11 @@ class AdminServicer:
 
     @grpc_errors
     def Evict(self, request: ps_pb2.GetShardRequest, context: grpc.ServicerContext):
-        return ps_pb2.TierResponse(tier=self.store.evict(request.model, request.shard_id).tier)
+        return ps_pb2.TierResponse(tier=tier_admin.evict(self.store, request.model, request.shard_id).tier)
 
     @grpc_errors
     def Load(self, request: ps_pb2.GetShardRequest, context: grpc.ServicerContext):
-        return ps_pb2.TierResponse(tier=self.store.load(request.model, request.shard_id).tier)
+        return ps_pb2.TierResponse(tier=tier_admin.load(self.store, request.model, request.shard_id).tier)
 
     @grpc_errors
     def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext):
@@ -211,20 +205,24 @@ class AdminServicer:
             )
         try:
             left = threading.Event()  # the caller cancelled or its deadline passed: stop waiting
-            context.add_callback(lambda: (left.set(), self.store.wake_snapshots(request.model)))
-            info = self.store.create_snapshot(request.model, request.name, request.step, timeout=wait, caller_left=left)
+            files = self.store.files
+            context.add_callback(lambda: (left.set(), snapshot_admin.wake(files, request.model)))
+            shard_ids = set(self.store.model(request.model).shards)
+            info = snapshot_admin.take(files, request.model, request.name, request.step, shard_ids, wait, left)
         finally:
             self._snapshot_waits.release()
         return _snapshot_info(request.model, info)
 
     @grpc_errors
     def ListSnapshots(self, request: ps_pb2.ListSnapshotsRequest, context: grpc.ServicerContext):
-        infos = self.store.list_snapshots(request.model)
+        self.store.model(request.model)  # NotFound for a model not here
+        infos = snapshot_admin.listed(self.store.files, request.model)
         return ps_pb2.ListSnapshotsResponse(snapshots=[_snapshot_info(request.model, i) for i in infos])
 
     @grpc_errors
     def DeleteSnapshot(self, request: ps_pb2.DeleteSnapshotRequest, context: grpc.ServicerContext):
-        return _snapshot_info(request.model, self.store.delete_snapshot(request.model, request.name))
+        self.store.model(request.model)  # NotFound for a model not here
+        return _snapshot_info(request.model, snapshot_admin.delete(self.store.files, request.model, request.name))
 
     @grpc_errors
     def DropModel(self, request: ps_pb2.DropModelRequest, context: grpc.ServicerContext):
@@ -246,11 +244,11 @@ class AdminServicer:
 
     @grpc_errors_stream
     def Verify(self, request: ps_pb2.VerifyRequest, context: grpc.ServicerContext):
-        shards = self.store.shards_to_verify(request.model)
-        at_rest = self.store.files is not None
-        plan = ps_pb2.VerifyPlan(shards=len(shards), bytes=self.store.verify_bytes(shards), at_rest=at_rest)
+        shards, files = inspection.shards_to_verify(self.store, request.model), self.store.files
+        bytes_read = inspection.verify_bytes(files, shards)
+        plan = ps_pb2.VerifyPlan(shards=len(shards), bytes=bytes_read, at_rest=files.at_rest)
         yield ps_pb2.VerifyResponse(plan=plan)
-        for verdict in self.store.verify(shards):
+        for verdict in inspection.verify(files, shards):
             if not context.is_active():  # the client went away: stop reading the disk
                 return
             yield conversions.verdict_to_proto(verdict)

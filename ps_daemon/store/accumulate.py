@@ -37,29 +37,28 @@ import torch
 
 from ps_offload.daemon.errors import FailedPrecondition
 from ps_offload.daemon.store.push import PushRequest, PushResult, Shard, check_step_locked, multiplied
+from ps_offload.daemon.tiers.ram_only import RAM_SUMS
+from ps_offload.daemon.tiers.tier import SumStore
 
 
 class GradientParts:
     """One shard's accumulator for the step being pushed in parts (the module docstring)."""
 
-    def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
-        """`allocate(numel)`: where a sum is made (a file-backed one on the NVMe tier); None:
-        in RAM."""
+    def __init__(self, sums: SumStore = RAM_SUMS) -> None:
+        """`sums`: where a sum is made (file-backed on the NVMe tier: AccumulatorFiles)."""
         self.lock = threading.Lock()
         self.step = 0
         self.held = 0
         self.values: torch.Tensor | None = None
-        self._allocate = allocate
+        self._sums = sums
 
     @property
     def in_ram(self) -> bool:
-        return self._allocate is None
+        return self._sums.in_ram
 
     def new_sum(self, numel: int) -> torch.Tensor:
         """Room for a step's sum (part 0 is widened into it)."""
-        if self._allocate is None:
-            return torch.empty(numel, dtype=torch.float32)
-        return self._allocate(numel)
+        return self._sums.allocate(numel)
 
     @property
     def nbytes(self) -> int:

@@ -1,19 +1,19 @@
-"""Admin inspection of shards, without changing them: value statistics (ps-admin shard),
+"""Admin inspection of shards, without changing them: value statistics (ps-admin shard) and
 verify (the committed bytes against their crc32c, or the in-memory invariants without an
-NVMe tier), and the store's counters (ps-admin stats)."""
+NVMe tier). The store's counters (ps-admin stats) are ps_offload.daemon.store.stats'."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ps_offload.daemon.errors import DeadlineExceeded
 from ps_offload.daemon.store.shard import Shard
+from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, NvmeFiles, SlotCheck
-from ps_offload.daemon.tiers.ram import RamTier
+from ps_offload.daemon.tiers.tier import ShardFiles
 
 # Lock-free reads of a shard's committed slot before `verify` holds the shard still instead.
 VERIFY_ATTEMPTS = 3
@@ -34,7 +34,7 @@ class ValueStats:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What `ShardStore.verify` found for one shard."""
+    """What `verify` found for one shard."""
 
     model: str
     shard_id: int
@@ -46,11 +46,11 @@ class Verdict:
     nonfinite: int = 0  # RAM only: NaN or infinite master values in memory
 
 
-def value_stats(shard: Shard, *, timeout: float, bins: int = 0) -> ValueStats:
-    """Norm, min, max and NaN count of a resident shard's master values, and a histogram of
-    `bins` bins (0: none), under a read hold (pulls go on; an update waits until the
-    statistics are done)."""
-    with shard.reading(0, timeout, require_values=False):
+def value_stats(store: ShardStore, shard: Shard, *, timeout: float = 10.0, bins: int = 0) -> ValueStats:
+    """Norm, min, max and NaN count of the shard's master values, and a histogram of `bins`
+    bins (0: none): the shard brought into RAM for the while, under a read hold (pulls go
+    on; an update waits until the statistics are done)."""
+    with store.tier.use(shard), shard.reading(0, timeout, require_values=False):
         values = shard.master
         finite = values[~torch.isnan(values)]
         return ValueStats(
@@ -78,15 +78,21 @@ def _histogram(values: torch.Tensor, bins: int) -> dict:
 # -- verify (ps-admin verify) -----------------------------------------------------------
 
 
-def verify_bytes(files: NvmeFiles | None, shards: list[Shard]) -> int:
-    """About the bytes `verify` reads from disk for these shards (0 without NVMe)."""
-    if files is None:
-        return 0
+def shards_to_verify(store: ShardStore, model: str = "") -> list[Shard]:
+    """The named model's shards (NotFound if unknown), or every model's (""), in name and
+    id order."""
+    models = [store.model(model)] if model else sorted(store.models(), key=lambda m: m.spec.model)
+    return [m.shards[i] for m in models for i in sorted(m.shards)]
+
+
+def verify_bytes(files: ShardFiles, shards: list[Shard]) -> int:
+    """About the bytes `verify` reads from disk for these shards (0 without NVMe: nothing is
+    committed there)."""
     found = [files.committed_slot(s.model, s.slice.shard_id) for s in shards]
     return sum(PAGE + header.arena_bytes for _, header in filter(None, found))
 
 
-def verify(files: NvmeFiles | None, shards: list[Shard], *, hold_timeout: float = 60.0) -> Iterator[Verdict]:
+def verify(files: ShardFiles, shards: list[Shard], *, hold_timeout: float = 60.0) -> Iterator[Verdict]:
     """Checks each shard, one at a time, as it is asked for. With an NVMe tier: reads its
     committed slot back (header and bytes) and checks the crc32c, bypassing the RAM tier
     (nothing is loaded, evicted or marked; a bad copy on disk is reported, not acted on).
@@ -97,7 +103,7 @@ def verify(files: NvmeFiles | None, shards: list[Shard], *, hold_timeout: float 
     counts only if the same commit is still the shard's newest afterwards (else it is
     repeated on the new slot). After VERIFY_ATTEMPTS such misses the shard is held for
     reading, as a pull holds it, which keeps its next commit waiting for one read."""
-    if files is None:
+    if not files.at_rest:
         for shard in shards:
             yield _check_in_memory(shard, hold_timeout)
         return
@@ -161,74 +167,3 @@ def _check_in_memory(shard: Shard, hold_timeout: float) -> Verdict:
     values = f"{nonfinite} non-finite master values" if shard.initialized else "no values pushed yet"
     detail = f"RAM only (no store.nvme_dir): nothing at rest to checksum; in memory: {values}"
     return Verdict(model, shard_id, "not_at_rest", detail, version, 0, shard.tier, nonfinite)
-
-
-# -- counters (ps-admin stats) --------------------------------------------------------------
-
-
-@dataclass
-class StoreStats:
-    bytes_pulled: int = 0
-    bytes_pushed: int = 0
-    pulls: int = 0
-    pushes_applied: int = 0
-    pushes_duplicate: int = 0
-    optimizer_seconds: float = 0.0
-    prefetch_hints: int = 0
-    started: float = field(default_factory=time.monotonic)
-
-
-@dataclass(frozen=True)
-class StatsSnapshot:
-    models: int
-    shards: int
-    ram_bytes_used: int
-    bytes_pulled: int
-    bytes_pushed: int
-    pulls: int
-    pushes_applied: int
-    pushes_duplicate: int
-    optimizer_seconds: float
-    prefetch_hints: int
-    uptime_seconds: float
-    tier_hits: int
-    tier_misses: int
-    prefetched: int
-    evictions: int
-    nvme_bytes_read: int
-    nvme_bytes_written: int
-    nvme_read_seconds: float
-    nvme_write_seconds: float
-    nvme_master_reads: int
-    nvme_master_bytes_read: int
-    ram_bytes_budget: int
-    nvme_bytes_allocated: int
-    nvme_bytes_capacity: int
-    shards_in_ram: int
-    shards_on_nvme: int
-    shards_corrupt: int
-
-
-def tier_counts(files: NvmeFiles | None, tier: RamTier | None, ram_bytes: int, shards: list[Shard]) -> dict:
-    """The tier fields of StatsSnapshot."""
-    tiers = [shard.tier for shard in shards]
-    counts = dict(
-        ram_bytes_budget=ram_bytes,
-        shards_in_ram=tiers.count("ram"),
-        shards_on_nvme=tiers.count("nvme"),
-        shards_corrupt=tiers.count("corrupt"),
-        nvme_bytes_allocated=files.bytes_allocated if files is not None else 0,
-        nvme_bytes_capacity=files.capacity if files is not None else 0,
-        nvme_bytes_read=files.bytes_read if files is not None else 0,
-        nvme_bytes_written=files.bytes_written if files is not None else 0,
-        nvme_read_seconds=files.read_seconds if files is not None else 0.0,
-        nvme_write_seconds=files.write_seconds if files is not None else 0.0,
-        nvme_master_reads=files.master_reads if files is not None else 0,
-        nvme_master_bytes_read=files.master_bytes_read if files is not None else 0,
-    )
-    if tier is None:
-        return {**counts, "tier_hits": 0, "tier_misses": 0, "prefetched": 0, "evictions": 0}
-    with tier.cond:
-        t = tier.stats
-        return {**counts, "tier_hits": t.hits, "tier_misses": t.misses, "prefetched": t.prefetched,
-                "evictions": t.evictions}  # fmt: skip

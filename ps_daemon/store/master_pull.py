@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ps_offload.daemon.store.persistence import read_master
+from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.pull_rounding import rounded
 from ps_offload.daemon.store.shard import Shard
 from ps_offload.daemon.tiers.nvme import PAGE, NvmeFiles, aligned_empty
@@ -57,19 +58,19 @@ def pull_master(
     files: NvmeFiles,
     tier: RamTier,
     shard: Shard,
+    pull: PullRequest,
     *,
-    min_version: int,
     timeout: float,
-    dtype: str,
     scratch: Scratch | None,
 ) -> tuple[torch.Tensor, int] | None:
-    """The shard's master values in `dtype` and the version they are, once it is at
-    `min_version` or later; what must last while they are sent (a read hold and pin, or a
+    """The shard's master values in `pull.dtype` and the version they are, once it is at
+    `pull.min_version` or later; what must last while they are sent (a read hold and pin, or a
     buffer) is entered on `sending`. None, with nothing held, when the committed slot has no
     master checksum (format 2): the caller loads the shard whole instead."""
+    dtype = pull.dtype
     with contextlib.ExitStack() as copy:  # the disk read's buffer, if one is read
         with contextlib.ExitStack() as held:
-            version = held.enter_context(shard.reading(min_version, timeout))
+            version = held.enter_context(shard.reading(pull.min_version, timeout))
             if held.enter_context(tier.use_if_resident(shard)):
                 if dtype == "float32":
                     sending.enter_context(held.pop_all())  # pinned and held while it is sent

@@ -5,9 +5,9 @@ failed update rolled back. The NVMe tier's own errors
 (ps_offload.daemon.tiers.nvme) come out as the typed errors of ps_offload.daemon.errors, each saying what
 state the shard was left in.
 
-`files` None is a RAM-only daemon: nothing is committed, and a failed update has no copy to
-return to. The store decides when these run (ps_offload.daemon.store.shard_store); the commit protocol itself is
-ps_offload.daemon.tiers.nvme's.
+On a RAM-only daemon `files` is ps_offload.daemon.tiers.ram_only.NoShardFiles: a commit keeps
+nothing, and a failed update has no copy to return to. The store decides when these run
+(ps_offload.daemon.store.shard_store); the commit protocol itself is ps_offload.daemon.tiers.nvme's.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from ps_offload.daemon.model.spec import ModelSpec, spec_to_dict
 from ps_offload.daemon.store.shard import Shard
 from ps_offload.daemon.tiers.model_file import NoFreeSlot
 from ps_offload.daemon.tiers.nvme import CorruptShard, NoCapacity, NvmeFiles, SlotHeader
+from ps_offload.daemon.tiers.tier import ShardFiles
 
 # The store's name: these lines were logged by ps_offload.daemon.store.shard_store before it was split, and
 # journald filters or alerts written against that name keep matching.
 log = logging.getLogger("ps_offload.daemon.store.shard_store")
 
 
-def create_files(files: NvmeFiles, spec: ModelSpec, daemon_index: int, shards: dict[int, Shard]) -> None:
+def create_files(files: ShardFiles, spec: ModelSpec, daemon_index: int, shards: dict[int, Shard]) -> None:
     """Creates the files of a newly registered model, room for `shards` (the ones this
     daemon owns). Raises ResourceExhausted when the disk or the configured size is too small."""
     arena_bytes = {sid: shard.arena_bytes for sid, shard in shards.items()}
@@ -95,11 +96,9 @@ def _corrupt(shard: Shard, exc: CorruptShard) -> DataLoss:
     return DataLoss(shard.corrupt)
 
 
-def commit(files: NvmeFiles | None, shard: Shard) -> None:
+def commit(files: ShardFiles, shard: Shard) -> None:
     """Persists the shard's new version before it is acknowledged. On a write error the
     shard goes back to its last committed version and the push fails."""
-    if files is None:
-        return
     try:
         files.commit(
             shard.model,
@@ -129,11 +128,11 @@ def commit(files: NvmeFiles | None, shard: Shard) -> None:
         ) from exc
 
 
-def roll_back(files: NvmeFiles | None, shard: Shard) -> None:
+def roll_back(files: ShardFiles, shard: Shard) -> None:
     """A shard whose optimizer step failed midway must not keep half a step under its old
     version (later steps would apply on top): back to the last committed version with NVMe;
     RAM only there is no copy, so the shard is refused (DATA_LOSS) from now on."""
-    if files is not None:
+    if files.at_rest:
         load_committed(files, shard)
     else:
         shard.optimizer.step.fill_(shard.version)

@@ -2,7 +2,7 @@
 one just pushed in the previous step's push order (learned, per model).
 
 Both only queue loads (ps_offload.daemon.tiers.ram does them, bounded by its free room); without an
-NVMe tier every shard is resident and there is nothing to do.
+NVMe tier every shard is resident: the tier queues nothing, and the store learns no order (depth 0).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import threading
 from collections.abc import Callable
 
 from ps_offload.daemon.store.shard import Shard
-from ps_offload.daemon.tiers.ram import RamTier
+from ps_offload.daemon.tiers.tier import ResidencyTier
 
 
 class Prefetcher:
-    def __init__(self, tier: RamTier | None, *, depth: int) -> None:
+    def __init__(self, tier: ResidencyTier, *, depth: int) -> None:
         """depth: how many of the shards that came next last step to load as each push
         arrives (0: learn nothing)."""
         self.tier = tier
@@ -26,12 +26,12 @@ class Prefetcher:
 
     def hint(self, shards: list[Shard]) -> int:
         """A trainer's hint: these shards next, in this order. Returns how many were queued."""
-        return self.tier.prefetch(shards) if self.tier is not None else 0
+        return self.tier.prefetch(shards)
 
     def pushed(self, shard: Shard, step: int, shards_of_model: Callable[[], dict[int, Shard]]) -> None:
         """Records that `shard` is being pushed for `step`; queues what came after it last
         step. `shards_of_model`: the model's shards on this daemon, by id."""
-        if self.tier is None or not self.depth:
+        if not self.depth:
             return
         with self._lock:
             current_step, previous, current = self._orders.get(shard.model, (step, [], []))

@@ -15,6 +15,8 @@ from ps_offload.daemon.model.optimizer import OptimizerConfig, ShardOptimizer
 from ps_offload.daemon.store.accumulate import GradientParts
 from ps_offload.daemon.store.pull_wait import PullWait
 from ps_offload.daemon.tiers.nvme import arena_tensor
+from ps_offload.daemon.tiers.ram_only import RAM_SUMS
+from ps_offload.daemon.tiers.tier import SumStore
 from ps_offload.proto.plan import FP32_BYTES, ParamLayout, ShardSlice, segments_of
 
 # Elements between the arena's tensors, so that master, m and v (and the staging buffer a
@@ -58,10 +60,10 @@ class Shard:
         *,
         persistent: bool,
         param_groups: tuple[int, ...] = (),
-        allocate_sum: Callable[[int], torch.Tensor] | None = None,
+        sums: SumStore = RAM_SUMS,
     ):
         """`param_groups`: each parameter's param group, in layout order (empty: all 0).
-        `allocate_sum`: where the sums of steps pushed in parts are made (ps_offload.daemon.store.accumulate)."""
+        `sums`: where the sums of steps pushed in parts are made (ps_offload.daemon.store.accumulate)."""
         segments = segments_of(slice_, layouts)
         self.model = model
         self.slice = slice_
@@ -104,7 +106,7 @@ class Shard:
         # Data plane pulls parked for a version (min_version, wake), woken by notify_locked.
         self.watchers: list[tuple[int, Callable[[], None]]] = []
         # The step being pushed in parts (its own lock; in RAM even while the arena is not).
-        self.parts = GradientParts(allocate_sum)
+        self.parts = GradientParts(sums)
 
     def attach(self, buffer: tuple[torch.Tensor, memoryview | None]) -> None:
         """Places master and optimizer state in `buffer` (arena tensor, O_DIRECT view). The

@@ -1,7 +1,8 @@
 """Shards held by one daemon: registration, recovery, pull, push with (shard, step) dedup,
 commit. The pieces it composes: ps_offload.daemon.model.spec (what a model is), ps_offload.daemon.store.shard (one
 shard and its hold), ps_offload.daemon.store.push (one push, validated), ps_offload.daemon.store.prefetch (what to load
-ahead), ps_offload.daemon.store.inspection (admin statistics and verify), ps_offload.daemon.tiers (RAM over NVMe),
+ahead), ps_offload.daemon.store.stats (its counters), ps_offload.daemon.tiers (RAM over NVMe, or RAM only: the roles
+in ps_offload.daemon.tiers.tier),
 ps_offload.daemon.store.persistence (a shard's committed copy: load, commit, roll back a failed update),
 ps_offload.daemon.store.master_pull (master pulls of a shard on NVMe, read from disk without loading it).
 
@@ -35,29 +36,26 @@ from ps_offload.daemon.errors import (
     FailedPrecondition,
     NotFound,
     PsError,
-    ResourceExhausted,
     StorageError,
 )
-from ps_offload.daemon.model.encodings import OneBitGradient
 from ps_offload.daemon.model.spec import ModelSpec, spec_difference, spec_from_dict, validate_spec
-from ps_offload.daemon.store import inspection, snapshot_admin
-from ps_offload.daemon.store.accumulate import add_part
+from ps_offload.daemon.store import push_kinds, snapshot_admin
 from ps_offload.daemon.store.drop import Dropped, release_sums, stop_using
-from ps_offload.daemon.store.inspection import StatsSnapshot, StoreStats, ValueStats, Verdict
 from ps_offload.daemon.store.limits import StoreLimits, arena_bytes, check_model_count, check_plan_size, check_ram
-from ps_offload.daemon.store.master_pull import pull_master
-from ps_offload.daemon.store.persistence import commit, create_files, load_into, roll_back
+from ps_offload.daemon.store.master_pull import Scratch, pull_master
+from ps_offload.daemon.store.persistence import create_files, load_into
 from ps_offload.daemon.store.prefetch import Prefetcher
+from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.pull_rounding import check_pull_dtype, element_bytes, rounded
 from ps_offload.daemon.store.pull_wait import PullWait
 from ps_offload.daemon.store.push import PushRequest, PushResult, check_step_locked
-from ps_offload.daemon.store.shard import (
-    Shard,
-    allocate_arena,
-)
+from ps_offload.daemon.store.shard import Shard, allocate_arena
+from ps_offload.daemon.store.stats import StatsSnapshot, StoreStats, tier_counts
 from ps_offload.daemon.tiers.accumulator_files import AccumulatorFiles
 from ps_offload.daemon.tiers.nvme import NvmeFiles
-from ps_offload.daemon.tiers.ram import RamTier, TierFull
+from ps_offload.daemon.tiers.ram import RamTier
+from ps_offload.daemon.tiers.ram_only import NoShardFiles, RamOnlyTier, RamSums
+from ps_offload.daemon.tiers.tier import ResidencyTier, ShardFiles, SumStore
 from ps_offload.proto.plan import ParamLayout, ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
 
 log = logging.getLogger(__name__)
@@ -83,19 +81,21 @@ class ShardStore:
         limits: StoreLimits | None = None,
     ) -> None:
         self.ram_bytes = ram_bytes
-        self.limits = (
-            limits or StoreLimits()
-        )  # checked before a registration does any work (ps_offload.daemon.store.limits)
-        self.files = files  # None: RAM only, nothing survives a restart
-        self.tier = (
-            RamTier(budget=ram_bytes, allocate=allocate_arena, load=functools.partial(load_into, files))
-            if files is not None
-            else None
-        )
+        # Checked before a registration does any work (ps_offload.daemon.store.limits).
+        self.limits = limits or StoreLimits()
+        # The tiers (ps_offload.daemon.tiers.tier), chosen here once: past this point the store
+        # asks `self.files.at_rest` only where the two kinds of daemon behave differently.
+        self.files: ShardFiles
+        self.tier: ResidencyTier
+        self.accumulators: SumStore  # sums of steps pushed in parts (ps_offload.daemon.store.accumulate)
+        if files is None:  # RAM only: every shard resident for good, nothing survives a restart
+            self.files, self.tier, self.accumulators = NoShardFiles(), RamOnlyTier(), RamSums()
+            prefetch_depth = 0  # nothing to load ahead: no order worth learning
+        else:
+            self.files = files
+            self.tier = RamTier(budget=ram_bytes, allocate=allocate_arena, load=functools.partial(load_into, files))
+            self.accumulators = AccumulatorFiles(files.dir)  # the page cache over unlinked files on NVMe
         self.prefetcher = Prefetcher(self.tier, depth=prefetch_depth)
-        # Sums of steps pushed in parts: on the NVMe tier when there is one (page cache over
-        # unlinked files), in RAM otherwise (ps_offload.daemon.store.accumulate).
-        self.accumulators = AccumulatorFiles(files.dir) if files is not None else None
         self.default_shard_bytes = default_shard_bytes
         self.stats = StoreStats()
         # Called with each shard's optimizer time, outside the store's locks (metrics).
@@ -133,11 +133,10 @@ class ShardStore:
             check_model_count(self.limits, len(self._models), spec.model)
             plan = self._plan(spec)
             # Before any arena exists (the new model is not in _models yet):
-            used = None if self.tier is not None else self._resident_bytes_locked()
+            used = None if self.files.at_rest else self._resident_bytes_locked()
             check_ram(spec.model, arena_bytes(plan, daemon_index, spec), ram_bytes=self.ram_bytes, used=used)
             registered = self._build(spec, daemon_index, plan)
-            if self.files is not None:
-                create_files(self.files, spec, daemon_index, registered.shards)
+            create_files(self.files, spec, daemon_index, registered.shards)
             self._models[spec.model] = registered
             return registered, True
 
@@ -151,7 +150,6 @@ class ShardStore:
     def _build(self, spec: ModelSpec, daemon_index: int, plan: list[ShardSlice] | None = None) -> RegisteredModel:
         layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
         plan = plan if plan is not None else self._plan(spec)
-        persistent = self.files is not None
         groups = tuple(p.group for p in spec.params)
         shards = {
             s.shard_id: Shard(
@@ -159,9 +157,9 @@ class ShardStore:
                 s,
                 layouts,
                 spec.optimizer,
-                persistent=persistent,
+                persistent=self.files.at_rest,
                 param_groups=groups,
-                allocate_sum=self.accumulators.allocate if self.accumulators is not None else None,
+                sums=self.accumulators,
             )  # fmt: skip
             for s in plan
             if s.daemon_index == daemon_index
@@ -172,8 +170,6 @@ class ShardStore:
         """Rebuilds every model recorded under nvme_dir, each shard at its last committed
         version; a shard whose bytes fail their checksum is kept but refused (DATA_LOSS).
         Returns the number of shards recovered."""
-        if self.files is None:
-            return 0
         recovered = 0
         damaged: dict[str, str] = {}
         for spec, daemon_index, layout in self.files.recorded_models(damaged, parse=spec_from_dict):
@@ -211,9 +207,7 @@ class ShardStore:
         an NVMe tier they are on it: ps_offload.daemon.store.accumulate)."""
         shards = [s for m in self._models.values() for s in m.shards.values()]
         parts = sum(s.parts.nbytes for s in shards if s.parts.in_ram)
-        if self.tier is not None:
-            return self.tier.used + self.tier.pooled + parts
-        return sum(s.resident_bytes for s in shards) + parts
+        return self.tier.resident_bytes(shards) + parts
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -256,64 +250,60 @@ class ShardStore:
     @contextlib.contextmanager
     def pull(
         self,
-        model: str,
-        shard_id: int,
+        pull: PullRequest,
         *,
-        min_version: int,
         timeout: float,
-        tensor: str = "master",
-        dtype: str = "float32",
-        scratch: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
+        scratch: Scratch | None = None,
         waiting: PullWait | None = None,
         waited: float | None = None,
     ) -> Iterator[tuple[torch.Tensor, int]]:
-        """Holds the shard for reading at min_version or later: yields (its `tensor`, version),
-        the tensor one of SHARD_TENSORS. The caller streams the tensor inside the block.
-        `dtype` bfloat16 or float16 (master only; ps_offload.daemon.store.pull_rounding): yields the master
+        """Holds the shard for reading at pull.min_version or later: yields (its `pull.tensor`,
+        version), the tensor one of SHARD_TENSORS. The caller streams the tensor inside the block.
+        `pull.dtype` bfloat16 or float16 (master only; ps_offload.daemon.store.pull_rounding): yields the master
         values rounded under the hold into a buffer from `scratch(n)` (as push's), and the
         hold ends there. With an NVMe tier, the master values of a shard that is not resident
         are read from disk into a buffer from `scratch`, without loading the shard
         (ps_offload.daemon.store.master_pull), and the hold ends there too. `waiting`: a gRPC pull's bound
         on waiting for the version (ps_offload.daemon.store.pull_wait); `waited`: how long the caller has
-        waited already (for the message if the version is still not there)."""
-        shard = self._pullable(model, shard_id, tensor, dtype)
-        shard.await_version(min_version, timeout, waiting, waited=waited)  # the wait, without holding anything
+        waited already (for the message if the version is still not there). Not for pull.snapshot
+        (pull_snapshot)."""
+        shard = self._pullable(pull)
+        shard.await_version(pull.min_version, timeout, waiting, waited=waited)  # the wait, without holding anything
         with contextlib.ExitStack() as sending:
-            yield self._pulled(sending, shard, tensor, dtype, min_version, timeout, scratch)
+            yield self._pulled(sending, shard, pull, timeout, scratch)
         with self._lock:
             self.stats.pulls += 1
-            self.stats.bytes_pulled += shard.slice.numel * element_bytes(dtype)  # the bytes sent
+            self.stats.bytes_pulled += shard.slice.numel * element_bytes(pull.dtype)  # the bytes sent
 
-    def _pullable(self, model: str, shard_id: int, tensor: str, dtype: str) -> Shard:
-        shard = self.shard(model, shard_id)
-        shard.check_tensor(tensor)
-        check_pull_dtype(dtype, tensor, f"pull of shard {shard_id} of model {model!r}")
+    def _pullable(self, pull: PullRequest) -> Shard:
+        shard = self.shard(pull.model, pull.shard_id)
+        shard.check_tensor(pull.tensor)
+        check_pull_dtype(pull.dtype, pull.tensor, pull.where)
         return shard
 
-    def pull_waits_on(self, model: str, shard_id: int, *, min_version: int, tensor: str, dtype: str) -> Shard | None:
+    def pull_waits_on(self, pull: PullRequest) -> Shard | None:
         """Checks a pull as pull does (raising what pull would); the shard it would wait on for
-        its version, or None when it can go on now. For a pull that must not hold a thread
-        while it waits (the data plane's parks on the shard: Shard.watch)."""
-        shard = self._pullable(model, shard_id, tensor, dtype)
+        its version, or None when it can go on now (a snapshot's copy never waits, and is
+        checked when it is read). For a pull that must not hold a thread while it waits (the
+        data plane's parks on the shard: Shard.watch)."""
+        if pull.snapshot:
+            return None
+        shard = self._pullable(pull)
         with shard.cond:
-            return None if shard.dropped or shard.ready_locked(min_version) else shard
+            return None if shard.dropped or shard.ready_locked(pull.min_version) else shard
 
     def _pulled(
         self,
         sending: contextlib.ExitStack,
         shard: Shard,
-        tensor: str,
-        dtype: str,
-        min_version: int,
+        pull: PullRequest,
         timeout: float,
-        scratch: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None,
+        scratch: Scratch | None,
     ) -> tuple[torch.Tensor, int]:
         """pull's (values, version), with what must last while they are sent entered on `sending`."""
-        if tensor == "master" and self.tier is not None:
-            pulled = pull_master(
-                sending, self.files, self.tier, shard, min_version=min_version, timeout=timeout, dtype=dtype,
-                scratch=scratch,
-            )  # fmt: skip
+        tensor, dtype, min_version = pull.tensor, pull.dtype, pull.min_version
+        if tensor == "master" and self.files.at_rest:
+            pulled = pull_master(sending, self.files, self.tier, shard, pull, timeout=timeout, scratch=scratch)
             if pulled is not None:
                 return pulled
         if dtype == "float32":
@@ -342,7 +332,7 @@ class ShardStore:
         self,
         push: PushRequest,
         *,
-        scratch: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
+        scratch: Scratch | None = None,
     ) -> PushResult:
         """Applies a gradient or a momentum (1-bit Adam), or writes initial values, held in
         `push.data`: fp32 with the shard's numel, or compressed (ps_offload.daemon.model.encodings); adds a
@@ -350,82 +340,20 @@ class ShardStore:
         Compressed values that the optimizer does not take as they are (all but a ONEBIT
         momentum) are first decompressed, and a gradient with a grad_multiplier multiplied,
         into an fp32 buffer from `scratch(numel)` (a StagingPool's borrow; a fresh tensor if
-        None): PushRequest.values. Everything is checked before the shard changes."""
+        None): PushRequest.values. Everything is checked before the shard changes. Each kind
+        is one function of ps_offload.daemon.store.push_kinds."""
         if push.data is None and push.kind != "apply":
             raise ValueError("push() needs the payload (PushRequest.with_data)")
         shard = self.shard(push.model, push.shard_id)
         push.check_shard(shard)
         numel = shard.slice.numel
-        with contextlib.ExitStack() as held:
+        with contextlib.ExitStack() as held:  # the buffers borrowed, given back once the push is done
 
             def borrow() -> torch.Tensor:
                 return held.enter_context(scratch(numel)) if scratch else torch.empty(numel, dtype=torch.float32)
 
-            if push.check_only:  # an APPLY's check: the parts are all held (else it raises)
-                with shard.cond:
-                    ack = check_step_locked(shard, push)
-                with shard.parts.lock:
-                    if ack is None:
-                        shard.parts.check_count_locked(push)
-                return ack or PushResult(applied=False, version=shard.version)
-            if push.kind == "gradient_part":  # no update, nor the shard's values: its sum only
-                result = add_part(shard, push, borrow)
-                with self._lock:
-                    if result.applied:
-                        self.stats.bytes_pushed += push.payload_bytes
-                    else:
-                        self.stats.pushes_duplicate += 1
-                return result
-            # Outside the shard's lock: the payload and the buffer are this push's own.
-            data = None if push.kind == "apply" else push.values(borrow)
-            push.check_state(shard)
-            if push.kind not in ("parameters", "state"):
-                # (.get: the model may have been dropped since; its shards then end NOT_FOUND below)
-                self.prefetcher.pushed(shard, push.step, lambda: getattr(self._models.get(shard.model), "shards", {}))
-            with self._using(shard), shard.writing_lock(), shard.parts.lock:
-                # Re-checked under the lock: a retry may have raced the first attempt.
-                ack = check_step_locked(shard, push)
-                if ack is not None:
-                    with self._lock:
-                        self.stats.pushes_duplicate += 1
-                    return ack
-                if push.kind == "parameters":
-                    shard.master.copy_(data)
-                    shard.initialized = True
-                    commit(self.files, shard)
-                elif push.kind == "state":
-                    _restore_state(shard, data, push.step)
-                    commit(self.files, shard)
-                else:
-                    if push.kind == "apply":
-                        data = shard.parts.gradient_locked(push, borrow)
-                    elapsed = self._update(shard, push, data)
-                    commit(self.files, shard)
-                    shard.parts.drop_applied_locked(shard.version)  # committed: the parts are spent
-                    with self._lock:
-                        self.stats.optimizer_seconds += elapsed
-                        self.stats.pushes_applied += 1
-                    if self.on_optimizer_step is not None:
-                        self.on_optimizer_step(elapsed)
-                with self._lock:
-                    self.stats.bytes_pushed += push.payload_bytes
-                return PushResult(applied=True, version=shard.version)
-
-    def _update(self, shard: Shard, push: PushRequest, data: torch.Tensor | OneBitGradient) -> float:
-        """One optimizer step on a shard held for writing (its version advances); returns
-        the seconds it took."""
-        started = time.perf_counter()
-        lr = shard.optimizer.config.lr if push.lr is None else push.lr
-        try:
-            if push.kind == "momentum":
-                shard.optimizer.apply_momentum(shard.master, data, lr, push.variance_frozen_at)
-            else:
-                shard.optimizer.apply(shard.master, data, lr, push.groups)
-        except BaseException:
-            roll_back(self.files, shard)  # validation should leave nothing to fail here; a kernel did
-            raise
-        shard.version += 1
-        return time.perf_counter() - started
+            apply = push_kinds.check_apply if push.check_only else push_kinds.BY_KIND[push.kind]
+            return apply(self, shard, push, borrow)
 
     def prefetch(self, model: str, shard_ids: list[int]) -> int:
         """A trainer's hint: these shards next, in this order. Queued for loading into the
@@ -435,46 +363,12 @@ class ShardStore:
             self.stats.prefetch_hints += len(shard_ids)
         return self.prefetcher.hint(shards)
 
-    # -- tiers and admin ------------------------------------------------------------------
+    # -- tiers ----------------------------------------------------------------------------
 
-    def evict(self, model: str, shard_id: int) -> Shard:
-        """Drops a shard from RAM; it stays committed on disk."""
-        shard = self.shard(model, shard_id)
-        if self.tier is None:
-            raise FailedPrecondition("this daemon has no NVMe tier (store.nvme_dir); shards cannot leave RAM")
-        if not self.tier.evict(shard):
-            raise FailedPrecondition(f"shard {shard_id} of model {model!r} is in use; try again")
-        return shard
-
-    def load(self, model: str, shard_id: int) -> Shard:
-        """Reads a shard into RAM now (it stays until evicted by need or by `evict`)."""
-        shard = self.shard(model, shard_id)
-        with self._using(shard):
-            return shard
-
-    def _using(self, shard: Shard):
-        """Pins the shard in RAM for the block (loading it if it was on NVMe)."""
-        if self.tier is None:
-            return contextlib.nullcontext()
-        return _tier_errors(self.tier.use(shard))
-
-    def value_stats(self, shard: Shard, *, timeout: float = 10.0, bins: int = 0) -> ValueStats:
-        """ps_offload.daemon.store.inspection.value_stats, with the shard brought into RAM for the while."""
-        with self._using(shard):
-            return inspection.value_stats(shard, timeout=timeout, bins=bins)
-
-    def shards_to_verify(self, model: str = "") -> list[Shard]:
-        """The named model's shards (NotFound if unknown), or every model's (""), in name and
-        id order."""
-        models = [self.model(model)] if model else sorted(self.models(), key=lambda m: m.spec.model)
-        return [m.shards[i] for m in models for i in sorted(m.shards)]
-
-    def verify_bytes(self, shards: list[Shard]) -> int:
-        return inspection.verify_bytes(self.files, shards)
-
-    def verify(self, shards: list[Shard], *, hold_timeout: float = 60.0) -> Iterator[Verdict]:
-        """ps_offload.daemon.store.inspection.verify over this store's files."""
-        return inspection.verify(self.files, shards, hold_timeout=hold_timeout)
+    def _using(self, shard: Shard) -> contextlib.AbstractContextManager[None]:
+        """Pins the shard in RAM for the block (loading it if it was on NVMe; TierFull, a
+        ResourceExhausted, when the tier has no room for it in time)."""
+        return self.tier.use(shard)
 
     def stats_snapshot(self) -> StatsSnapshot:
         with self._lock:
@@ -492,7 +386,7 @@ class ShardStore:
                 optimizer_seconds=s.optimizer_seconds,
                 prefetch_hints=s.prefetch_hints,
                 uptime_seconds=time.monotonic() - s.started,
-                **inspection.tier_counts(self.files, self.tier, self.ram_bytes, shards),
+                **tier_counts(self.files, self.tier, self.ram_bytes, shards),
             )
 
     def drop(self, name: str, *, timeout: float = 60.0) -> Dropped:
@@ -501,7 +395,7 @@ class ShardStore:
             if name in self._dropping:
                 raise FailedPrecondition(f"model {name!r} is already being dropped")
             if name in self.damaged:  # nothing of it is open: its files go
-                disk = self.files.delete_model(name) if self.files is not None else 0
+                disk = self.files.delete_model(name)
                 del self.damaged[name]
                 log.warning("model %r (damaged) dropped: %d bytes of files deleted", name, disk)
                 return Dropped(0, disk, 0, was_damaged=True)
@@ -518,43 +412,21 @@ class ShardStore:
                     "dropped. Stop its trainers and try again"
                 )
             ram = release_sums(shards)
-            if self.tier is not None:
-                try:
-                    ram += self.tier.forget(shards, timeout)
-                except TimeoutError as exc:
-                    raise StorageError(
-                        f"model {name!r} was dropped from memory, but {exc}; its files stay until the daemon "
-                        "restarts (it is then recovered; drop it again)"
-                    ) from exc
-            else:
-                ram += sum(s.resident_bytes for s in shards)
-                for shard in shards:
-                    shard.detach()
-            disk = self.files.delete_model(name) if self.files is not None else 0
+            try:
+                ram += self.tier.forget(shards, timeout)
+            except TimeoutError as exc:
+                raise StorageError(
+                    f"model {name!r} was dropped from memory, but {exc}; its files stay until the daemon "
+                    "restarts (it is then recovered; drop it again)"
+                ) from exc
+            disk = self.files.delete_model(name)
         finally:
             with self._lock:
                 self._dropping.discard(name)
         log.warning("model %r dropped: %d shards, %d bytes of RAM and %d of files freed", name, len(shards), ram, disk)
         return Dropped(len(shards), disk, ram, was_damaged=False)
 
-    # -- snapshots (ps_offload.daemon.store.snapshot_admin) ------------------------------------------------------
-
-    def create_snapshot(
-        self, model: str, name: str, step: int, *, timeout: float, caller_left: threading.Event | None = None
-    ) -> snapshot_admin.SnapshotInfo:
-        shard_ids = set(self.model(model).shards)
-        return snapshot_admin.take(self.files, model, name, step, shard_ids, timeout, caller_left)
-
-    def wake_snapshots(self, model: str) -> None:
-        snapshot_admin.wake(self.files, model)
-
-    def list_snapshots(self, model: str) -> list[snapshot_admin.SnapshotInfo]:
-        self.model(model)  # NotFound for a model not here
-        return snapshot_admin.listed(self.files, model)
-
-    def delete_snapshot(self, model: str, name: str) -> snapshot_admin.SnapshotInfo:
-        self.model(model)
-        return snapshot_admin.delete(self.files, model, name)
+    # -- snapshots (taken, listed and deleted by ps_offload.daemon.store.snapshot_admin) -----
 
     def pull_snapshot(self, model: str, shard_id: int, name: str, tensor: str = "master") -> tuple[torch.Tensor, int]:
         """(`tensor` of the shard as snapshot `name` holds it, the snapshot's step): a copy of
@@ -568,23 +440,4 @@ class ShardStore:
         return values, step
 
     def close(self) -> None:
-        if self.tier is not None:
-            self.tier.close()
-
-
-def _restore_state(shard: Shard, values: torch.Tensor, step: int) -> None:
-    """A STATE push, under the shard's write hold: master and optimizer state from `values`
-    (checked by the push), the shard at version `step`."""
-    numel = shard.slice.numel
-    for index, tensor in enumerate([shard.master, *shard.optimizer.state]):
-        tensor.copy_(values[index * numel : (index + 1) * numel])
-    shard.set_version(step, initialized=True)
-
-
-@contextlib.contextmanager
-def _tier_errors(use):
-    try:
-        with use:
-            yield
-    except TierFull as exc:
-        raise ResourceExhausted(str(exc)) from exc
+        self.tier.close()

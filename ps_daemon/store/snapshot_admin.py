@@ -1,6 +1,7 @@
-"""A model's snapshots on this daemon, as the store offers them (Admin.CreateSnapshot,
-ListSnapshots, DeleteSnapshot; pulls with PullRequest.snapshot): the pinning itself is
-ps_offload.daemon.tiers.snapshot_pins', which says how a snapshot is kept without a copy."""
+"""A model's snapshots on this daemon (Admin.CreateSnapshot, ListSnapshots, DeleteSnapshot, each
+given the store's files; pulls with PullRequest.snapshot, through ShardStore.pull_snapshot): the
+pinning itself is ps_offload.daemon.tiers.snapshot_pins', which says how a snapshot is kept
+without a copy. A RAM-only daemon has no committed slots to pin (ShardFiles.at_rest false)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ps_offload.daemon.store.shard import ARENA_STAGGER, SHARD_TENSORS, Shard, a
 from ps_offload.daemon.tiers.direct_io import PAGE
 from ps_offload.daemon.tiers.nvme import NoCapacity, NvmeFiles, arena_tensor
 from ps_offload.daemon.tiers.snapshot_pins import NAME, Snapshot, SnapshotRefused
+from ps_offload.daemon.tiers.tier import ShardFiles
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,8 @@ def _info(files: NvmeFiles, model: str, snap: Snapshot) -> SnapshotInfo:
     )
 
 
-def _files(files: NvmeFiles | None) -> NvmeFiles:
-    if files is None:
+def _files(files: ShardFiles) -> NvmeFiles:
+    if not files.at_rest:
         raise FailedPrecondition(
             "this daemon has no NVMe tier (store.nvme_dir): snapshots pin committed slots on disk; "
             "use ps-admin export for a copy of the parameters"
@@ -56,7 +58,7 @@ def _files(files: NvmeFiles | None) -> NvmeFiles:
 
 
 def take(
-    files: NvmeFiles | None,
+    files: ShardFiles,
     model: str,
     name: str,
     step: int,
@@ -109,23 +111,23 @@ def take(
     return _info(files, model, snap)
 
 
-def wake(files: NvmeFiles | None, model: str) -> None:
+def wake(files: ShardFiles, model: str) -> None:
     """Wakes the snapshots waiting on the model, to see whether their caller left."""
-    file = files.files.get(model) if files is not None else None
+    file = files.files.get(model)  # None without NVMe: nothing waits
     if file is not None:
         with file.cond:
             file.cond.notify_all()
 
 
-def listed(files: NvmeFiles | None, model: str) -> list[SnapshotInfo]:
-    if files is None:
+def listed(files: ShardFiles, model: str) -> list[SnapshotInfo]:
+    if not files.at_rest:  # snapshots pin committed slots: none without NVMe
         return []
     file = files.files[model]
     with file.cond:
         return [_info(files, model, snap) for _, snap in sorted(file.snapshots.snapshots.items())]
 
 
-def delete(files: NvmeFiles | None, model: str, name: str) -> SnapshotInfo:
+def delete(files: ShardFiles, model: str, name: str) -> SnapshotInfo:
     """Forgets a snapshot; its slots go back to the file's free list."""
     files = _files(files)
     file = files.files[model]
@@ -154,7 +156,7 @@ def _named(snapshots: dict[str, Snapshot], model: str, name: str) -> Snapshot:
     return snap
 
 
-def read_tensor(files: NvmeFiles | None, shard: Shard, name: str, tensor: str) -> tuple[torch.Tensor, int]:
+def read_tensor(files: ShardFiles, shard: Shard, name: str, tensor: str) -> tuple[torch.Tensor, int]:
     """`tensor` (one of SHARD_TENSORS) of the shard as snapshot `name` holds it, read from its
     pinned slot and checked against the slot's crc32c; and the snapshot's step."""
     files, model = _files(files), shard.model

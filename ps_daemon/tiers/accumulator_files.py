@@ -32,6 +32,8 @@ FP32_BYTES = 4
 
 
 class AccumulatorFiles:
+    in_ram = False  # ps_offload.daemon.tiers.tier.SumStore: the page cache, not the store's RAM
+
     def __init__(self, nvme_dir: Path) -> None:
         self.dir = Path(nvme_dir) / "accumulators"
         shutil.rmtree(self.dir, ignore_errors=True)  # a killed daemon's, if any

@@ -11,7 +11,7 @@ spare slots (`store.nvme_spare_slots`, at most N) take the versions being writte
 disk holds the state about once (N + K over N), not twice as a fixed A/B pair per shard
 would, and K bounds how many commits run at once.
 
-Commit protocol (what "committed" means; docs/architecture.md). Version v+1 of a shard goes
+Commit protocol (what "committed" means; docs/storage.md). Version v+1 of a shard goes
 into a free slot: (1) the arena bytes, (2) fdatasync, (3) the header (shard id, version,
 crc32c of the bytes and of their master region, its own crc32c), (4) fdatasync. Only then is
 the push acknowledged, and the slot that held v becomes free. A crash before (3) leaves the
@@ -96,6 +96,8 @@ class NvmeFiles:
     capacity: bytes all arena files together may take (0: as much as the disk has).
     spare_slots: slots per model beyond one per shard, for versions being written.
     floor_seconds: how often each model's committed versions are recorded (version_floors)."""
+
+    at_rest = True  # ps_offload.daemon.tiers.tier.ShardFiles: committed versions survive a restart
 
     def __init__(
         self,

@@ -26,25 +26,21 @@ loading; a pinned shard is resident or loading; `lru` holds exactly the resident
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+
+from ps_offload.daemon.errors import ResourceExhausted
+from ps_offload.daemon.tiers.tier import TierStats
 
 log = logging.getLogger(__name__)
 
 
-class TierFull(Exception):
-    """Every resident shard is pinned and the budget has no room for another."""
-
-
-@dataclass
-class TierStats:
-    hits: int = 0
-    misses: int = 0
-    prefetched: int = 0
-    evictions: int = 0
+class TierFull(ResourceExhausted):
+    """Every resident shard is pinned and the budget has no room for another (the caller's
+    request is refused as RESOURCE_EXHAUSTED, with this message)."""
 
 
 class RamTier:
@@ -302,6 +298,16 @@ class RamTier:
                 self._protected.add(shard)
                 self.stats.prefetched += 1
                 self.cond.notify_all()
+
+    # -- what the store reads -----------------------------------------------------------
+
+    def resident_bytes(self, shards: list) -> int:
+        """The budget taken: resident arenas and pooled buffers (of `shards`: all there are)."""
+        return self.used + self.pooled
+
+    def counters(self) -> TierStats:
+        with self.cond:
+            return dataclasses.replace(self.stats)
 
     def close(self) -> None:
         with self.cond:

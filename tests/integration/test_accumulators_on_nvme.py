@@ -21,6 +21,7 @@ import torch
 
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.push import Push
 from ps_offload.trainer.config import AdamW, ClientConfig
 from ps_offload.trainer.io.device import byte_view
 from ps_offload.trainer.wire.sharded_client import ShardedClient
@@ -57,7 +58,12 @@ def test_sums_larger_than_the_daemons_memory_limit_are_paged_to_the_nvme_tier_an
 
         def push_all(kind: int, payload: torch.Tensor | None = None, **how) -> None:
             data = (lambda s: byte_view(payload[: s.numel])) if payload is not None else (lambda s: memoryview(b""))
-            list(pool.map(lambda s: client.push(s, step=0, kind=kind, data=data(s), lr=None, **how), plan))
+            list(
+                pool.map(
+                    lambda s: client.push(s, Push.build(client.model, s.shard_id, data(s), step=0, kind=kind, **how)),
+                    plan,
+                )
+            )
 
         push_all(ps_pb2.PARAMETERS, values)
         # Pages charged from here on: the sums (256 MiB) do not fit the headroom (128 MiB).

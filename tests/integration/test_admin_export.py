@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from ps_offload import trainer
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.push import Push
 from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 from tests.ps_admin.test_cli import run_admin
@@ -107,8 +108,8 @@ def test_export_refuses_shards_without_values_or_at_different_steps(daemon, tmp_
 
     ones = memoryview(torch.ones(1024).numpy()).cast("B")
     for shard_id in (0, 1):
-        client.push("m", shard_id, step=0, kind=ps_pb2.PARAMETERS, data=ones, lr=None, timeout=10)
-    client.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=ones, lr=None, timeout=10)  # shard 0 at version 1
+        client.push(Push.build("m", shard_id, ones, step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+    client.push(Push.build("m", 0, ones, step=0, kind=ps_pb2.GRADIENT), timeout=10)  # shard 0 at version 1
     client.close()
     mixed = run_admin("export", "--out", str(out), "--daemon", daemon.address)
     assert mixed.returncode == 1 and mixed.stderr.count("\n") == 1
@@ -127,7 +128,7 @@ def test_export_to_a_missing_directory_is_one_line(daemon, tmp_path):
     client = _register(daemon.address, "m")
     ones = memoryview(torch.ones(1024).numpy()).cast("B")
     for shard_id in (0, 1):
-        client.push("m", shard_id, step=0, kind=ps_pb2.PARAMETERS, data=ones, lr=None, timeout=10)
+        client.push(Push.build("m", shard_id, ones, step=0, kind=ps_pb2.PARAMETERS), timeout=10)
     client.close()
     out = tmp_path / "missing" / "m.safetensors"
     result = run_admin("export", "--out", str(out), "--daemon", daemon.address)

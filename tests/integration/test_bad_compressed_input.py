@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload import kernels
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 
@@ -49,9 +50,9 @@ def setup(daemon):
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     client.register(_spec(), 0, timeout=10)
     for shard_id, n in enumerate(SIZES):
-        client.push("m", shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_view(torch.ones(n)), lr=None, timeout=10)
+        client.push(Push.build("m", shard_id, _view(torch.ones(n)), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
     ack = client.push(
-        "m", 0, step=0, kind=ps_pb2.GRADIENT, data=_view(_onebit(2048)), lr=None, timeout=30, encoding=ps_pb2.ONEBIT
+        Push.build("m", 0, _view(_onebit(2048)), step=0, kind=ps_pb2.GRADIENT, encoding=ps_pb2.ONEBIT), timeout=30
     )
     assert ack.applied and ack.version == 1
     after_one_step = torch.empty(2048)
@@ -76,7 +77,7 @@ def _refused(call) -> str:
 
 def _push(client, payload: torch.Tensor, encoding: int, *, kind=ps_pb2.GRADIENT, shard_id=0, step=1):
     return lambda: client.push(
-        "m", shard_id, step=step, kind=kind, data=_view(payload), lr=None, timeout=10, encoding=encoding
+        Push.build("m", shard_id, _view(payload), step=step, kind=kind, encoding=encoding), timeout=10
     )
 
 
@@ -150,12 +151,13 @@ def test_data_plane_refuses_bad_topk_and_keeps_the_connection(setup):
     port = client.register(_spec(), 0, timeout=10).data_port
     plane = DataPlaneClient("127.0.0.1", port, max_connections=1)
     try:
-        push = dict(step=1, kind=ps_pb2.GRADIENT, lr=None, timeout=10, encoding=ps_pb2.TOPK)
-        details = _refused(lambda: plane.push("m", 0, data=_view(_topk(2, [9, 3])), **push))
+        push = Push.build("m", 0, _view(_topk(2, [9, 3])), step=1, kind=ps_pb2.GRADIENT, encoding=ps_pb2.TOPK)
+        details = _refused(lambda: plane.push(push, timeout=10))
         assert "shard 0" in details and "index 3 at position 1 follows 9" in details
         # Same connection, a good 1-bit push to the other shard (shard 0 stays as the fixture left it).
-        ack = plane.push("m", 1, step=0, kind=ps_pb2.GRADIENT, data=_view(_onebit(952)), lr=None, timeout=10,
-                         encoding=ps_pb2.ONEBIT)  # fmt: skip
+        ack = plane.push(
+            Push.build("m", 1, _view(_onebit(952)), step=0, kind=ps_pb2.GRADIENT, encoding=ps_pb2.ONEBIT), timeout=10
+        )
         assert ack.applied and ack.version == 1
     finally:
         plane.close()
@@ -163,9 +165,11 @@ def test_data_plane_refuses_bad_topk_and_keeps_the_connection(setup):
 
 def _momentum_push(client, frozen, *, step=1, kind=ps_pb2.MOMENTUM):
     return lambda: client.push(
-        "m", 0, step=step, kind=kind, data=_view(_onebit(2048)), lr=None, timeout=10, encoding=ps_pb2.ONEBIT,
-        variance_frozen_at=frozen,
-    )  # fmt: skip
+        Push.build(
+            "m", 0, _view(_onebit(2048)), step=step, kind=kind, encoding=ps_pb2.ONEBIT, variance_frozen_at=frozen
+        ),
+        timeout=10,
+    )
 
 
 @pytest.mark.parametrize(
@@ -191,10 +195,20 @@ def test_momentum_push_and_state_pulls_to_an_sgd_model_are_failed_precondition(d
     spec.model = "sgd"
     spec.optimizer.CopyFrom(ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1, momentum=0.9)))
     client.register(spec, 0, timeout=10)
-    client.push("sgd", 0, step=0, kind=ps_pb2.PARAMETERS, data=_view(torch.ones(2048)), lr=None, timeout=10)
+    client.push(Push.build("sgd", 0, _view(torch.ones(2048)), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
     with pytest.raises(grpc.RpcError) as info:
-        client.push("sgd", 0, step=0, kind=ps_pb2.MOMENTUM, data=_view(_onebit(2048)), lr=None, timeout=10,
-                    encoding=ps_pb2.ONEBIT, variance_frozen_at=1)  # fmt: skip
+        client.push(
+            Push.build(
+                "sgd",
+                0,
+                _view(_onebit(2048)),
+                step=0,
+                kind=ps_pb2.MOMENTUM,
+                encoding=ps_pb2.ONEBIT,
+                variance_frozen_at=1,
+            ),
+            timeout=10,
+        )
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "need an AdamW model; model 'sgd' runs SGDConfig (push gradients instead)" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:

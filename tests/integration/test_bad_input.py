@@ -10,6 +10,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.proto import codec, ps_pb2
+from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 
 SHARD_BYTES = 4096
@@ -36,8 +37,8 @@ def setup(daemon):
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     client.register(_spec(), 0, timeout=10)
     for shard_id, n in enumerate((1024, 1024, 952)):
-        client.push("m", shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(n)), lr=None, timeout=10)
-    ack = client.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=None, timeout=10)
+        client.push(Push.build("m", shard_id, _bytes(torch.ones(n)), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+    ack = client.push(Push.build("m", 0, _bytes(torch.ones(1024)), step=0, kind=ps_pb2.GRADIENT), timeout=10)
     assert ack.applied and ack.version == 1
     yield daemon, client
     # Still serving, and shard 0 holds exactly what one SGD step gave it: 1 - 0.1 * 1.
@@ -61,7 +62,7 @@ def test_unknown_shard_is_not_found(setup):
     code, details = _status(lambda: client.pull_into("m", 99, min_version=0, out=_bytes(torch.empty(1)), timeout=5))
     assert code == grpc.StatusCode.NOT_FOUND and "no shard 99" in details
     code, details = _status(
-        lambda: client.push("m", 99, step=1, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=None, timeout=5)
+        lambda: client.push(Push.build("m", 99, _bytes(torch.ones(1024)), step=1, kind=ps_pb2.GRADIENT), timeout=5)
     )
     assert code == grpc.StatusCode.NOT_FOUND and "shard 99" in details
 
@@ -75,7 +76,7 @@ def test_unknown_model_is_not_found(setup):
 def test_wrong_byte_count_is_invalid_argument(setup):
     _, client = setup
     code, details = _status(
-        lambda: client.push("m", 0, step=1, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1000)), lr=None, timeout=5)
+        lambda: client.push(Push.build("m", 0, _bytes(torch.ones(1000)), step=1, kind=ps_pb2.GRADIENT), timeout=5)
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "4000 bytes" in details and "4096" in details
 
@@ -110,14 +111,14 @@ def test_missing_header_and_malformed_chunk_are_invalid_argument(setup):
 def test_push_for_applied_step_is_acknowledged_not_reapplied(setup):
     _, client = setup
     # A retry of step 0 with a different gradient: must not change anything.
-    ack = client.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.full((1024,), 50.0)), lr=None, timeout=5)
+    ack = client.push(Push.build("m", 0, _bytes(torch.full((1024,), 50.0)), step=0, kind=ps_pb2.GRADIENT), timeout=5)
     assert not ack.applied and ack.version == 1  # the fixture's teardown checks the values
 
 
 def test_push_for_future_step_is_failed_precondition(setup):
     _, client = setup
     code, details = _status(
-        lambda: client.push("m", 0, step=5, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=None, timeout=5)
+        lambda: client.push(Push.build("m", 0, _bytes(torch.ones(1024)), step=5, kind=ps_pb2.GRADIENT), timeout=5)
     )
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "step 5" in details and "version 1" in details
 
@@ -125,7 +126,7 @@ def test_push_for_future_step_is_failed_precondition(setup):
 def test_initial_values_after_an_update_are_failed_precondition(setup):
     _, client = setup
     code, details = _status(
-        lambda: client.push("m", 0, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.zeros(1024)), lr=None, timeout=5)
+        lambda: client.push(Push.build("m", 0, _bytes(torch.zeros(1024)), step=0, kind=ps_pb2.PARAMETERS), timeout=5)
     )
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "before the first update" in details
 
@@ -168,7 +169,7 @@ def test_message_over_limit_is_resource_exhausted(daemon_factory, tmp_path):
     code, details = _status(lambda: client._push(iter([oversized]), timeout=5))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     # Still serving: a well-formed push works.
-    ack = client.push("m", 0, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(1024)), lr=None, timeout=5)
+    ack = client.push(Push.build("m", 0, _bytes(torch.ones(1024)), step=0, kind=ps_pb2.PARAMETERS), timeout=5)
     assert ack.applied
     client.close()
 

@@ -15,6 +15,7 @@ import torch
 
 from ps_offload import kernels
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 from tests.integration.test_bad_compressed_input import _onebit, _spec, _view
@@ -45,9 +46,10 @@ class Twins:
             spec.model = model
             port = self.client.register(spec, 0, timeout=10).data_port
             for shard_id, n in enumerate((N, 952)):
-                self.client.push(model, shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_view(torch.ones(n)),
-                                 lr=None, timeout=10)  # fmt: skip
-            ack = self.client.push(model, 0, step=0, kind=ps_pb2.GRADIENT, data=_view(GRADIENT), lr=None, timeout=10)
+                self.client.push(
+                    Push.build(model, shard_id, _view(torch.ones(n)), step=0, kind=ps_pb2.PARAMETERS), timeout=10
+                )
+            ack = self.client.push(Push.build(model, 0, _view(GRADIENT), step=0, kind=ps_pb2.GRADIENT), timeout=10)
             assert ack.applied and ack.version == 1
         self.plane = DataPlaneClient("127.0.0.1", port, max_connections=1)
 
@@ -66,7 +68,7 @@ class Twins:
         before = self.state("m")
         for transport in (self.client, self.plane):
             with pytest.raises(grpc.RpcError) as info:
-                transport.push("m", 0, timeout=10, **push)
+                transport.push(_build("m", **push), timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
             assert field in info.value.details() and "shard 0" in info.value.details(), info.value.details()
             after = self.state("m")
@@ -76,7 +78,7 @@ class Twins:
     def continue_both(self, **push) -> None:
         """A valid push to both twins: the same result, bit for bit."""
         for model in ("m", "ref"):
-            ack = self.client.push(model, 0, timeout=30, **push)
+            ack = self.client.push(_build(model, **push), timeout=30)
             assert ack.applied and ack.version == 2
         (m_versions, m_tensors), (ref_versions, ref_tensors) = self.state("m"), self.state("ref")
         assert m_versions == ref_versions == [2, 2, 2]
@@ -94,6 +96,10 @@ def twins(daemon):
     yield twins
     twins.close()
     assert daemon.process.poll() is None
+
+
+def _build(model: str, *, data: memoryview, **header) -> Push:
+    return Push.build(model, 0, data, **header)
 
 
 def _push(kind: int, encoding: int, **extra) -> dict:

@@ -18,6 +18,7 @@ from ps_offload.daemon.model.spec import spec_from_dict, spec_to_dict
 from ps_offload.daemon.rpc import conversions
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice, plan_shards, shard_numel_for
+from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.sharded_client import DaemonClient, ShardedClient
 
@@ -98,13 +99,23 @@ def test_daemons_cut_at_the_flagged_parameters_and_step_like_torch(daemons):
         pulled = torch.empty(TOTAL)
         for shard in plan:
             piece = initial[shard.offset : shard.end].clone()
-            assert client.push(shard, step=0, kind=ps_pb2.PARAMETERS, data=_view(piece), lr=None).version == 0
+            assert (
+                client.push(
+                    shard, Push.build(client.model, shard.shard_id, _view(piece), step=0, kind=ps_pb2.PARAMETERS)
+                ).version
+                == 0
+            )
             out = pulled[shard.offset : shard.end]
             assert client.pull(shard, min_version=0, out=_view(out)) == 0
         assert torch.equal(pulled, initial)
         for shard in plan:
             grad = gradient[shard.offset : shard.end].clone()
-            assert client.push(shard, step=0, kind=ps_pb2.GRADIENT, data=_view(grad), lr=None).version == 1
+            assert (
+                client.push(
+                    shard, Push.build(client.model, shard.shard_id, _view(grad), step=0, kind=ps_pb2.GRADIENT)
+                ).version
+                == 1
+            )
             out = pulled[shard.offset : shard.end]
             assert client.pull(shard, min_version=1, out=_view(out)) == 1
 

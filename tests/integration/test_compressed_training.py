@@ -25,10 +25,11 @@ from torch import nn
 
 from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
-from ps_offload.daemon.model.encodings import onebit_nbytes
 from ps_offload.kernels import BLOCK, topk_count
 from ps_offload.kernels.fused_adamw import onebit_adam_
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
+from ps_offload.proto.payloads import onebit_nbytes
+from ps_offload.proto.push import Push
 from ps_offload.trainer.config import CompressionConfig, OffloadConfig
 from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.io.push_compression import Payload, PushCompressor
@@ -282,9 +283,18 @@ def test_a_resent_compressed_push_is_acknowledged_without_effect(shared):
             kept = opt.io.compressor.payload(shard, step, torch.zeros(numel))  # kept, not compressed again
             assert kept.kind == ps_pb2.MOMENTUM
             ack = opt.client.push(
-                shard, step=step, kind=kept.kind, data=kept.data, lr=LR, encoding=kept.encoding,
-                variance_frozen_at=kept.variance_frozen_at,
-            )  # fmt: skip
+                shard,
+                Push.build(
+                    opt.client.model,
+                    shard.shard_id,
+                    kept.data,
+                    step=step,
+                    kind=kept.kind,
+                    lr=LR,
+                    encoding=kept.encoding,
+                    variance_frozen_at=kept.variance_frozen_at,
+                ),
+            )
             assert not ack.applied and ack.version == step + 1
         after = state()
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

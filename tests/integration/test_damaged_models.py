@@ -17,6 +17,7 @@ import torch
 
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 from tests.integration.test_bad_input import _bytes, _spec
 
@@ -43,8 +44,8 @@ def test_a_damaged_model_is_refused_and_the_daemon_serves_the_others(tmp_path, h
             client.register(_spec(model=name), 0, timeout=10)
             for shard_id, n in enumerate((1024, 1024, 952)):
                 values = torch.arange(n, dtype=torch.float32) + shard_id
-                client.push(name, shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(values), lr=None, timeout=10)
-        ack = client.push("good", 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=None, timeout=10)
+                client.push(Push.build(name, shard_id, _bytes(values), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+        ack = client.push(Push.build("good", 0, _bytes(torch.ones(1024)), step=0, kind=ps_pb2.GRADIENT), timeout=10)
         assert ack.version == 1
         client.close()
     finally:

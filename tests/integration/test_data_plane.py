@@ -16,6 +16,7 @@ import torch
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import recv_message, send_message
+from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 from tests.integration.test_liveness import _until
@@ -59,9 +60,11 @@ def plane(shared_daemon):
     client, data, response = _register(daemon, model)
     client.close()
     for shard in response.shards:
-        data.push(model, shard.shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(shard.numel)),
-                  lr=None, timeout=10)  # fmt: skip
-    ack = data.push(model, 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(NUMEL)), lr=None, timeout=10)
+        data.push(
+            Push.build(model, shard.shard_id, _bytes(torch.ones(shard.numel)), step=0, kind=ps_pb2.PARAMETERS),
+            timeout=10,
+        )
+    ack = data.push(Push.build(model, 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT), timeout=10)
     assert ack.applied and ack.version == 1
     yield model, data, response
     # Still serving on both paths, and shard 0 holds exactly one SGD step: 1 - 0.1 * 1.
@@ -92,17 +95,17 @@ def test_bad_input_gets_the_same_statuses_as_grpc(plane):
     code, details = _status(lambda: data.pull_into(m, 99, min_version=0, out=_bytes(torch.empty(1)), timeout=5))
     assert code == grpc.StatusCode.NOT_FOUND and "no shard 99" in details
     code, details = _status(
-        lambda: data.push(m, 0, step=1, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(10)), lr=None, timeout=5)
+        lambda: data.push(Push.build(m, 0, _bytes(torch.ones(10)), step=1, kind=ps_pb2.GRADIENT), timeout=5)
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "40 bytes" in details
     code, details = _status(
-        lambda: data.push(m, 0, step=4, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(NUMEL)), lr=None, timeout=5)
+        lambda: data.push(Push.build(m, 0, _bytes(torch.ones(NUMEL)), step=4, kind=ps_pb2.GRADIENT), timeout=5)
     )
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "step 4" in details
     code, _ = _status(lambda: data.pull_into(m, 0, min_version=9, out=_bytes(torch.empty(NUMEL)), timeout=0.5))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     # A retried, already applied step: acknowledged without effect (the fixture checks values).
-    ack = data.push(m, 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.full((NUMEL,), 9.0)), lr=None, timeout=5)
+    ack = data.push(Push.build(m, 0, _bytes(torch.full((NUMEL,), 9.0)), step=0, kind=ps_pb2.GRADIENT), timeout=5)
     assert not ack.applied and ack.version == 1
 
 
@@ -137,7 +140,7 @@ def test_sigterm_lets_an_in_flight_data_plane_push_finish(daemon_factory, notifi
     daemon = daemon_factory()
     numel = 4 << 20
     _, data, response = _register(daemon, numel=numel, shard_bytes=numel * 4)
-    data.push("m", 0, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.zeros(numel)), lr=None, timeout=10)
+    data.push(Push.build("m", 0, _bytes(torch.zeros(numel)), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
     sock = socket.create_connection(("127.0.0.1", response.data_port))
     header = ps_pb2.PushHeader(model="m", shard_id=0, step=0, kind=ps_pb2.GRADIENT, encoding=ps_pb2.RAW,
                                dtype=ps_pb2.FLOAT32, nbytes=numel * 4)  # fmt: skip
@@ -167,8 +170,9 @@ def test_connections_are_bounded_idle_ones_closed_and_the_trainer_reconnects_uns
     daemon = daemon_factory(config=config)
     client, data, response = _register(daemon)
     for shard in response.shards:
-        data.push("m", shard.shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(torch.ones(shard.numel)),
-                  lr=None, timeout=10)  # fmt: skip
+        data.push(
+            Push.build("m", shard.shard_id, _bytes(torch.ones(shard.numel)), step=0, kind=ps_pb2.PARAMETERS), timeout=10
+        )
     data.close()
     _until(lambda stats: stats.data_connections == 0, "the pushes' connections closed", client)
     client.close()

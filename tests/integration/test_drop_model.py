@@ -14,6 +14,7 @@ import torch
 
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 from tests.integration.test_bad_input import _bytes, _spec
 from tests.ps_admin.test_cli import admin_json, run_admin
@@ -25,8 +26,8 @@ def _fill(client: DaemonClient, name: str, offset: float) -> None:
     client.register(_spec(model=name), 0, timeout=10)
     for shard_id, n in enumerate(SHARD_SIZES):
         values = torch.arange(n, dtype=torch.float32) + offset + shard_id
-        client.push(name, shard_id, step=0, kind=ps_pb2.PARAMETERS, data=_bytes(values), lr=None, timeout=10)
-    ack = client.push(name, 0, step=0, kind=ps_pb2.GRADIENT, data=_bytes(torch.ones(1024)), lr=None, timeout=10)
+        client.push(Push.build(name, shard_id, _bytes(values), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+    ack = client.push(Push.build(name, 0, _bytes(torch.ones(1024)), step=0, kind=ps_pb2.GRADIENT), timeout=10)
     assert ack.version == 1
 
 
@@ -159,7 +160,7 @@ def test_drop_while_pushes_run_ends_them_with_not_found_and_nothing_else(tmp_pat
             grad = _bytes(torch.ones(SHARD_SIZES[shard_id]))
             while True:
                 try:
-                    client.push("busy", shard_id, step=step, kind=ps_pb2.GRADIENT, data=grad, lr=None, timeout=30)
+                    client.push(Push.build("busy", shard_id, grad, step=step, kind=ps_pb2.GRADIENT), timeout=30)
                 except grpc.RpcError as exc:
                     outcomes.append(exc)
                     return

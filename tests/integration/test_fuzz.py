@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import codec, ps_pb2
 from ps_offload.proto.frames import recv_message, send_message
+from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 from tests.integration import fuzz_inputs as fuzz
 from tests.integration.test_bad_input import _bytes, _spec
@@ -68,9 +69,9 @@ class Target:
             self.client.register(_spec(model=name, lr=0.1), 0, timeout=30)
             for shard_id, n in enumerate(SHARDS):
                 values = _bytes(torch.linspace(-1, 1, n) + shard_id)
-                self.client.push(name, shard_id, step=0, kind=ps_pb2.PARAMETERS, data=values, lr=None, timeout=30)
+                self.client.push(Push.build(name, shard_id, values, step=0, kind=ps_pb2.PARAMETERS), timeout=30)
         grad = _bytes(torch.full((1024,), 0.5))
-        self.client.push(fuzz.KEPT, 0, step=0, kind=ps_pb2.GRADIENT, data=grad, lr=None, timeout=30)
+        self.client.push(Push.build(fuzz.KEPT, 0, grad, step=0, kind=ps_pb2.GRADIENT), timeout=30)
         self.kept = self._kept_state()
 
     def _kept_state(self) -> list[tuple[int, bytes]]:

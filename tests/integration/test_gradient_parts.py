@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.sharded_client import DaemonError, ShardedClient
 from tests.integration.test_bad_compressed_input import _onebit
@@ -42,7 +43,16 @@ class Model:
         self.reference = Reference("adamw", initial_values())
         flat = _flat(initial_values())
         for shard in self.plan:
-            self.client.push(shard, step=0, kind=ps_pb2.PARAMETERS, data=_view(flat[shard.offset : shard.end]), lr=None)
+            self.client.push(
+                shard,
+                Push.build(
+                    self.client.model,
+                    shard.shard_id,
+                    _view(flat[shard.offset : shard.end]),
+                    step=0,
+                    kind=ps_pb2.PARAMETERS,
+                ),
+            )
 
     def parts(self, step: int, sent: list[torch.Tensor], encoding: int, *, first: int = 0) -> None:
         """Pushes parts first.. of `step` to every shard (each a flat tensor of the model)."""
@@ -53,21 +63,47 @@ class Model:
 
     def part(self, shard, step: int, part: int, values: torch.Tensor, encoding: int, **extra) -> ps_pb2.PushResponse:
         piece = _view(values[shard.offset : shard.end])
-        return self.client.push(shard, step=step, kind=ps_pb2.GRADIENT_PART, data=piece, lr=None, encoding=encoding,
-                                part=part, **extra)  # fmt: skip
+        return self.client.push(
+            shard,
+            Push.build(
+                self.client.model,
+                shard.shard_id,
+                piece,
+                step=step,
+                kind=ps_pb2.GRADIENT_PART,
+                encoding=encoding,
+                part=part,
+                **extra,
+            ),
+        )
 
     def apply(self, step: int, parts: int, *, applied: bool = True, **settings) -> None:
         settings = dict(groups=proto_groups("adamw", step)) | settings
         for shard in self.plan:
-            ack = self.client.push(shard, step=step, kind=ps_pb2.APPLY, data=NOTHING, lr=None, parts=parts, **settings)
+            ack = self.client.push(
+                shard,
+                Push.build(
+                    self.client.model, shard.shard_id, NOTHING, step=step, kind=ps_pb2.APPLY, parts=parts, **settings
+                ),
+            )
             assert ack.applied == applied and ack.version == step + 1, (shard.shard_id, ack)
 
     def gradient(self, step: int, sent: torch.Tensor, encoding: int = ps_pb2.RAW, **settings) -> None:
         settings = dict(groups=proto_groups("adamw", step)) | settings
         for shard in self.plan:
             piece = _view(sent[shard.offset : shard.end])
-            ack = self.client.push(shard, step=step, kind=ps_pb2.GRADIENT, data=piece, lr=None, encoding=encoding,
-                                   **settings)  # fmt: skip
+            ack = self.client.push(
+                shard,
+                Push.build(
+                    self.client.model,
+                    shard.shard_id,
+                    piece,
+                    step=step,
+                    kind=ps_pb2.GRADIENT,
+                    encoding=encoding,
+                    **settings,
+                ),
+            )
             assert ack.applied and ack.version == step + 1
 
     def pulled(self) -> tuple[list[int], list[torch.Tensor]]:
@@ -232,7 +268,7 @@ def test_bad_parts_and_applies_are_refused_and_change_nothing(daemons, transport
             "data", _view(onebit if push["encoding"] == ps_pb2.ONEBIT else sent[1][shard.offset : shard.end])
         )
         with pytest.raises(DaemonError) as info:
-            model.client.push(shard, data=data, **push)
+            model.client.push(shard, Push.build(model.client.model, shard.shard_id, data, **push))
         assert info.value.code == code, f"{case}: {info.value}"
         assert words in str(info.value) and "shard 0" in str(info.value), f"{case}: {info.value}"
         after = model.pulled()
@@ -257,15 +293,31 @@ def test_an_apply_check_applies_nothing(daemons, transport):
     model.parts(0, sent, ps_pb2.BF16)
     before = model.pulled()
     for shard in model.plan:
-        ack = model.client.push(shard, step=0, kind=ps_pb2.APPLY, data=NOTHING, lr=None, parts=2, check_only=True,
-                                groups=proto_groups("adamw", 0))  # fmt: skip
+        ack = model.client.push(
+            shard,
+            Push.build(
+                model.client.model,
+                shard.shard_id,
+                NOTHING,
+                step=0,
+                kind=ps_pb2.APPLY,
+                parts=2,
+                check_only=True,
+                groups=proto_groups("adamw", 0),
+            ),
+        )
         assert not ack.applied and ack.version == 0
     after = model.pulled()
     assert after[0] == before[0] and all(torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
     model.apply(0, 2)
     model.reference.step(0, _unflat(total))
     model.matches_reference(1, "after the check and the APPLY")
-    ack = model.client.push(model.plan[0], step=0, kind=ps_pb2.APPLY, data=NOTHING, lr=None, parts=2, check_only=True)
+    ack = model.client.push(
+        model.plan[0],
+        Push.build(
+            model.client.model, model.plan[0].shard_id, NOTHING, step=0, kind=ps_pb2.APPLY, parts=2, check_only=True
+        ),
+    )
     assert not ack.applied and ack.version == 1
     model.close()
 
@@ -311,7 +363,10 @@ def test_apply_is_committed_on_nvme_and_survives_a_restart(daemon_factory, monke
     model.matches_reference(1, "after the restart")
     model.apply(0, 2, applied=False)  # a retry of the committed APPLY
     with pytest.raises(DaemonError) as info:
-        model.client.push(model.plan[0], step=1, kind=ps_pb2.APPLY, data=NOTHING, lr=None, parts=2)
+        model.client.push(
+            model.plan[0],
+            Push.build(model.client.model, model.plan[0].shard_id, NOTHING, step=1, kind=ps_pb2.APPLY, parts=2),
+        )
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "holds 0 parts of that step (none:" in str(info.value), str(info.value)
     model.parts(1, pending, ps_pb2.BF16)  # sent again

@@ -24,6 +24,7 @@ import torch
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.sharded_client import DaemonClient, ShardedClient
@@ -85,7 +86,12 @@ def test_group_settings_each_step_match_torch_fused(daemons, transport):
         reference = Reference(kind, initial)
         flat = _flat(initial)
         for shard in plan:
-            client.push(shard, step=0, kind=ps_pb2.PARAMETERS, data=_view(flat[shard.offset : shard.end]), lr=None)
+            client.push(
+                shard,
+                Push.build(
+                    client.model, shard.shard_id, _view(flat[shard.offset : shard.end]), step=0, kind=ps_pb2.PARAMETERS
+                ),
+            )
         steps = 4
         for step in range(steps):
             grad = _flat(gradients(step))
@@ -98,9 +104,18 @@ def test_group_settings_each_step_match_torch_fused(daemons, transport):
             reference.step(step, _unflat(grad))
             for shard in plan:
                 client.push(
-                    shard, step=step, kind=ps_pb2.GRADIENT, data=_view(sent[shard.offset : shard.end]), lr=None,
-                    encoding=encoding, groups=proto_groups(kind, step), grad_multiplier=multiplier,
-                )  # fmt: skip
+                    shard,
+                    Push.build(
+                        client.model,
+                        shard.shard_id,
+                        _view(sent[shard.offset : shard.end]),
+                        step=step,
+                        kind=ps_pb2.GRADIENT,
+                        encoding=encoding,
+                        groups=proto_groups(kind, step),
+                        grad_multiplier=multiplier,
+                    ),
+                )
         _assert_pulled_equal(client, plan, reference, kind, steps, what)
         client.close()
 
@@ -144,7 +159,7 @@ class GroupModel:
 
     def _push(self, transport, shard: ShardSlice, *, data: torch.Tensor, **push) -> ps_pb2.PushResponse:
         piece = _view(data[shard.offset : shard.end])
-        return transport.push(self.name, shard.shard_id, data=piece, timeout=30, **({"lr": None} | push))
+        return transport.push(Push.build(self.name, shard.shard_id, piece, **push), timeout=30)
 
     def step(self, step: int) -> None:
         grads = gradients(step)

@@ -20,6 +20,7 @@ from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.tiers.direct_io import FAULT_ENV
 from ps_offload.daemon.tiers.nvme import PAGE, SlotHeader
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.push import Push
 from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 
@@ -201,10 +202,10 @@ def test_full_disk_fails_the_push_and_keeps_the_last_good_version(tmp_path, monk
         client.register(spec, 0, timeout=10)
         ones = memoryview(torch.ones(1024).numpy()).cast("B")
         for shard_id in range(3):
-            client.push("m", shard_id, step=0, kind=ps_pb2.PARAMETERS, data=ones, lr=None, timeout=5)
-        assert client.push("m", 0, step=0, kind=ps_pb2.GRADIENT, data=ones, lr=None, timeout=5).version == 1
+            client.push(Push.build("m", shard_id, ones, step=0, kind=ps_pb2.PARAMETERS), timeout=5)
+        assert client.push(Push.build("m", 0, ones, step=0, kind=ps_pb2.GRADIENT), timeout=5).version == 1
         with pytest.raises(grpc.RpcError) as info:
-            client.push("m", 1, step=0, kind=ps_pb2.GRADIENT, data=ones, lr=None, timeout=5)
+            client.push(Push.build("m", 1, ones, step=0, kind=ps_pb2.GRADIENT), timeout=5)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "full" in info.value.details() and "keeps version 0" in info.value.details()
         out = torch.empty(1024)

@@ -17,6 +17,7 @@ import torch
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import codec, ps_pb2, ps_pb2_grpc
 from ps_offload.proto.frames import recv_exact_into, recv_message, send_message
+from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.sharded_client import DaemonClient, ShardedClient
@@ -95,13 +96,20 @@ def served(tmp_path_factory):
             plan = client.register(_spec(model))
             for shard in plan:
                 values = INITIAL[shard.offset : shard.offset + shard.numel].clone()
-                ack = client.push(shard, step=0, kind=ps_pb2.PARAMETERS, data=_view(values), lr=None)
+                ack = client.push(
+                    shard, Push.build(client.model, shard.shard_id, _view(values), step=0, kind=ps_pb2.PARAMETERS)
+                )
                 assert ack.applied and ack.version == 0
         gradient = torch.randn(TOTAL, generator=torch.Generator().manual_seed(1))
         stepped = torch.empty(TOTAL)
         for shard in plan:  # "stepped", the last registered
             grad = gradient[shard.offset : shard.offset + shard.numel].clone()
-            assert client.push(shard, step=0, kind=ps_pb2.GRADIENT, data=_view(grad), lr=None).version == 1
+            assert (
+                client.push(
+                    shard, Push.build(client.model, shard.shard_id, _view(grad), step=0, kind=ps_pb2.GRADIENT)
+                ).version
+                == 1
+            )
             out = stepped[shard.offset : shard.offset + shard.numel]
             assert client.pull(shard, min_version=1, out=_view(out)) == 1
         assert not torch.equal(stepped.view(torch.int32), INITIAL.view(torch.int32))

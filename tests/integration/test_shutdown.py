@@ -9,6 +9,7 @@ import grpc
 import torch
 
 from ps_offload.proto import codec, ps_pb2, ps_pb2_grpc
+from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 
 NUMEL = 4 << 20  # 16 MiB shard: 16 chunks
@@ -26,7 +27,7 @@ def test_sigterm_finishes_in_flight_push_and_exits_zero(daemon_factory, notifica
     )
     client.register(spec, 0, timeout=10)
     values = memoryview(torch.zeros(NUMEL).numpy()).cast("B")
-    client.push("m", 0, step=0, kind=ps_pb2.PARAMETERS, data=values, lr=None, timeout=10)
+    client.push(Push.build("m", 0, values, step=0, kind=ps_pb2.PARAMETERS), timeout=10)
 
     header = ps_pb2.PushHeader(
         model="m",

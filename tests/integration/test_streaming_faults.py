@@ -68,10 +68,11 @@ class Acks:
         self.cond = threading.Condition()
         push = opt.client.push
 
-        def recorded(shard, *, step, kind, part=0, **rest):
-            ack = push(shard, step=step, kind=kind, part=part, **rest)
+        def recorded(shard, sent):
+            ack = push(shard, sent)
+            header = sent.header
             with self.cond:
-                self.seen[kind, step, part, shard.shard_id] = ack
+                self.seen[header.kind, header.step, header.part, shard.shard_id] = ack
                 self.cond.notify_all()
             return ack
 
@@ -179,11 +180,12 @@ def _lose_answers(opt: trainer.StreamedOptimizer, chosen: set[tuple[int, int, in
     for transport in opt.client.transports:
         push = transport.push
 
-        def losing(model, shard_id, *, step, kind, part=0, _push=push, **rest):
-            ack = _push(model, shard_id, step=step, kind=kind, part=part, **rest)
-            if rest.get("check_only"):  # the check before the APPLYs: not one of the chosen
+        def losing(sent, *, timeout, _push=push):
+            ack = _push(sent, timeout=timeout)
+            header = sent.header
+            if header.check_only:  # the check before the APPLYs: not one of the chosen
                 return ack
-            key = (kind, step, part, shard_id)
+            key = (header.kind, header.step, header.part, header.shard_id)
             if key in pending:
                 pending.discard(key)
                 resent.append([key, ack])

@@ -23,7 +23,7 @@ glibc return its free pages after each block. Plain RSS does not follow them rel
 streamed optimizer has glibc serve allocations over 2 MiB with mmap (ps_proto/memory.py
 return_freed_blocks), which took the 32-block run from 538 MiB to 76-218 MiB over repeated
 runs, against 58-93 MiB at 8 blocks: what stays resident besides depends on how small
-allocations interleave (docs/architecture.md, section 10).
+allocations interleave (docs/trainer.md, "Not built yet").
 """
 
 from __future__ import annotations

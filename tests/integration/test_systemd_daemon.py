@@ -23,6 +23,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.proto import codec, ps_pb2
+from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 
 NUMEL = 4096
@@ -119,7 +120,7 @@ def _register(address: str) -> DaemonClient:
     client.register(spec, 0, timeout=10)
     values = memoryview(torch.ones(SHARD_BYTES // 4).numpy()).cast("B")
     for shard_id in (0, 1):
-        client.push("m", shard_id, step=0, kind=ps_pb2.PARAMETERS, data=values, lr=None, timeout=10)
+        client.push(Push.build("m", shard_id, values, step=0, kind=ps_pb2.PARAMETERS), timeout=10)
     return client
 
 

@@ -113,7 +113,7 @@ def _dotted_keys(obj, prefix: str = "") -> list[str]:
 
 
 # Every option of DaemonConfig, as a dotted key. ADDING, REMOVING OR RENAMING AN OPTION MUST
-# UPDATE THE DOCS (the config section of docs/architecture.md) AND THIS LIST, in the same
+# UPDATE THE DOCS (the config table of docs/configuration.md) AND THIS LIST, in the same
 # change, so that options cannot drift away from their documentation silently. A rename also
 # needs an entry in ps_offload.daemon.config.RENAMED_KEYS so existing config files keep working.
 KNOWN_OPTIONS = [
@@ -158,7 +158,7 @@ KNOWN_OPTIONS = [
 
 def test_option_set_is_frozen():
     assert _dotted_keys(DaemonConfig()) == KNOWN_OPTIONS, (
-        "DaemonConfig's options changed: update the config section of docs/architecture.md "
+        "DaemonConfig's options changed: update the config table of docs/configuration.md "
         "and KNOWN_OPTIONS in this test (and RENAMED_KEYS for a rename)"
     )
 

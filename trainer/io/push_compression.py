@@ -1,5 +1,5 @@
 """Compressed pushes with error feedback: the trainer's side of the ONEBIT, BF16, FP16 and TOPK
-push encodings (proto/ps.proto gives their layouts).
+push encodings (ps_offload.proto.payloads gives their layouts).
 
 Each shard's slice is compressed on its own, so blocks start at the shard's first element,
 together with its slice of a persistent fp32 error buffer laid out as the flat gradients:
@@ -14,7 +14,7 @@ value, which is what the daemon stores as exp_avg. The daemon freezes exp_avg_sq
 warm-up left it (variance_frozen_at = warmup_steps). Compressing the smooth momentum instead
 of the noisy gradient, with the variance frozen, is what lets signs train as well as fp32:
 compressing the gradient and updating v from it ended 40% above fp32's loss on the demo model
-(docs/architecture.md, "Compression"). It costs 4 bytes per parameter more on the trainer.
+(docs/trainer.md, "1-bit Adam"). It costs 4 bytes per parameter more on the trainer.
 
 Idempotency: a daemon applies a push at most once per (shard, step), and a step that failed
 is sent again with the same step number. So the payload of (shard, step) is made once and
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ps_offload import kernels
-from ps_offload.proto import ps_pb2
+from ps_offload.proto import payloads, ps_pb2
 from ps_offload.proto.plan import ShardSlice
 
 ENCODINGS = {
@@ -162,19 +162,24 @@ class PushCompressor:
             out = kernels.cast_compress(grad, error, _CAST[self.compression]).view(torch.uint8)
         else:
             indices, values = kernels.topk_compress(grad, error, self.topk_ratio)
-            k = indices.numel()
-            out = torch.empty(4 + 8 * k, dtype=torch.uint8)
-            out[:4].view(torch.int32).fill_(k)  # K < 2**31: the uint32's bytes
-            out[4 : 4 + 4 * k].view(torch.int32).copy_(indices)
-            out[4 + 4 * k :].view(torch.float32).copy_(values)
+            k, count, at_values = (
+                indices.numel(),
+                payloads.TOPK_COUNT_BYTES,
+                payloads.topk_value_offset(indices.numel()),
+            )
+            out = torch.empty(payloads.topk_nbytes(k), dtype=torch.uint8)
+            out[:count].view(torch.int32).fill_(k)  # K < 2**31: the uint32's bytes
+            out[count:at_values].view(torch.int32).copy_(indices)
+            out[at_values:].view(torch.float32).copy_(values)
         return Payload(encoding, _bytes(out))
 
 
 def _onebit_wire(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """ONEBIT's layout: the scales, then the sign bytes."""
-    out = torch.empty(4 * scales.numel() + bits.numel(), dtype=torch.uint8)
-    out[: 4 * scales.numel()].view(torch.float32).copy_(scales)
-    out[4 * scales.numel() :].copy_(bits)
+    """ONEBIT's layout (ps_offload.proto.payloads): the scales, then the sign bytes."""
+    signs = 4 * scales.numel()  # payloads.onebit_sign_offset of the shard's numel
+    out = torch.empty(signs + bits.numel(), dtype=torch.uint8)
+    out[:signs].view(torch.float32).copy_(scales)
+    out[signs:].copy_(bits)
     return out
 
 

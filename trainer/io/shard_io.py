@@ -11,11 +11,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import torch
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.proto.push import Push
 from ps_offload.trainer.io.device import ShardMover, byte_view
 from ps_offload.trainer.io.push_compression import PushCompressor
 from ps_offload.trainer.wire.sharded_client import ShardedClient
@@ -26,6 +28,18 @@ StepSettings = tuple[list[ps_pb2.GroupHyperparams], "float | None"]
 
 class StepAbandoned(RuntimeError):
     """A shard's call not made because another shard of the same step had failed."""
+
+
+@dataclass(frozen=True)
+class _StepTasks:
+    """What the shard tasks of one step share."""
+
+    step: int
+    settings: StepSettings
+    grads: torch.Tensor
+    params: torch.Tensor
+    after: object  # the device work the host copies follow (ShardMover.mark_compute)
+    failed: threading.Event  # set by the first shard whose call failed
 
 
 class ShardIO:
@@ -103,7 +117,9 @@ class ShardIO:
         # The daemons' master starts as the compute copy widened to fp32 (exact), on the host.
         with self.mover.host_copy(values, shard, after) as host:
             piece = host.to(torch.float32)
-            self.client.push(shard, step=0, kind=ps_pb2.PARAMETERS, data=byte_view(piece), lr=None)
+            self.client.push(
+                shard, Push.build(self.client.model, shard.shard_id, byte_view(piece), step=0, kind=ps_pb2.PARAMETERS)
+            )
 
     def run_all(self, fn: Callable[[ShardSlice], object]) -> list:
         futures = [self.pool.submit(fn, s) for s in self.plan]
@@ -120,9 +136,17 @@ class ShardIO:
     def _push_part(self, shard: ShardSlice, step: int, grads: torch.Tensor, after: object) -> ps_pb2.PushResponse:
         with self.mover.host_view(grads, shard, after) as data:
             ack = self.client.push(
-                shard, step=step, kind=ps_pb2.GRADIENT_PART, data=data, lr=None,
-                encoding=self.mover.gradient_encoding, part=0,
-            )  # fmt: skip
+                shard,
+                Push.build(
+                    self.client.model,
+                    shard.shard_id,
+                    data,
+                    step=step,
+                    kind=ps_pb2.GRADIENT_PART,
+                    encoding=self.mover.gradient_encoding,
+                    part=0,
+                ),
+            )
             return self.counted(ack, len(data))
 
     def counted(self, ack: ps_pb2.PushResponse, nbytes: int) -> ps_pb2.PushResponse:
@@ -152,22 +176,18 @@ class ShardIO:
         from disk (measured: twice the state read per step instead of once)."""
         pushes: list[Future] = []
         pulls: dict[int, Future] = {}
-        after = self.mover.mark_compute()  # the copies follow the work queued on the device
-        # Once one shard's call has failed (after its retries), the step has failed: the
-        # shards still queued give up at once instead of each waiting out its own retries
-        # against a daemon that is down.
-        failed = threading.Event()
+        # The copies follow the work queued on the device. Once one shard's call has failed
+        # (after its retries), the step has failed: the shards still queued give up at once
+        # instead of each waiting out its own retries against a daemon that is down.
+        tasks = _StepTasks(step, settings, grads, params, self.mover.mark_compute(), threading.Event())
         parts = parts or {}
         for shard in self.plan:
             if shard.shard_id in self.pushes:
                 pushed = Future()
                 pushes.append(pushed)
-                task = self.pool.submit(
-                    self._push_then_pull, shard, step, settings, grads, params, after, pushed, failed,
-                    parts.get(shard.shard_id),
-                )  # fmt: skip
+                task = self.pool.submit(self._push_then_pull, tasks, shard, pushed, parts.get(shard.shard_id))
             else:
-                task = self.pool.submit(self.pull, shard, step + 1, params, after, failed)
+                task = self.pool.submit(self.pull, shard, step + 1, params, tasks.after, tasks.failed)
             pulls[shard.shard_id] = task
         return pushes, pulls
 
@@ -184,40 +204,38 @@ class ShardIO:
         if all(f.exception() is None for f in pulls):
             self.client.hint([s.shard_id for s in self.plan])
 
-    def _push_then_pull(
-        self,
-        shard: ShardSlice,
-        step: int,
-        settings: StepSettings,
-        grads: torch.Tensor,
-        params: torch.Tensor,
-        after: object,
-        pushed: Future,
-        failed: threading.Event,
-        part: Future | None = None,
-    ) -> int:
+    def _push_then_pull(self, tasks: _StepTasks, shard: ShardSlice, pushed: Future, part: Future | None) -> int:
+        step = tasks.step
         try:
-            if failed.is_set():
+            if tasks.failed.is_set():
                 raise StepAbandoned(f"push of shard {shard.shard_id} step {step} not sent: another shard failed")
             if part is not None and part.exception() is None:  # waits for the early part
-                groups, multiplier = settings
+                groups, multiplier = tasks.settings
                 ack = self.client.push(
-                    shard, step=step, kind=ps_pb2.APPLY, data=memoryview(b""), lr=None, groups=groups,
-                    grad_multiplier=multiplier, parts=1,
-                )  # fmt: skip
+                    shard,
+                    Push.build(
+                        self.client.model,
+                        shard.shard_id,
+                        memoryview(b""),
+                        step=step,
+                        kind=ps_pb2.APPLY,
+                        groups=groups,
+                        grad_multiplier=multiplier,
+                        parts=1,
+                    ),
+                )
             else:  # no early part, or it failed: the whole gradient (it replaces any part held)
-                ack = self.counted(*self._push_gradient(shard, step, settings, grads, after))
+                ack = self.counted(*self._push_gradient(tasks, shard))
         except BaseException as exc:
-            failed.set()
+            tasks.failed.set()
             pushed.set_exception(exc)
             raise
         pushed.set_result(ack)
-        return self.pull(shard, step + 1, params, after, failed)
+        return self.pull(shard, step + 1, tasks.params, tasks.after, tasks.failed)
 
-    def _push_gradient(
-        self, shard: ShardSlice, step: int, settings: StepSettings, grads: torch.Tensor, after: object
-    ) -> tuple[ps_pb2.PushResponse, int]:
-        groups, multiplier = settings
+    def _push_gradient(self, tasks: _StepTasks, shard: ShardSlice) -> tuple[ps_pb2.PushResponse, int]:
+        step, grads, after = tasks.step, tasks.grads, tasks.after
+        groups, multiplier = tasks.settings
         # Compressed here, in the pool: shard i is compressed while shard i-1 is on the wire.
         # On an accelerator the kernels run on a side stream after `after` (this thread's own
         # current stream is not the compute stream), and are done when `following` returns.
@@ -228,16 +246,34 @@ class ShardIO:
         if payload is not None:
             momentum = payload.kind == ps_pb2.MOMENTUM  # 1-bit Adam: one lr, no groups
             ack = self.client.push(
-                shard, step=step, kind=payload.kind, data=payload.data, encoding=payload.encoding,
-                variance_frozen_at=payload.variance_frozen_at, lr=groups[0].lr if momentum else None,
-                groups=() if momentum else groups,
-            )  # fmt: skip
+                shard,
+                Push.build(
+                    self.client.model,
+                    shard.shard_id,
+                    payload.data,
+                    step=step,
+                    kind=payload.kind,
+                    encoding=payload.encoding,
+                    variance_frozen_at=payload.variance_frozen_at,
+                    lr=groups[0].lr if momentum else None,
+                    groups=() if momentum else groups,
+                ),
+            )
             return ack, len(payload.data)
         with self.mover.host_view(grads, shard, after) as data:
             ack = self.client.push(
-                shard, step=step, kind=ps_pb2.GRADIENT, data=data, lr=None, encoding=self.mover.gradient_encoding,
-                groups=groups, grad_multiplier=multiplier,
-            )  # fmt: skip
+                shard,
+                Push.build(
+                    self.client.model,
+                    shard.shard_id,
+                    data,
+                    step=step,
+                    kind=ps_pb2.GRADIENT,
+                    encoding=self.mover.gradient_encoding,
+                    groups=groups,
+                    grad_multiplier=multiplier,
+                ),
+            )
             return ack, len(data)
 
     def pull(

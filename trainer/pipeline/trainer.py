@@ -37,198 +37,25 @@ fp32, and the APPLY scales the sum by 1 / (dp x micro-batches).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ps_offload.trainer.config import ClientConfig, OffloadConfig, OptimizerConfig, ParallelConfig, expect_config
-from ps_offload.trainer.io.flat import FlatParams
 from ps_offload.trainer.optimizer.offload import OffloadOptimizer
 from ps_offload.trainer.pipeline.compressed_allreduce import CompressedAllReduce
+from ps_offload.trainer.pipeline.grid import ParallelContext, split_layers
 from ps_offload.trainer.pipeline.local_optimizer import LocalOptimizer, StepOptimizer
+from ps_offload.trainer.pipeline.reducer import GradReducer
 from ps_offload.trainer.pipeline.schedule_check import check_planned_schedule
 from ps_offload.trainer.stream.optimizer import StreamedOptimizer
 from ps_offload.trainer.stream.settings import Streaming, check_stage_streaming
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-BUCKET_BYTES = ParallelConfig.bucket_bytes
-FIRST_BUCKET_BYTES = ParallelConfig.first_bucket_bytes
-
-
-@dataclass(frozen=True)
-class RankGrid:
-    """Where a rank sits: stage = rank // dp, replica = rank % dp."""
-
-    pp: int
-    dp: int
-    rank: int
-
-    def __post_init__(self) -> None:
-        if self.pp < 1 or self.dp < 1:
-            raise ValueError(f"pp and dp must be at least 1, got pp={self.pp}, dp={self.dp}")
-        if not 0 <= self.rank < self.pp * self.dp:
-            raise ValueError(f"rank {self.rank} is outside a grid of pp={self.pp} x dp={self.dp}")
-
-    @property
-    def stage(self) -> int:
-        return self.rank // self.dp
-
-    @property
-    def replica(self) -> int:
-        return self.rank % self.dp
-
-    @property
-    def first_stage(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last_stage(self) -> bool:
-        return self.stage == self.pp - 1
-
-
-@dataclass
-class ParallelContext:
-    grid: RankGrid
-    pp_group: dist.ProcessGroup  # this replica's stages
-    dp_group: dist.ProcessGroup  # this stage's replicas
-    device: torch.device
-
-
-def init_distributed(pp: int, dp: int) -> ParallelContext:
-    """Joins torchrun's process group (NCCL with CUDA, gloo otherwise) and builds the grid."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if pp * dp != world:
-        raise ValueError(f"pp x dp = {pp} x {dp} = {pp * dp}, but torchrun started {world} processes")
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    mesh = init_device_mesh("cuda" if cuda else "cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    grid = RankGrid(pp, dp, dist.get_rank())
-    return ParallelContext(grid, mesh["pp"].get_group(), mesh["dp"].get_group(), device)
-
-
-def split_layers(sizes: Sequence[int], stages: int, *, by: str = "params") -> list[tuple[int, int]]:
-    """Contiguous [start, end) layer ranges, one per stage, every stage non-empty.
-
-    by="params": the split whose largest stage has the fewest parameters (ties: the earliest
-    such split); by="uniform": layer counts as equal as possible (DeepSpeed's two methods)."""
-    n = len(sizes)
-    if not 1 <= stages <= n:
-        raise ValueError(f"cannot split {n} layers into {stages} non-empty stages")
-    if by == "uniform":
-        bounds = [round(i * n / stages) for i in range(stages + 1)]
-        return list(zip(bounds[:-1], bounds[1:], strict=True))
-    if by != "params":
-        raise ValueError(f'split must be "params" or "uniform", got {by!r}')
-    prefix = [0]
-    for size in sizes:
-        prefix.append(prefix[-1] + size)
-    # best[k][i]: the smallest possible largest stage for the first i layers in k stages.
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    ranges, end = [], n
-    for k in range(stages, 0, -1):
-        start = cut[k][end]
-        ranges.append((start, end))
-        end = start
-    return ranges[::-1]
-
-
-class GradReducer:
-    """Sums a stage's gradients over its dp group in buckets that start during backward.
-
-    A bucket is a contiguous range of `flat.grads`. Buckets are formed from the end
-    (backward produces the last layers' gradients first), the first one small so the
-    network starts early. `hook(bucket, group)` replaces the plain all-reduce (the place
-    compression plugs in); it must leave the sum in `bucket` and may return a work handle
-    to wait on."""
-
-    def __init__(
-        self,
-        flat: FlatParams,
-        group: dist.ProcessGroup,
-        *,
-        microbatches: int,
-        bucket_bytes: int = BUCKET_BYTES,
-        first_bucket_bytes: int = FIRST_BUCKET_BYTES,
-        hook: Callable[[torch.Tensor, dist.ProcessGroup], object] | None = None,
-    ) -> None:
-        self.flat = flat
-        self.flat_grads = flat.grads
-        self.group = group
-        self.world = dist.get_world_size(group)
-        self.microbatches = microbatches
-        self.hook = hook
-        params = flat.params
-        self.buckets: list[tuple[int, int, list[int]]] = []  # (lo, hi, param indices)
-        limit, members, hi = first_bucket_bytes, [], flat.numel
-        for index in range(len(params) - 1, -1, -1):
-            members.append(index)
-            lo = flat.param_range(index)[0]
-            if (hi - lo) * flat.grads.element_size() >= limit or index == 0:
-                self.buckets.append((lo, hi, members))
-                limit, members, hi = bucket_bytes, [], lo
-        self._bucket_of = {i: b for b, (_, _, members) in enumerate(self.buckets) for i in members}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(params)]
-        self.start_step()
-
-    def start_step(self) -> None:
-        self._counts = [0] * len(self.flat.params)
-        self._ready = [0] * len(self.buckets)
-        self._works: dict[int, object] = {}
-
-    def _hook_for(self, index: int):
-        def on_grad(param: nn.Parameter) -> None:
-            self.flat.adopt_grad(index)  # autograd may have made a new tensor (zero_grad(set_to_none=True))
-            self._counts[index] += 1
-            if self._counts[index] == self.microbatches:
-                bucket = self._bucket_of[index]
-                self._ready[bucket] += 1
-                if self._ready[bucket] == len(self.buckets[bucket][2]):
-                    self._launch(bucket)
-
-        return on_grad
-
-    def _launch(self, bucket: int) -> None:
-        lo, hi, _ = self.buckets[bucket]
-        view = self.flat_grads[lo:hi]
-        if self.hook is not None:
-            self._works[bucket] = self.hook(view, self.group)
-        else:
-            self._works[bucket] = dist.all_reduce(view, group=self.group, async_op=True)
-
-    def finish(self) -> None:
-        """Reduces what backward did not start (parameters without gradients this step),
-        waits for every bucket, and turns the sum into the mean over the global batch."""
-        for bucket in range(len(self.buckets)):
-            if bucket not in self._works:
-                self._launch(bucket)
-        for work in self._works.values():
-            if work is not None:
-                work.wait()
-        self.flat_grads.div_(self.world * self.microbatches)
-        self.start_step()
-
-    def close(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
 
 
 class PipelineTrainer:

@@ -20,6 +20,7 @@ import grpc
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.proto.push import Push
 from ps_offload.trainer.io.shard_io import first_failure
 from ps_offload.trainer.stream.settings import StepLost, StepTorn
 from ps_offload.trainer.wire.sharded_client import DaemonError, ShardedClient
@@ -76,9 +77,19 @@ class PartsApplier:
         self, shard: ShardSlice, step: int, groups: list, parts: int, multiplier: float | None, check_only: bool
     ) -> ps_pb2.PushResponse:
         return self.client.push(
-            shard, step=step, kind=ps_pb2.APPLY, data=memoryview(b""), lr=None, groups=groups, parts=parts,
-            grad_multiplier=multiplier, check_only=check_only,
-        )  # fmt: skip
+            shard,
+            Push.build(
+                self.client.model,
+                shard.shard_id,
+                memoryview(b""),
+                step=step,
+                kind=ps_pb2.APPLY,
+                groups=groups,
+                parts=parts,
+                grad_multiplier=multiplier,
+                check_only=check_only,
+            ),
+        )
 
     def lost(self, step: int, errors: list[BaseException], what: str) -> BaseException:
         """StepLost when a daemon refused for want of the step's parts; else the error itself."""

@@ -14,13 +14,14 @@ import queue
 import select
 import socket
 import ssl
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import grpc
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import FrameError, recv_exact_into, recv_message, send_message
 from ps_offload.proto.pull import PullStreamError, check_pull_header
+from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -168,69 +169,20 @@ class DataPlaneClient:
             recv_exact_into(sock, out)
             return header.version
 
-    def push(
-        self,
-        model: str,
-        shard_id: int,
-        *,
-        step: int,
-        kind: int,
-        data: memoryview,
-        lr: float | None,
-        timeout: float,
-        encoding: int = ps_pb2.RAW,
-        variance_frozen_at: int | None = None,
-        groups: Sequence[ps_pb2.GroupHyperparams] = (),
-        grad_multiplier: float | None = None,
-        part: int = 0,
-        parts: int = 0,
-        check_only: bool = False,
-    ) -> ps_pb2.PushResponse:
-        header = push_header(
-            model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding,
-            variance_frozen_at=variance_frozen_at, groups=groups, grad_multiplier=grad_multiplier, part=part,
-            parts=parts, check_only=check_only,
-        )  # fmt: skip
+    def push(self, push: Push, *, timeout: float) -> ps_pb2.PushResponse:
+        """Sends the header; the daemon asks for the payload unless it applied this
+        (shard, step) before."""
         with _daemon_status(), self._connection(timeout) as sock:
-            send_message(sock, ps_pb2.DataRequest(push=header, authorization=self._authorization))
+            send_message(sock, ps_pb2.DataRequest(push=push.header, authorization=self._authorization))
             response = self._answer(sock)
             if not response.send_payload:
                 return response.push  # applied before: the daemon needs no payload
-            sock.sendall(data)
+            sock.sendall(push.data)
             return self._answer(sock).push
 
     def close(self) -> None:
         while not self._idle.empty():
             self._idle.get_nowait().close()
-
-
-def push_header(
-    model: str,
-    shard_id: int,
-    *,
-    step: int,
-    kind: int,
-    nbytes: int,
-    lr: float | None,
-    encoding: int = ps_pb2.RAW,
-    variance_frozen_at: int | None = None,
-    groups: Sequence[ps_pb2.GroupHyperparams] = (),
-    grad_multiplier: float | None = None,
-    part: int = 0,
-    parts: int = 0,
-    check_only: bool = False,
-) -> ps_pb2.PushHeader:
-    """The header of a push of `nbytes` laid out as `encoding` (RAW: fp32 values; the others:
-    compressed or half precision, see proto/ps.proto); `lr` None leaves the optional field
-    unset (the daemon then uses the registered learning rate); `variance_frozen_at` is for
-    MOMENTUM pushes; `groups` (every param group's settings for this step) and
-    `grad_multiplier` (1/loss scale) for GRADIENT and APPLY pushes; `part` for GRADIENT_PART
-    and `parts` (and `check_only`) for APPLY pushes."""
-    return ps_pb2.PushHeader(
-        model=model, shard_id=shard_id, step=step, kind=kind, encoding=encoding, dtype=ps_pb2.FLOAT32,
-        nbytes=nbytes, lr=lr, variance_frozen_at=variance_frozen_at, groups=list(groups),
-        grad_multiplier=grad_multiplier, part=part, parts=parts, check_only=check_only,
-    )  # fmt: skip
 
 
 class _StatusFromDaemon(Exception):

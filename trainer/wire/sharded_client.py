@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
 
 from ps_offload.proto import codec, ps_pb2
-from ps_offload.proto.channel import CHUNK_BYTES, channel_options, keepalive_options, method_path
+from ps_offload.proto.channel import channel_options, keepalive_options, method_path
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.memory import keep_chunk_buffers_in_heap
 from ps_offload.proto.plan import ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
 from ps_offload.proto.pull import read_pull_stream
+from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.config import ClientConfig
-from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError, push_header
+from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
+from ps_offload.trainer.wire.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -132,38 +134,9 @@ class DaemonClient:
         chunks = self._pull(request, timeout=timeout)
         return read_pull_stream(chunks, out, what=f"shard {shard_id} from daemon {self.address}", dtype=dtype)
 
-    def push(
-        self,
-        model: str,
-        shard_id: int,
-        *,
-        step: int,
-        kind: int,
-        data: memoryview,
-        lr: float | None,
-        timeout: float,
-        encoding: int = ps_pb2.RAW,
-        variance_frozen_at: int | None = None,
-        groups: Sequence[ps_pb2.GroupHyperparams] = (),
-        grad_multiplier: float | None = None,
-        part: int = 0,
-        parts: int = 0,
-        check_only: bool = False,
-    ) -> ps_pb2.PushResponse:
-        """Streams one shard's payload, laid out as `encoding`. `lr` None keeps the
-        registered learning rate (see push_header for the rest)."""
-        header = push_header(
-            model, shard_id, step=step, kind=kind, nbytes=len(data), lr=lr, encoding=encoding,
-            variance_frozen_at=variance_frozen_at, groups=groups, grad_multiplier=grad_multiplier, part=part,
-            parts=parts, check_only=check_only,
-        )  # fmt: skip
-
-        def chunks():
-            yield codec.push_chunks.encode(header, data[:CHUNK_BYTES])
-            for start in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
-                yield codec.push_chunks.encode(None, data[start : start + CHUNK_BYTES])
-
-        return self._push(chunks(), timeout=timeout)
+    def push(self, push: Push, *, timeout: float) -> ps_pb2.PushResponse:
+        """Streams the push's payload in chunks, the header with the first."""
+        return self._push(push.chunks(), timeout=timeout)
 
     def prefetch(self, model: str, shard_ids: list[int], *, timeout: float) -> int:
         return self._prefetch(ps_pb2.PrefetchRequest(model=model, shard_ids=shard_ids), timeout=timeout).accepted
@@ -198,8 +171,8 @@ class ShardedClient:
         # The daemons with an NVMe tier: only their Prefetch hints can save a read.
         self.nvme_daemons: set[int] = set()
         # Per daemon, what carries pulls and pushes: its data plane when it has one (and the
-        # config allows it), else the gRPC client. Both offer pull_into() and push().
-        self.transports: list[DaemonClient | DataPlaneClient] = list(self.clients)
+        # config allows it), else the gRPC client.
+        self.transports: list[Transport] = list(self.clients)
 
     def register(self, spec: ps_pb2.ModelSpec) -> list[ShardSlice]:
         """Registers on every daemon (the first resolves the shard size when the spec leaves
@@ -281,42 +254,17 @@ class ShardedClient:
             time.sleep(max(0.0, min(delay, give_up_at - time.monotonic())))
             delay = min(delay * 2, 2.0)
 
-    def push(
-        self,
-        shard: ShardSlice,
-        *,
-        step: int,
-        kind: int,
-        data: memoryview,
-        lr: float | None,
-        encoding: int = ps_pb2.RAW,
-        variance_frozen_at: int | None = None,
-        groups: Sequence[ps_pb2.GroupHyperparams] = (),
-        grad_multiplier: float | None = None,
-        part: int = 0,
-        parts: int = 0,
-        check_only: bool = False,
-    ) -> ps_pb2.PushResponse:
-        """Pushes one shard's payload (retried as a whole, the same bytes each attempt)."""
+    def push(self, shard: ShardSlice, push: Push) -> ps_pb2.PushResponse:
+        """Sends one shard's push (retried as a whole, the same bytes each attempt)."""
+        header = push.header
+        if (header.model, header.shard_id) != (self.model, shard.shard_id):
+            raise ValueError(
+                f"a push for {header.model!r} shard {header.shard_id} sent as shard {shard.shard_id} of {self.model!r}"
+            )
         return self._call(
-            f"push of shard {shard.shard_id} step {step}",
+            push.describe(),
             shard.daemon_index,
-            lambda: self.transports[shard.daemon_index].push(
-                self.model,
-                shard.shard_id,
-                step=step,
-                kind=kind,
-                data=data,
-                lr=lr,
-                timeout=self.config.rpc_timeout_seconds,
-                encoding=encoding,
-                variance_frozen_at=variance_frozen_at,
-                groups=groups,
-                grad_multiplier=grad_multiplier,
-                part=part,
-                parts=parts,
-                check_only=check_only,
-            ),
+            lambda: self.transports[shard.daemon_index].push(push, timeout=self.config.rpc_timeout_seconds),
         )
 
     def pull(

@@ -17,6 +17,7 @@ from ps_offload.daemon.model.encodings import parse
 from ps_offload.daemon.model.optimizer import AdamWConfig, GroupHyperparams, SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc import conversions
+from ps_offload.daemon.store import tier_admin
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
@@ -65,7 +66,7 @@ def _apply(store: ShardStore, step: int, parts: int, **settings):
 
 
 def _state(store: ShardStore) -> list:
-    shard = store.load("m", 0)  # resident (read from NVMe if it was not)
+    shard = tier_admin.load(store, "m", 0)  # resident (read from NVMe if it was not)
     return [shard.version, *(t.clone() for t in (shard.master, *shard.optimizer.state))]
 
 
@@ -328,11 +329,11 @@ def _files(path) -> NvmeFiles:
 
 def test_parts_stay_while_the_shard_is_evicted_and_apply_commits(tmp_path):
     store, reference = _store(files=_files(tmp_path)), _store()
-    store.evict("m", 0)
+    tier_admin.evict(store, "m", 0)
     _part(store, 1, 0, _grad(80), "bf16")
     _part(store, 1, 1, _grad(81), "bf16")
     assert store.shard("m", 0).tier == "nvme"  # a part needs neither the values nor RAM for them
-    store.evict("m", 0)
+    tier_admin.evict(store, "m", 0)
     assert _apply(store, 1, 2, groups=GROUPS).applied
     total = _data("bf16", _grad(80)).decompress(torch.empty(NUMEL)) + _data("bf16", _grad(81)).decompress(
         torch.empty(NUMEL)

@@ -12,6 +12,7 @@ import torch
 from ps_offload.daemon.errors import NotFound
 from ps_offload.daemon.model.optimizer import SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
+from ps_offload.daemon.store import inspection, tier_admin
 from ps_offload.daemon.store.inspection import VERIFY_ATTEMPTS
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
@@ -67,11 +68,11 @@ def test_verify_reads_every_committed_shard_back_and_leaves_the_tiers_alone(tmp_
     store = _store(tmp_path, shards=3)
     try:
         _step(store, 1)
-        assert store.evict("m", 2).tier == "nvme"
+        assert tier_admin.evict(store, "m", 2).tier == "nvme"
         read_before = store.files.bytes_read
-        shards = store.shards_to_verify("m")
-        assert store.verify_bytes(shards) == 3 * (PAGE + store.shard("m", 0).arena_bytes)
-        verdicts = list(store.verify(shards))
+        shards = inspection.shards_to_verify(store, "m")
+        assert inspection.verify_bytes(store.files, shards) == 3 * (PAGE + store.shard("m", 0).arena_bytes)
+        verdicts = list(inspection.verify(store.files, shards))
         assert [(v.shard_id, v.status, v.version, v.tier) for v in verdicts] == [
             (0, "ok", 0, "ram"), (1, "ok", 1, "ram"), (2, "ok", 0, "nvme"),
         ]  # fmt: skip
@@ -86,7 +87,7 @@ def test_a_commit_during_the_read_is_not_reported_bad(tmp_path, monkeypatch):
     store = _store(tmp_path)
     try:
         readers = _interleave(monkeypatch, store, commits_during=1)
-        verdict = next(store.verify(store.shards_to_verify("m")))
+        verdict = next(inspection.verify(store.files, inspection.shards_to_verify(store, "m")))
         # The first read found shard 1's new version in shard 0's old slot; it did not count,
         # and the second read, of shard 0's new slot, passed.
         assert (verdict.shard_id, verdict.status, verdict.version) == (0, "ok", 1), verdict.detail
@@ -99,7 +100,7 @@ def test_a_shard_committed_during_every_read_is_held_still_for_the_last(tmp_path
     store = _store(tmp_path)
     try:
         readers = _interleave(monkeypatch, store, commits_during=VERIFY_ATTEMPTS)
-        verdict = next(store.verify(store.shards_to_verify("m")))
+        verdict = next(inspection.verify(store.files, inspection.shards_to_verify(store, "m")))
         assert (verdict.status, verdict.version) == ("ok", VERIFY_ATTEMPTS), verdict.detail
         assert readers == [0] * VERIFY_ATTEMPTS + [1]  # the last read under a read hold, as a pull's
         assert store.shard("m", 0).readers == 0  # and released
@@ -112,9 +113,10 @@ def test_verify_names_a_shard_that_was_never_committed(tmp_path):
     try:
         spec = ModelSpec("fresh", (ParamSpec("w", (NUMEL,)),), SGDConfig(lr=0.1), NUMEL * 4, ("d",))
         store.register(spec, 0)
-        (verdict,) = store.verify(store.shards_to_verify("fresh"))
+        (verdict,) = inspection.verify(store.files, inspection.shards_to_verify(store, "fresh"))
         assert verdict.status == "not_at_rest" and "never pushed" in verdict.detail
-        assert [v.model for v in store.verify(store.shards_to_verify())] == ["fresh", "m", "m"]
+        every_shard = inspection.shards_to_verify(store)
+        assert [v.model for v in inspection.verify(store.files, every_shard)] == ["fresh", "m", "m"]
     finally:
         _close(store)
 
@@ -124,8 +126,8 @@ def test_verify_without_nvme_checks_memory_and_says_nothing_is_at_rest():
     values = torch.zeros(NUMEL)
     values[[3, 5]] = torch.tensor([math.nan, math.inf])
     store.push(PushRequest("m", 1, step=0, kind="parameters", data=values, lr=None))
-    assert store.verify_bytes(store.shards_to_verify()) == 0
-    verdicts = list(store.verify(store.shards_to_verify()))
+    assert inspection.verify_bytes(store.files, inspection.shards_to_verify(store)) == 0
+    verdicts = list(inspection.verify(store.files, inspection.shards_to_verify(store)))
     assert [(v.status, v.nonfinite, v.bytes_read) for v in verdicts] == [("not_at_rest", 0, 0), ("not_at_rest", 2, 0)]
     assert all("nothing at rest" in v.detail for v in verdicts)
     assert "2 non-finite" in verdicts[1].detail
@@ -136,21 +138,21 @@ def test_histogram_counts_finite_values_in_equal_bins():
     values = torch.arange(NUMEL, dtype=torch.float32)
     values[:2] = torch.tensor([math.nan, -math.inf])
     store.push(PushRequest("m", 0, step=0, kind="parameters", data=values, lr=None))
-    stats = store.value_stats(store.shard("m", 0), bins=4)
+    stats = inspection.value_stats(store, store.shard("m", 0), bins=4)
     assert (stats.histogram_low, stats.histogram_high) == (2.0, NUMEL - 1.0)
     assert sum(stats.histogram) == NUMEL - 2 and len(stats.histogram) == 4
     assert stats.histogram == tuple(int(c) for c in torch.histc(values[2:].double(), 4, 2.0, NUMEL - 1.0))
     assert stats.nan_count == 1 and stats.min == -math.inf  # min/max keep the infinities
-    assert store.value_stats(store.shard("m", 0)).histogram == ()  # only when asked for
+    assert inspection.value_stats(store, store.shard("m", 0)).histogram == ()  # only when asked for
 
     store.push(PushRequest("m", 0, step=0, kind="parameters", data=torch.full((NUMEL,), 0.5), lr=None))
-    one = store.value_stats(store.shard("m", 0), bins=4)
+    one = inspection.value_stats(store, store.shard("m", 0), bins=4)
     assert (one.histogram, one.histogram_low, one.histogram_high) == ((NUMEL,), 0.5, 0.5)
 
     store.push(PushRequest("m", 0, step=0, kind="parameters", data=torch.full((NUMEL,), math.nan), lr=None))
-    assert store.value_stats(store.shard("m", 0), bins=4).histogram == ()
+    assert inspection.value_stats(store, store.shard("m", 0), bins=4).histogram == ()
 
 
 def test_verify_of_an_unknown_model_names_the_known_ones():
     with pytest.raises(NotFound, match=r"'nope' is not registered on this daemon \(registered: m\)"):
-        _store().shards_to_verify("nope")
+        inspection.shards_to_verify(_store(), "nope")

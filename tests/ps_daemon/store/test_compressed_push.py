@@ -9,11 +9,12 @@ import torch
 
 from ps_offload import kernels
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument
-from ps_offload.daemon.model.encodings import check_size, onebit_nbytes, parse
+from ps_offload.daemon.model.encodings import check_size, parse
 from ps_offload.daemon.model.optimizer import AdamWConfig, SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
+from ps_offload.proto.payloads import onebit_nbytes
 
 # Two parameters with different weight decay in one 12 KiB shard (3072 elements), and a
 # second, partial shard of 928: blocks start at each shard's first element.

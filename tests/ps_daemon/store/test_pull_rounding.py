@@ -13,8 +13,10 @@ import torch
 from ps_offload.daemon.errors import InvalidArgument
 from ps_offload.daemon.model.optimizer import AdamWConfig, SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
-from ps_offload.daemon.rpc import conversions
+from ps_offload.daemon.rpc import conversions, data_path
 from ps_offload.daemon.rpc.staging import StagingPool
+from ps_offload.daemon.store import tier_admin
+from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.pull_rounding import check_pull_dtype, round_into, rounded, scratch_numel, tensor_bytes
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
@@ -126,11 +128,11 @@ def _values() -> torch.Tensor:
 def test_a_narrow_pull_is_rounded_under_the_hold_and_counts_the_bytes_sent(dtype):
     store, values, pool = _store(), _values(), StagingPool(max_bytes=1 << 20)
     shard = store.shard("m", 0)
-    with store.pull("m", 0, min_version=0, timeout=1) as (fp32, version):
+    with store.pull(PullRequest("m", 0), timeout=1) as (fp32, version):
         assert fp32.dtype == torch.float32 and shard.readers == 1  # fp32: streamed under the hold
     assert store.stats.bytes_pulled == 4 * NUMEL and store.stats.pulls == 1
 
-    with store.pull("m", 0, min_version=0, timeout=1, dtype=dtype, scratch=pool.borrow) as (out, version):
+    with store.pull(PullRequest("m", 0, dtype=dtype), timeout=1, scratch=pool.borrow) as (out, version):
         assert version == 0 and out.dtype == NARROW[dtype] and out.numel() == NUMEL
         assert torch.equal(out.view(torch.int16), values.to(NARROW[dtype]).view(torch.int16))
         # The hold ended with the rounding: an update goes ahead while the copy is sent,
@@ -160,7 +162,7 @@ def test_the_rounding_happens_while_the_shard_is_held(monkeypatch):
         return real(values, buffer, dtype)
 
     monkeypatch.setattr(pull_rounding, "round_into", round_into)
-    with store.pull("m", 0, min_version=0, timeout=1, dtype="bfloat16"):
+    with store.pull(PullRequest("m", 0, dtype="bfloat16"), timeout=1):
         pass
     assert seen == [(1, False)]
 
@@ -169,8 +171,8 @@ def test_a_narrow_pull_of_an_evicted_shard_loads_it_first(tmp_path):
     files = NvmeFiles(tmp_path, io=DirectIO(threads=2, block_bytes=PAGE), fsync=False, spare_slots=1)
     store = _store(files=files)
     try:
-        assert store.evict("m", 0).tier == "nvme"
-        with store.pull("m", 0, min_version=0, timeout=5, dtype="float16") as (out, version):
+        assert tier_admin.evict(store, "m", 0).tier == "nvme"
+        with store.pull(PullRequest("m", 0, dtype="float16"), timeout=5) as (out, version):
             assert version == 0
             assert torch.equal(out.view(torch.int16), _values().to(torch.float16).view(torch.int16))
     finally:
@@ -189,11 +191,11 @@ def test_a_narrow_pull_of_an_evicted_shard_loads_it_first(tmp_path):
 def test_a_refused_pull_holds_and_counts_nothing(tensor, dtype, message):
     store = _store(AdamWConfig(lr=0.1))
     with pytest.raises(InvalidArgument, match="pull of shard 0 of model 'm'") as info:
-        with store.pull("m", 0, min_version=0, timeout=1, tensor=tensor, dtype=dtype):
+        with store.pull(PullRequest("m", 0, tensor=tensor, dtype=dtype), timeout=1):
             pass
     assert message in str(info.value)
     assert store.stats.pulls == 0 and store.stats.bytes_pulled == 0 and store.shard("m", 0).readers == 0
-    with store.pull("m", 0, min_version=0, timeout=1, tensor=tensor) as (state, _):
+    with store.pull(PullRequest("m", 0, tensor=tensor), timeout=1) as (state, _):
         assert state.dtype == torch.float32  # in fp32 it is served
 
 
@@ -221,10 +223,10 @@ def test_the_header_says_what_is_sent(dtype, expected):
 
 
 @pytest.mark.parametrize("dtype", [ps_pb2.DTYPE_UNSPECIFIED, ps_pb2.FLOAT32, ps_pb2.BFLOAT16, ps_pb2.FLOAT16])
-def test_pull_bytes_gives_both_transports_the_header_and_the_bytes(dtype):
+def test_serve_pull_gives_both_transports_the_header_and_the_bytes(dtype):
     store, pool, values = _store(), StagingPool(max_bytes=1 << 20), _values()
     request = ps_pb2.PullRequest(model="m", shard_id=0, dtype=dtype)
-    with conversions.pull_bytes(store, request, timeout=1, staging=pool) as (header, raw):
+    with data_path.serve_pull(store, conversions.pull_request(request), timeout=1, staging=pool) as (header, raw):
         torch_dtype = {ps_pb2.BFLOAT16: torch.bfloat16, ps_pb2.FLOAT16: torch.float16}.get(dtype, torch.float32)
         assert header.dtype == (dtype or ps_pb2.FLOAT32) and header.numel == NUMEL and header.version == 0
         assert bytes(raw) == values.to(torch_dtype).view(torch.uint8).numpy().tobytes()

@@ -11,6 +11,7 @@ import torch
 from ps_offload.daemon.errors import DataLoss, InvalidArgument
 from ps_offload.daemon.model.optimizer import AdamWConfig
 from ps_offload.daemon.model.spec import MAX_LR, ModelSpec, ParamSpec
+from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
@@ -89,5 +90,5 @@ def test_a_failed_update_without_nvme_takes_the_shard_out_of_use(monkeypatch):
     with pytest.raises(DataLoss, match="an update failed midway"):
         store.push(PushRequest("m", 0, step=1, kind="gradient", data=torch.ones(NUMEL)))
     with pytest.raises(DataLoss):
-        with store.pull("m", 0, min_version=0, timeout=1):
+        with store.pull(PullRequest("m", 0), timeout=1):
             pass

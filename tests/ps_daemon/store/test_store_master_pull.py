@@ -15,6 +15,8 @@ from ps_offload.daemon.errors import DataLoss, DeadlineExceeded, FailedPrecondit
 from ps_offload.daemon.model.optimizer import AdamWConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc.staging import StagingPool
+from ps_offload.daemon.store import tier_admin
+from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard import shard_resident_bytes
 from ps_offload.daemon.store.shard_store import ShardStore
@@ -68,10 +70,8 @@ def _close(store: ShardStore) -> None:
 
 
 def _pull(store: ShardStore, shard_id: int, dtype: str = "float32", **kwargs) -> tuple[torch.Tensor, int]:
-    with store.pull("m", shard_id, min_version=kwargs.pop("min_version", 0), timeout=5, dtype=dtype, **kwargs) as (
-        values,
-        version,
-    ):
+    pull = PullRequest("m", shard_id, min_version=kwargs.pop("min_version", 0), dtype=dtype)
+    with store.pull(pull, timeout=5, **kwargs) as (values, version):
         return values.clone(), version
 
 
@@ -106,7 +106,7 @@ def test_an_evicted_shard_pulls_the_bytes_it_has_in_ram_and_stays_on_nvme(tmp_pa
         assert after.pulls == stats.pulls + 1
         assert after.bytes_pulled - stats.bytes_pulled == NUMEL * DTYPES[dtype].itemsize
 
-        store.load("m", 0)
+        tier_admin.load(store, "m", 0)
         from_ram, version = _pull(store, 0, dtype, scratch=pool.borrow)
         assert version == 1 and torch.equal(_bits(from_ram), _bits(from_disk))
         assert store.stats_snapshot().nvme_master_reads == 1  # from RAM now
@@ -121,7 +121,7 @@ def test_a_resident_shard_is_pulled_from_ram_and_other_tensors_load_the_shard(tm
         _pull(store, 2)
         assert store.stats_snapshot().tier_hits == hits + 1 and store.stats_snapshot().nvme_master_reads == 0
         # Optimizer state is pulled to resume from, rarely: it loads the shard as before.
-        with store.pull("m", 0, min_version=0, timeout=5, tensor="exp_avg") as (exp_avg, version):
+        with store.pull(PullRequest("m", 0, tensor="exp_avg"), timeout=5) as (exp_avg, version):
             assert version == 1 and torch.count_nonzero(exp_avg) > 0
         assert store.shard("m", 0).tier == "ram" and store.stats_snapshot().tier_misses == misses + 1
         assert store.stats_snapshot().nvme_master_reads == 0
@@ -134,7 +134,7 @@ def test_the_read_ends_the_hold_and_its_buffer_comes_from_the_pool_and_goes_back
     pool = StagingPool(max_bytes=1 << 20)
     shard = store.shard("m", 0)
     try:
-        with store.pull("m", 0, min_version=0, timeout=5, scratch=pool.borrow) as (sent, version):
+        with store.pull(PullRequest("m", 0), timeout=5, scratch=pool.borrow) as (sent, version):
             # Sent from this pull's copy: an update goes ahead meanwhile and does not change it.
             assert shard.readers == 0 and pool.idle_bytes == 0
             before = sent.clone()
@@ -142,8 +142,8 @@ def test_the_read_ends_the_hold_and_its_buffer_comes_from_the_pool_and_goes_back
             assert shard.version == 2 and torch.equal(_bits(sent), _bits(before)) and version == 1
             buffer = sent.data_ptr()
         assert pool.idle_bytes == PAGE + PAGE  # the region and the page it may start into
-        store.evict("m", 0)
-        with store.pull("m", 0, min_version=0, timeout=5, scratch=pool.borrow) as (sent, version):
+        tier_admin.evict(store, "m", 0)
+        with store.pull(PullRequest("m", 0), timeout=5, scratch=pool.borrow) as (sent, version):
             assert sent.data_ptr() == buffer and version == 2  # the same buffer, not a new one
             assert sent.data_ptr() % PAGE == 0
     finally:
@@ -157,7 +157,7 @@ def test_a_commit_waits_for_the_read_and_other_commits_cannot_take_its_slot(tmp_
     store = _trained(tmp_path, ram_shards=SHARDS)
     files = store.files
     expected = store.shard("m", 2).master.clone()
-    store.evict("m", 2)
+    tier_admin.evict(store, "m", 2)
     committed = files.committed_slot("m", 2)
     reading, release, pulled = threading.Event(), threading.Event(), []
     real_read = files.io.read
@@ -211,7 +211,7 @@ def test_pulls_racing_updates_and_evictions_get_one_committed_version(tmp_path):
             _step(store, 0)  # loads the shard if it is on NVMe
             while True:  # and back to NVMe only: the pulls until the next push read from disk
                 try:
-                    store.evict("m", 0)
+                    tier_admin.evict(store, "m", 0)
                     break
                 except FailedPrecondition:  # pinned by a pull from RAM
                     time.sleep(0.001)
@@ -248,7 +248,7 @@ def test_a_pull_for_a_version_not_committed_yet_waits_for_it(tmp_path):
     try:
         assert store.shard("m", 0).tier == "nvme"
         with pytest.raises(DeadlineExceeded, match="waited for version 2"):
-            with store.pull("m", 0, min_version=2, timeout=0.2):
+            with store.pull(PullRequest("m", 0, min_version=2), timeout=0.2):
                 pass
         pulled = []
         waiting = threading.Thread(target=lambda: pulled.append(_pull(store, 0, min_version=2)))
@@ -287,7 +287,7 @@ def test_a_corrupt_master_region_is_data_loss_for_that_shard_only(tmp_path):
 
 def test_a_slot_of_format_2_loads_the_shard_whole_until_its_next_commit(tmp_path):
     store = _trained(tmp_path)
-    before = store.load("m", 0).master.clone()
+    before = tier_admin.load(store, "m", 0).master.clone()
     _close(store)
     downgrade_to_format_2(tmp_path)
 
@@ -299,7 +299,7 @@ def test_a_slot_of_format_2_loads_the_shard_whole_until_its_next_commit(tmp_path
         stats = store.stats_snapshot()
         assert (stats.nvme_master_reads, stats.tier_misses) == (0, 1) and store.shard("m", 0).tier == "ram"
         _step(store, 0)  # committed in format 3
-        store.evict("m", 0)
+        tier_admin.evict(store, "m", 0)
         values, version = _pull(store, 0)
         assert version == 2 and store.stats_snapshot().nvme_master_reads == 1 and store.shard("m", 0).tier == "nvme"
     finally:

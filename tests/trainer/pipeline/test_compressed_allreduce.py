@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 from ps_offload import kernels
 from ps_offload.trainer.config import AdamW, CompressionConfig, ParallelConfig
 from ps_offload.trainer.pipeline.compressed_allreduce import CompressedAllReduce
-from ps_offload.trainer.pipeline.trainer import PipelineTrainer, RankGrid
+from ps_offload.trainer.pipeline.grid import RankGrid
+from ps_offload.trainer.pipeline.trainer import PipelineTrainer
 
 SIZES = (1, 13, 1000, 3000, 4099)  # below one block, not a multiple of 8 or of BLOCK, W > chunks
 ROUNDS = 40

@@ -1,4 +1,5 @@
-"""The pure parts of trainer/pipeline/trainer.py: the rank grid, the stage split, the buckets."""
+"""The pure parts of the pipeline trainer: the rank grid and the stage split
+(trainer/pipeline/grid.py), the gradient buckets (trainer/pipeline/reducer.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from ps_offload.trainer.io.flat import FlatParams
-from ps_offload.trainer.pipeline.trainer import GradReducer, RankGrid, split_layers
+from ps_offload.trainer.pipeline.grid import RankGrid, split_layers
+from ps_offload.trainer.pipeline.reducer import GradReducer
 
 
 def test_grid_is_stage_major():
@@ -68,7 +70,7 @@ def test_a_bucket_starts_once_every_gradient_in_it_has_its_last_micro_batch(sing
 
 
 def test_a_grid_that_does_not_match_torchruns_world_is_refused(monkeypatch):
-    from ps_offload.trainer.pipeline.trainer import init_distributed
+    from ps_offload.trainer.pipeline.grid import init_distributed
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match=r"pp x dp = 2 x 1 = 2, but torchrun started 4 processes"):
@@ -76,7 +78,7 @@ def test_a_grid_that_does_not_match_torchruns_world_is_refused(monkeypatch):
 
 
 def _single_rank_context(group: dist.ProcessGroup):
-    from ps_offload.trainer.pipeline.trainer import ParallelContext
+    from ps_offload.trainer.pipeline.grid import ParallelContext
 
     return ParallelContext(RankGrid(1, 1, 0), group, group, torch.device("cpu"))
 

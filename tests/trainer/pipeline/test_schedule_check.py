@@ -175,7 +175,7 @@ def test_the_recorder_sees_what_a_real_stage_runs_and_lets_go(single_process_gro
 
 def test_a_pipeline_trainer_checks_its_schedule_when_it_is_built(single_process_group, monkeypatch):
     from ps_offload.trainer import AdamW, ParallelConfig, PipelineTrainer
-    from ps_offload.trainer.pipeline.trainer import RankGrid
+    from ps_offload.trainer.pipeline.grid import RankGrid
 
     ctx = SimpleNamespace(
         grid=RankGrid(1, 1, 0), pp_group=single_process_group, dp_group=single_process_group, device=torch.device("cpu")

@@ -1,0 +1,73 @@
+"""The data path both fronts share: one push received and applied (receive_push), one pull
+served (serve_pull). The gRPC servicer (ps_offload.daemon.rpc.servicer) and the TCP data plane
+(ps_offload.daemon.dataplane.requests) differ only in how the bytes move, so they check, apply
+and answer identically.
+
+A push: its header is checked (and the push against its shard) before any payload is read; a
+push applied before is answered at once, its payload never read. Else the payload lands in a
+staging buffer (it must be complete before anything changes, so a broken stream changes
+nothing), is parsed there in place (ps_offload.daemon.model.encodings.parse) and applied.
+
+A pull: its shard is held while its bytes are sent, so they are one version (an fp32 pull sends
+the shard's own bytes, a narrow one a copy rounded under the hold); a snapshot's pull sends the
+snapshot's copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+from ps_offload.daemon.model.encodings import parse
+from ps_offload.daemon.rpc import conversions
+from ps_offload.daemon.rpc.staging import StagingPool
+from ps_offload.daemon.store.pull import PullRequest
+from ps_offload.daemon.store.pull_rounding import tensor_bytes
+from ps_offload.daemon.store.pull_wait import PullWait
+from ps_offload.daemon.store.shard_store import ShardStore
+from ps_offload.proto import ps_pb2
+
+ReadPayload = Callable[[memoryview], None]
+"""Fills the view given (the header's nbytes; empty for an APPLY) with the push's payload, or raises."""
+
+
+def receive_push(
+    store: ShardStore, header: ps_pb2.PushHeader, staging: StagingPool, read_payload: ReadPayload
+) -> ps_pb2.PushResponse:
+    """The answer to a push whose payload `read_payload` reads, once it is applied. A push
+    applied before is acknowledged (counted as a duplicate) without calling `read_payload`.
+    A compressed gradient that must be decompressed first gets a buffer from `staging` too."""
+    push = conversions.push_request(header)
+    ack = store.check_push(push)
+    if ack is not None:  # applied before: answered without reading the payload
+        return ps_pb2.PushResponse(applied=False, version=ack.version)
+    with staging.borrow((push.nbytes + 3) // 4) as payload:  # fp32 elements: nbytes, rounded up
+        read_payload(memoryview(payload.numpy()).cast("B")[: push.nbytes])
+        if push.kind != "apply":  # an APPLY carries none: the parts held are its gradient
+            shard = store.shard(push.model, push.shard_id)
+            push = push.with_data(parse(push.encoding, payload, push.nbytes, push.payload_numel(shard), push.where))
+        result = store.push(push, scratch=staging.borrow)
+    return ps_pb2.PushResponse(applied=result.applied, version=result.version)
+
+
+@contextlib.contextmanager
+def serve_pull(
+    store: ShardStore,
+    pull: PullRequest,
+    *,
+    timeout: float,
+    staging: StagingPool,
+    waiting: PullWait | None = None,
+    waited: float | None = None,
+) -> Iterator[tuple[ps_pb2.ShardHeader, memoryview]]:
+    """Holds a pull for the block: yields its ShardHeader and the bytes to send after it.
+    fp32: the shard's own bytes, under its read hold for the whole send; bf16 or fp16: a copy
+    rounded under that hold into a buffer from `staging`. Either way, one version. With
+    `pull.snapshot`: the snapshot's copy, read from its slot. `timeout`, `waiting`, `waited`:
+    as ShardStore.pull's."""
+    if pull.snapshot:
+        values, step = store.pull_snapshot(pull.model, pull.shard_id, pull.snapshot, pull.tensor)
+        yield conversions.shard_header(pull.model, pull.shard_id, step, values), tensor_bytes(values)
+        return
+    with store.pull(pull, timeout=timeout, scratch=staging.borrow, waiting=waiting, waited=waited) as (values, version):
+        yield conversions.shard_header(pull.model, pull.shard_id, version, values), tensor_bytes(values)

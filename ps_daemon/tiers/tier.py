@@ -1,0 +1,123 @@
+"""What the store asks of its tiers, whether or not the daemon has an NVMe directory.
+
+Three roles, each filled by one object the store picks when it is made
+(ps_offload.daemon.store.shard_store.ShardStore):
+
+                     with store.nvme_dir                         RAM only
+    ResidencyTier    RamTier (tiers.ram): a byte budget of       RamOnlyTier (tiers.ram_only): every
+                     resident shards over NVMe                   shard resident from birth to drop
+    ShardFiles       NvmeFiles (tiers.nvme): committed slots     NoShardFiles: nothing kept, nothing
+                     that survive a restart                      recovered
+    SumStore         AccumulatorFiles (tiers.accumulator_files)  RamSums: anonymous memory
+
+so the store's code is the same for both kinds of daemon. Where the two genuinely behave
+differently (verify reads slots back or checks memory; snapshots need slots to pin; a failed
+update rolls back to the committed copy or is refused), the code asks `ShardFiles.at_rest`.
+
+The tiers hold shards without knowing what one is (they import neither the store nor the
+model): `shard` below is ps_offload.daemon.store.shard.Shard, duck-typed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class TierStats:
+    """The residency tier's counters (ps-admin stats)."""
+
+    hits: int = 0
+    misses: int = 0
+    prefetched: int = 0
+    evictions: int = 0
+
+
+class ResidencyTier(Protocol):
+    """Which shards are in RAM."""
+
+    def use(self, shard: Any) -> contextlib.AbstractContextManager[None]:
+        """Pins the shard resident for the block, loading it first if it is not. Raises
+        TierFull (a ResourceExhausted) when no room is made in time."""
+        ...
+
+    def evict(self, shard: Any) -> bool:
+        """Drops the shard from RAM (ps-admin evict); False while it is pinned."""
+        ...
+
+    def forget(self, shards: list, timeout: float) -> int:
+        """Frees a dropped model's arenas; returns their bytes (TimeoutError if a load of
+        one outlasts `timeout`)."""
+        ...
+
+    def prefetch(self, shards: list, *, limit: int | None = None) -> int:
+        """Queues loads of the shards not resident, in this order; returns how many."""
+        ...
+
+    def resident_bytes(self, shards: list) -> int:
+        """RAM the tier holds for `shards` (all of the store's)."""
+        ...
+
+    def counters(self) -> TierStats: ...
+
+    def close(self) -> None: ...
+
+
+class ShardFiles(Protocol):
+    """Where committed versions are kept at rest. The operations on a recorded model's file
+    (open_model, forget, arena_path, load, read_master, check_slot, check_buffer and the
+    snapshot pins of `files[model]`) are NvmeFiles' own: the store reaches them only for a
+    model `recorded_models` gave, a slot `committed_slot` found, or where `at_rest` is true."""
+
+    # True: every committed version is on disk and survives a restart; shards may leave RAM.
+    at_rest: bool
+    files: Mapping[str, Any]  # per model: its open file (tiers.model_file.ModelFile)
+    # Counters (ps-admin stats).
+    bytes_allocated: int
+    capacity: int
+    bytes_read: int
+    bytes_written: int
+    read_seconds: float
+    write_seconds: float
+    master_reads: int
+    master_bytes_read: int
+
+    def create_model(self, spec: dict, daemon_index: int, arena_bytes: dict[int, int]) -> object: ...
+
+    def recorded_models(
+        self, damaged: dict[str, str] | None = None, *, parse: Callable[[dict], object] = dict
+    ) -> Iterable[tuple[object, int, object]]:
+        """(spec, daemon_index, layout) of every model recorded at rest."""
+        ...
+
+    def commit(
+        self, model: str, shard_id: int, arena: memoryview, *, version: int, initialized: bool, numel: int
+    ) -> None:
+        """Persists a shard's new version before its push is acknowledged."""
+        ...
+
+    def committed_slot(self, model: str, shard_id: int) -> tuple[int, Any] | None:
+        """(slot, header) of the shard's newest committed version; None if it has none."""
+        ...
+
+    def delete_model(self, model: str) -> int:
+        """Deletes a model's files; returns their bytes."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SumStore(Protocol):
+    """Where the sums of steps pushed in parts are made (ps_offload.daemon.store.accumulate)."""
+
+    # True: in anonymous memory, counted as the store's RAM (nothing can page it out).
+    in_ram: bool
+
+    def allocate(self, numel: int) -> torch.Tensor:
+        """An fp32 tensor of `numel` values (contents unset)."""
+        ...
