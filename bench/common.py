@@ -113,7 +113,7 @@ def record(
         "higher_is_better": higher_is_better,
         "date": datetime.date.today().isoformat(),
         "target_met": met,
-        "machine": f"{platform.machine()}, {_cores()} cores",
+        "machine": machine(),
         "notes": notes,
         **({"quick": True} if quick_run else {}),
         **(extra or {}),
@@ -132,6 +132,24 @@ def _cores() -> int:
     import os
 
     return os.cpu_count() or 0
+
+
+def machine() -> str:
+    """The CPU a figure was measured on: its model and the vector extensions that decide bf16
+    and fp32 kernel speed (a bf16 matmul without AVX-512 BF16 or AMX is emulated, many times
+    slower, so absolute bf16 times differ between machines by more than any change of ours)."""
+    model, flags = "", set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return ", ".join(x for x in (platform.machine(), f"{_cores()} cores", model, "+".join(simd)) if x)
 
 
 def median(values: list[float]) -> float:

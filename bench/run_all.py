@@ -75,9 +75,10 @@ def _head(r: dict) -> str:
     target = f"{'≥' if r['higher_is_better'] else '≤'} {r['target']}"
     s = r.get("ratio_spread")
     spread = f", paired ratios {s['min']}–{s['max']} over {s['n']}" if s else ""
+    machine = f", {r['machine']}" if r.get("machine") else ""
     return (
         f"**`{r['name']}` ({target}): {'met' if r['target_met'] else 'not met'}, {r['ratio']}×** "
-        f"({r['ours']} against {r['peer']} {r['unit']}{spread}; {r['date']})."
+        f"({r['ours']} against {r['peer']} {r['unit']}{spread}; {r['date']}{machine})."
     )
 
 

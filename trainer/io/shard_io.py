@@ -17,7 +17,6 @@ import torch
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
-from ps_offload.proto.push import Push
 from ps_offload.trainer.io.device import ShardMover, byte_view
 from ps_offload.trainer.io.push_compression import PushCompressor
 from ps_offload.trainer.wire.sharded_client import ShardedClient
@@ -117,9 +116,7 @@ class ShardIO:
         # The daemons' master starts as the compute copy widened to fp32 (exact), on the host.
         with self.mover.host_copy(values, shard, after) as host:
             piece = host.to(torch.float32)
-            self.client.push(
-                shard, Push.build(self.client.model, shard.shard_id, byte_view(piece), step=0, kind=ps_pb2.PARAMETERS)
-            )
+            self.client.send(shard, byte_view(piece), step=0, kind=ps_pb2.PARAMETERS)
 
     def run_all(self, fn: Callable[[ShardSlice], object]) -> list:
         futures = [self.pool.submit(fn, s) for s in self.plan]
@@ -135,17 +132,8 @@ class ShardIO:
 
     def _push_part(self, shard: ShardSlice, step: int, grads: torch.Tensor, after: object) -> ps_pb2.PushResponse:
         with self.mover.host_view(grads, shard, after) as data:
-            ack = self.client.push(
-                shard,
-                Push.build(
-                    self.client.model,
-                    shard.shard_id,
-                    data,
-                    step=step,
-                    kind=ps_pb2.GRADIENT_PART,
-                    encoding=self.mover.gradient_encoding,
-                    part=0,
-                ),
+            ack = self.client.send(
+                shard, data, step=step, kind=ps_pb2.GRADIENT_PART, encoding=self.mover.gradient_encoding, part=0
             )
             return self.counted(ack, len(data))
 
@@ -211,18 +199,14 @@ class ShardIO:
                 raise StepAbandoned(f"push of shard {shard.shard_id} step {step} not sent: another shard failed")
             if part is not None and part.exception() is None:  # waits for the early part
                 groups, multiplier = tasks.settings
-                ack = self.client.push(
+                ack = self.client.send(
                     shard,
-                    Push.build(
-                        self.client.model,
-                        shard.shard_id,
-                        memoryview(b""),
-                        step=step,
-                        kind=ps_pb2.APPLY,
-                        groups=groups,
-                        grad_multiplier=multiplier,
-                        parts=1,
-                    ),
+                    memoryview(b""),
+                    step=step,
+                    kind=ps_pb2.APPLY,
+                    groups=groups,
+                    grad_multiplier=multiplier,
+                    parts=1,
                 )
             else:  # no early part, or it failed: the whole gradient (it replaces any part held)
                 ack = self.counted(*self._push_gradient(tasks, shard))
@@ -245,34 +229,26 @@ class ShardIO:
                 payload = self.compressor.payload(shard, step, grads)
         if payload is not None:
             momentum = payload.kind == ps_pb2.MOMENTUM  # 1-bit Adam: one lr, no groups
-            ack = self.client.push(
+            ack = self.client.send(
                 shard,
-                Push.build(
-                    self.client.model,
-                    shard.shard_id,
-                    payload.data,
-                    step=step,
-                    kind=payload.kind,
-                    encoding=payload.encoding,
-                    variance_frozen_at=payload.variance_frozen_at,
-                    lr=groups[0].lr if momentum else None,
-                    groups=() if momentum else groups,
-                ),
+                payload.data,
+                step=step,
+                kind=payload.kind,
+                encoding=payload.encoding,
+                variance_frozen_at=payload.variance_frozen_at,
+                lr=groups[0].lr if momentum else None,
+                groups=() if momentum else groups,
             )
             return ack, len(payload.data)
         with self.mover.host_view(grads, shard, after) as data:
-            ack = self.client.push(
+            ack = self.client.send(
                 shard,
-                Push.build(
-                    self.client.model,
-                    shard.shard_id,
-                    data,
-                    step=step,
-                    kind=ps_pb2.GRADIENT,
-                    encoding=self.mover.gradient_encoding,
-                    groups=groups,
-                    grad_multiplier=multiplier,
-                ),
+                data,
+                step=step,
+                kind=ps_pb2.GRADIENT,
+                encoding=self.mover.gradient_encoding,
+                groups=groups,
+                grad_multiplier=multiplier,
             )
             return ack, len(data)
 

@@ -20,7 +20,6 @@ import grpc
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
-from ps_offload.proto.push import Push
 from ps_offload.trainer.io.shard_io import first_failure
 from ps_offload.trainer.stream.settings import StepLost, StepTorn
 from ps_offload.trainer.wire.sharded_client import DaemonError, ShardedClient
@@ -76,19 +75,15 @@ class PartsApplier:
     def _apply(
         self, shard: ShardSlice, step: int, groups: list, parts: int, multiplier: float | None, check_only: bool
     ) -> ps_pb2.PushResponse:
-        return self.client.push(
+        return self.client.send(
             shard,
-            Push.build(
-                self.client.model,
-                shard.shard_id,
-                memoryview(b""),
-                step=step,
-                kind=ps_pb2.APPLY,
-                groups=groups,
-                parts=parts,
-                grad_multiplier=multiplier,
-                check_only=check_only,
-            ),
+            memoryview(b""),
+            step=step,
+            kind=ps_pb2.APPLY,
+            groups=groups,
+            parts=parts,
+            grad_multiplier=multiplier,
+            check_only=check_only,
         )
 
     def lost(self, step: int, errors: list[BaseException], what: str) -> BaseException:

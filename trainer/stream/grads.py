@@ -27,7 +27,6 @@ import torch
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
-from ps_offload.proto.push import Push
 from ps_offload.trainer.io.device import ShardMover
 from ps_offload.trainer.io.shard_io import ShardIO
 from ps_offload.trainer.stream.units import StreamUnit
@@ -105,12 +104,7 @@ class BlockGradients:
         else:
             how = {"kind": ps_pb2.GRADIENT_PART, "part": part}
         with self.mover.host_view(buffer, unit.local(shard), after) as data:
-            ack = self.client.push(
-                shard,
-                Push.build(
-                    self.client.model, shard.shard_id, data, step=step, encoding=self.mover.gradient_encoding, **how
-                ),
-            )
+            ack = self.client.send(shard, data, step=step, encoding=self.mover.gradient_encoding, **how)
             return self.io.counted(ack, len(data))
 
     def unpushed(self) -> list[StreamUnit]:

@@ -254,6 +254,11 @@ class ShardedClient:
             time.sleep(max(0.0, min(delay, give_up_at - time.monotonic())))
             delay = min(delay * 2, 2.0)
 
+    def send(self, shard: ShardSlice, data: memoryview, **header) -> ps_pb2.PushResponse:
+        """Pushes `data` to this model's `shard`; `header`: the rest of the push's fields, as
+        Push.build takes them (step and kind at least)."""
+        return self.push(shard, Push.build(self.model, shard.shard_id, data, **header))
+
     def push(self, shard: ShardSlice, push: Push) -> ps_pb2.PushResponse:
         """Sends one shard's push (retried as a whole, the same bytes each attempt)."""
         header = push.header
