@@ -33,6 +33,7 @@ from bench import (
     train_step_overhead,
     train_step_overhead_bf16,
     transport,
+    transport_local,
     zero_infinity,
 )
 from bench.common import QUICK, REPO, RESULTS
@@ -111,6 +112,17 @@ def _transport(r: dict) -> str:
             f" (ours over it {r['ratio_vs_iperf3']}×)"
         )
     return text + f"; the gRPC path {r['grpc_gbps']} GB/s."
+
+
+def _transport_local(r: dict) -> str:
+    return (
+        f"Over {r['connections']} local connections: pull {r['pull_gbps']} GB/s ({r['ratio_pull']}× the copy), "
+        f"push {r['push_gbps']} GB/s ({r['ratio_push']}×); one in-process copy_ {r['copy_gbps']} GB/s. "
+        "What bounds it: a pull copies the bytes twice (the shard into the slot under the read hold, the "
+        "slot into the trainer's buffer) and a push three times (the buffer into the slot, the slot into "
+        "staging, staging into the update), where the bound moves them once; issue #25's next step writes "
+        "pulls straight into the trainer's buffer and reads pushes in place."
+    )
 
 
 def _nvme_io(r: dict) -> str:
@@ -239,6 +251,7 @@ DETAILS: dict[str, Callable[[dict], str]] = {
     "optimizer_step": _optimizer_step,
     "transport_pull": _transport,
     "transport_push": _transport,
+    "transport_local": _transport_local,
     "nvme_read": _nvme_io,
     "nvme_write": _nvme_io,
     "nvme_train_step": _nvme_train_step,
@@ -302,6 +315,7 @@ def main() -> None:
     _timed("deepspeed_ops", deepspeed_ops.main, seconds)
     _timed("optimizer_step", optimizer_step.main, seconds)
     _timed("transport", transport.main, seconds)
+    _timed("transport_local", transport_local.main, seconds)
     _timed("train_step_overhead", train_step_overhead.main, seconds)
     _timed("train_step_overhead_bf16", train_step_overhead_bf16.main, seconds)
     _timed("audit_overhead", audit_overhead.main, seconds)

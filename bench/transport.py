@@ -31,6 +31,7 @@ import struct
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -257,32 +258,18 @@ def main() -> list[dict]:
     return results
 
 
-def _measure(address: str, transport: str, *, reps: int, tcp: TcpPeer | None = None, iperf3: Iperf3 | None = None):
-    """Times pull_all and push_all through ShardedClient with the given transport; with
-    peers, interleaved with theirs. Returns {name: {contender: [seconds per round]}}."""
-    config = ClientConfig(transport=transport)
-    client = ShardedClient([address], config=config)
-    spec = ps_pb2.ModelSpec(
-        model="transport",
-        params=[ps_pb2.ParamSpec(name="w", shape=[NUMEL], dtype=ps_pb2.FLOAT32)],
-        optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)),
-        shard_bytes=PIECE,
-    )
-    plan = client.register(spec)
-    flat = torch.randn(NUMEL)
+def shard_movers(client: ShardedClient, plan: list, pool: ThreadPoolExecutor) -> tuple[Callable, Callable]:
+    """(push_all, pull_all): every shard of a one-tensor model pushed (PARAMETERS) or pulled at
+    once over `pool`, from and into one buffer; checked once to round-trip bit for bit."""
+    flat = torch.randn(sum(s.numel for s in plan))
     raw = memoryview(flat.numpy()).cast("B")
-    pool = ThreadPoolExecutor(max_workers=config.streams_per_daemon)
 
     def push_all() -> None:
-        futures = [
-            pool.submit(
-                client.push,
-                s,
-                Push.build(client.model, s.shard_id, raw[s.offset * 4 : s.end * 4], step=0, kind=ps_pb2.PARAMETERS),
-            )
+        pushes = [
+            Push.build(client.model, s.shard_id, raw[s.offset * 4 : s.end * 4], step=0, kind=ps_pb2.PARAMETERS)
             for s in plan
         ]
-        for f in futures:
+        for f in [pool.submit(client.push, s, p) for s, p in zip(plan, pushes, strict=True)]:
             f.result()
 
     def pull_all() -> None:
@@ -295,6 +282,23 @@ def _measure(address: str, transport: str, *, reps: int, tcp: TcpPeer | None = N
     flat.zero_()
     pull_all()
     assert torch.equal(flat, expected), "pulled bytes differ from pushed bytes"
+    return push_all, pull_all
+
+
+def _measure(address: str, transport: str, *, reps: int, tcp: TcpPeer | None = None, iperf3: Iperf3 | None = None):
+    """Times pull_all and push_all through ShardedClient with the given transport; with
+    peers, interleaved with theirs. Returns {name: {contender: [seconds per round]}}."""
+    config = ClientConfig(transport=transport)
+    client = ShardedClient([address], config=config)
+    spec = ps_pb2.ModelSpec(
+        model="transport",
+        params=[ps_pb2.ParamSpec(name="w", shape=[NUMEL], dtype=ps_pb2.FLOAT32)],
+        optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)),
+        shard_bytes=PIECE,
+    )
+    plan = client.register(spec)
+    pool = ThreadPoolExecutor(max_workers=config.streams_per_daemon)
+    push_all, pull_all = shard_movers(client, plan, pool)
 
     times = {}
     for name, ours, reverse in (("transport_pull", pull_all, True), ("transport_push", push_all, False)):

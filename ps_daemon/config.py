@@ -44,7 +44,8 @@ class ServerConfig:
     the data plane's waiting pulls too: a connection carries one request at a time."""
     max_data_connections_per_client: int = 256
     """Data plane connections open at once from one address (every rank on that host shares
-    them); one more is answered RESOURCE_EXHAUSTED and closed."""
+    them); one more is answered RESOURCE_EXHAUSTED and closed. The local transport's
+    connections (the ranks on this host) are bounded by it too: they hold a thread each."""
     data_workers: int = 64
     """Threads serving data plane requests. A pull waiting for a version holds none."""
     data_idle_seconds: float = 300.0

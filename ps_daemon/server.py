@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ps_offload.daemon import systemd
 from ps_offload.daemon.config import ConfigError, DaemonConfig, exposed_in_plaintext
+from ps_offload.daemon.dataplane.local_server import LocalServer
 from ps_offload.daemon.dataplane.server import DataPlaneServer
 from ps_offload.daemon.metrics import DaemonMetrics
 from ps_offload.daemon.rpc import server_security
@@ -83,6 +84,10 @@ class Daemon:
             observe=self.metrics.observe_rpc if self.metrics else None,
             on_failure=self._data_plane_failed,
         )
+        # Same-host clients: shared memory instead of loopback TCP; there when the data plane is.
+        observe = self.metrics.observe_rpc if self.metrics else None
+        local = dict(store=self.store, staging=staging, limits=config.server, token=self.token, observe=observe)
+        self.local = LocalServer.bind(**local) if self.data_plane else None
         self.health = health.HealthServicer()
         # Outermost first: a call refused for its token is still timed, with its code.
         interceptors = [self.metrics.interceptor()] if self.metrics else []
@@ -98,6 +103,7 @@ class Daemon:
             chunk_bytes=CHUNK_BYTES,
             staging=staging,
             data_port=self.data_plane.port if self.data_plane else 0,
+            local_endpoint=self.local.endpoint if self.local else "",
             nvme_tier=self.store.files.at_rest,
             max_waiting_pulls=config.server.max_waiting_pulls or config.server.max_workers // 2,
             max_waiting_pulls_per_client=config.server.max_waiting_pulls_per_client,
@@ -146,6 +152,8 @@ class Daemon:
         if self.data_plane is not None:
             self.data_plane.start()
             log.info("data plane listening on port %d", self.data_plane.port)
+        if self.local is not None:
+            self.local.start()
         if self.metrics is not None:
             metrics_port = self.metrics.serve(self.config.metrics.listen)
             if self.config.metrics.port_file:
@@ -291,6 +299,8 @@ class Daemon:
         stopped = self.server.stop(grace)
         if self.data_plane is not None:
             self.data_plane.stop(grace)
+        if self.local is not None:
+            self.local.stop(grace)
         stopped.wait()
         if self.metrics is not None:
             self.metrics.stop()

@@ -20,9 +20,14 @@ class FrameError(ConnectionError):
     """The peer sent something that is not a frame of this protocol, or hung up."""
 
 
-def send_message(sock: socket.socket, message: Message) -> None:
+def frame(message: Message) -> bytes:
+    """`message` as one frame: its length, then its bytes."""
     raw = message.SerializeToString()
-    sock.sendall(_LENGTH.pack(len(raw)) + raw)
+    return _LENGTH.pack(len(raw)) + raw
+
+
+def send_message(sock: socket.socket, message: Message) -> None:
+    sock.sendall(frame(message))
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:

@@ -157,18 +157,20 @@ class ShardPlacement(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., daemon_index: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
 
 class RegisterModelResponse(_message.Message):
-    __slots__ = ("shards", "created", "shard_bytes", "data_port", "nvme_tier")
+    __slots__ = ("shards", "created", "shard_bytes", "data_port", "nvme_tier", "local_endpoint")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     NVME_TIER_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardPlacement]
     created: bool
     shard_bytes: int
     data_port: int
     nvme_tier: bool
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., created: _Optional[bool] = ..., shard_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., nvme_tier: _Optional[bool] = ...) -> None: ...
+    local_endpoint: str
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., created: _Optional[bool] = ..., shard_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., nvme_tier: _Optional[bool] = ..., local_endpoint: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("model", "shard_id", "min_version", "tensor", "dtype", "snapshot")

@@ -84,7 +84,14 @@ def anchors(path: Path) -> set[str]:
     return found
 
 
+# Folders a command creates and git ignores (a fresh clone has none of them): a doc may name
+# them before they exist.
+OUTPUT_FOLDERS = ("bench/results/quick", "gpu-wheels", ".venv", "build")
+
+
 def _exists(root: Path, rel: str) -> bool:
+    if any(rel == folder or rel.startswith(folder + "/") for folder in OUTPUT_FOLDERS):
+        return True
     if "*" in rel:
         return any(root.glob(rel))
     return (root / rel).exists()

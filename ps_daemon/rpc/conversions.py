@@ -63,11 +63,12 @@ def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
 
 
 def plan_to_proto(
-    model: RegisteredModel, created: bool, *, data_port: int, nvme_tier: bool
+    model: RegisteredModel, created: bool, *, data_port: int, nvme_tier: bool, local_endpoint: str = ""
 ) -> ps_pb2.RegisterModelResponse:
     return ps_pb2.RegisterModelResponse(
         created=created,
         data_port=data_port,
+        local_endpoint=local_endpoint,
         nvme_tier=nvme_tier,
         shard_bytes=model.spec.shard_bytes,
         shards=_placements(model),

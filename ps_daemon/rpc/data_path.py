@@ -1,7 +1,7 @@
-"""The data path both fronts share: one push received and applied (receive_push), one pull
-served (serve_pull). The gRPC servicer (ps_offload.daemon.rpc.servicer) and the TCP data plane
-(ps_offload.daemon.dataplane.requests) differ only in how the bytes move, so they check, apply
-and answer identically.
+"""The data path every front shares: one push received and applied (receive_push), one pull
+served (serve_pull). The gRPC servicer (ps_offload.daemon.rpc.servicer), the TCP data plane
+(ps_offload.daemon.dataplane.requests) and the local transport (ps_offload.daemon.dataplane.
+local_server) differ only in how the bytes move, so they check, apply and answer identically.
 
 A push: its header is checked (and the push against its shard) before any payload is read; a
 push applied before is answered at once, its payload never read. Else the payload lands in a

@@ -45,6 +45,7 @@ class ParameterServerServicer:
         chunk_bytes: int,
         staging: StagingPool,
         data_port: int = 0,
+        local_endpoint: str = "",
         nvme_tier: bool = False,
         max_waiting_pulls: int = 16,
         max_waiting_pulls_per_client: int = 0,
@@ -54,6 +55,7 @@ class ParameterServerServicer:
         self.pull_waits = PullWaits(max_waiting_pulls, max_waiting_pulls_per_client)
         self.staging = staging
         self.data_port = data_port  # advertised in RegisterModel; 0: no TCP data plane
+        self.local_endpoint = local_endpoint  # advertised too; "": no local transport
         self.nvme_tier = nvme_tier  # advertised too: only then are prefetch hints worth sending
         self.max_pull_wait = max_pull_wait
         self.chunk_bytes = chunk_bytes
@@ -61,7 +63,9 @@ class ParameterServerServicer:
     @grpc_errors
     def RegisterModel(self, request: ps_pb2.RegisterModelRequest, context: grpc.ServicerContext):
         model, created = self.store.register(conversions.spec_from_proto(request.spec), request.daemon_index)
-        return conversions.plan_to_proto(model, created, data_port=self.data_port, nvme_tier=self.nvme_tier)
+        return conversions.plan_to_proto(
+            model, created, data_port=self.data_port, local_endpoint=self.local_endpoint, nvme_tier=self.nvme_tier
+        )
 
     @grpc_errors_stream
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:

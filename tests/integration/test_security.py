@@ -24,7 +24,8 @@ from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
-from ps_offload.trainer.wire.sharded_client import DaemonError
+from ps_offload.trainer.wire.local_client import LocalClient
+from ps_offload.trainer.wire.sharded_client import DaemonClient, DaemonError
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -109,19 +110,18 @@ def _code(call) -> tuple[grpc.StatusCode, str]:
 def test_training_over_tls_on_both_transports_and_plaintext_refused(daemon_factory, tmp_path, pki):
     daemon = _daemon(daemon_factory, tmp_path, tls={"cert_file": pki["server_cert"], "key_file": pki["server_key"]})
     secure = ClientSecurity(ca_file=pki["ca"])
-    for transport in ("auto", "grpc"):
+    for transport, kind in (("local", LocalClient), ("auto", DataPlaneClient), ("grpc", DaemonClient)):
         steps, transports = _train(daemon.address, secure, transport=transport, name=f"m-{transport}")
-        assert steps == 3
-        assert isinstance(transports[0], DataPlaneClient) == (transport == "auto")  # the data plane was used
+        assert steps == 3 and type(transports[0]) is kind  # the same host: "local" is the local transport
     assert _health(daemon.address, secure) == health_pb2.HealthCheckResponse.SERVING
     # A plaintext client gets nowhere, on gRPC or on the data plane.
     code, _ = _code(lambda: _health(daemon.address, ClientSecurity()))
     assert code == grpc.StatusCode.UNAVAILABLE
     port = _admin(daemon.address, secure, "ListModels", ps_pb2.ListModelsRequest()).models
-    assert len(port) == 2
+    assert len(port) == 3
     data_port = _register_port(daemon.address, secure)
     plain = DataPlaneClient("127.0.0.1", data_port, max_connections=1)
-    code, _ = _code(lambda: plain.pull_into("m-auto", 0, min_version=0, out=memoryview(bytearray(4096)), timeout=5))
+    code, _ = _code(lambda: plain.pull_into("m-tcp", 0, min_version=0, out=memoryview(bytearray(4096)), timeout=5))
     assert code == grpc.StatusCode.UNAVAILABLE
     assert daemon.process.poll() is None
 
@@ -136,15 +136,13 @@ def test_tls_handshakes_stalled_midway_hold_no_data_plane_worker(daemon_factory,
     data_port = _register_port(daemon.address, secure)
     stalled = [socket.create_connection(("127.0.0.1", data_port), timeout=30) for _ in range(3)]
     stalled[0].sendall(b"\x16\x03\x01\x02\x00")  # the first bytes of a ClientHello, and no more
-    steps, transports = _train(daemon.address, secure)
+    steps, transports = _train(daemon.address, secure, transport="auto")
     assert steps == 3 and isinstance(transports[0], DataPlaneClient)
     for sock in stalled:
         sock.close()
 
 
 def _register_port(address: str, security: ClientSecurity) -> int:
-    from ps_offload.trainer.wire.sharded_client import DaemonClient
-
     client = DaemonClient(address, max_message_bytes=8 << 20, security=security)
     spec = ps_pb2.ModelSpec(
         model="port-probe", params=[ps_pb2.ParamSpec(name="w", shape=[8], dtype=ps_pb2.FLOAT32)],

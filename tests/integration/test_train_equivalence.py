@@ -21,6 +21,8 @@ import torch
 from ps_offload import trainer
 from ps_offload.trainer.debug_models import GPTConfig, TinyGPT, mlp
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
+from ps_offload.trainer.wire.local_client import LocalClient
+from ps_offload.trainer.wire.sharded_client import DaemonClient
 
 STEPS = 50
 
@@ -85,7 +87,7 @@ def _train_offloaded(model, batches, loss_fn, opt):
 
 @pytest.mark.parametrize("case", [_mlp_case, _gpt_case], ids=["mlp", "transformer"])
 @pytest.mark.parametrize("n_daemons", [1, 2])
-@pytest.mark.parametrize("transport", ["auto", "grpc"], ids=["data-plane", "grpc"])
+@pytest.mark.parametrize("transport", ["local", "auto", "grpc"], ids=["local", "data-plane", "grpc"])
 def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, transport, daemon_factory):
     model, batches, loss_fn = case()
     reference = copy.deepcopy(model)
@@ -109,8 +111,8 @@ def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, transport, d
         client=trainer.ClientConfig(transport=transport),
     ) as opt:
         assert len(opt.plan) >= 2 * n_daemons
-        uses_data_plane = [isinstance(t, DataPlaneClient) for t in opt.client.transports]
-        assert uses_data_plane == [transport == "auto"] * n_daemons
+        kind = {"local": LocalClient, "auto": DataPlaneClient, "grpc": DaemonClient}[transport]
+        assert [type(t) for t in opt.client.transports] == [kind] * n_daemons
         assert {s.daemon_index for s in opt.plan} == set(range(n_daemons))
         losses = _train_offloaded(model, batches, loss_fn, opt)
 
@@ -295,7 +297,7 @@ def test_daemon_without_data_plane_is_used_over_grpc(daemon_factory, tmp_path):
         optimizer=trainer.AdamW(lr=1e-2),
         config=trainer.OffloadConfig(shard_bytes=8192),
     ) as opt:
-        assert not any(isinstance(t, DataPlaneClient) for t in opt.client.transports)
+        assert not any(isinstance(t, (DataPlaneClient, LocalClient)) for t in opt.client.transports)
         _train_offloaded(model, batches[:10], loss_fn, opt)
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs)

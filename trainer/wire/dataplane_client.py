@@ -151,13 +151,8 @@ class DataPlaneClient:
         tensor: int = ps_pb2.MASTER,
         dtype: int = ps_pb2.FLOAT32,
     ) -> int:
-        request = ps_pb2.DataRequest(
-            pull=ps_pb2.PullRequest(
-                model=model, shard_id=shard_id, min_version=min_version, tensor=tensor, dtype=dtype
-            ),
-            timeout_ms=max(1, int(timeout * 1000)),
-            authorization=self._authorization,
-        )
+        pull = ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version, tensor=tensor, dtype=dtype)
+        request = pull_request(pull, timeout, self._authorization)
         with _daemon_status(), self._connection(timeout + 5.0) as sock:
             send_message(sock, request)
             header = self._answer(sock).shard
@@ -183,6 +178,11 @@ class DataPlaneClient:
     def close(self) -> None:
         while not self._idle.empty():
             self._idle.get_nowait().close()
+
+
+def pull_request(pull: ps_pb2.PullRequest, timeout: float, authorization: str) -> ps_pb2.DataRequest:
+    """A data plane's (or the local transport's) pull: it may wait `timeout` for its version."""
+    return ps_pb2.DataRequest(pull=pull, timeout_ms=max(1, int(timeout * 1000)), authorization=authorization)
 
 
 class _StatusFromDaemon(Exception):

@@ -24,6 +24,7 @@ from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
+from ps_offload.trainer.wire.local_client import LocalClient, slot_bytes_for
 from ps_offload.trainer.wire.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -170,8 +171,9 @@ class ShardedClient:
         self.created: list[bool] = []
         # The daemons with an NVMe tier: only their Prefetch hints can save a read.
         self.nvme_daemons: set[int] = set()
-        # Per daemon, what carries pulls and pushes: its data plane when it has one (and the
-        # config allows it), else the gRPC client.
+        # Per daemon, what carries pulls and pushes: its local endpoint when it is reachable
+        # (the node's own daemon), else its data plane when it has one (and the config allows
+        # them), else the gRPC client.
         self.transports: list[Transport] = list(self.clients)
 
     def register(self, spec: ps_pb2.ModelSpec) -> list[ShardSlice]:
@@ -203,25 +205,55 @@ class ShardedClient:
                 self.nvme_daemons.add(index)
             else:
                 self.nvme_daemons.discard(index)
-            self._use_data_plane(index, response.data_port)
+            self._use_data_plane(index, response)
         return self.plan
 
-    def _use_data_plane(self, index: int, data_port: int) -> None:
-        current = self.transports[index]
-        if not data_port or self.config.transport != "auto":
+    def _use_data_plane(self, index: int, response: ps_pb2.RegisterModelResponse) -> None:
+        current, data_port, endpoint = self.transports[index], response.data_port, response.local_endpoint
+        if not data_port or self.config.transport == "grpc":
             return
+        if endpoint and self.config.transport == "local":
+            # The slot holds any push or pull of this daemon's largest shard.
+            slot_bytes = slot_bytes_for(max((s.numel for s in self.plan if s.daemon_index == index), default=1))
+            if isinstance(current, LocalClient) and (current.endpoint, current.slot_bytes) == (endpoint, slot_bytes):
+                return
+            local = self._connect_local(index, endpoint, slot_bytes)
+            if local is not None:
+                self._replace(index, local)
+                return
         if isinstance(current, DataPlaneClient) and current.address[1] == data_port:
             return
-        if isinstance(current, DataPlaneClient):
-            current.close()
         host, _ = split_host_port(self.daemons[index])
-        self.transports[index] = DataPlaneClient(
-            host,
-            data_port,
-            max_connections=self.config.streams_per_daemon,
-            security=self.config.security,
-            dead_peer_seconds=self.config.dead_peer_seconds,
+        self._replace(
+            index,
+            DataPlaneClient(
+                host,
+                data_port,
+                max_connections=self.config.streams_per_daemon,
+                security=self.config.security,
+                dead_peer_seconds=self.config.dead_peer_seconds,
+            ),
         )
+
+    def _connect_local(self, index: int, endpoint: str, slot_bytes: int) -> LocalClient | None:
+        """A client of the daemon's local endpoint if this process can reach it (the same host,
+        network namespace and uid), else None: the data plane carries the bytes."""
+        try:
+            return LocalClient(
+                endpoint,
+                slot_bytes=slot_bytes,
+                max_connections=self.config.streams_per_daemon,
+                security=self.config.security,
+            )
+        except DataPlaneError as error:
+            log.info("daemon %s: local transport not usable, using its data plane: %s", self.daemons[index], error)
+            return None
+
+    def _replace(self, index: int, transport: Transport) -> None:
+        current = self.transports[index]
+        if current not in self.clients:
+            current.close()
+        self.transports[index] = transport
 
     def _rediscover(self, index: int) -> None:
         """After the data plane became unreachable: ask the daemon again (RegisterModel is
@@ -231,7 +263,7 @@ class ShardedClient:
             response = self.clients[index].register(self._spec, index, timeout=2.0)
         except grpc.RpcError:
             return
-        self._use_data_plane(index, response.data_port)
+        self._use_data_plane(index, response)
 
     def _call(self, what: str, daemon_index: int, fn: Callable[[], T], retryable: frozenset = PUSH_RETRYABLE) -> T:
         """Runs fn with retries on transient errors; raises DaemonError otherwise."""

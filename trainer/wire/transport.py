@@ -1,10 +1,12 @@
 """What carries a shard's bytes between the trainer and one daemon.
 
-Two transports implement it: the gRPC client (ps_offload.trainer.wire.sharded_client.
-DaemonClient: chunked Push and Pull streams) and the data plane (ps_offload.trainer.wire.
-dataplane_client.DataPlaneClient: a header, then the raw bytes, over pooled TCP connections).
-ShardedClient picks one per daemon and retries through either the same way; a new transport
-(shared memory for the node's own daemon) implements these three methods and nothing else.
+Three transports implement it: the gRPC client (ps_offload.trainer.wire.sharded_client.
+DaemonClient: chunked Push and Pull streams), the data plane (ps_offload.trainer.wire.
+dataplane_client.DataPlaneClient: a header, then the raw bytes, over pooled TCP connections)
+and the local transport (ps_offload.trainer.wire.local_client.LocalClient: headers over a Unix
+socket, the bytes through a shared-memory slot, for the node's own daemon). ShardedClient
+picks one per daemon and retries through any of them the same way; a new transport
+implements these three methods and nothing else.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Both transports implement the declared Transport interface, signature for signature."""
+"""Every transport implements the declared Transport interface, signature for signature."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import inspect
 import pytest
 
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
+from ps_offload.trainer.wire.local_client import LocalClient
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 from ps_offload.trainer.wire.transport import Transport
 
@@ -17,7 +18,7 @@ def test_the_interface_declares_the_data_path():
     assert sorted(METHODS) == ["close", "pull_into", "push"]
 
 
-@pytest.mark.parametrize("transport", [DaemonClient, DataPlaneClient])
+@pytest.mark.parametrize("transport", [DaemonClient, DataPlaneClient, LocalClient])
 @pytest.mark.parametrize("method", METHODS)
 def test_each_transport_has_the_declared_signature(transport, method):
     declared = inspect.signature(getattr(Transport, method))

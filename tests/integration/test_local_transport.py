@@ -1,0 +1,401 @@
+"""The local shared-memory transport against real daemons: "local" picks it on the daemon's own
+host, training through it is bit-identical to the TCP data plane, and whoever cannot use it
+(another uid, another network namespace) is refused and falls back to TCP; a trainer killed
+mid-write applies nothing, and bad input is answered without harm."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fcntl
+import itertools
+import mmap
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+
+import grpc
+import pytest
+import torch
+
+from bench import netns
+from ps_offload import trainer
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.frames import frame, recv_message, send_message
+from ps_offload.proto.push import Push
+from ps_offload.proto.security import ClientSecurity
+from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
+from ps_offload.trainer.wire.local_client import LocalClient
+from ps_offload.trainer.wire.sharded_client import DaemonClient, ShardedClient
+from tests.integration.test_train_equivalence import _mlp_case, _train_offloaded
+
+NUMEL = 1024
+_models = itertools.count()
+SLOT = NUMEL * 4
+
+
+def _bytes(values: torch.Tensor) -> memoryview:
+    return memoryview(values.numpy()).cast("B")
+
+
+def _spec(model: str) -> ps_pb2.ModelSpec:
+    return ps_pb2.ModelSpec(
+        model=model,
+        params=[ps_pb2.ParamSpec(name="w", shape=[3 * NUMEL], dtype=ps_pb2.FLOAT32)],
+        optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)),
+        shard_bytes=NUMEL * 4,
+    )
+
+
+def _register(address: str, model: str, **config) -> ShardedClient:
+    """A model of 3 shards, each set to 1.0 (version 0)."""
+    client = ShardedClient([address], config=trainer.ClientConfig(**({"transport": "local"} | config)))
+    for shard in client.register(_spec(model)):
+        ones = torch.ones(shard.numel)
+        client.push(shard, Push.build(model, shard.shard_id, _bytes(ones), step=0, kind=ps_pb2.PARAMETERS))
+    return client
+
+
+def _endpoint(address: str) -> str:
+    client = DaemonClient(address, max_message_bytes=8 << 20)
+    try:
+        spec = _spec("endpoint-probe")
+        spec.daemons.append(address)
+        return client.register(spec, 0, timeout=30).local_endpoint
+    finally:
+        client.close()
+
+
+def _grpc_pull(address: str, model: str, shard_id: int = 0, dtype: int = ps_pb2.FLOAT32) -> tuple[int, bytes]:
+    client = DaemonClient(address, max_message_bytes=8 << 20)
+    try:
+        out = bytearray(NUMEL * (2 if dtype == ps_pb2.BFLOAT16 else 4))
+        version = client.pull_into(model, shard_id, min_version=0, out=memoryview(out), timeout=30, dtype=dtype)
+        return version, bytes(out)
+    finally:
+        client.close()
+
+
+def _slot_maps(daemon: LocalDaemon) -> int:
+    """How many local slots the daemon has mapped."""
+    with open(f"/proc/{daemon.process.pid}/maps") as maps:
+        return sum("memfd:ps-offload-slot" in line for line in maps)
+
+
+def _until(predicate, what: str) -> None:
+    deadline = threading.Event()
+    timer = threading.Timer(60, deadline.set)
+    timer.start()
+    try:
+        while not predicate():
+            assert not deadline.wait(0.05), f"never happened: {what}"
+    finally:
+        timer.cancel()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    daemon = LocalDaemon(tmp_path_factory.mktemp("local"))
+    try:
+        yield daemon
+    finally:
+        daemon.kill()
+
+
+# -- the path taken, and its results -----------------------------------------------------------
+
+
+def test_training_through_shared_memory_is_bit_identical_to_the_data_plane(daemon):
+    model, batches, loss_fn = _mlp_case()
+    batches = batches[:10]
+    results = {}
+    for transport, kind in (("local", LocalClient), ("auto", DataPlaneClient)):
+        ours = copy.deepcopy(model)
+        with trainer.offload(
+            ours,
+            daemons=[daemon.address],
+            optimizer=trainer.AdamW(lr=3e-3, weight_decay=0.1),
+            config=trainer.OffloadConfig(shard_bytes=8192, model_name=f"train-{transport}"),
+            client=trainer.ClientConfig(transport=transport),
+        ) as opt:
+            assert len(opt.plan) >= 2 and [type(t) for t in opt.client.transports] == [kind]
+            _train_offloaded(ours, batches, loss_fn, opt)
+        assert not torch.equal(ours[0].weight, model[0].weight)  # trained
+        results[transport] = ours
+    for (name, local), tcp in zip(results["local"].named_parameters(), results["auto"].parameters(), strict=True):
+        assert torch.equal(local, tcp), f"{name}: max |diff| {(local - tcp).abs().max().item()}"
+
+
+def test_a_bf16_pull_through_the_slot_equals_the_data_plane_one(daemon):
+    model = "bf16"
+    client = _register(daemon.address, model)
+    tcp = _register(daemon.address, model, transport="auto")
+    try:
+        assert type(client.transports[0]) is LocalClient and type(tcp.transports[0]) is DataPlaneClient
+        shard = client.plan[0]
+        grad = torch.linspace(-3, 3, NUMEL) * 1e-3
+        client.push(shard, Push.build(model, 0, _bytes(grad), step=0, kind=ps_pb2.GRADIENT))
+        local_out, tcp_out = torch.empty(NUMEL, dtype=torch.bfloat16), torch.empty(NUMEL, dtype=torch.bfloat16)
+        for client_, out in ((client, local_out), (tcp, tcp_out)):
+            view = memoryview(out.view(torch.int16).numpy()).cast("B")
+            assert client_.pull(shard, min_version=1, out=view, dtype=ps_pb2.BFLOAT16) == 1
+        assert torch.equal(local_out.view(torch.int16), tcp_out.view(torch.int16))
+        version, fp32 = _grpc_pull(daemon.address, model)
+        expected = torch.frombuffer(bytearray(fp32), dtype=torch.float32).to(torch.bfloat16)
+        assert version == 1 and torch.equal(local_out.view(torch.int16), expected.view(torch.int16))
+    finally:
+        client.close()
+        tcp.close()
+
+
+def test_a_pull_waits_for_its_version_up_to_its_deadline(daemon):
+    model = "waiting"
+    client = _register(daemon.address, model)
+    local = client.transports[0]
+    assert type(local) is LocalClient
+    out = torch.empty(NUMEL)
+    with pytest.raises(DataPlaneError) as info:
+        local.pull_into(model, 0, min_version=1, out=_bytes(out), timeout=0.5)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    pulled = {}
+    waiter = threading.Thread(
+        target=lambda: pulled.update(version=local.pull_into(model, 0, min_version=1, out=_bytes(out), timeout=120))
+    )
+    waiter.start()
+    # The push takes another connection of the pool while the pull waits on its own.
+    client.push(client.plan[0], Push.build(model, 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT))
+    waiter.join(180)
+    assert pulled == {"version": 1} and torch.equal(out, torch.full((NUMEL,), 1 - 0.1, dtype=torch.float32))
+    client.close()
+
+
+# -- who cannot use it --------------------------------------------------------------------------
+
+# Started as root, for the interpreter lives where only root may read; it becomes uid 65534
+# (nobody) once everything it needs is imported, before it connects.
+_OTHER_UID_CLIENT = """
+import os, sys, torch
+from ps_offload.proto import ps_pb2
+from ps_offload.trainer.wire.dataplane_client import DataPlaneError
+from ps_offload.trainer.wire.local_client import LocalClient
+from ps_offload.trainer.config import ClientConfig
+from ps_offload.trainer.wire.sharded_client import ShardedClient
+address, model, endpoint, spec = sys.argv[1:]
+import encodings.idna  # imported lazily by the first connect, from where nobody may read
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+try:
+    LocalClient(endpoint, slot_bytes=4096, max_connections=1)
+    print("local: accepted")
+except DataPlaneError as error:
+    print("local:", error.code().name)
+client = ShardedClient([address], config=ClientConfig(transport="local"))
+plan = client.register(ps_pb2.ModelSpec.FromString(bytes.fromhex(spec)))
+out = torch.empty(plan[0].numel)
+version = client.pull(plan[0], min_version=0, out=memoryview(out.numpy()).cast("B"))
+print("transport:", type(client.transports[0]).__name__, "version:", version, "sum:", int(out.sum()))
+client.close()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another uid needs root")
+def test_another_uid_is_refused_and_uses_the_data_plane(daemon):
+    _register(daemon.address, "other-uid").close()
+    endpoint = _endpoint(daemon.address)
+    done = subprocess.run(
+        [sys.executable, "-c", _OTHER_UID_CLIENT, daemon.address, "other-uid", endpoint,
+         _spec("other-uid").SerializeToString().hex()],
+        env={**os.environ, "HOME": "/tmp"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "local: UNAVAILABLE" in done.stdout
+    assert f"transport: DataPlaneClient version: 0 sum: {NUMEL}" in done.stdout
+    assert "of uid 65534: not the daemon's uid" in daemon.log()
+
+
+def _namespace_unavailable() -> str:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2 (ip) is not installed"
+    return ""
+
+
+@pytest.mark.skipif(bool(_namespace_unavailable()), reason=_namespace_unavailable() or "")
+def test_a_client_in_another_network_namespace_cannot_reach_it_and_uses_tcp(tmp_path):
+    name = f"psl-{uuid.uuid4().hex[:6]}"  # not test_network_faults' fixed names
+    try:
+        namespace = netns.namespace(name, subnet=f"10.213.{random.randrange(1, 250)}")
+        ns = namespace.__enter__()
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot make a network namespace: {exc.stderr}")
+    try:
+        daemon = LocalDaemon(tmp_path / "d", "--insecure", host=ns.ns_ip, launcher=ns.launcher)
+        try:
+            endpoint = _endpoint(daemon.address)
+            assert endpoint.startswith("ps-offload-")  # offered, and not reachable from here:
+            with pytest.raises(DataPlaneError) as info:
+                LocalClient(endpoint, slot_bytes=SLOT, max_connections=1)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            client = _register(daemon.address, "netns")
+            assert type(client.transports[0]) is DataPlaneClient
+            out = torch.empty(NUMEL)
+            assert client.pull(client.plan[0], min_version=0, out=_bytes(out)) == 0
+            assert torch.equal(out, torch.ones(NUMEL))
+            client.close()
+        finally:
+            daemon.kill()
+    finally:
+        namespace.__exit__(None, None, None)
+
+
+# -- crashes and bad input ------------------------------------------------------------------
+
+_HALF_WRITER = """
+import sys, torch
+from ps_offload.trainer.wire.local_client import LocalClient
+endpoint, numel = sys.argv[1], int(sys.argv[2])
+client = LocalClient(endpoint, slot_bytes=numel * 4, max_connections=1)
+conn = client._idle.get_nowait()
+conn.slot[: numel * 2].copy_(torch.full((numel // 2,), 7.0).view(torch.uint8))  # half a gradient
+print("half written", flush=True)
+sys.stdin.read()  # SIGKILLed here, before any header
+"""
+
+
+def test_a_trainer_killed_mid_write_leaves_the_shard_unchanged(daemon):
+    model = "killed"
+    client = _register(daemon.address, model)
+    shard = client.plan[0]
+    client.push(shard, Push.build(model, 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT))
+    before = _grpc_pull(daemon.address, model)
+    assert before[0] == 1
+    mapped = _slot_maps(daemon)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _HALF_WRITER, _endpoint(daemon.address), str(NUMEL)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert writer.stdout.readline().strip() == "half written"
+        assert _slot_maps(daemon) == mapped + 1  # its slot, mapped in the daemon
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=60)
+    finally:
+        writer.kill()
+    _until(lambda: _slot_maps(daemon) == mapped, "the dead trainer's slot unmapped")
+    assert _grpc_pull(daemon.address, model) == before
+    # Still serving: the next step goes through the slot and applies once.
+    ack = client.push(shard, Push.build(model, 0, _bytes(torch.ones(NUMEL)), step=1, kind=ps_pb2.GRADIENT))
+    assert ack.applied and ack.version == 2
+    after = _grpc_pull(daemon.address, model)
+    # A resent step (other bytes in the slot now): acknowledged, nothing applied.
+    ack = client.push(shard, Push.build(model, 0, _bytes(torch.full((NUMEL,), 9.0)), step=1, kind=ps_pb2.GRADIENT))
+    assert not ack.applied and ack.version == 2
+    assert _grpc_pull(daemon.address, model) == after
+    client.close()
+
+
+@contextlib.contextmanager
+def _raw(endpoint: str, *, slot_bytes: int = 64, seal: bool = True, fds: int = 1):
+    """A hand-made local connection; its first frame carries `fds` memfds of `slot_bytes`."""
+    memfds = []
+    for _ in range(fds):
+        fd = os.memfd_create("ps-offload-slot", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, slot_bytes)
+        if seal:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        memfds.append(fd)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(60)
+    try:
+        sock.connect("\0" + endpoint)
+        socket.send_fds(sock, [frame(ps_pb2.DataRequest())], memfds)
+        yield sock, (mmap.mmap(memfds[0], slot_bytes) if memfds else None)
+    finally:
+        sock.close()
+        for fd in memfds:
+            os.close(fd)
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        (dict(fds=0), "must carry exactly one fd"),
+        (dict(fds=2), "must carry exactly one fd"),
+        (dict(seal=False), "sealed with F_SEAL_SHRINK"),
+    ],
+    ids=["no-fd", "two-fds", "unsealed"],
+)
+def test_a_bad_first_frame_is_refused_with_a_reason(daemon, how, message):
+    model = f"first-{next(_models)}"
+    client = _register(daemon.address, model)
+    with _raw(_endpoint(daemon.address), **how) as (sock, _):
+        answer = recv_message(sock, ps_pb2.DataResponse)
+        assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and message in answer.message
+        assert sock.recv(1) == b""  # and closed
+    out = torch.empty(NUMEL)
+    assert client.pull(client.plan[0], min_version=0, out=_bytes(out)) == 0  # still serving
+    client.close()
+
+
+def test_a_push_larger_than_the_slot_is_invalid_argument_and_changes_nothing(daemon):
+    model = "oversized"
+    _register(daemon.address, model).close()
+    with _raw(_endpoint(daemon.address), slot_bytes=SLOT // 2) as (sock, slot):
+        assert recv_message(sock, ps_pb2.DataResponse).code == 0  # the slot is taken
+        header = Push.build(model, 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT).header
+        send_message(sock, ps_pb2.DataRequest(push=header))
+        answer = recv_message(sock, ps_pb2.DataResponse)
+        assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert f"a push of {SLOT} bytes does not fit the local slot of {SLOT // 2} bytes" in answer.message
+        # The connection is still in step: a pull that does not fit is refused the same way.
+        send_message(sock, ps_pb2.DataRequest(pull=ps_pb2.PullRequest(model=model, shard_id=0)))
+        answer = recv_message(sock, ps_pb2.DataResponse)
+        assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "does not fit" in answer.message
+        # A bf16 pull does fit, and lands in the slot.
+        request = ps_pb2.PullRequest(model=model, shard_id=0, dtype=ps_pb2.BFLOAT16)
+        send_message(sock, ps_pb2.DataRequest(pull=request))
+        assert recv_message(sock, ps_pb2.DataResponse).shard.numel == NUMEL
+        assert bytes(slot[: NUMEL * 2]) == _bytes(torch.ones(NUMEL, dtype=torch.bfloat16).view(torch.int16)).tobytes()
+        slot.close()
+    assert _grpc_pull(daemon.address, model) == (0, _bytes(torch.ones(NUMEL)).tobytes())
+
+
+def test_the_token_is_checked_on_every_local_request(daemon_factory, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("local-token-0123456789\n")
+    config = tmp_path / "auth.toml"
+    config.write_text(f'[auth]\ntoken_file = "{token}"\nrequire_token = "all"\n')
+    daemon = daemon_factory(config=config)
+    right = ClientSecurity(token_file=str(token))
+    client = _register(daemon.address, "tokens", security=right)
+    assert type(client.transports[0]) is LocalClient
+    out = torch.empty(NUMEL)
+    assert client.pull(client.plan[0], min_version=0, out=_bytes(out)) == 0
+    client.close()
+    endpoint = client.transports[0].endpoint
+    plain = LocalClient(endpoint, slot_bytes=SLOT, max_connections=1)
+    with pytest.raises(DataPlaneError) as info:
+        plain.pull_into("tokens", 0, min_version=0, out=_bytes(out), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    plain.close()
+
+
+def test_stopping_the_daemon_closes_its_local_connections(daemon_factory):
+    daemon = daemon_factory()
+    client = _register(daemon.address, "stopping")
+    local = client.transports[0]
+    assert type(local) is LocalClient
+    assert daemon.stop() == 0
+    with pytest.raises(DataPlaneError) as info:
+        local.pull_into("stopping", 0, min_version=0, out=_bytes(torch.empty(NUMEL)), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    client.close()
