@@ -343,7 +343,7 @@ class ClientConfig:
     """"auto": pulls and pushes go over the daemon's TCP data plane when it offers one, else
     over gRPC; "local": through shared memory to a daemon on this host that offers a local
     endpoint, when this process can reach it (same network namespace and uid), else as
-    "auto" (opt-in until a daemon restart under it is tested to re-attach: see
+    "auto" (opt-in until the whole test suite has run with it as the default: see
     docs/architecture.md, "Not built yet"); "grpc": always over gRPC (the Pull and Push RPCs)."""
     streams_per_daemon: int = 2
     """Concurrent push/pull calls per daemon."""

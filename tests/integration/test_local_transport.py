@@ -399,3 +399,34 @@ def test_stopping_the_daemon_closes_its_local_connections(daemon_factory):
         local.pull_into("stopping", 0, min_version=0, out=_bytes(torch.empty(NUMEL)), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     client.close()
+
+
+def test_a_restarted_daemon_is_reattached_through_its_new_endpoint(tmp_path):
+    """The endpoint's name is new at every start: a trainer whose daemon was SIGKILLed and
+    restarted (same port, NVMe state recovered) finds its slot's connection gone, asks the
+    daemon again, and goes on over the local transport at the new endpoint, with every
+    committed update there."""
+    nvme = str(tmp_path / "nvme")
+    first = LocalDaemon(tmp_path / "first", "--nvme-dir", nvme)
+    second = None
+    try:
+        client = _register(first.address, "restarted", retry_seconds=60.0, backoff_seconds=0.05)
+        before = client.transports[0]
+        assert type(before) is LocalClient
+        shard = client.plan[0]
+        assert client.send(shard, _bytes(torch.full((shard.numel,), 0.5)), step=0, kind=ps_pb2.GRADIENT).applied
+        committed = torch.empty(shard.numel)
+        assert client.pull(shard, min_version=1, out=_bytes(committed)) == 1
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait()
+        second = LocalDaemon(tmp_path / "second", "--nvme-dir", nvme, "--listen", f"127.0.0.1:{first.port}")
+        out = torch.empty(shard.numel)
+        assert client.pull(shard, min_version=1, out=_bytes(out)) == 1  # retried until re-attached
+        after = client.transports[0]
+        assert type(after) is LocalClient and after.endpoint != before.endpoint
+        assert torch.equal(out, committed) and not torch.equal(out, torch.ones(shard.numel))
+        client.close()
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
