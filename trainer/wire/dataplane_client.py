@@ -24,7 +24,8 @@ from ps_offload.proto.pull import PullStreamError, check_pull_header
 from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+"""DataResponse.code (a grpc.StatusCode's number) back to the status."""
 
 
 class DataPlaneError(grpc.RpcError):
@@ -189,7 +190,7 @@ class _StatusFromDaemon(Exception):
     """A status the daemon answered with; the connection stays usable."""
 
     def __init__(self, code: int, message: str) -> None:
-        self.code = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+        self.code = STATUS_CODES.get(code, grpc.StatusCode.UNKNOWN)
         self.message = message
 
 

@@ -32,9 +32,8 @@ from ps_offload.proto.payloads import topk_nbytes
 from ps_offload.proto.pull import PullStreamError, check_pull_header
 from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
-from ps_offload.trainer.wire.dataplane_client import DataPlaneError, pull_request
+from ps_offload.trainer.wire.dataplane_client import STATUS_CODES, DataPlaneError, pull_request
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -190,5 +189,5 @@ def _answer(sock: socket.socket) -> ps_pb2.DataResponse:
     """The daemon's answer; a status it answered with raises DataPlaneError (the connection stays usable)."""
     response = recv_message(sock, ps_pb2.DataResponse)
     if response.code:
-        raise DataPlaneError(_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message)
+        raise DataPlaneError(STATUS_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message)
     return response
