@@ -40,6 +40,7 @@ import grpc
 import torch
 
 from ps_offload.daemon.config import ServerConfig
+from ps_offload.daemon.dataplane.requests import DATA_METHODS
 from ps_offload.daemon.errors import InvalidArgument, PsError
 from ps_offload.daemon.rpc import conversions, data_path
 from ps_offload.daemon.rpc.server_security import TokenCheck
@@ -47,13 +48,11 @@ from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.rpc.status import RateLimitedLog, from_status, status_of
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import ps_pb2
-from ps_offload.proto.channel import method_path
 from ps_offload.proto.frames import FrameError, recv_message, send_message, split_frame
 
 log = logging.getLogger(__name__)
 quiet_log = RateLimitedLog()  # refusals: a client retrying in a loop must not fill the log
 
-_METHODS = {"pull": method_path("ParameterServer", "Pull"), "push": method_path("ParameterServer", "Push")}
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -250,8 +249,8 @@ class LocalServer:
         """Answers one request; False when the connection cannot be trusted any more."""
         kind, code, started = request.WhichOneof("kind"), grpc.StatusCode.OK, time.perf_counter()
         try:
-            if kind in _METHODS and self.token is not None:
-                refusal = self.token.refusal(_METHODS[kind], request.authorization or None)
+            if kind in DATA_METHODS and self.token is not None:
+                refusal = self.token.refusal(DATA_METHODS[kind], request.authorization or None)
                 if refusal is not None:
                     raise from_status(*refusal)
             if kind == "pull":
@@ -272,7 +271,7 @@ class LocalServer:
             send_message(sock, ps_pb2.DataResponse(code=code.value[0], message=message))
             return False
         finally:
-            if self.observe is not None and kind in _METHODS:
+            if self.observe is not None and kind in DATA_METHODS:
                 self.observe(f"Local/{kind.capitalize()}", code, time.perf_counter() - started)
 
     def _pull(self, slot: Slot, request: ps_pb2.DataRequest) -> ps_pb2.ShardHeader:

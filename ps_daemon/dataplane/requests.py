@@ -37,7 +37,8 @@ from ps_offload.proto.frames import FrameError, send_message
 log = logging.getLogger(__name__)
 
 # The gRPC method each data plane request stands for (the token rule is the same).
-_METHODS = {"pull": method_path("ParameterServer", "Pull"), "push": method_path("ParameterServer", "Push")}
+DATA_METHODS = {"pull": method_path("ParameterServer", "Pull"), "push": method_path("ParameterServer", "Push")}
+"""A DataRequest's kind -> the gRPC method it stands for (the token rule and the metrics name it so)."""
 
 
 class Stream(Protocol):
@@ -117,14 +118,14 @@ class RequestServer:
                 pass
             return Outcome.CLOSE
         finally:
-            if code is not None and self.observe is not None and kind in _METHODS:
+            if code is not None and self.observe is not None and kind in DATA_METHODS:
                 self.observe(f"DataPlane/{kind.capitalize()}", code, time.perf_counter() - started)
 
     def _serve(
         self, conn: Stream, request: ps_pb2.DataRequest, kind: str | None, started: float, resumed: PendingPull | None
     ) -> str | PendingPull:
-        if kind in _METHODS and self.token is not None and resumed is None:
-            refusal = self.token.refusal(_METHODS[kind], request.authorization or None)
+        if kind in DATA_METHODS and self.token is not None and resumed is None:
+            refusal = self.token.refusal(DATA_METHODS[kind], request.authorization or None)
             if refusal is not None:
                 raise from_status(*refusal)
         if kind == "pull":
