@@ -79,7 +79,7 @@ PLATFORMS = [
 
 ACCELERATOR = "tests/trainer/io/test_accelerator.py"
 EQUIVALENCE_TESTS = [
-    f"{ACCELERATOR}::test_bf16_model_on_cuda_through_a_daemon_equals_fp32_masters_in_process",
+    f"{ACCELERATOR}::test_bf16_model_on_cuda_through_a_daemon_equals_fp32_masters_in_process",  # both transports
     f"{ACCELERATOR}::test_fp16_model_on_cuda_through_a_daemon_with_loss_scaling_equals_fp32_masters_in_process",
 ]
 NCCL_TESTS = [f"{ACCELERATOR}::test_a_pipeline_stage_on_cuda_over_nccl_with_daemons"]

@@ -258,10 +258,15 @@ def main() -> list[dict]:
     return results
 
 
-def shard_movers(client: ShardedClient, plan: list, pool: ThreadPoolExecutor) -> tuple[Callable, Callable]:
+def shard_movers(
+    client: ShardedClient, plan: list, pool: ThreadPoolExecutor, flat: torch.Tensor | None = None
+) -> tuple[Callable, Callable]:
     """(push_all, pull_all): every shard of a one-tensor model pushed (PARAMETERS) or pulled at
-    once over `pool`, from and into one buffer; checked once to round-trip bit for bit."""
-    flat = torch.randn(sum(s.numel for s in plan))
+    once over `pool`, from and into one buffer (`flat`, else a new one); checked once to
+    round-trip bit for bit."""
+    if flat is None:
+        flat = torch.empty(sum(s.numel for s in plan))
+    flat.copy_(torch.randn(flat.numel()))
     raw = memoryview(flat.numpy()).cast("B")
 
     def push_all() -> None:

@@ -77,7 +77,12 @@ def histogram_to_dict(counts: list[int], low: float, high: float) -> dict[str, l
 def stats_to_dict(stats: ps_pb2.StatsResponse, daemon: str) -> dict[str, Any]:
     """Every field of StatsResponse, read from the descriptor so a field added to ps.proto
     shows up here without a change."""
-    return {"daemon": daemon, **{f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}}
+    row: dict[str, Any] = {"daemon": daemon, **{f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}}
+    row["clients"] = [
+        {"client": c.client, "transport": c.transport, "connections": c.connections, "shared_bytes": c.shared_bytes}
+        for c in stats.clients
+    ]
+    return row
 
 
 def rates(last: dict[str, Any], first: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -198,8 +203,15 @@ def cell(key: str, value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, list):
-        return "\n".join(value)
+        return "\n".join(_client_path(v) if isinstance(v, dict) else v for v in value)
     return str(value)
+
+
+def _client_path(path: dict[str, Any]) -> str:
+    """A StatsResponse.clients entry: who, over which path, how much."""
+    count = "calls in the last minute" if path["transport"] == "grpc" else "connections"
+    shared = f", {human_bytes(path['shared_bytes'])} shared" if path["shared_bytes"] else ""
+    return f"{path['client']}: {path['transport']} ({path['connections']} {count}{shared})"
 
 
 def bar(count: int, largest: int) -> str:

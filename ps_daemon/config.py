@@ -46,6 +46,11 @@ class ServerConfig:
     """Data plane connections open at once from one address (every rank on that host shares
     them); one more is answered RESOURCE_EXHAUSTED and closed. The local transport's
     connections (the ranks on this host) are bounded by it too: they hold a thread each."""
+    local_pool_bytes: int = 0
+    """The node's pool of host memory its own ranks share with it (the local transport's
+    windows: their parameter, gradient and staging buffers, page-locked on a GPU host). A
+    window past it is refused, and that rank moves its bytes through a copy instead. 0: a
+    quarter of the host's MemAvailable at start; a value above MemAvailable refuses to start."""
     data_workers: int = 64
     """Threads serving data plane requests. A pull waiting for a version holds none."""
     data_idle_seconds: float = 300.0
@@ -175,7 +180,7 @@ class DaemonConfig:
 # warning, so configs in the field keep running across an upgrade.
 RENAMED_KEYS: dict[str, str] = {}
 
-_SIZE_FIELDS = {"max_message_bytes", "ram_bytes", "shard_bytes", "io_block_bytes", "nvme_bytes"}
+_SIZE_FIELDS = {"max_message_bytes", "ram_bytes", "shard_bytes", "io_block_bytes", "nvme_bytes", "local_pool_bytes"}
 _SECTIONS = {
     "server": ServerConfig,
     "store": StoreConfig,

@@ -16,6 +16,7 @@ can run several daemons' metrics in one process.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -29,7 +30,7 @@ from ps_offload.daemon.rpc.handlers import rebuild
 from ps_offload.daemon.store.shard_store import ShardStore
 
 if TYPE_CHECKING:
-    from ps_offload.daemon.dataplane.server import DataPlaneServer
+    from ps_offload.daemon.rpc.fronts import Fronts
     from ps_offload.daemon.store.pull_wait import PullWaits
 
 # From a small pull of a cached shard (~1 ms) to a pull that waits for its version or a
@@ -62,9 +63,10 @@ class DaemonMetrics:
         store.on_optimizer_step = self.optimizer_seconds.observe
         self._server = None
 
-    def watch_waits(self, pull_waits: PullWaits, data_plane: DataPlaneServer | None) -> None:
-        """Adds the pulls waiting now (per transport) and the data plane's connections."""
-        self.registry.register(_WaitsCollector(pull_waits, data_plane))
+    def watch_waits(self, pull_waits: PullWaits, fronts: Fronts) -> None:
+        """Adds the pulls waiting now (per transport), the data plane's and the local
+        transport's connections, the node's shared pool, and the clients on each path."""
+        self.registry.register(_WaitsCollector(pull_waits, fronts))
 
     def observe_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self.rpc_seconds.labels(method, code.name).observe(seconds)
@@ -135,12 +137,12 @@ class _StoreCollector(Collector):
 class _WaitsCollector(Collector):
     """Pulls waiting for a version and data plane connections, read at each scrape."""
 
-    def __init__(self, pull_waits: PullWaits, data_plane: DataPlaneServer | None) -> None:
+    def __init__(self, pull_waits: PullWaits, fronts: Fronts) -> None:
         self.pull_waits = pull_waits
-        self.data_plane = data_plane
+        self.fronts = fronts
 
     def collect(self) -> Iterator:
-        plane = self.data_plane
+        plane, local = self.fronts.data_plane, self.fronts.local
         waiting = GaugeMetricFamily(
             "ps_pulls_waiting", "Pulls waiting for a version not pushed yet, by transport", labels=["transport"]
         )
@@ -160,6 +162,33 @@ class _WaitsCollector(Collector):
             "Data plane connections refused for server.max_data_connections or _per_client",
             plane.refused if plane else 0,
         )
+        yield GaugeMetricFamily(
+            "ps_local_connections",
+            "Local shared-memory transport connections open",
+            value=local.connections if local else 0,
+        )
+        yield _counter(
+            "ps_local_connections_refused",
+            "Local transport connections refused (another uid, or server.max_data_connections_per_client)",
+            local.refused if local else 0,
+        )
+        yield GaugeMetricFamily(
+            "ps_local_pool_bytes",
+            "The node's shared pool (server.local_pool_bytes)",
+            value=local.pool_bytes if local else 0,
+        )
+        yield GaugeMetricFamily(
+            "ps_local_pool_bytes_used",
+            "Bytes of the node's shared pool attached by its ranks now",
+            value=local.pool_bytes_used if local else 0,
+        )
+        clients = GaugeMetricFamily(
+            "ps_clients", "Clients moving bytes over each path (grpc: in the last minute)", labels=["transport"]
+        )
+        by_path = collections.Counter(path.transport for path in self.fronts.client_paths())
+        for transport in ("local", "data", "grpc"):
+            clients.add_metric([transport], by_path[transport])
+        yield clients
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

@@ -22,10 +22,12 @@ from grpc_reflection.v1alpha import reflection
 
 from ps_offload.daemon import systemd
 from ps_offload.daemon.config import ConfigError, DaemonConfig, exposed_in_plaintext
+from ps_offload.daemon.dataplane.local_pool import LocalPool
 from ps_offload.daemon.dataplane.local_server import LocalServer
 from ps_offload.daemon.dataplane.server import DataPlaneServer
 from ps_offload.daemon.metrics import DaemonMetrics
 from ps_offload.daemon.rpc import server_security
+from ps_offload.daemon.rpc.fronts import Fronts
 from ps_offload.daemon.rpc.servicer import (
     AdminServicer,
     ParameterServerServicer,
@@ -86,7 +88,10 @@ class Daemon:
         )
         # Same-host clients: shared memory instead of loopback TCP; there when the data plane is.
         observe = self.metrics.observe_rpc if self.metrics else None
-        local = dict(store=self.store, staging=staging, limits=config.server, token=self.token, observe=observe)
+        pool = LocalPool.at_start(config.server.local_pool_bytes)  # refused here when the host lacks it
+        local = dict(
+            store=self.store, staging=staging, limits=config.server, pool=pool, token=self.token, observe=observe
+        )
         self.local = LocalServer.bind(**local) if self.data_plane else None
         self.health = health.HealthServicer()
         # Outermost first: a call refused for its token is still timed, with its code.
@@ -108,14 +113,15 @@ class Daemon:
             max_waiting_pulls=config.server.max_waiting_pulls or config.server.max_workers // 2,
             max_waiting_pulls_per_client=config.server.max_waiting_pulls_per_client,
         )
+        fronts = Fronts(parameter_server.peers, self.data_plane, self.local)  # what Stats and metrics say of them
         self.server.add_generic_rpc_handlers(
             [
                 parameter_server_handler(parameter_server),
-                admin_handler(AdminServicer(self.store, parameter_server.pull_waits, self.data_plane)),
+                admin_handler(AdminServicer(self.store, parameter_server.pull_waits, fronts)),
             ]
         )
         if self.metrics is not None:
-            self.metrics.watch_waits(parameter_server.pull_waits, self.data_plane)
+            self.metrics.watch_waits(parameter_server.pull_waits, fronts)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],

@@ -1,4 +1,5 @@
-"""Process-wide allocator setting for the bulk streams (daemon and trainer alike).
+"""Process-wide memory matters for both ends: the allocator setting for the bulk streams, and
+the host's available memory (mem_available).
 
 gRPC Python hands every chunk over as a fresh bytes object of about 1 MiB. glibc serves
 blocks that large with mmap and gives them back to the kernel with munmap on free, so every
@@ -56,3 +57,15 @@ def return_freed_blocks(*, mmap_threshold: int = 2 << 20, trim_threshold: int = 
     ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
     _tuned = _tuned or ok  # a later keep_chunk_buffers_in_heap() must not undo it
     return ok
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """The host's MemAvailable in bytes; None where the kernel does not say (not Linux)."""
+    try:
+        with open(meminfo) as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

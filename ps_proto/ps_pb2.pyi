@@ -359,7 +359,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read", "nvme_bytes_written", "ram_bytes_budget", "nvme_bytes_allocated", "nvme_bytes_capacity", "shards_in_ram", "shards_on_nvme", "shards_corrupt", "nvme_write_seconds", "nvme_read_seconds", "nvme_master_reads", "nvme_master_bytes_read", "pulls_waiting", "pulls_refused_waiting", "data_connections", "data_pulls_waiting", "data_connections_refused")
+    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read", "nvme_bytes_written", "ram_bytes_budget", "nvme_bytes_allocated", "nvme_bytes_capacity", "shards_in_ram", "shards_on_nvme", "shards_corrupt", "nvme_write_seconds", "nvme_read_seconds", "nvme_master_reads", "nvme_master_bytes_read", "pulls_waiting", "pulls_refused_waiting", "data_connections", "data_pulls_waiting", "data_connections_refused", "local_connections", "local_connections_refused", "local_pool_bytes", "local_pool_bytes_used", "clients")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     RAM_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -392,6 +392,11 @@ class StatsResponse(_message.Message):
     DATA_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     DATA_PULLS_WAITING_FIELD_NUMBER: _ClassVar[int]
     DATA_CONNECTIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CONNECTIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_POOL_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
     models: int
     shards: int
     ram_bytes_used: int
@@ -424,7 +429,24 @@ class StatsResponse(_message.Message):
     data_connections: int
     data_pulls_waiting: int
     data_connections_refused: int
-    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., ram_bytes_budget: _Optional[int] = ..., nvme_bytes_allocated: _Optional[int] = ..., nvme_bytes_capacity: _Optional[int] = ..., shards_in_ram: _Optional[int] = ..., shards_on_nvme: _Optional[int] = ..., shards_corrupt: _Optional[int] = ..., nvme_write_seconds: _Optional[float] = ..., nvme_read_seconds: _Optional[float] = ..., nvme_master_reads: _Optional[int] = ..., nvme_master_bytes_read: _Optional[int] = ..., pulls_waiting: _Optional[int] = ..., pulls_refused_waiting: _Optional[int] = ..., data_connections: _Optional[int] = ..., data_pulls_waiting: _Optional[int] = ..., data_connections_refused: _Optional[int] = ...) -> None: ...
+    local_connections: int
+    local_connections_refused: int
+    local_pool_bytes: int
+    local_pool_bytes_used: int
+    clients: _containers.RepeatedCompositeFieldContainer[ClientPath]
+    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., ram_bytes_budget: _Optional[int] = ..., nvme_bytes_allocated: _Optional[int] = ..., nvme_bytes_capacity: _Optional[int] = ..., shards_in_ram: _Optional[int] = ..., shards_on_nvme: _Optional[int] = ..., shards_corrupt: _Optional[int] = ..., nvme_write_seconds: _Optional[float] = ..., nvme_read_seconds: _Optional[float] = ..., nvme_master_reads: _Optional[int] = ..., nvme_master_bytes_read: _Optional[int] = ..., pulls_waiting: _Optional[int] = ..., pulls_refused_waiting: _Optional[int] = ..., data_connections: _Optional[int] = ..., data_pulls_waiting: _Optional[int] = ..., data_connections_refused: _Optional[int] = ..., local_connections: _Optional[int] = ..., local_connections_refused: _Optional[int] = ..., local_pool_bytes: _Optional[int] = ..., local_pool_bytes_used: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientPath, _Mapping]]] = ...) -> None: ...
+
+class ClientPath(_message.Message):
+    __slots__ = ("client", "transport", "connections", "shared_bytes")
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    client: str
+    transport: str
+    connections: int
+    shared_bytes: int
+    def __init__(self, client: _Optional[str] = ..., transport: _Optional[str] = ..., connections: _Optional[int] = ..., shared_bytes: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -585,16 +607,38 @@ class VerifyResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[VerifyPlan, _Mapping]] = ..., shard: _Optional[_Union[ShardVerdict, _Mapping]] = ...) -> None: ...
 
 class DataRequest(_message.Message):
-    __slots__ = ("pull", "push", "timeout_ms", "authorization")
+    __slots__ = ("pull", "push", "attach", "timeout_ms", "authorization", "local")
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
     pull: PullRequest
     push: PushHeader
+    attach: LocalAttach
     timeout_ms: int
     authorization: str
-    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., authorization: _Optional[str] = ...) -> None: ...
+    local: LocalRef
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., attach: _Optional[_Union[LocalAttach, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., authorization: _Optional[str] = ..., local: _Optional[_Union[LocalRef, _Mapping]] = ...) -> None: ...
+
+class LocalAttach(_message.Message):
+    __slots__ = ("client", "window")
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    client: str
+    window: int
+    def __init__(self, client: _Optional[str] = ..., window: _Optional[int] = ...) -> None: ...
+
+class LocalRef(_message.Message):
+    __slots__ = ("window", "offset", "nbytes")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    offset: int
+    nbytes: int
+    def __init__(self, window: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class DataResponse(_message.Message):
     __slots__ = ("code", "message", "shard", "push", "send_payload")

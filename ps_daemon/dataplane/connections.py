@@ -81,6 +81,10 @@ class Admission:
         sock.close()
         return False
 
+    def peers(self) -> dict[str, int]:
+        """Connections open now, by address (read from any thread: a dict copy is atomic)."""
+        return dict(self._per_peer)
+
     def opened(self, conn: Connection) -> None:
         self.connections.add(conn)
         self._per_peer[conn.peer] += 1

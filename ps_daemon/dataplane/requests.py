@@ -151,7 +151,7 @@ class RequestServer:
             timeout = max(resumed.deadline - time.monotonic(), 0.0)
             if not resumed.woken:
                 timeout, waited = 0.0, resumed.timeout
-        with data_path.serve_pull(self.store, pull, timeout=timeout, staging=self.staging, waited=waited) as (
+        with data_path.serve_pull(self.store, pull, timeout=timeout, scratch=self.staging.borrow, waited=waited) as (
             header,
             raw,
         ):

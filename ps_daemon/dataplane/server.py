@@ -117,6 +117,10 @@ class DataPlaneServer:
     def refused(self) -> int:
         return self.admission.refused
 
+    def peers(self) -> dict[str, int]:
+        """Connections open now, by client address."""
+        return self.admission.peers()
+
     def start(self) -> None:
         self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
         self._selector.register(self._waker.reader, selectors.EVENT_READ, _WAKE)

@@ -18,9 +18,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+import torch
+
 from ps_offload.daemon.model.encodings import parse
 from ps_offload.daemon.rpc import conversions
 from ps_offload.daemon.rpc.staging import StagingPool
+from ps_offload.daemon.store.master_pull import Scratch
 from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.pull_rounding import tensor_bytes
 from ps_offload.daemon.store.pull_wait import PullWait
@@ -29,20 +32,32 @@ from ps_offload.proto import ps_pb2
 
 ReadPayload = Callable[[memoryview], None]
 """Fills the view given (the header's nbytes; empty for an APPLY) with the push's payload, or raises."""
+InPlace = Callable[[int], torch.Tensor | None]
+"""The payload of the nbytes given where it lies, as fp32 elements covering them, or None."""
 
 
 def receive_push(
-    store: ShardStore, header: ps_pb2.PushHeader, staging: StagingPool, read_payload: ReadPayload
+    store: ShardStore,
+    header: ps_pb2.PushHeader,
+    staging: StagingPool,
+    read_payload: ReadPayload,
+    *,
+    in_place: InPlace | None = None,
 ) -> ps_pb2.PushResponse:
     """The answer to a push whose payload `read_payload` reads, once it is applied. A push
-    applied before is acknowledged (counted as a duplicate) without calling `read_payload`.
+    applied before is acknowledged (counted as a duplicate) without reading the payload.
+    `in_place(nbytes)`: the payload where it already lies whole (the local transport's shared
+    memory), parsed and applied there with no copy; None from it: read into a staging buffer.
     A compressed gradient that must be decompressed first gets a buffer from `staging` too."""
     push = conversions.push_request(header)
     ack = store.check_push(push)
     if ack is not None:  # applied before: answered without reading the payload
         return ps_pb2.PushResponse(applied=False, version=ack.version)
-    with staging.borrow((push.nbytes + 3) // 4) as payload:  # fp32 elements: nbytes, rounded up
-        read_payload(memoryview(payload.numpy()).cast("B")[: push.nbytes])
+    with contextlib.ExitStack() as held:
+        payload = in_place(push.nbytes) if in_place is not None else None
+        if payload is None:
+            payload = held.enter_context(staging.borrow((push.nbytes + 3) // 4))  # fp32 elements, rounded up
+            read_payload(memoryview(payload.numpy()).cast("B")[: push.nbytes])
         if push.kind != "apply":  # an APPLY carries none: the parts held are its gradient
             shard = store.shard(push.model, push.shard_id)
             push = push.with_data(parse(push.encoding, payload, push.nbytes, push.payload_numel(shard), push.where))
@@ -56,7 +71,7 @@ def serve_pull(
     pull: PullRequest,
     *,
     timeout: float,
-    staging: StagingPool,
+    scratch: Scratch,
     waiting: PullWait | None = None,
     waited: float | None = None,
 ) -> Iterator[tuple[ps_pb2.ShardHeader, memoryview]]:
@@ -69,5 +84,5 @@ def serve_pull(
         values, step = store.pull_snapshot(pull.model, pull.shard_id, pull.snapshot, pull.tensor)
         yield conversions.shard_header(pull.model, pull.shard_id, step, values), tensor_bytes(values)
         return
-    with store.pull(pull, timeout=timeout, scratch=staging.borrow, waiting=waiting, waited=waited) as (values, version):
+    with store.pull(pull, timeout=timeout, scratch=scratch, waiting=waiting, waited=waited) as (values, version):
         yield conversions.shard_header(pull.model, pull.shard_id, version, values), tensor_bytes(values)

@@ -11,29 +11,18 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Protocol
 
 import grpc
 
 from ps_offload.daemon.errors import InvalidArgument, ResourceExhausted
 from ps_offload.daemon.rpc import conversions, data_path
+from ps_offload.daemon.rpc.fronts import Fronts, RecentPeers
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.rpc.status import Undecodable, grpc_errors, grpc_errors_stream
 from ps_offload.daemon.store import inspection, snapshot_admin, tier_admin
 from ps_offload.daemon.store.pull_wait import PullWaits
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import codec, ps_pb2
-
-
-class DataPlaneCounters(Protocol):
-    """What Admin.Stats reads of the data plane (ps_offload.daemon.dataplane.server.DataPlaneServer)."""
-
-    @property
-    def connections(self) -> int: ...
-    @property
-    def parked_pulls(self) -> int: ...
-    @property
-    def refused(self) -> int: ...
 
 
 class ParameterServerServicer:
@@ -49,9 +38,12 @@ class ParameterServerServicer:
         nvme_tier: bool = False,
         max_waiting_pulls: int = 16,
         max_waiting_pulls_per_client: int = 0,
+        peers: RecentPeers | None = None,
     ) -> None:
-        """max_waiting_pulls_per_client: 0, half of max_waiting_pulls (ps_offload.daemon.store.pull_wait)."""
+        """max_waiting_pulls_per_client: 0, half of max_waiting_pulls (ps_offload.daemon.store.pull_wait);
+        peers: told who calls Pull and Push (Admin.Stats' clients)."""
         self.store = store
+        self.peers = peers or RecentPeers()
         self.pull_waits = PullWaits(max_waiting_pulls, max_waiting_pulls_per_client)
         self.staging = staging
         self.data_port = data_port  # advertised in RegisterModel; 0: no TCP data plane
@@ -72,10 +64,11 @@ class ParameterServerServicer:
         remaining = context.time_remaining()
         timeout = self.max_pull_wait if remaining is None else min(remaining, self.max_pull_wait)
         waiting = self.pull_waits.for_call(context)
+        self.peers.saw(context.peer())
         pull = conversions.pull_request(request)
         # Held while chunks are encoded (an fp32 pull under the shard's read hold), so a pull
         # never sees half an update.
-        with data_path.serve_pull(self.store, pull, timeout=timeout, staging=self.staging, waiting=waiting) as (
+        with data_path.serve_pull(self.store, pull, timeout=timeout, scratch=self.staging.borrow, waiting=waiting) as (
             header,
             raw,
         ):
@@ -88,6 +81,7 @@ class ParameterServerServicer:
         first = next(chunks, None)
         if first is None or first.header is None:
             raise InvalidArgument("a push stream must start with a chunk that carries the PushHeader")
+        self.peers.saw(context.peer())
         read_payload = functools.partial(self._receive, first.header, first, chunks)
         return data_path.receive_push(self.store, first.header, self.staging, read_payload)
 
@@ -137,13 +131,11 @@ SNAPSHOTS_AT_ONCE = 2
 
 
 class AdminServicer:
-    def __init__(
-        self, store: ShardStore, pull_waits: PullWaits | None = None, data_plane: DataPlaneCounters | None = None
-    ) -> None:
+    def __init__(self, store: ShardStore, pull_waits: PullWaits | None = None, fronts: Fronts | None = None) -> None:
         self.store = store
         self._snapshot_waits = threading.BoundedSemaphore(SNAPSHOTS_AT_ONCE)
         self.pull_waits = pull_waits  # the ParameterServer's, for Stats
-        self.data_plane = data_plane  # for Stats
+        self.fronts = fronts or Fronts(RecentPeers())  # for Stats
 
     @grpc_errors
     def ListShards(self, request: ps_pb2.ListShardsRequest, context: grpc.ServicerContext):
@@ -177,9 +169,7 @@ class AdminServicer:
             **dataclasses.asdict(self.store.stats_snapshot()),
             pulls_waiting=waits.waiting if waits else 0,
             pulls_refused_waiting=waits.refused if waits else 0,
-            data_connections=self.data_plane.connections if self.data_plane else 0,
-            data_pulls_waiting=self.data_plane.parked_pulls if self.data_plane else 0,
-            data_connections_refused=self.data_plane.refused if self.data_plane else 0,
+            **self.fronts.stats(),
         )
 
     @grpc_errors

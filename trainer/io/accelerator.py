@@ -20,9 +20,12 @@ Elsewhere the backend's own event wait is used.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def _side_stream(device: torch.device) -> torch.Stream:
@@ -99,3 +102,25 @@ class AcceleratorCopies:
                 yield
         finally:
             self._finished(stream)
+
+
+def register_host(host: torch.Tensor) -> bool:
+    """Page-locks `host`, memory CUDA did not allocate (a window shared with the node's daemon,
+    ps_offload.trainer.wire.host_windows), so the device's copies go straight to and from it
+    as they do with pin_memory's buffers: cudaHostRegister, portable to every device. Whether
+    it took; where it did not (no CUDA, the driver refused), the caller keeps its own pinned
+    buffers. Registered for the process's life, as the buffers are."""
+    if not torch.cuda.is_available():
+        return False
+    nbytes = host.numel() * host.element_size()
+    try:
+        code = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable
+    except (AssertionError, RuntimeError) as exc:
+        log.warning("cannot page-lock %d bytes shared with the node's daemon: %s", nbytes, exc)
+        return False
+    if code:
+        log.warning(
+            "cannot page-lock %d bytes shared with the node's daemon: cudaHostRegister returned %d", nbytes, code
+        )
+        return False
+    return True

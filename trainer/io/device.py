@@ -41,8 +41,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.memory import mem_available
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.config import DeviceConfig
+from ps_offload.trainer.wire.host_windows import SharedAllocator
 
 log = logging.getLogger(__name__)
 
@@ -108,18 +110,6 @@ def check_host_buffers(nbytes: int, *, budget: int | None, available: int | None
     return default
 
 
-def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
-    """The host's MemAvailable in bytes; None where the kernel does not say (not Linux)."""
-    try:
-        with open(meminfo) as lines:
-            for line in lines:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # in kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def note_memlock(nbytes: int) -> None:
     """RLIMIT_MEMLOCK, for the record only: CUDA pins with cudaHostAlloc, which the kernel does
     not charge to it (mlock would be), so a limit below the buffers is no reason to refuse."""
@@ -133,20 +123,40 @@ class HostBuffers:
     transfer waits for one to come back when all are out. Pinned when `pin`. Refused at start
     (PinnedMemoryError) when they would not fit `max_bytes` or the host (check_host_buffers)."""
 
-    def __init__(self, count: int, numel: int, dtype: torch.dtype, *, pin: bool, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        count: int,
+        numel: int,
+        dtype: torch.dtype,
+        *,
+        pin: bool,
+        max_bytes: int | None = None,
+        shared: SharedAllocator | None = None,
+    ) -> None:
+        """`shared`: where the node's daemon can reach them (ShardedClient.shared_host_tensor),
+        page-locked there with CUDA when `pin`; elsewhere, or where that is refused, they are
+        the process's own (pin_memory when `pin`)."""
         self.count = count
         self.nbytes = count * numel * dtype.itemsize
         bound = check_host_buffers(self.nbytes, budget=max_bytes, available=mem_available())
+        block = None
+        if shared is not None:
+            block = shared(count * numel, dtype, prepare=_register_host if pin else None)
+        self.shared = block is not None  # one window of the node's pool, shared with its daemon
         log.info(
-            "%s host buffers: %d of %d bytes, %d bytes in all (bound %s)",
-            "pinned" if pin else "unpinned", count, numel * dtype.itemsize, self.nbytes, bound,
+            "%s%s host buffers: %d of %d bytes, %d bytes in all (bound %s)",
+            "pinned" if pin else "unpinned", ", shared with the node's daemon," if self.shared else "",
+            count, numel * dtype.itemsize, self.nbytes, bound,
         )  # fmt: skip
         if pin:
             note_memlock(self.nbytes)
         self.pinned = pin
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        for _ in range(count):
-            self._free.put(torch.empty(numel, dtype=dtype, pin_memory=pin))
+        for index in range(count):
+            if block is not None:
+                self._free.put(block[index * numel : (index + 1) * numel])
+            else:
+                self._free.put(torch.empty(numel, dtype=dtype, pin_memory=pin))
 
     @contextlib.contextmanager
     def buffer(self, numel: int) -> Iterator[torch.Tensor]:
@@ -155,6 +165,12 @@ class HostBuffers:
             yield taken[:numel]
         finally:
             self._free.put(taken)
+
+
+def _register_host(host: torch.Tensor) -> bool:
+    from ps_offload.trainer.io.accelerator import register_host  # only a GPU runs it
+
+    return register_host(host)
 
 
 class HostCopies:
@@ -177,11 +193,18 @@ class ShardMover:
     """Moves shard slices of flat device buffers (trainer/io/flat.py) to and from the wire."""
 
     def __init__(
-        self, like: torch.Tensor, max_shard_numel: int, *, config: DeviceConfig, resizable: bool = False
+        self,
+        like: torch.Tensor,
+        max_shard_numel: int,
+        *,
+        config: DeviceConfig,
+        resizable: bool = False,
+        shared: SharedAllocator | None = None,
     ) -> None:
         """`like`: a flat buffer (device and dtype of the compute copy); `max_shard_numel`:
         the largest shard of the plan; `resizable`: the buffers pulled into in place must
-        stay resizable (a streamed model's)."""
+        stay resizable (a streamed model's); `shared`: where the host buffers may live
+        (HostBuffers')."""
         self._in_place_view = resizable_byte_view if resizable else byte_view
         if like.dtype not in WIRE_DTYPES:
             raise ValueError(f"parameters in {like.dtype} cannot be offloaded: use float32, bfloat16 or float16")
@@ -200,7 +223,12 @@ class ShardMover:
 
                 self.copies = AcceleratorCopies(like.device)
             self.buffers = HostBuffers(
-                config.host_buffers, max_shard_numel, like.dtype, pin=not on_cpu, max_bytes=config.max_pinned_bytes
+                config.host_buffers,
+                max_shard_numel,
+                like.dtype,
+                pin=not on_cpu,
+                max_bytes=config.max_pinned_bytes,
+                shared=shared,
             )
 
     @property

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ps_offload.proto.plan import ParamLayout, layout_params
+from ps_offload.trainer.wire.host_windows import SharedAllocator
 
 
 class FlatParams:
@@ -29,7 +30,11 @@ class FlatParams:
     and so is `params[i].grad` in `grads` (after `adopt_grads()`); elements of the buffers
     that no parameter covers (padding a layout may place) stay zero."""
 
-    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]]) -> None:
+    def __init__(
+        self, named_params: Iterable[tuple[str, nn.Parameter]], *, shared: SharedAllocator | None = None
+    ) -> None:
+        """`shared`: for a model on the CPU, where the buffers may live so that the node's
+        daemon reads and writes them in place (ShardedClient.shared_host_tensor)."""
         named = list(named_params)
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -38,14 +43,24 @@ class FlatParams:
         self.layouts: list[ParamLayout] = layout_params([(name, tuple(p.shape), None) for name, p in named])
         self.numel = max(layout.offset + layout.numel for layout in self.layouts)
         first = self.params[0]
-        self.values = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
-        self.grads = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
+        self.values, self.grads = (self.buffer_like(first, shared, self.numel) for _ in range(2))
         with torch.no_grad():
             for index, p in enumerate(self.params):
                 value = self._view(self.values, index)
                 value.copy_(p)
                 p.data = value
                 self.adopt_grad(index)
+
+    @staticmethod
+    def buffer_like(like: torch.Tensor, shared: SharedAllocator | None, numel: int | None = None) -> torch.Tensor:
+        """A zeroed flat buffer of `numel` (default: like's) elements, `like`'s dtype and
+        device; on the CPU from `shared` when it gives one."""
+        numel = like.numel() if numel is None else numel
+        if shared is not None and like.device.type == "cpu":
+            buffer = shared(numel, like.dtype)
+            if buffer is not None:
+                return buffer  # zeroed: a new memfd
+        return torch.zeros(numel, dtype=like.dtype, device=like.device)
 
     def _view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         layout = self.layouts[index]

@@ -125,7 +125,7 @@ class OffloadOptimizer(DaemonOptimizer):
         )  # fmt: skip
         share, of = config.push_share
 
-        self.flat = FlatParams(named)
+        self.flat = FlatParams(named, shared=self.client.shared_host_tensor)
         if self.flat.numel != self.plan[-1].end:
             raise RuntimeError(
                 f"the flat buffers hold {self.flat.numel} elements, the shard plan {self.plan[-1].end}: "
@@ -133,7 +133,9 @@ class OffloadOptimizer(DaemonOptimizer):
             )
         self.params = self.flat.params
         self._device_config = device
-        self.mover = ShardMover(self.flat.values, max(s.numel for s in self.plan), config=device)
+        self.mover = ShardMover(
+            self.flat.values, max(s.numel for s in self.plan), config=device, shared=self.client.shared_host_tensor
+        )
         self.staleness = config.staleness
         self.io = ShardIO(
             self.client,
@@ -152,9 +154,10 @@ class OffloadOptimizer(DaemonOptimizer):
         # has pulled the parameters of step t.
         self._before_push = before_push
         self._any_rank = any_rank
-        if self.staleness:
-            self._next_params = torch.empty_like(self.flat.values)
-            self._sent_grads = torch.empty_like(self.flat.grads)
+        if self.staleness:  # where the pulls land and the pushes are read: shared with the node's daemon too
+            self._next_params, self._sent_grads = (
+                FlatParams.buffer_like(self.flat.values, self.client.shared_host_tensor) for _ in range(2)
+            )
         # staleness=1: the step whose pushes and pulls are under way, (step, its groups,
         # multiplier, futures); futures None means they failed and are to be submitted again.
         self._delayed: tuple[int, list, float | None, list[Future] | None] | None = None

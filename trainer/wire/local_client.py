@@ -3,24 +3,39 @@ ps_daemon/dataplane/local_server.py).
 
 Each connection to the daemon's abstract Unix socket (RegisterModelResponse.local_endpoint)
 owns a slot: a memfd, sealed so that neither end can shrink it under the other's mapping,
-passed with the first frame. A push copies its payload into the slot, then sends the header;
-a pull sends its request and copies the bytes out of the slot once the ShardHeader is back.
-Only headers cross the socket. A connection serves one request at a time, so its slot is
-never shared between two.
+passed with the first frame. The process's windows (ps_offload.trainer.wire.host_windows:
+its parameter, gradient and staging buffers) are attached once per daemon, on any
+connection. Only headers cross the socket:
+
+* a push from a window names where its payload lies, and the daemon reads it there; any
+  other push is copied into the slot first;
+* a pull into a window names where its bytes go, and the daemon writes them there; any other
+  pull is written into the slot and copied out.
+
+A connection serves one request at a time. One that failed midway (a deadline, a broken
+socket) is closed, and when the request named a window this client waits until the daemon
+has closed its end as well, which it does only once it is out of the request: until then
+it may still read or write that memory, which the trainer must not reuse (a late pull
+landing in a buffer already given to another shard would be silent corruption). A daemon
+that does not let go within FENCE_SECONDS makes this client refuse every later request
+(LocalFenceError: the trainer stops, loudly).
 
 Failures raise DataPlaneError (a grpc.RpcError), so ShardedClient retries them as it retries
 the data plane; an endpoint it cannot reach (another host or network namespace, another uid)
-is UNAVAILABLE. A connection that failed mid-request is closed, never reused.
+is UNAVAILABLE.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import logging
 import mmap
 import os
 import queue
 import socket
+import threading
+import time
+import uuid
 from collections.abc import Iterator
 
 import grpc
@@ -32,9 +47,20 @@ from ps_offload.proto.payloads import topk_nbytes
 from ps_offload.proto.pull import PullStreamError, check_pull_header
 from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
+from ps_offload.proto.shared_memory import sealed_memfd
 from ps_offload.trainer.wire.dataplane_client import STATUS_CODES, DataPlaneError, pull_request
+from ps_offload.trainer.wire.host_windows import HostWindow, HostWindows
 
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+log = logging.getLogger(__name__)
+
+FENCE_SECONDS = 60.0
+"""How long a failed request on shared memory may keep the daemon busy before this client
+gives up on the daemon (LocalFenceError)."""
+
+
+class LocalFenceError(RuntimeError):
+    """The daemon did not finish a failed request on memory this process shares with it: that
+    memory may still change under the trainer, so nothing more is sent."""
 
 
 def slot_bytes_for(max_numel: int) -> int:
@@ -47,18 +73,17 @@ def slot_bytes_for(max_numel: int) -> int:
 class _Connection:
     """One socket to the daemon and its slot, mapped here too."""
 
-    def __init__(self, endpoint: str, slot_bytes: int, timeout: float) -> None:
-        fd = os.memfd_create("ps-offload-slot", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    def __init__(self, endpoint: str, client: str, slot_bytes: int, timeout: float) -> None:
+        fd = sealed_memfd(slot_bytes, "ps-offload-slot")
         try:
-            os.ftruncate(fd, slot_bytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             self._map = mmap.mmap(fd, slot_bytes)
             self.slot = torch.frombuffer(self._map, dtype=torch.uint8)  # (slot_bytes,) over the mapping
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 self.sock.settimeout(timeout)
                 self.sock.connect("\0" + endpoint)
-                socket.send_fds(self.sock, [frame(ps_pb2.DataRequest())], [fd])
+                attach = ps_pb2.LocalAttach(client=client, window=0)
+                socket.send_fds(self.sock, [frame(ps_pb2.DataRequest(attach=attach))], [fd])
                 _answer(self.sock)  # refused (another uid): FrameError, the daemon hung up
             except BaseException:
                 self.close()
@@ -74,15 +99,34 @@ class _Connection:
         elif len(data):
             self.slot[: len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
 
+    def fence(self, seconds: float) -> bool:
+        """After a failed request: whether the daemon closed its end (so it is out of that
+        request) within `seconds`. Closes the connection either way."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + seconds
+            while (left := deadline - time.monotonic()) > 0:
+                self.sock.settimeout(left)
+                if not self.sock.recv(1 << 16):
+                    return True
+            return False
+        except TimeoutError:
+            return False
+        except OSError:  # reset: the daemon's end is gone
+            return True
+        finally:
+            self.close()
+
     def close(self) -> None:
         self.sock.close()
-        del self.slot  # exports the mapping: it must go before munmap
-        self._map.close()
+        if hasattr(self, "slot"):
+            del self.slot  # exports the mapping: it must go before munmap
+            self._map.close()
 
 
 class LocalClient:
     """Up to `max_connections` pooled connections to one daemon's local endpoint, each with a
-    slot of `slot_bytes`."""
+    slot of `slot_bytes`, and the process's `windows` attached to that daemon."""
 
     def __init__(
         self,
@@ -92,29 +136,87 @@ class LocalClient:
         max_connections: int,
         security: ClientSecurity | None = None,
         connect_timeout: float = 10.0,
+        windows: HostWindows | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.slot_bytes = slot_bytes
+        self.client_id = uuid.uuid4().hex  # the daemon keys this process's windows by it
         self._max = max_connections
         self._idle: queue.LifoQueue[_Connection] = queue.LifoQueue()
         token = (security or ClientSecurity()).token()
         self._authorization = f"Bearer {token}" if token else ""
+        self._lock = threading.Lock()
+        self._open = 0  # connections open: at 0 the daemon has let go of the windows
+        self._attached: set[int] = set()  # windows this daemon holds
+        self._fenced: str | None = None
+        # Bytes moved where they lie in a window, and through the slot (one more copy here).
+        self.bytes_in_place = 0
+        self.bytes_copied = 0
+        self._windows = windows or HostWindows()
         # Proven here, not assumed: a daemon on another host or namespace, or of another uid,
         # fails this connect, and the caller uses the data plane instead.
         self._idle.put(self._connect(connect_timeout))
+        self._windows.add_attacher(self.attach)
 
     def _connect(self, timeout: float) -> _Connection:
         try:
-            return _Connection(self.endpoint, self.slot_bytes, timeout)
+            conn = _Connection(self.endpoint, self.client_id, self.slot_bytes, timeout)
         except (FrameError, OSError) as exc:
             raise DataPlaneError(
                 grpc.StatusCode.UNAVAILABLE, f"cannot use the local endpoint {self.endpoint}: {exc}"
             ) from None
         except DataPlaneError as exc:
             raise DataPlaneError(exc.code(), f"local endpoint {self.endpoint}: {exc.details()}") from None
+        with self._lock:
+            self._open += 1
+            first = self._open == 1  # the first, or the daemon let go of the windows with the last
+            if first:
+                self._attached.clear()
+        if first:
+            try:
+                for window in self._windows.windows:
+                    self._attach_on(conn, window)
+            except (FrameError, OSError) as exc:
+                self._closed(conn)
+                raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"local endpoint {self.endpoint}: {exc}") from None
+        return conn
+
+    def _closed(self, conn: _Connection) -> None:
+        conn.close()
+        with self._lock:
+            self._open -= 1
+
+    def attach(self, window: HostWindow) -> bool:
+        """Attaches `window` to this daemon; whether it took it (its pool may be full)."""
+        try:
+            with self._connection(10.0, fence=False) as conn:
+                return self._attach_on(conn, window)
+        except DataPlaneError as exc:
+            log.warning("local endpoint %s: window %d not attached: %s", self.endpoint, window.number, exc.details())
+            return False
+
+    def _attach_on(self, conn: _Connection, window: HostWindow) -> bool:
+        attach = ps_pb2.LocalAttach(client=self.client_id, window=window.number)
+        socket.send_fds(conn.sock, [frame(ps_pb2.DataRequest(attach=attach))], [window.fd])
+        try:
+            _answer(conn.sock)
+        except DataPlaneError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or "attached already" not in exc.details():
+                log.warning(
+                    "the node's daemon did not take %d bytes of shared memory (%s): this process's bytes to it "
+                    "go through a copy",
+                    window.nbytes,
+                    exc.details(),
+                )
+                return False
+        with self._lock:
+            self._attached.add(window.number)
+        return True
 
     @contextlib.contextmanager
-    def _connection(self, timeout: float) -> Iterator[_Connection]:
+    def _connection(self, timeout: float, *, fence: bool) -> Iterator[_Connection]:
+        if self._fenced is not None:
+            raise LocalFenceError(self._fenced)
         try:
             conn = self._idle.get_nowait()
         except queue.Empty:
@@ -126,12 +228,18 @@ class LocalClient:
             self._release(conn)
             raise
         except (FrameError, OSError) as exc:
-            conn.close()
+            if fence and not conn.fence(FENCE_SECONDS):
+                self._fenced = (
+                    f"the node's daemon (local endpoint {self.endpoint}) did not finish a failed request on memory "
+                    f"this process shares with it within {FENCE_SECONDS:g} s: that memory may still change, so the "
+                    "trainer cannot go on; restart it (the daemons keep every committed step)"
+                )
+            self._closed(conn)
             expired = isinstance(exc, TimeoutError) and exc.errno is None
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.UNAVAILABLE
             raise DataPlaneError(code, f"local endpoint {self.endpoint}: {exc}") from None
         except BaseException:
-            conn.close()
+            self._closed(conn)
             raise
         self._release(conn)
 
@@ -139,7 +247,11 @@ class LocalClient:
         if self._idle.qsize() < self._max:
             self._idle.put(conn)
         else:
-            conn.close()
+            self._closed(conn)
+
+    def _ref(self, view: memoryview) -> ps_pb2.LocalRef | None:
+        ref = self._windows.find(view)
+        return ref if ref is not None and ref.window in self._attached else None
 
     def pull_into(
         self,
@@ -155,34 +267,52 @@ class LocalClient:
         pull = ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version, tensor=tensor, dtype=dtype)
         request = pull_request(pull, timeout, self._authorization)
         view = memoryview(out).cast("B")
-        with self._connection(timeout + 5.0) as conn:
+        ref = self._ref(view)
+        if ref is not None:
+            request.local.CopyFrom(ref)  # written there by the daemon
+        with self._connection(timeout + 5.0, fence=ref is not None) as conn:
             send_message(conn.sock, request)
             header = _answer(conn.sock).shard
             try:
                 check_pull_header(header, len(view), dtype, f"shard {shard_id}")
             except PullStreamError as exc:
                 raise FrameError(str(exc)) from None  # the plan is wrong: close the connection
-            if len(view):
+            if ref is None and len(view):
                 torch.frombuffer(view, dtype=torch.uint8).copy_(conn.slot[: len(view)])
+            self._count(ref, len(view))
             return header.version
 
     def push(self, push: Push, *, timeout: float) -> ps_pb2.PushResponse:
-        """Writes the payload into the slot, then sends the header: the daemon reads the slot
-        only once the header has come, and not at all for a (shard, step) it applied before."""
+        """A payload in a window is read there by the daemon; any other is written into the
+        slot first. Either way the header follows it: the daemon reads the payload only once
+        the header has come, and not at all for a (shard, step) it applied before."""
         data = memoryview(push.data).cast("B")
-        if len(data) > self.slot_bytes:
+        ref = self._ref(data)
+        if ref is None and len(data) > self.slot_bytes:
             raise DataPlaneError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"a push of {len(data)} bytes does not fit the local slot of {self.slot_bytes} bytes",
             )
-        with self._connection(timeout) as conn:
-            conn.write(data)
-            send_message(conn.sock, ps_pb2.DataRequest(push=push.header, authorization=self._authorization))
-            return _answer(conn.sock).push
+        request = ps_pb2.DataRequest(push=push.header, authorization=self._authorization, local=ref)
+        with self._connection(timeout, fence=ref is not None) as conn:
+            if ref is None:
+                conn.write(data)
+            send_message(conn.sock, request)
+            answer = _answer(conn.sock).push
+        self._count(ref, len(data))
+        return answer
+
+    def _count(self, ref: ps_pb2.LocalRef | None, nbytes: int) -> None:
+        with self._lock:
+            if ref is None:
+                self.bytes_copied += nbytes
+            else:
+                self.bytes_in_place += nbytes
 
     def close(self) -> None:
+        self._windows.remove_attacher(self.attach)
         while not self._idle.empty():
-            self._idle.get_nowait().close()
+            self._closed(self._idle.get_nowait())
 
 
 def _answer(sock: socket.socket) -> ps_pb2.DataResponse:

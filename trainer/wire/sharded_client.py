@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
+import torch
 
 from ps_offload.proto import codec, ps_pb2
 from ps_offload.proto.channel import channel_options, keepalive_options, method_path
@@ -24,6 +25,7 @@ from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
+from ps_offload.trainer.wire.host_windows import HostWindows, Prepare
 from ps_offload.trainer.wire.local_client import LocalClient, slot_bytes_for
 from ps_offload.trainer.wire.transport import Transport
 
@@ -175,6 +177,8 @@ class ShardedClient:
         # (the node's own daemon), else its data plane when it has one (and the config allows
         # them), else the gRPC client.
         self.transports: list[Transport] = list(self.clients)
+        # Host memory shared with the node's daemons (their local transports): see shared_host_tensor.
+        self.host_windows = HostWindows()
 
     def register(self, spec: ps_pb2.ModelSpec) -> list[ShardSlice]:
         """Registers on every daemon (the first resolves the shard size when the spec leaves
@@ -244,6 +248,7 @@ class ShardedClient:
                 slot_bytes=slot_bytes,
                 max_connections=self.config.streams_per_daemon,
                 security=self.config.security,
+                windows=self.host_windows,
             )
         except DataPlaneError as error:
             log.info("daemon %s: local transport not usable, using its data plane: %s", self.daemons[index], error)
@@ -254,6 +259,20 @@ class ShardedClient:
         if current not in self.clients:
             current.close()
         self.transports[index] = transport
+
+    @property
+    def local(self) -> bool:
+        """Whether a daemon of this model is reached through the local transport."""
+        return any(isinstance(t, LocalClient) for t in self.transports)
+
+    def shared_host_tensor(self, numel: int, dtype: torch.dtype, prepare: Prepare | None = None) -> torch.Tensor | None:
+        """A zeroed host tensor the node's daemon writes pulls into and reads pushes from where
+        they lie (ps_offload.trainer.wire.host_windows); None without a local transport, or
+        when the node's pool (server.local_pool_bytes) has no room: the caller allocates its
+        own, and its bytes go through a copy. `prepare`: as HostWindows.allocate's."""
+        if not self.local:
+            return None
+        return self.host_windows.allocate(numel, dtype, prepare)
 
     def _rediscover(self, index: int) -> None:
         """After the data plane became unreachable: ask the daemon again (RegisterModel is

@@ -42,7 +42,11 @@ def test_copies_through_pinned_buffers_follow_the_compute_stream():
     assert bool((target == 5.0).all())
 
 
-def test_bf16_model_on_cuda_through_a_daemon_equals_fp32_masters_in_process(daemon):
+@pytest.mark.parametrize("transport", ["auto", "local"])
+def test_bf16_model_on_cuda_through_a_daemon_equals_fp32_masters_in_process(daemon, transport):
+    """"local": the staging buffers are a window of the node's pool, page-locked with
+    cudaHostRegister (trainer/io/accelerator.py register_host), pulled into and pushed from in
+    place by the daemon."""
     torch.manual_seed(0)
     model = mlp((33, 129, 17, 10)).to("cuda", torch.bfloat16)
     reference = mlp((33, 129, 17, 10))
@@ -72,8 +76,12 @@ def test_bf16_model_on_cuda_through_a_daemon_equals_fp32_masters_in_process(daem
     with trainer.offload(
         model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
         config=trainer.OffloadConfig(shard_bytes=4096), device=trainer.DeviceConfig(host_buffers=2),
+        client=trainer.ClientConfig(transport=transport),
     ) as ours:  # fmt: skip
         assert ours.mover.staged and ours.mover.buffers.pinned
+        assert ours.mover.buffers.shared == (transport == "local")
+        with ours.mover.buffers.buffer(1) as host:
+            assert host.is_pinned()  # pin_memory's, or registered with CUDA
         for batch in batches:
             ours.zero_grad()
             loss(model, batch).backward()

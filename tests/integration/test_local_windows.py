@@ -1,0 +1,366 @@
+"""The local transport's windows against real daemons: a trainer's buffers in memory it shares
+with its node's daemon are pulled into and pushed from where they lie (no copy on its side),
+training through them is bit-identical to the TCP data plane, the node's pool bounds them
+(a refused window trains through the slot), a dead trainer's windows are reclaimed, a
+restarted daemon gets them again, bad references change nothing, a request the daemon never
+finishes stops the trainer loudly, and Stats says which path each client uses."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+import torch
+
+from ps_admin import client as admin_client
+from ps_offload import trainer
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.proto import ps_pb2
+from ps_offload.proto.frames import recv_message, send_message
+from ps_offload.proto.push import Push
+from ps_offload.trainer.io.device import byte_view
+from ps_offload.trainer.wire import local_client
+from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
+from ps_offload.trainer.wire.local_client import LocalClient, LocalFenceError
+from ps_offload.trainer.wire.sharded_client import ShardedClient
+from tests.integration.test_train_equivalence import _mlp_case, _train_offloaded
+
+NUMEL = 1024
+
+
+def _spec(model: str, numel: int = 3 * NUMEL) -> ps_pb2.ModelSpec:
+    return ps_pb2.ModelSpec(
+        model=model,
+        params=[ps_pb2.ParamSpec(name="w", shape=[numel], dtype=ps_pb2.FLOAT32)],
+        optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)),
+        shard_bytes=NUMEL * 4,
+    )
+
+
+def _client(address: str, model: str, **config) -> ShardedClient:
+    client = ShardedClient([address], config=trainer.ClientConfig(**({"transport": "local"} | config)))
+    client.register(_spec(model))
+    return client
+
+
+def _local(client: ShardedClient) -> LocalClient:
+    local = client.transports[0]
+    assert type(local) is LocalClient
+    return local
+
+
+def _grpc_pull(address: str, model: str, shard_id: int, dtype: int = ps_pb2.FLOAT32) -> bytes:
+    reader = ShardedClient([address], config=trainer.ClientConfig(transport="grpc"))
+    reader.register(_spec(model))
+    out = bytearray(NUMEL * (2 if dtype == ps_pb2.BFLOAT16 else 4))
+    reader.pull(reader.plan[shard_id], min_version=0, out=memoryview(out), dtype=dtype)
+    reader.close()
+    return bytes(out)
+
+
+def _stats(address: str) -> ps_pb2.StatsResponse:
+    return admin_client.stats(address, 30)
+
+
+def _window_maps(daemon: LocalDaemon) -> int:
+    with open(f"/proc/{daemon.process.pid}/maps") as maps:
+        return sum("memfd:ps-offload-window" in line for line in maps)
+
+
+def _until(predicate, what: str) -> None:
+    deadline = threading.Event()
+    timer = threading.Timer(60, deadline.set)
+    timer.start()
+    try:
+        while not predicate():
+            assert not deadline.wait(0.05), f"never happened: {what}"
+    finally:
+        timer.cancel()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    daemon = LocalDaemon(tmp_path_factory.mktemp("windows"))
+    try:
+        yield daemon
+    finally:
+        daemon.kill()
+
+
+def _pool_config(tmp_path, nbytes: int):
+    config = tmp_path / "pool.toml"
+    config.write_text(f"[server]\nlocal_pool_bytes = {nbytes}\n")
+    return config
+
+
+# -- training in place ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool", ["room", "full"])
+def test_training_in_windows_is_bit_identical_to_the_data_plane(pool, daemon_factory, tmp_path):
+    """With room in the pool, the flat parameters and gradients live in windows and every
+    pull and push moves in place (no byte through the slot); with the pool too small for
+    them, the same training goes through the slot. Both equal the TCP data plane's."""
+    daemon = daemon_factory(config=_pool_config(tmp_path, 1 << 30 if pool == "room" else 4096))
+    model, batches, loss_fn = _mlp_case()
+    batches = batches[:8]
+    results = {}
+    for transport, kind in (("local", LocalClient), ("auto", DataPlaneClient)):
+        ours = copy.deepcopy(model)
+        with trainer.offload(
+            ours,
+            daemons=[daemon.address],
+            optimizer=trainer.AdamW(lr=3e-3, weight_decay=0.1),
+            config=trainer.OffloadConfig(shard_bytes=8192, model_name=f"train-{transport}"),
+            client=trainer.ClientConfig(transport=transport),
+        ) as opt:
+            assert len(opt.plan) >= 2 and [type(t) for t in opt.client.transports] == [kind]
+            _train_offloaded(ours, batches, loss_fn, opt)
+            if transport == "local":
+                local, windows = _local(opt.client), opt.client.host_windows
+                in_window = windows.find(byte_view(opt.flat.values)) is not None
+                used = _stats(daemon.address).local_pool_bytes_used
+                if pool == "room":
+                    assert in_window and windows.find(byte_view(opt.flat.grads)) is not None
+                    assert local.bytes_in_place > 0 and local.bytes_copied == 0
+                    assert used == 2 * opt.flat.numel * 4
+                else:
+                    assert not in_window and local.bytes_in_place == 0 and local.bytes_copied > 0
+                    assert used == 0
+        assert not torch.equal(ours[0].weight, model[0].weight)  # trained
+        results[transport] = ours
+    for (name, local), tcp in zip(results["local"].named_parameters(), results["auto"].parameters(), strict=True):
+        assert torch.equal(local, tcp), f"{name}: max |diff| {(local - tcp).abs().max().item()}"
+    _until(lambda: _stats(daemon.address).local_pool_bytes_used == 0, "the windows given back at close")
+
+
+def test_a_push_is_read_in_place_and_leaves_the_gradient_as_it_was(daemon):
+    client = _client(daemon.address, "in-place-push")
+    shard = client.plan[0]
+    grad = client.shared_host_tensor(NUMEL, torch.float32)
+    assert grad is not None
+    client.send(shard, byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.PARAMETERS)
+    grad.copy_(torch.linspace(-1, 1, NUMEL))
+    kept = grad.clone()
+    copied = _local(client).bytes_copied
+    assert client.send(shard, byte_view(grad), step=0, kind=ps_pb2.GRADIENT).applied
+    assert _local(client).bytes_copied == copied  # read where it lies
+    assert torch.equal(grad, kept)
+    expected = torch.nn.Parameter(torch.ones(NUMEL))  # the daemon's step: torch's fused SGD
+    expected.grad = kept.clone()
+    torch.optim.SGD([expected], lr=0.1, fused=True).step()
+    expected = expected.detach()
+    assert _grpc_pull(daemon.address, "in-place-push", 0) == byte_view(expected).tobytes()
+    client.close()
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "odd-element"])
+def test_a_bf16_pull_is_rounded_into_place_as_the_data_plane_rounds_it(daemon, offset):
+    """Word-aligned, the daemon rounds straight into the window; at an odd bf16 element it
+    rounds into its scratch and copies. Either way the bytes equal a gRPC bf16 pull's."""
+    model = f"bf16-into-{offset}"
+    client = _client(daemon.address, model)
+    shard = client.plan[1]
+    values = torch.randn(NUMEL, generator=torch.Generator().manual_seed(3))
+    client.send(shard, byte_view(values), step=0, kind=ps_pb2.PARAMETERS)
+    window = client.shared_host_tensor(NUMEL + 1, torch.bfloat16)
+    assert window is not None
+    target = window[offset : offset + NUMEL]
+    copied = _local(client).bytes_copied
+    assert client.pull(shard, min_version=0, out=byte_view(target), dtype=ps_pb2.BFLOAT16) == 0
+    assert _local(client).bytes_copied == copied  # written in place by the daemon
+    assert byte_view(target).tobytes() == _grpc_pull(daemon.address, model, 1, ps_pb2.BFLOAT16)
+    assert torch.equal(target, values.to(torch.bfloat16))
+    client.close()
+
+
+# -- bad references change nothing -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ref, message",
+    [
+        (dict(window=1, offset=NUMEL * 4 - 8, nbytes=NUMEL * 4), "do not fit window 1"),
+        (dict(window=9, offset=0, nbytes=NUMEL * 4), "window 9 is not attached"),
+        (dict(window=1, offset=0, nbytes=16), "its place holds 16 bytes, its header says"),
+    ],
+    ids=["past-the-end", "unknown-window", "wrong-length"],
+)
+def test_a_bad_reference_is_invalid_argument_and_changes_nothing(daemon, ref, message):
+    model = f"bad-ref-{ref['window']}-{ref['nbytes']}"
+    client = _client(daemon.address, model)
+    shard = client.plan[0]
+    client.send(shard, byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.PARAMETERS)
+    assert client.shared_host_tensor(NUMEL, torch.float32) is not None  # window 1
+    before = _grpc_pull(daemon.address, model, 0)
+    local = _local(client)
+    header = Push.build(model, 0, byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT).header
+    with local._connection(30, fence=False) as conn:
+        send_message(conn.sock, ps_pb2.DataRequest(push=header, local=ps_pb2.LocalRef(**ref)))
+        answer = recv_message(conn.sock, ps_pb2.DataResponse)
+    assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and message in answer.message, answer.message
+    assert _grpc_pull(daemon.address, model, 0) == before
+    assert client.send(shard, byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT).applied  # still serving
+    client.close()
+
+
+# -- lifetimes ---------------------------------------------------------------------------------
+
+_LOOPING_TRAINER = """
+import sys, torch
+from ps_offload import trainer
+from ps_offload.proto import ps_pb2
+from ps_offload.trainer.io.device import byte_view
+from ps_offload.trainer.wire.sharded_client import ShardedClient
+from tests.integration.test_local_windows import _spec
+client = ShardedClient([sys.argv[1]], config=trainer.ClientConfig(transport="local"))
+plan = client.register(_spec(sys.argv[2]))
+window = client.shared_host_tensor(plan[0].numel, torch.float32)
+assert window is not None
+print("attached", flush=True)
+while True:  # SIGKILLed in the middle of one of these
+    client.pull(plan[0], min_version=0, out=byte_view(window))
+    client.send(plan[0], byte_view(window), step=0, kind=ps_pb2.PARAMETERS)
+"""
+
+
+def test_a_trainer_killed_mid_request_has_its_windows_reclaimed(daemon):
+    model = "reclaimed"
+    client = _client(daemon.address, model)
+    client.send(client.plan[0], byte_view(torch.full((NUMEL,), 2.0)), step=0, kind=ps_pb2.PARAMETERS)
+    maps, used = _window_maps(daemon), _stats(daemon.address).local_pool_bytes_used
+    looping = subprocess.Popen(
+        [sys.executable, "-c", _LOOPING_TRAINER, daemon.address, model], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert looping.stdout.readline().strip() == "attached"
+        stats = _stats(daemon.address)
+        assert stats.local_pool_bytes_used == used + NUMEL * 4
+        assert any(c.client == f"pid {looping.pid}" and c.shared_bytes == NUMEL * 4 for c in stats.clients)
+        assert _window_maps(daemon) == maps + 1
+        looping.send_signal(signal.SIGKILL)
+        looping.wait(timeout=60)
+    finally:
+        looping.kill()
+    _until(lambda: _window_maps(daemon) == maps, "the dead trainer's window unmapped")
+    assert _stats(daemon.address).local_pool_bytes_used == used
+    assert _grpc_pull(daemon.address, model, 0) == byte_view(torch.full((NUMEL,), 2.0)).tobytes()
+    client.close()
+
+
+def test_a_restarted_daemon_gets_the_windows_again(tmp_path):
+    nvme = str(tmp_path / "nvme")
+    first = LocalDaemon(tmp_path / "first", "--nvme-dir", nvme)
+    second = None
+    try:
+        client = _client(first.address, "rewindowed", retry_seconds=60.0, backoff_seconds=0.05)
+        shard = client.plan[0]
+        window = client.shared_host_tensor(NUMEL, torch.float32)
+        window.fill_(0.25)
+        assert client.send(shard, byte_view(window), step=0, kind=ps_pb2.PARAMETERS).applied
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait()
+        second = LocalDaemon(tmp_path / "second", "--nvme-dir", nvme, "--listen", f"127.0.0.1:{first.port}")
+        window.zero_()
+        assert client.pull(shard, min_version=0, out=byte_view(window)) == 0  # retried until re-attached
+        assert torch.equal(window, torch.full((NUMEL,), 0.25))
+        local = _local(client)
+        assert local.bytes_in_place == NUMEL * 4 and local.bytes_copied == 0  # the new client, in place
+        assert _stats(second.address).local_pool_bytes_used == NUMEL * 4
+        client.close()
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+
+
+def test_a_request_the_daemon_never_finishes_stops_the_trainer(daemon_factory, monkeypatch):
+    """A stopped daemon (SIGSTOP) cannot answer a pull into a window: the client's deadline
+    passes, it waits FENCE_SECONDS for the daemon to let go, and then refuses every request,
+    for the daemon may still write that memory."""
+    monkeypatch.setattr(local_client, "FENCE_SECONDS", 0.5)
+    daemon = daemon_factory()
+    client = _client(daemon.address, "fenced")
+    shard = client.plan[0]
+    window = client.shared_host_tensor(NUMEL, torch.float32)
+    local = _local(client)
+    daemon.process.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(DataPlaneError) as info:
+            local.pull_into("fenced", shard.shard_id, min_version=0, out=byte_view(window), timeout=0.5)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(LocalFenceError, match="did not finish a failed request"):
+            local.pull_into("fenced", shard.shard_id, min_version=0, out=byte_view(window), timeout=10)
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+    client.close()
+
+
+# -- who uses which path -----------------------------------------------------------------------
+
+
+def test_stats_say_which_path_each_client_uses(daemon, tmp_path):
+    local = _client(daemon.address, "paths")
+    assert local.shared_host_tensor(NUMEL, torch.float32) is not None
+    local.send(local.plan[0], byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.PARAMETERS)
+    tcp = _client(daemon.address, "paths", transport="auto")
+    over_grpc = _client(daemon.address, "paths", transport="grpc")
+    out = torch.empty(NUMEL)
+    for client in (tcp, over_grpc):
+        client.pull(client.plan[0], min_version=0, out=byte_view(out))
+    paths = {(c.transport, c.client): c for c in _stats(daemon.address).clients}
+    mine = paths[("local", f"pid {os.getpid()}")]
+    assert mine.connections >= 1 and mine.shared_bytes >= NUMEL * 4
+    assert paths[("data", "127.0.0.1")].connections >= 1
+    assert paths[("grpc", "ipv4:127.0.0.1")].connections >= 1
+    shown = subprocess.run(
+        [sys.executable, "-m", "ps_admin", "stats", "--daemon", daemon.address, "--json"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    listed = json.loads(shown)["clients"]
+    assert {"client": f"pid {os.getpid()}", "transport": "local"}.items() <= listed[0].items()
+    for client in (local, tcp, over_grpc):
+        client.close()
+
+
+def test_a_pool_larger_than_the_host_refuses_to_start(tmp_path):
+    config = tmp_path / "huge.toml"
+    config.write_text('[server]\nlocal_pool_bytes = "1000TiB"\n')
+    with pytest.raises(RuntimeError, match="server.local_pool_bytes = .* is more than the host has available"):
+        LocalDaemon(tmp_path / "huge", "--config", str(config))
+
+
+def test_a_bf16_model_through_staging_windows_is_bit_identical_to_the_data_plane(daemon):
+    """The GPU path on the CPU (DeviceConfig(staging="always")): the host buffers are one
+    window; each pull is rounded into one and copied up, each push copied down into one and
+    read there. Equal, bit for bit, to the same training over the data plane."""
+    model, batches, loss_fn = _mlp_case()
+    model = model.to(torch.bfloat16)
+    batches = [(x.to(torch.bfloat16), y) for x, y in batches[:6]]
+    results = {}
+    for transport in ("local", "auto"):
+        ours = copy.deepcopy(model)
+        with trainer.offload(
+            ours,
+            daemons=[daemon.address],
+            optimizer=trainer.AdamW(lr=3e-3, weight_decay=0.1),
+            config=trainer.OffloadConfig(shard_bytes=8192, model_name=f"staged-bf16-{transport}"),
+            client=trainer.ClientConfig(transport=transport),
+            device=trainer.DeviceConfig(staging="always", host_buffers=2),
+        ) as opt:
+            assert opt.mover.staged and opt.mover.buffers.shared == (transport == "local")
+            # The first upload (the model's values, widened to fp32 once) is not in a window.
+            copied = _local(opt.client).bytes_copied if transport == "local" else 0
+            _train_offloaded(ours, batches, loss_fn, opt)
+            if transport == "local":  # every step's pulls and pushes: in place
+                assert _local(opt.client).bytes_copied == copied and _local(opt.client).bytes_in_place > 0
+        results[transport] = ours
+    for (name, local), tcp in zip(results["local"].named_parameters(), results["auto"].parameters(), strict=True):
+        assert torch.equal(local, tcp), f"{name}: max |diff| {(local - tcp).abs().max().item()}"
