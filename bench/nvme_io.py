@@ -14,6 +14,11 @@ each file once (so no one writes into unwritten extents); each figure is the med
 per-round ratios, ours over the faster peer of that round, target >= 0.9. The ratios to each
 peer alone, and their spread, are in the result file. Needs fio (`make bench` installs it);
 DeepSpeed is the `bench` extra, and a peer that is missing is recorded as missing.
+
+`ours` commits (loads) one shard after another, as a single stream of pushes makes the
+daemon do; `ours_together` commits COMMITTERS at a time, as pushes from several streams or
+ranks do, and they share their fdatasyncs (group commit). Both are timed in the same rounds;
+the headline is `ours`, the other's ratio and the flushes it saved are in the result file.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -37,6 +43,7 @@ SHARDS = quick(16, 4)
 SHARD_NUMEL = 5 << 20  # AdamW: arena of 3 x 20 MiB + stagger = 60 MiB; 16 shards = 960 MiB
 ROUNDS = quick(6, 2)  # ABC CBA: 6 rounds = 3 full ABC CBA cycles, every contender first twice
 IO_THREADS, IO_BLOCK = 4, 8 << 20  # ours: DirectIO(threads, block_bytes), as the daemon's defaults
+COMMITTERS = 4  # ours_together: shards committed (or loaded) at once
 
 
 FIO_BLOCK = 8 << 20
@@ -152,10 +159,21 @@ def main() -> list[dict]:
             for i, (_, view) in enumerate(arenas):
                 assert files.load("bench", i, view) is not None
 
+        # As the daemon commits and loads when several pushes and prefetches run at once:
+        # COMMITTERS shards at a time, their flushes shared (ps_daemon/tiers/group_sync.py).
+        together = ThreadPoolExecutor(max_workers=COMMITTERS)
+
+        def ours_together_write() -> None:
+            commit = lambda i: files.commit("bench", i, arenas[i][1], version=1, initialized=True, numel=SHARD_NUMEL)  # noqa: E731
+            list(together.map(commit, range(SHARDS)))
+
+        def ours_together_read() -> None:
+            assert all(together.map(lambda i: files.load("bench", i, arenas[i][1]) is not None, range(SHARDS)))
+
         fio_path = directory / "fio.dat"
-        writes = {"ours": ours_write,
+        writes = {"ours": ours_write, "ours_together": ours_together_write,
                   "fio": lambda: fio_seconds(fio_path, "write", io_bytes=total, file_bytes=file_bytes)}  # fmt: skip
-        reads = {"ours": ours_read,
+        reads = {"ours": ours_read, "ours_together": ours_together_read,
                  "fio": lambda: fio_seconds(fio_path, "read", io_bytes=total, file_bytes=file_bytes)}  # fmt: skip
         ds = None
         if not ds_missing:
@@ -169,6 +187,18 @@ def main() -> list[dict]:
         ours_write()
         write_t = interleaved_many(writes, reps=ROUNDS, warmup=1)
         read_t = interleaved_many(reads, reps=ROUNDS, warmup=1)
+        together.shutdown()
+        flushes = files.files["bench"].flushes
+        # What the flushes cost: two per commit, against a commit's whole time (one after another).
+        flush_ms = flushes.seconds / max(flushes.flushes, 1) * 1e3
+        commit_ms = median(write_t["ours"]) / SHARDS * 1e3
+        shared = {
+            "flushes": flushes.flushes,
+            "sync_calls": flushes.calls,
+            "flush_ms": round(flush_ms, 3),
+            "commit_ms": round(commit_ms, 2),
+            "flush_share": round(2 * flush_ms / commit_ms, 4),
+        }
         if ds is not None:
             ds.close()
         files.close()
@@ -180,6 +210,7 @@ def main() -> list[dict]:
         # Throughput ratios per round: a peer's seconds over ours.
         vs = {who: [p / o for o, p in zip(t["ours"], t[who], strict=True)] for who in peers}
         best = [min(t[who][r] for who in peers) / t["ours"][r] for r in range(ROUNDS)]
+        best_together = [min(t[who][r] for who in peers) / t["ours_together"][r] for r in range(ROUNDS)]
         faster = max(peers, key=lambda who: gbps[who])
         results.append(
             record(
@@ -205,6 +236,11 @@ def main() -> list[dict]:
                     **{f"ratio_vs_{who}": round(median(vs[who]), 3) for who in peers},
                     **{f"ratio_vs_{who}_spread": spread(vs[who]) for who in peers},
                     "peer_missing": {"deepspeed": ds_missing} if ds_missing else {},
+                    # COMMITTERS shards at once (group commit): the same peers, the same rounds.
+                    "ratio_together": round(median(best_together), 3),
+                    "ratio_together_spread": spread(best_together),
+                    "committers": COMMITTERS,
+                    "flushes_shared": shared,
                 },
             )
         )

@@ -115,14 +115,19 @@ def _transport(r: dict) -> str:
 
 
 def _transport_local(r: dict) -> str:
-    return (
-        f"Over {r['connections']} local connections: pull {r['pull_gbps']} GB/s ({r['ratio_pull']}× the copy), "
-        f"push {r['push_gbps']} GB/s ({r['ratio_push']}×); one in-process copy_ {r['copy_gbps']} GB/s. "
-        "What bounds it: a pull copies the bytes twice (the shard into the slot under the read hold, the "
-        "slot into the trainer's buffer) and a push three times (the buffer into the slot, the slot into "
-        "staging, staging into the update), where the bound moves them once; issue #25's next step writes "
-        "pulls straight into the trainer's buffer and reads pushes in place."
+    text = (
+        f"Over {r['connections']} local connections, into and out of a window shared with the daemon: pull "
+        f"{r['pull_gbps']} GB/s ({r['ratio_pull']}× the copy), push {r['push_gbps']} GB/s ({r['ratio_push']}×); "
+        f"one in-process copy_ {r['copy_gbps']} GB/s. Each moves the bytes once, as the copy does (the daemon "
+        "writes the pull into the window under the read hold, and copies the push from it into the shard)"
     )
+    if "pull_slot_gbps" in r:
+        text += (
+            f". The same buffers outside a window, through the connections' slots (one more copy, on the "
+            f"trainer's side): pull {r['pull_slot_gbps']} GB/s ({r['ratio_pull_slot']}×), push "
+            f"{r['push_slot_gbps']} GB/s ({r['ratio_push_slot']}×)"
+        )
+    return text + "."
 
 
 def _nvme_io(r: dict) -> str:
@@ -131,7 +136,23 @@ def _nvme_io(r: dict) -> str:
     vs = "; ".join(
         f"against {who} alone {r[f'ratio_vs_{who}']}×" for who in ("fio", "deepspeed") if f"ratio_vs_{who}" in r
     )
-    return f"{r['bytes'] >> 20} MiB: ours {g['ours']} GB/s, {peers} GB/s ({vs})."
+    text = f"{r['bytes'] >> 20} MiB: ours {g['ours']} GB/s, {peers} GB/s ({vs})."
+    if "ratio_together" in r:
+        shared = r["flushes_shared"]
+        text += (
+            f" {r['committers']} shards at a time (ours_together: group commit, {shared['flushes']} fdatasyncs for "
+            f"{shared['sync_calls']} commit steps over the run): {g['ours_together']} GB/s, "
+            f"{r['ratio_together']}× the faster peer."
+        )
+    if r["name"] == "nvme_write" and "flush_share" in r.get("flushes_shared", {}):
+        shared = r["flushes_shared"]
+        text += (
+            f" A commit took {shared['commit_ms']} ms, its two fdatasyncs {shared['flush_ms']} ms each on average "
+            f"({100 * shared['flush_share']:.1f}% of it); the rest is writing the bytes, 4 blocks of 8 MiB in flight "
+            "per shard and each shard's last blocks alone, where DeepSpeed keeps 32 requests of 1 MiB in flight "
+            "across every shard at once (kernel AIO): a shard at a time, group commit has little to share."
+        )
+    return text
 
 
 def _nvme_train_step(r: dict) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ps_offload.daemon.tiers.direct_io import PAGE, round_up
+from ps_offload.daemon.tiers.group_sync import GroupSync
 from ps_offload.daemon.tiers.slot_header import SlotHeader
 from ps_offload.daemon.tiers.snapshot_pins import SnapshotBook
 from ps_offload.daemon.tiers.version_floors import VersionFloors
@@ -54,6 +55,7 @@ class ModelFile:
         # and recording the spec) must not lend its old headers to the new model.
         flags = os.O_RDWR | os.O_DIRECT | (os.O_CREAT | os.O_TRUNC if create else 0)
         self.fd = os.open(self.path, flags, 0o600)
+        self.flushes = GroupSync(self.fd)  # commits running at once share fdatasyncs
         if create:
             self.floors.remove()  # nor its old floors and snapshots
             self.snapshots.remove_file()

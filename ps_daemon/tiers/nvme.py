@@ -14,13 +14,15 @@ would, and K bounds how many commits run at once.
 Commit protocol (what "committed" means; docs/storage.md). Version v+1 of a shard goes
 into a free slot: (1) the arena bytes, (2) fdatasync, (3) the header (shard id, version,
 crc32c of the bytes and of their master region, its own crc32c), (4) fdatasync. Only then is
-the push acknowledged, and the slot that held v becomes free. A crash before (3) leaves the
-slot's old header, which names another shard or an older version, so recovery keeps v; a
-crash after (3) leaves v+1 complete. A freed slot keeps its stale header until it is reused,
-always older than its shard's newest. Recovery therefore reads every slot's header and takes,
-per shard, the valid header with the newest version; if that slot's bytes fail their checksum
-the shard is corrupt at rest and refused with DATA_LOSS, never silently rolled back to an
-older version the trainer has already moved past.
+the push acknowledged, and the slot that held v becomes free. Commits running at once share
+their flushes (ps_offload.daemon.tiers.group_sync): each still waits for a flush begun after
+its own write. A crash before (3) leaves the slot's old header, which names another shard or
+an older version, so recovery keeps v; a crash after (3) leaves v+1 complete. A freed slot
+keeps its stale header until it is reused, always older than its shard's newest. Recovery
+therefore reads every slot's header and takes, per shard, the valid header with the newest
+version; if that slot's bytes fail their checksum the shard is corrupt at rest and refused
+with DATA_LOSS, never silently rolled back to an older version the trainer has already moved
+past.
 
 Reads. `load` reads a committed arena whole (the RAM tier's swap-in); `read_master` reads only
 its master region, for a pull of a shard that is not in RAM (ps_offload.daemon.store.master_pull). The
@@ -317,7 +319,7 @@ class NvmeFiles:
             self.io.write(file.fd, arena, at + PAGE)
             crash_points.reached("data_written")
             if self.fsync:
-                os.fdatasync(file.fd)
+                file.flushes.sync()  # shared with the commits running beside it (group_sync)
             crash_points.reached("data_synced")
             master_bytes, master_crc, data_crc = checksums(arena, numel)
             header = SlotHeader(shard_id, version, initialized, numel, len(arena), data_crc, master_bytes, master_crc)
@@ -328,7 +330,7 @@ class NvmeFiles:
                 self.io.write(file.fd, self._header, at)
             crash_points.reached("header_written")
             if self.fsync:
-                os.fdatasync(file.fd)
+                file.flushes.sync()  # shared with the commits running beside it (group_sync)
             crash_points.reached("header_synced")
         except BaseException:
             if header_written:
