@@ -209,7 +209,7 @@ def main() -> list[dict]:
     try:
         with BenchDaemon() as daemon:
             grpc_only = _measure(daemon.address, "grpc", reps=quick(4, 1))
-            times = _measure(daemon.address, "auto", reps=REPS, tcp=tcp, iperf3=iperf3)
+            times = _measure(daemon.address, "tcp", reps=REPS, tcp=tcp, iperf3=iperf3)
     finally:
         tcp.close()
         if iperf3 is not None:

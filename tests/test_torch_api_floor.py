@@ -52,7 +52,7 @@ TORCH_2_11 = {
     "torch.autograd.Variable._execution_engine": "queue_callback",
     "torch.autograd.graph": "get_gradient_edge",
     "torch.cuda": """
-        Event Stream current_device current_stream device device_count get_device_name is_available
+        Event Stream cudart current_device current_stream device device_count get_device_name is_available
         set_device stream synchronize
     """,
     "torch.distributed": """

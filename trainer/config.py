@@ -340,11 +340,11 @@ class ClientConfig:
     """First retry delay; doubles per attempt, capped at 2 s (and at what is left of
     retry_seconds)."""
     transport: str = "auto"
-    """"auto": pulls and pushes go over the daemon's TCP data plane when it offers one, else
-    over gRPC; "local": through shared memory to a daemon on this host that offers a local
-    endpoint, when this process can reach it (same network namespace and uid), else as
-    "auto" (opt-in until the whole test suite has run with it as the default: see
-    docs/architecture.md, "Not built yet"); "grpc": always over gRPC (the Pull and Push RPCs)."""
+    """Per daemon, what carries pulls and pushes. "auto": shared memory when the daemon is on
+    this host and this process can reach its local endpoint (same network namespace and uid:
+    proven by connecting, not assumed), else its TCP data plane when it offers one, else gRPC;
+    "local": the same as "auto" (the name of the last release's opt-in); "tcp": the data plane
+    (else gRPC), never shared memory; "grpc": always gRPC (the Pull and Push RPCs)."""
     streams_per_daemon: int = 2
     """Concurrent push/pull calls per daemon."""
     prefetch_hints: bool = True
@@ -360,8 +360,8 @@ class ClientConfig:
     default connects in plaintext without a token."""
 
     def __post_init__(self) -> None:
-        if self.transport not in ("auto", "local", "grpc"):
-            raise ValueError(f'ClientConfig.transport must be "auto", "local" or "grpc", got {self.transport!r}')
+        if self.transport not in ("auto", "local", "tcp", "grpc"):
+            raise ValueError(f'ClientConfig.transport must be "auto", "local", "tcp" or "grpc", got {self.transport!r}')
         if self.streams_per_daemon < 1:
             raise ValueError("ClientConfig.streams_per_daemon must be at least 1")
         if isinstance(self.dead_peer_seconds, bool) or not 1 <= self.dead_peer_seconds <= 3600:

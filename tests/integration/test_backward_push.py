@@ -23,7 +23,7 @@ def _offload(model, daemons, **config):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("transport", ["auto", "grpc"], ids=["data-plane", "grpc"])
+@pytest.mark.parametrize("transport", ["local", "tcp", "grpc"], ids=["local", "data-plane", "grpc"])
 def test_pushing_during_backward_trains_exactly_as_pushing_after(dtype, transport, daemon_factory):
     model, batches = mixed._case(dtype)
     reference = copy.deepcopy(model)
@@ -50,7 +50,7 @@ def test_pushing_during_backward_trains_exactly_as_pushing_after(dtype, transpor
         mixed._assert_same(model, reference, opt, masters)
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"], ids=["data-plane", "grpc"])
+@pytest.mark.parametrize("transport", ["local", "tcp", "grpc"], ids=["local", "data-plane", "grpc"])
 def test_the_optimizers_clip_keeps_the_early_parts_and_equals_torchs_clip(transport, daemon_factory):
     """opt.clip_grad_norm_ leaves the gradients alone and has the daemons multiply by the
     coefficient: the parts pushed during backward stay usable, and for fp32 the result is

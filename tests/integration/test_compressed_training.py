@@ -339,8 +339,8 @@ def test_onebit_through_sigkill_ends_bit_identical_to_an_uninterrupted_run(share
 def test_a_resumed_one_bit_adam_trainer_takes_its_momentum_from_the_daemons(shared):
     """After compressed steps the trainer's momentum is the decompressed one the daemons
     stored as exp_avg; a trainer re-created under the same name must go on from exactly that
-    (not from zero), over both transports' pull of EXP_AVG."""
-    for transport in ("grpc", "auto"):
+    (not from zero), over every transport's pull of EXP_AVG."""
+    for transport in ("grpc", "tcp", "local"):
         model, batches = _mlp_case(steps=WARMUP + 3)
         name, client = f"resume-{transport}", trainer.ClientConfig(transport=transport)
         with _offload(model, shared.address, name, "onebit", client=client) as opt:

@@ -1,5 +1,5 @@
 """A step's gradient pushed in parts (GRADIENT_PART, then APPLY), through real daemons, over
-the TCP data plane (transport "auto") and gRPC.
+the TCP data plane (transport "tcp") and gRPC.
 
 The model of tests/integration/test_group_hyperparams.py (odd shapes in three param groups, 4 KiB
 shards over two daemons, cuts inside parameters): one part and its APPLY equal, bit for bit, a
@@ -139,7 +139,7 @@ def _bf16_parts(step: int, count: int = 3) -> tuple[list[torch.Tensor], torch.Te
     return sent, total
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
 def test_one_fp16_part_and_its_apply_equal_one_gradient_push(daemons, transport):
     """With every group's settings and fp16 loss scaling's grad_multiplier 2**-16."""
     parts, whole = (Model(daemons, f"one-part-{kind}-{transport}", transport) for kind in ("parts", "whole"))
@@ -161,7 +161,7 @@ def test_one_fp16_part_and_its_apply_equal_one_gradient_push(daemons, transport)
     whole.close()
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
 def test_three_bf16_parts_equal_fused_adamw_on_their_fp32_sum(daemons, transport):
     model = Model(daemons, f"three-parts-{transport}", transport)
     for step in range(3):
@@ -176,7 +176,7 @@ def test_three_bf16_parts_equal_fused_adamw_on_their_fp32_sum(daemons, transport
     model.close()
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
 def test_a_resent_part_or_apply_changes_nothing(daemons, transport):
     model = Model(daemons, f"resent-{transport}", transport)
     sent, total = _bf16_parts(0, count=2)
@@ -248,7 +248,7 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
 def test_bad_parts_and_applies_are_refused_and_change_nothing(daemons, transport):
     """Step 0 applied from two parts, part 0 of step 1 held; then each bad push to shard 0,
     then the rest of step 1, which must still give torch's result."""
@@ -283,7 +283,7 @@ def test_bad_parts_and_applies_are_refused_and_change_nothing(daemons, transport
     model.close()
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
 def test_an_apply_check_applies_nothing(daemons, transport):
     """APPLY check_only answers whether the parts are held (applied=false, version unchanged)
     and changes nothing; the APPLY after it still gives torch's result, and a check of a step
@@ -322,7 +322,7 @@ def test_an_apply_check_applies_nothing(daemons, transport):
     model.close()
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
 def test_a_gradient_push_replaces_the_parts_held(daemons, transport):
     model = Model(daemons, f"replaced-{transport}", transport)
     sent, _ = _bf16_parts(0, count=2)
@@ -344,7 +344,7 @@ def test_apply_is_committed_on_nvme_and_survives_a_restart(daemon_factory, monke
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     nvme = tmp_path / "nvme"
     first = daemon_factory("--nvme-dir", str(nvme))
-    model = Model([first.address], "durable", "auto")
+    model = Model([first.address], "durable", "tcp")
     sent, total = _bf16_parts(0, count=2)
     model.parts(0, sent, ps_pb2.BF16)
     model.apply(0, 2)
@@ -357,7 +357,7 @@ def test_apply_is_committed_on_nvme_and_survives_a_restart(daemon_factory, monke
 
     second = daemon_factory("--nvme-dir", str(nvme))  # new ports, the same files
     assert "recovered" in second.log()
-    model.client = ShardedClient([second.address], config=ClientConfig(transport="auto"))
+    model.client = ShardedClient([second.address], config=ClientConfig(transport="tcp"))
     assert model.client.register(_spec("durable", "adamw", shard_bytes=4096)) == model.plan
     assert model.client.created == [False]
     model.matches_reference(1, "after the restart")

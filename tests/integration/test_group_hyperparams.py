@@ -72,7 +72,7 @@ def _spec(name: str, kind: str, *, shard_bytes: int, groups=GROUP_OF) -> ps_pb2.
 CASES = [("adamw", ps_pb2.RAW, None), ("sgd", ps_pb2.RAW, None), ("adamw", ps_pb2.FP16, 1 / LOSS_SCALE)]
 
 
-@pytest.mark.parametrize("transport", ["grpc", "auto"])
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
 def test_group_settings_each_step_match_torch_fused(daemons, transport):
     """4 KiB shards (1024 elements): 7 shards over 2 daemons, cuts inside p3 and p5."""
     for kind, encoding, multiplier in CASES:
@@ -81,7 +81,7 @@ def test_group_settings_each_step_match_torch_fused(daemons, transport):
         client = ShardedClient(daemons, config=ClientConfig(transport=transport))
         plan = client.register(_spec(name, kind, shard_bytes=4096))
         assert len(plan) == 7 and {s.daemon_index for s in plan} == {0, 1}
-        assert all(isinstance(t, DataPlaneClient) == (transport == "auto") for t in client.transports)
+        assert all(isinstance(t, DataPlaneClient) == (transport == "tcp") for t in client.transports)
         initial = initial_values()
         reference = Reference(kind, initial)
         flat = _flat(initial)

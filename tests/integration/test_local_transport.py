@@ -116,7 +116,7 @@ def test_training_through_shared_memory_is_bit_identical_to_the_data_plane(daemo
     model, batches, loss_fn = _mlp_case()
     batches = batches[:10]
     results = {}
-    for transport, kind in (("local", LocalClient), ("auto", DataPlaneClient)):
+    for transport, kind in (("local", LocalClient), ("tcp", DataPlaneClient)):
         ours = copy.deepcopy(model)
         with trainer.offload(
             ours,
@@ -129,14 +129,14 @@ def test_training_through_shared_memory_is_bit_identical_to_the_data_plane(daemo
             _train_offloaded(ours, batches, loss_fn, opt)
         assert not torch.equal(ours[0].weight, model[0].weight)  # trained
         results[transport] = ours
-    for (name, local), tcp in zip(results["local"].named_parameters(), results["auto"].parameters(), strict=True):
+    for (name, local), tcp in zip(results["local"].named_parameters(), results["tcp"].parameters(), strict=True):
         assert torch.equal(local, tcp), f"{name}: max |diff| {(local - tcp).abs().max().item()}"
 
 
 def test_a_bf16_pull_through_the_slot_equals_the_data_plane_one(daemon):
     model = "bf16"
     client = _register(daemon.address, model)
-    tcp = _register(daemon.address, model, transport="auto")
+    tcp = _register(daemon.address, model, transport="tcp")
     try:
         assert type(client.transports[0]) is LocalClient and type(tcp.transports[0]) is DataPlaneClient
         shard = client.plan[0]

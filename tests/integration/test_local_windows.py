@@ -112,7 +112,7 @@ def test_training_in_windows_is_bit_identical_to_the_data_plane(pool, daemon_fac
     model, batches, loss_fn = _mlp_case()
     batches = batches[:8]
     results = {}
-    for transport, kind in (("local", LocalClient), ("auto", DataPlaneClient)):
+    for transport, kind in (("local", LocalClient), ("tcp", DataPlaneClient)):
         ours = copy.deepcopy(model)
         with trainer.offload(
             ours,
@@ -136,7 +136,7 @@ def test_training_in_windows_is_bit_identical_to_the_data_plane(pool, daemon_fac
                     assert used == 0
         assert not torch.equal(ours[0].weight, model[0].weight)  # trained
         results[transport] = ours
-    for (name, local), tcp in zip(results["local"].named_parameters(), results["auto"].parameters(), strict=True):
+    for (name, local), tcp in zip(results["local"].named_parameters(), results["tcp"].parameters(), strict=True):
         assert torch.equal(local, tcp), f"{name}: max |diff| {(local - tcp).abs().max().item()}"
     _until(lambda: _stats(daemon.address).local_pool_bytes_used == 0, "the windows given back at close")
 
@@ -310,7 +310,7 @@ def test_stats_say_which_path_each_client_uses(daemon, tmp_path):
     local = _client(daemon.address, "paths")
     assert local.shared_host_tensor(NUMEL, torch.float32) is not None
     local.send(local.plan[0], byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.PARAMETERS)
-    tcp = _client(daemon.address, "paths", transport="auto")
+    tcp = _client(daemon.address, "paths", transport="tcp")
     over_grpc = _client(daemon.address, "paths", transport="grpc")
     out = torch.empty(NUMEL)
     for client in (tcp, over_grpc):
@@ -345,7 +345,7 @@ def test_a_bf16_model_through_staging_windows_is_bit_identical_to_the_data_plane
     model = model.to(torch.bfloat16)
     batches = [(x.to(torch.bfloat16), y) for x, y in batches[:6]]
     results = {}
-    for transport in ("local", "auto"):
+    for transport in ("local", "tcp"):
         ours = copy.deepcopy(model)
         with trainer.offload(
             ours,
@@ -362,5 +362,5 @@ def test_a_bf16_model_through_staging_windows_is_bit_identical_to_the_data_plane
             if transport == "local":  # every step's pulls and pushes: in place
                 assert _local(opt.client).bytes_copied == copied and _local(opt.client).bytes_in_place > 0
         results[transport] = ours
-    for (name, local), tcp in zip(results["local"].named_parameters(), results["auto"].parameters(), strict=True):
+    for (name, local), tcp in zip(results["local"].named_parameters(), results["tcp"].parameters(), strict=True):
         assert torch.equal(local, tcp), f"{name}: max |diff| {(local - tcp).abs().max().item()}"

@@ -61,7 +61,7 @@ def _train(address: str, transport: str) -> tuple[int, int]:
         return numel, len(opt.plan)
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])
+@pytest.mark.parametrize("transport", ["local", "tcp", "grpc"])
 def test_metrics_count_what_the_trainer_did(daemon_factory, tmp_path, transport):
     daemon, port = _daemon_with_metrics(daemon_factory, tmp_path)
     numel, shards = _train(daemon.address, transport)
@@ -75,18 +75,20 @@ def test_metrics_count_what_the_trainer_did(daemon_factory, tmp_path, transport)
     assert m[("ps_optimizer_step_duration_seconds_sum", ())] > 0
     assert m[("ps_shards", (("tier", "ram"),))] == shards
     assert m[("ps_tier_capacity_bytes", (("tier", "ram"),))] == 8 << 30
-    plane = "DataPlane" if transport == "auto" else "ParameterServer"
+    plane = {"local": "Local", "tcp": "DataPlane", "grpc": "ParameterServer"}[transport]
     pushes = m[("ps_rpc_duration_seconds_count", (("code", "OK"), ("method", f"{plane}/Push")))]
     assert pushes == shards * (STEPS + 1)
     pulls = m[("ps_rpc_duration_seconds_count", (("code", "OK"), ("method", f"{plane}/Pull")))]
     assert pulls == m[("ps_pulls_total", ())] >= shards * STEPS
     assert m[("ps_rpc_duration_seconds_count", (("code", "OK"), ("method", "ParameterServer/RegisterModel")))] == 1
     assert m[("ps_rpc_duration_seconds_count", (("code", "NOT_FOUND"), ("method", "Admin/GetShard")))] == 1
+    assert m[("ps_local_pool_bytes", ())] > 0 and ("ps_local_pool_bytes_used", ()) in m
+    assert m[("ps_clients", (("transport", "grpc"),))] == (transport == "grpc")  # its calls of the last minute
 
 
 def test_nvme_bytes_and_seconds_and_tiers(daemon_factory, tmp_path):
     daemon, port = _daemon_with_metrics(daemon_factory, tmp_path, "--nvme-dir", str(tmp_path / "nvme"))
-    numel, shards = _train(daemon.address, "auto")
+    numel, shards = _train(daemon.address, "tcp")
     with grpc.insecure_channel(daemon.address) as channel:
         ps_pb2_grpc.AdminStub(channel).Evict(ps_pb2.GetShardRequest(model="model", shard_id=0), timeout=10)
     m = _scrape(port)

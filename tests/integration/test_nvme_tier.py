@@ -20,10 +20,14 @@ STEPS = 6
 
 
 def _rss_bytes(pid: int) -> int:
+    """The process's own resident memory: VmRSS less RssShmem, the trainer's buffers it maps
+    through the local transport (its windows count in both processes' RSS)."""
+    fields = {}
     for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssShmem"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"] - fields.get("RssShmem", 0)
 
 
 def _stats(address: str) -> ps_pb2.StatsResponse:

@@ -28,7 +28,7 @@ SHARD_BYTES = 4096  # 1024 elements: parameters of 1000 and 4097 make shards 102
 SIZES = (1000, 4097)
 TOTAL = sum(SIZES)
 NARROW = {ps_pb2.BFLOAT16: torch.bfloat16, ps_pb2.FLOAT16: torch.float16}
-TRANSPORTS = ("grpc", "auto", "local")  # "auto": the data plane; "local": the local transport
+TRANSPORTS = ("grpc", "tcp", "local")  # "tcp": the data plane; "local": the local transport
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -183,7 +183,7 @@ def test_a_narrow_pull_is_the_fp32_values_cast_by_torch_bit_for_bit(served, tran
     try:
         plan = client.register(_spec(model))
         assert len(plan) == 5 and plan[-1].numel == 1001
-        kind = {"grpc": DaemonClient, "auto": DataPlaneClient, "local": LocalClient}[transport]
+        kind = {"grpc": DaemonClient, "tcp": DataPlaneClient, "local": LocalClient}[transport]
         assert isinstance(client.transports[0], kind)
         expected = fp32.to(NARROW[dtype])  # what the trainer would get pulling fp32 and casting
         for shard in plan:

@@ -110,7 +110,7 @@ def _code(call) -> tuple[grpc.StatusCode, str]:
 def test_training_over_tls_on_both_transports_and_plaintext_refused(daemon_factory, tmp_path, pki):
     daemon = _daemon(daemon_factory, tmp_path, tls={"cert_file": pki["server_cert"], "key_file": pki["server_key"]})
     secure = ClientSecurity(ca_file=pki["ca"])
-    for transport, kind in (("local", LocalClient), ("auto", DataPlaneClient), ("grpc", DaemonClient)):
+    for transport, kind in (("local", LocalClient), ("tcp", DataPlaneClient), ("grpc", DaemonClient)):
         steps, transports = _train(daemon.address, secure, transport=transport, name=f"m-{transport}")
         assert steps == 3 and type(transports[0]) is kind  # the same host: "local" is the local transport
     assert _health(daemon.address, secure) == health_pb2.HealthCheckResponse.SERVING
@@ -136,7 +136,7 @@ def test_tls_handshakes_stalled_midway_hold_no_data_plane_worker(daemon_factory,
     data_port = _register_port(daemon.address, secure)
     stalled = [socket.create_connection(("127.0.0.1", data_port), timeout=30) for _ in range(3)]
     stalled[0].sendall(b"\x16\x03\x01\x02\x00")  # the first bytes of a ClientHello, and no more
-    steps, transports = _train(daemon.address, secure, transport="auto")
+    steps, transports = _train(daemon.address, secure, transport="tcp")
     assert steps == 3 and isinstance(transports[0], DataPlaneClient)
     for sock in stalled:
         sock.close()

@@ -87,7 +87,7 @@ def _train_offloaded(model, batches, loss_fn, opt):
 
 @pytest.mark.parametrize("case", [_mlp_case, _gpt_case], ids=["mlp", "transformer"])
 @pytest.mark.parametrize("n_daemons", [1, 2])
-@pytest.mark.parametrize("transport", ["local", "auto", "grpc"], ids=["local", "data-plane", "grpc"])
+@pytest.mark.parametrize("transport", ["local", "tcp", "grpc"], ids=["local", "data-plane", "grpc"])
 def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, transport, daemon_factory):
     model, batches, loss_fn = case()
     reference = copy.deepcopy(model)
@@ -111,7 +111,7 @@ def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, transport, d
         client=trainer.ClientConfig(transport=transport),
     ) as opt:
         assert len(opt.plan) >= 2 * n_daemons
-        kind = {"local": LocalClient, "auto": DataPlaneClient, "grpc": DaemonClient}[transport]
+        kind = {"local": LocalClient, "tcp": DataPlaneClient, "grpc": DaemonClient}[transport]
         assert [type(t) for t in opt.client.transports] == [kind] * n_daemons
         assert {s.daemon_index for s in opt.plan} == set(range(n_daemons))
         losses = _train_offloaded(model, batches, loss_fn, opt)

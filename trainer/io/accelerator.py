@@ -109,7 +109,7 @@ def register_host(host: torch.Tensor) -> bool:
     ps_offload.trainer.wire.host_windows), so the device's copies go straight to and from it
     as they do with pin_memory's buffers: cudaHostRegister, portable to every device. Whether
     it took; where it did not (no CUDA, the driver refused), the caller keeps its own pinned
-    buffers. Registered for the process's life, as the buffers are."""
+    buffers. The caller unregisters it (unregister_host) before the memory is unmapped."""
     if not torch.cuda.is_available():
         return False
     nbytes = host.numel() * host.element_size()
@@ -124,3 +124,11 @@ def register_host(host: torch.Tensor) -> bool:
         )
         return False
     return True
+
+
+def unregister_host(address: int) -> None:
+    """Undoes register_host for the memory at `address` (before it is unmapped: a new
+    mapping at the same address could not be registered again)."""
+    code = int(torch.cuda.cudart().cudaHostUnregister(address))
+    if code:
+        log.warning("cudaHostUnregister of %#x returned %d", address, code)

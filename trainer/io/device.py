@@ -36,6 +36,7 @@ import ctypes
 import logging
 import queue
 import resource
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -143,6 +144,8 @@ class HostBuffers:
         if shared is not None:
             block = shared(count * numel, dtype, prepare=_register_host if pin else None)
         self.shared = block is not None  # one window of the node's pool, shared with its daemon
+        if block is not None and pin:  # registered with CUDA: unregistered when these buffers go
+            weakref.finalize(self, _unregister_host, block.data_ptr())
         log.info(
             "%s%s host buffers: %d of %d bytes, %d bytes in all (bound %s)",
             "pinned" if pin else "unpinned", ", shared with the node's daemon," if self.shared else "",
@@ -171,6 +174,12 @@ def _register_host(host: torch.Tensor) -> bool:
     from ps_offload.trainer.io.accelerator import register_host  # only a GPU runs it
 
     return register_host(host)
+
+
+def _unregister_host(address: int) -> None:
+    from ps_offload.trainer.io.accelerator import unregister_host
+
+    unregister_host(address)
 
 
 class HostCopies:

@@ -216,7 +216,7 @@ class ShardedClient:
         current, data_port, endpoint = self.transports[index], response.data_port, response.local_endpoint
         if not data_port or self.config.transport == "grpc":
             return
-        if endpoint and self.config.transport == "local":
+        if endpoint and self.config.transport in ("auto", "local"):
             # The slot holds any push or pull of this daemon's largest shard.
             slot_bytes = slot_bytes_for(max((s.numel for s in self.plan if s.daemon_index == index), default=1))
             if isinstance(current, LocalClient) and (current.endpoint, current.slot_bytes) == (endpoint, slot_bytes):

@@ -226,7 +226,10 @@ def test_the_header_says_what_is_sent(dtype, expected):
 def test_serve_pull_gives_both_transports_the_header_and_the_bytes(dtype):
     store, pool, values = _store(), StagingPool(max_bytes=1 << 20), _values()
     request = ps_pb2.PullRequest(model="m", shard_id=0, dtype=dtype)
-    with data_path.serve_pull(store, conversions.pull_request(request), timeout=1, scratch=pool.borrow) as (header, raw):
+    with data_path.serve_pull(store, conversions.pull_request(request), timeout=1, scratch=pool.borrow) as (
+        header,
+        raw,
+    ):
         torch_dtype = {ps_pb2.BFLOAT16: torch.bfloat16, ps_pb2.FLOAT16: torch.float16}.get(dtype, torch.float32)
         assert header.dtype == (dtype or ps_pb2.FLOAT32) and header.numel == NUMEL and header.version == 0
         assert bytes(raw) == values.to(torch_dtype).view(torch.uint8).numpy().tobytes()

@@ -42,9 +42,9 @@ def test_copies_through_pinned_buffers_follow_the_compute_stream():
     assert bool((target == 5.0).all())
 
 
-@pytest.mark.parametrize("transport", ["auto", "local"])
+@pytest.mark.parametrize("transport", ["tcp", "local"])
 def test_bf16_model_on_cuda_through_a_daemon_equals_fp32_masters_in_process(daemon, transport):
-    """"local": the staging buffers are a window of the node's pool, page-locked with
+    """ "local": the staging buffers are a window of the node's pool, page-locked with
     cudaHostRegister (trainer/io/accelerator.py register_host), pulled into and pushed from in
     place by the daemon."""
     torch.manual_seed(0)
