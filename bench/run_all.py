@@ -242,7 +242,10 @@ def _stream_overhead(r: dict) -> str:
     ms = ", ".join(f"{k} {v}" for k, v in r["ms_per_step"].items())
     return (
         f"ms/step: {ms}. Without prefetch {r['ratio_no_prefetch']}×; applied on push (micro_batches=1) "
-        f"{r['ratio_apply_on_push']}×."
+        f"{r['ratio_apply_on_push']}×. Both run on the node's daemon through the local transport: the unstreamed "
+        "step's flat buffers are windows the daemon reads and writes in place, while the streamed step's blocks "
+        "(storage freed after each use, so not in a window) go through the connections' slots, one more copy "
+        "each way; that, and each block pulled twice, is what the ratio measures (issue #25, part 4)."
     )
 
 
