@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import grpc
 import pytest
@@ -30,6 +29,7 @@ from ps_offload.trainer.wire import local_client
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
 from ps_offload.trainer.wire.local_client import LocalClient, LocalFenceError
 from ps_offload.trainer.wire.sharded_client import ShardedClient
+from tests.integration.test_local_transport import _until
 from tests.integration.test_train_equivalence import _mlp_case, _train_offloaded
 
 NUMEL = 1024
@@ -72,17 +72,6 @@ def _stats(address: str) -> ps_pb2.StatsResponse:
 def _window_maps(daemon: LocalDaemon) -> int:
     with open(f"/proc/{daemon.process.pid}/maps") as maps:
         return sum("memfd:ps-offload-window" in line for line in maps)
-
-
-def _until(predicate, what: str) -> None:
-    deadline = threading.Event()
-    timer = threading.Timer(60, deadline.set)
-    timer.start()
-    try:
-        while not predicate():
-            assert not deadline.wait(0.05), f"never happened: {what}"
-    finally:
-        timer.cancel()
 
 
 @pytest.fixture(scope="module")

@@ -56,22 +56,30 @@ def _caller(sync: GroupSync, disk: Disk, results: list, errors: list) -> None:
     results.append(disk.covered(since, disk.mark()))
 
 
-def test_commits_that_arrive_during_a_flush_share_the_next_one():
-    disk = Disk()
-    sync = GroupSync(3, flush=disk.flush)
+def _during_a_held_flush(disk: Disk, sync: GroupSync, waiting: int, *, fail_next: bool = False) -> tuple[list, list]:
+    """One commit whose flush is held, `waiting` more arriving meanwhile; then all run out.
+    Returns (results, errors) of _caller."""
     results, errors = [], []
     disk.hold.clear()
     first = threading.Thread(target=_caller, args=(sync, disk, results, errors))
     first.start()
     assert disk.started.wait(60)  # flush 1 runs, held
-    waiting = [threading.Thread(target=_caller, args=(sync, disk, results, errors)) for _ in range(6)]
-    for t in waiting:
+    disk.fail_next = fail_next  # the flush the waiters share
+    others = [threading.Thread(target=_caller, args=(sync, disk, results, errors)) for _ in range(waiting)]
+    for t in others:
         t.start()
-    while sync.calls < 7:
+    while sync.calls < waiting + 1:
         threading.Event().wait(0.01)
     disk.hold.set()
-    for t in [first, *waiting]:
+    for t in [first, *others]:
         t.join(60)
+    return results, errors
+
+
+def test_commits_that_arrive_during_a_flush_share_the_next_one():
+    disk = Disk()
+    sync = GroupSync(3, flush=disk.flush)
+    results, errors = _during_a_held_flush(disk, sync, 6)
     assert not errors and results == [True] * 7  # each saw a flush begun after its call end
     assert sync.flushes == 2  # 7 commits, 2 flushes: the one running, and one for the six
 
@@ -94,20 +102,7 @@ def test_every_caller_waits_for_a_flush_begun_after_it_under_contention():
 def test_a_failed_flush_fails_every_commit_it_covered_and_the_next_one_succeeds():
     disk = Disk()
     sync = GroupSync(3, flush=disk.flush)
-    results, errors = [], []
-    disk.hold.clear()
-    first = threading.Thread(target=_caller, args=(sync, disk, results, errors))
-    first.start()
-    assert disk.started.wait(60)
-    disk.fail_next = True  # flush 2, the one the waiters share, fails
-    waiting = [threading.Thread(target=_caller, args=(sync, disk, results, errors)) for _ in range(3)]
-    for t in waiting:
-        t.start()
-    while sync.calls < 4:
-        threading.Event().wait(0.01)
-    disk.hold.set()
-    for t in [first, *waiting]:
-        t.join(60)
+    results, errors = _during_a_held_flush(disk, sync, 3, fail_next=True)  # flush 2, theirs, fails
     assert results == [True] and len(errors) == 3
     assert all(e.errno == errno.EIO and "fdatasync failed" in str(e) for e in errors)
     sync.sync()  # a later commit gets a flush of its own
