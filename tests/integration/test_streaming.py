@@ -131,6 +131,8 @@ def _streamed(
         assert opt.stats["peak_block_bytes"] <= max(window_blocks, 1) * block_bytes
         if prefetch and window_blocks > 1:
             assert opt.stats["prefetched"] > 0
+        if staging == "always":  # the node's daemon, by default through a window of its pool
+            assert opt.mover.buffers.shared
     return final, losses
 
 

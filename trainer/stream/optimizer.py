@@ -130,7 +130,15 @@ class StreamedOptimizer(DaemonOptimizer):
         self.stream = stream
         self.params = [p for _, p in named]
         like = torch.empty(0, dtype=named[0][1].dtype, device=where)
-        self.mover = ShardMover(like, max(s.numel for s in self.plan), config=device_config, resizable=True)
+        # Its host buffers (a GPU's staging) in a window of the node's pool, so the daemon pulls
+        # into and pushes from them in place; the blocks themselves, freed after each use, are not.
+        self.mover = ShardMover(
+            like,
+            max(s.numel for s in self.plan),
+            config=device_config,
+            resizable=True,
+            shared=self.client.shared_host_tensor,
+        )
         share, of = config.push_share
         self._mine = [s for i, s in enumerate(self.plan) if i % of == share]  # the shards this rank pushes
         self.io = ShardIO(
