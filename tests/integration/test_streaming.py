@@ -131,7 +131,10 @@ def _streamed(
         assert opt.stats["peak_block_bytes"] <= max(window_blocks, 1) * block_bytes
         if prefetch and window_blocks > 1:
             assert opt.stats["prefetched"] > 0
-        if staging == "always":  # the node's daemon, by default through a window of its pool
+        # The node's daemon, through windows of its pool by default: the blocks (a CPU model's)
+        # and the staging buffers.
+        assert opt.shared_blocks
+        if staging == "always":
             assert opt.mover.buffers.shared
     return final, losses
 

@@ -30,6 +30,7 @@ from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.io.device import ShardMover
 from ps_offload.trainer.io.shard_io import ShardIO
 from ps_offload.trainer.stream.units import StreamUnit
+from ps_offload.trainer.wire.host_windows import SharedAllocator
 from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 
@@ -43,10 +44,13 @@ class BlockGradients:
         io: ShardIO,
         window_bytes: int,
         reduce: Callable[[torch.Tensor], None] | None = None,
+        shared: SharedAllocator | None = None,
     ) -> None:
         """`reduce(buffer)`: sums a unit's gradient over data-parallel replicas in place before
         the push (every replica calls it for the same units in the same order); each replica
-        then pushes only its shards, `io.pushes`."""
+        then pushes only its shards, `io.pushes`. `shared`: where a CPU gradient buffer may
+        live so that the node's daemon reads its pushes in place (ShardedClient.
+        shared_host_tensor); such buffers are kept and reused once their pushes are done."""
         self.units = units
         self.reduce = reduce
         self.client = client
@@ -60,15 +64,38 @@ class BlockGradients:
         self._buffers: dict[int, torch.Tensor] = {}  # unit index -> this pass's gradient buffer
         self._received: dict[int, set[int]] = collections.defaultdict(set)  # unit index -> its parameters in
         self._pushed: set[int] = set()  # units whose gradient of this pass is pushed
-        self._pushes: collections.deque[tuple[list[Future], int]] = collections.deque()  # with their buffer bytes
+        # Each unit's pushes, with their buffer (its bytes count against window_bytes).
+        self._pushes: collections.deque[tuple[list[Future], torch.Tensor]] = collections.deque()
         self._failures: list[BaseException] = []
+        self.shared = shared
+        self._spare: dict[int, list[torch.Tensor]] = collections.defaultdict(list)  # by numel: shared, unused
+        self._owned: set[int] = set()  # data_ptr of the shared buffers
+
+    def _buffer(self, unit: StreamUnit, device: torch.device) -> torch.Tensor:
+        """A buffer for `unit`'s gradient (contents undefined)."""
+        if self.shared is not None and device.type == "cpu":
+            spare = self._spare[unit.numel]
+            if spare:
+                return spare.pop()
+            buffer = self.shared(unit.numel, unit.values.dtype)
+            if buffer is not None:
+                self._owned.add(buffer.data_ptr())
+                return buffer
+        return torch.empty_like(unit.values, device=device)
+
+    def _done(self, pushes: list[Future], buffer: torch.Tensor) -> list[BaseException]:
+        """Waits for a unit's pushes; a shared buffer is then free for another."""
+        failures = _failures(pushes)
+        if buffer.data_ptr() in self._owned:
+            self._spare[buffer.numel()].append(buffer)
+        return failures
 
     def add(self, unit: StreamUnit, i: int, grad: torch.Tensor, *, norm_index: int | None) -> bool:
         """Copies parameter i of `unit`'s gradient into the unit's buffer (and keeps its norm
         under `norm_index`); returns whether the unit is complete."""
         buffer = self._buffers.get(unit.index)
         if buffer is None:  # not zeroed: every parameter's slice is written, or zeroed at push()
-            buffer = self._buffers[unit.index] = torch.empty_like(unit.values, device=grad.device)
+            buffer = self._buffers[unit.index] = self._buffer(unit, grad.device)
         offset = unit.offsets[i]
         buffer[offset : offset + grad.numel()].view(grad.shape).copy_(grad)
         if norm_index is not None:
@@ -81,7 +108,7 @@ class BlockGradients:
         buffer = self._buffers.pop(unit.index, None)
         received = self._received.pop(unit.index, set())
         if buffer is None:
-            buffer = torch.zeros_like(unit.values)
+            buffer = self._buffer(unit, unit.values.device).zero_()
         elif len(received) < len(unit.params):  # parameters the pass did not reach count as zero
             for i, p in enumerate(unit.params):
                 if i not in received:
@@ -92,9 +119,9 @@ class BlockGradients:
         mine = [s for s in unit.shards if s.shard_id in self.io.pushes]
         pushes = [self.pool.submit(self._push, unit, s, step, part, groups, buffer, after) for s in mine]
         self._pushed.add(unit.index)
-        self._pushes.append((pushes, buffer.numel() * buffer.element_size()))
-        while len(self._pushes) > 1 and sum(n for _, n in self._pushes) > self.window_bytes:
-            self._failures.extend(_failures(self._pushes.popleft()[0]))
+        self._pushes.append((pushes, buffer))
+        while len(self._pushes) > 1 and sum(b.numel() * b.element_size() for _, b in self._pushes) > self.window_bytes:
+            self._failures.extend(self._done(*self._pushes.popleft()))
 
     def _push(
         self, unit: StreamUnit, shard: ShardSlice, step: int, part: int, groups: list | None, buffer, after: object
@@ -121,7 +148,7 @@ class BlockGradients:
         """Waits for every push; returns the failures since the last drain."""
         failures, self._failures = self._failures, []
         while self._pushes:
-            failures.extend(_failures(self._pushes.popleft()[0]))
+            failures.extend(self._done(*self._pushes.popleft()))
         return failures
 
 

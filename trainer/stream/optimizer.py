@@ -69,7 +69,7 @@ from ps_offload.trainer.optimizer.daemon_optimizer import DaemonOptimizer
 from ps_offload.trainer.stream.apply import PartsApplier
 from ps_offload.trainer.stream.grads import BlockGradients
 from ps_offload.trainer.stream.settings import Streaming
-from ps_offload.trainer.stream.units import StreamUnit, initialise, stream_units
+from ps_offload.trainer.stream.units import StreamUnit, initialise, share_units, stream_units
 from ps_offload.trainer.stream.window import BlockWindow, wait_all
 
 log = logging.getLogger(__name__)
@@ -130,8 +130,12 @@ class StreamedOptimizer(DaemonOptimizer):
         self.stream = stream
         self.params = [p for _, p in named]
         like = torch.empty(0, dtype=named[0][1].dtype, device=where)
-        # Its host buffers (a GPU's staging) in a window of the node's pool, so the daemon pulls
-        # into and pushes from them in place; the blocks themselves, freed after each use, are not.
+        # In windows of the node's pool, so the node's daemon pulls into and pushes from them in
+        # place: a CPU model's blocks (still freed after each use: their pages are given back),
+        # and the host buffers (a GPU's staging).
+        self.shared_blocks = share_units(
+            self.units, self.client.shared_host_tensor, self.client.host_windows.free_pages
+        )
         self.mover = ShardMover(
             like,
             max(s.numel for s in self.plan),
@@ -152,7 +156,7 @@ class StreamedOptimizer(DaemonOptimizer):
         )  # fmt: skip
         self.grads = BlockGradients(
             self.units, client=self.client, mover=self.mover, io=self.io, window_bytes=stream.window_bytes,
-            reduce=reduce_gradient,
+            reduce=reduce_gradient, shared=self.client.shared_host_tensor if self.shared_blocks else None,
         )  # fmt: skip
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         self._index_of = {id(p): i for i, p in enumerate(self.params)}

@@ -12,7 +12,9 @@ of shards and a shard never spans two units.
 
 A streamed unit's buffer keeps its tensor but not its memory while it is away: `release()`
 resizes the storage to 0 bytes (as FSDP frees an unsharded parameter) and `allocate()` gives it
-back, uninitialised, for a pull to fill. The parameters stay the same Python objects throughout,
+back, uninitialised, for a pull to fill. On the node's own daemon (`share_units`) a CPU model's
+streamed units live in one window shared with it instead, so pulls land in them in place, and
+`release()` gives their pages back to the kernel (the mapping stays). The parameters stay the same Python objects throughout,
 so autograd's saved tensors, the optimizer's param_groups and the user's references stay valid.
 
 A model built on the meta device has no storage at all: each of its parameters becomes a view
@@ -48,6 +50,11 @@ class StreamUnit:
     shards: list[ShardSlice] = field(default_factory=list)
     from_meta: bool = False
     """Built on the meta device: its values are for initialise() (or the daemons) to set."""
+    free_pages: Callable[[torch.Tensor], object] | None = None
+    """Set by share_units: `values` lie in memory shared with the node's daemon, released by
+    giving their pages back (HostWindows.free_pages) instead of resizing the storage."""
+    resident: bool = True
+    """With free_pages: whether the values are here (allocate() was called since release())."""
 
     @property
     def numel(self) -> int:
@@ -67,16 +74,25 @@ class StreamUnit:
 
     @property
     def allocated(self) -> bool:
+        if self.free_pages is not None:
+            return self.resident
         return self.values.untyped_storage().nbytes() > 0
 
     def allocate(self) -> None:
         """Gives the buffer its memory back (uninitialised) if it was released."""
-        if not self.allocated:
+        if self.free_pages is not None:
+            self.resident = True  # its pages come back as they are written
+        elif not self.allocated:
             self.values.untyped_storage().resize_(self.nbytes)
 
     def release(self) -> None:
         """Frees the buffer's memory; the parameters keep their shapes, not their values."""
-        if self.streamed:
+        if not self.streamed:
+            return
+        if self.free_pages is not None:
+            self.free_pages(self.values)
+            self.resident = False
+        else:
             self.values.untyped_storage().resize_(0)
 
     def local(self, shard: ShardSlice) -> ShardSlice:
@@ -188,6 +204,40 @@ def _block_of_params(model: nn.Module, blocks: Sequence[nn.Module]) -> dict[int,
             else:
                 block_of.setdefault(id(p), None)
     return {key: value for key, value in block_of.items() if value is not None}
+
+
+PAGE = 4096
+
+
+def share_units(units: list[StreamUnit], shared: Callable[..., torch.Tensor | None], free_pages) -> bool:
+    """Moves the streamed units of a CPU model into one window shared with the node's daemon
+    (`shared`: ShardedClient.shared_host_tensor), each from a page boundary, so pulls land in
+    the block's own memory and it is still freed after each use (`free_pages`: its pages given
+    back). The parameters are re-pointed (the same objects); a unit's values move with it.
+    False, changing nothing, where there is no such window (no local daemon, or its pool has
+    no room)."""
+    streamed = [u for u in units if u.streamed and u.values.device.type == "cpu"]
+    if not streamed:
+        return False
+    dtype = streamed[0].values.dtype
+    spans = [-(-u.nbytes // PAGE) * PAGE for u in streamed]
+    window = shared(sum(spans) // dtype.itemsize, dtype)
+    if window is None:
+        return False
+    start = 0
+    with torch.no_grad():
+        for unit, span in zip(streamed, spans, strict=True):
+            values = window[start // dtype.itemsize : start // dtype.itemsize + unit.numel]
+            if unit.allocated:
+                values.copy_(unit.values)
+            for p, offset in zip(unit.params, unit.offsets, strict=True):
+                p.data = values[offset : offset + p.numel()].view(p.shape)
+            resident = unit.allocated
+            unit.values, unit.free_pages, unit.resident = values, free_pages, resident
+            if not resident:
+                free_pages(values)
+            start += span
+    return True
 
 
 def _point_into(unit: StreamUnit) -> None:

@@ -52,6 +52,7 @@ class HostWindows:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._windows: list[HostWindow] = []
+        self._maps: dict[int, mmap.mmap] = {}  # by window number: free_pages works on them
         self._numbers = 0
         # Each daemon's local client: attach(window) -> whether that daemon took it.
         self._attachers: list[Callable[[HostWindow], bool]] = []
@@ -97,7 +98,23 @@ class HostWindows:
             return None
         with self._lock:
             self._windows.append(window)
+            self._maps[number] = mapped
         return tensor
+
+    def free_pages(self, tensor: torch.Tensor) -> bool:
+        """Gives the whole pages of `tensor` (in a window) back to the kernel, for this process
+        and the daemons alike (MADV_REMOVE on the shared memory: it reads as zeros after, and
+        takes memory again when written). Whether it lay in a window."""
+        nbytes = tensor.numel() * tensor.element_size()
+        start = tensor.data_ptr()
+        for window in self.windows:
+            if window.address <= start and start + nbytes <= window.address + window.nbytes:
+                first = -(-(start - window.address) // mmap.PAGESIZE) * mmap.PAGESIZE
+                last = (start - window.address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+                if last > first:
+                    self._maps[window.number].madvise(mmap.MADV_REMOVE, first, last - first)
+                return True
+        return False
 
     def find(self, view: memoryview) -> ps_pb2.LocalRef | None:
         """Where `view` lies in a window (its window, offset and length), or None."""
