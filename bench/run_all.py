@@ -240,13 +240,23 @@ def _compress_cpu(r: dict) -> str:
 
 def _stream_overhead(r: dict) -> str:
     ms = ", ".join(f"{k} {v}" for k, v in r["ms_per_step"].items())
-    return (
+    text = (
         f"ms/step: {ms}. Without prefetch {r['ratio_no_prefetch']}×; applied on push (micro_batches=1) "
-        f"{r['ratio_apply_on_push']}×. Both run on the node's daemon through the local transport: the unstreamed "
-        "step's flat buffers are windows the daemon reads and writes in place, while the streamed step's blocks "
-        "(storage freed after each use, so not in a window) go through the connections' slots, one more copy "
-        "each way; that, and each block pulled twice, is what the ratio measures (issue #25, part 4)."
+        f"{r['ratio_apply_on_push']}×."
     )
+    if "phase_ms" in r:
+        split = "; ".join(
+            f"{name}: " + ", ".join(f"{phase} {v}" for phase, v in phases.items())
+            for name, phases in r["phase_ms"].items()
+            if name in ("unstreamed", "streamed")
+        )
+        text = text[:-1] + (
+            f". Per step, ms: {split}. Both move their bytes in place through the node's daemon (windows); the "
+            "streamed backward also pulls every block a second time, gathers each block's gradient out of "
+            "`.grad`, gives each block's pages back, and runs while the daemon accumulates the pushed parts on "
+            "the same two cores."
+        )
+    return text
 
 
 def _zero_infinity(r: dict) -> str:

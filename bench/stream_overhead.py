@@ -81,13 +81,24 @@ def main() -> dict:
             config = trainer.OffloadConfig(model_name=name, shard_bytes=SHARD_BYTES)
             runs[name] = (model, trainer.offload(model, config=config, stream=stream, **common))
 
-        def steps(model, opt) -> float:
+        phases: dict[str, dict[str, list[float]]] = {}  # contender -> phase -> seconds per step
+
+        def steps(model, opt, name: str = "") -> float:
             started = time.perf_counter()
+            split = {"forward": 0.0, "backward": 0.0, "step": 0.0}
             for x, y in batches:
+                t0 = time.perf_counter()
                 _, loss = model(x, y)
+                t1 = time.perf_counter()
                 loss.backward()
+                t2 = time.perf_counter()
                 opt.step()
                 opt.zero_grad()
+                split["forward"] += t1 - t0
+                split["backward"] += t2 - t1
+                split["step"] += time.perf_counter() - t2
+            for phase, seconds in split.items():
+                phases.setdefault(name, {}).setdefault(phase, []).append(seconds / len(batches))
             return (time.perf_counter() - started) / len(batches)
 
         names = list(runs)
@@ -96,7 +107,7 @@ def main() -> dict:
         times: dict[str, list[float]] = {name: [] for name in names}
         for r in range(ROUNDS):
             for name in names if r % 2 == 0 else names[::-1]:
-                times[name].append(steps(*runs[name]))
+                times[name].append(steps(*runs[name], name))
         stats = {name: dict(runs[name][1].stats) for name in contenders}
         for _, opt in runs.values():
             opt.close()
@@ -117,6 +128,12 @@ def main() -> dict:
             "ratio_no_prefetch": round(median(paired["streamed_no_prefetch"]), 3),
             "ratio_apply_on_push": round(median(paired["streamed_apply_on_push"]), 3),
             "pull_stats": stats,
+            # Where a step's time goes (medians over the rounds): what a miss is made of.
+            "phase_ms": {
+                name: {phase: round(1000 * median(v), 1) for phase, v in split.items()}
+                for name, split in phases.items()
+                if name
+            },
         },
         notes=f"{n_params / 1e6:.2f}M-param GPT ({CONFIG.n_layer} blocks, n_embd {CONFIG.n_embd}), fp32, batch "
         f"{BATCH} x {CONFIG.block_size}, window 2 blocks, one local daemon, shards of {SHARD_BYTES} B; {ROUNDS} "
