@@ -56,6 +56,14 @@ class SharedMapping:
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # (size,) over the mapping
         self.address = self.bytes.data_ptr()
 
+    def write(self, data: memoryview) -> None:
+        """`data` at the start: torch's copy (threads for large ones) unless it is read-only,
+        which torch will not wrap."""
+        if data.readonly:
+            self._map[: len(data)] = data
+        elif len(data):
+            self.bytes[: len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
+
     def close(self) -> None:
         if self._map.closed:
             return

@@ -243,7 +243,7 @@ from ps_offload.trainer.wire.local_client import LocalClient
 endpoint, numel = sys.argv[1], int(sys.argv[2])
 client = LocalClient(endpoint, slot_bytes=numel * 4, max_connections=1)
 conn = client._idle.get_nowait()
-conn.slot[: numel * 2].copy_(torch.full((numel // 2,), 7.0).view(torch.uint8))  # half a gradient
+conn.slot.bytes[: numel * 2].copy_(torch.full((numel // 2,), 7.0).view(torch.uint8))  # half a gradient
 print("half written", flush=True)
 sys.stdin.read()  # SIGKILLed here, before any header
 """

@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -20,10 +21,12 @@ import torch
 
 from ps_admin import client as admin_client
 from ps_offload import trainer
+from ps_offload.daemon.dataplane.local_pool import MAX_WINDOWS_PER_CLIENT
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
-from ps_offload.proto.frames import recv_message, send_message
+from ps_offload.proto.frames import frame, recv_message, send_message
 from ps_offload.proto.push import Push
+from ps_offload.proto.shared_memory import sealed_memfd
 from ps_offload.trainer.io.device import byte_view
 from ps_offload.trainer.wire import local_client
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
@@ -197,6 +200,42 @@ def test_a_bad_reference_is_invalid_argument_and_changes_nothing(daemon, ref, me
     assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and message in answer.message, answer.message
     assert _grpc_pull(daemon.address, model, 0) == before
     assert client.send(shard, byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT).applied  # still serving
+    client.close()
+
+
+@pytest.mark.parametrize(
+    "number, fds, message",
+    [
+        (0, 1, "window 0 is the connection's slot"),
+        (1, 1, "window 1 is attached already"),
+        (7, 0, "exactly one memfd (0 came)"),
+        (7, 2, "exactly one memfd (2 came)"),
+    ],
+    ids=["window-0", "taken-number", "no-fd", "two-fds"],
+)
+def test_a_bad_attach_is_invalid_argument_and_maps_nothing(daemon, number, fds, message):
+    client = _client(daemon.address, f"bad-attach-{number}-{fds}")
+    assert client.shared_host_tensor(NUMEL, torch.float32) is not None  # window 1
+    local, used = _local(client), _stats(daemon.address).local_pool_bytes_used
+    memfds = [sealed_memfd(4096, "ps-offload-window") for _ in range(fds)]
+    try:
+        with local._connection(30, fence=False) as conn:
+            attach = ps_pb2.LocalAttach(client=local.client_id, window=number)
+            socket.send_fds(conn.sock, [frame(ps_pb2.DataRequest(attach=attach))], memfds)
+            answer = recv_message(conn.sock, ps_pb2.DataResponse)
+    finally:
+        for fd in memfds:
+            os.close(fd)
+    assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and message in answer.message, answer.message
+    assert _stats(daemon.address).local_pool_bytes_used == used
+    client.close()
+
+
+def test_a_client_past_its_window_count_is_refused(daemon):
+    client = _client(daemon.address, "many-windows")
+    granted = [client.shared_host_tensor(16, torch.float32) for _ in range(MAX_WINDOWS_PER_CLIENT + 1)]
+    assert all(w is not None for w in granted[:MAX_WINDOWS_PER_CLIENT]) and granted[-1] is None
+    assert len(client.host_windows.windows) == MAX_WINDOWS_PER_CLIENT  # the refused one is not kept
     client.close()
 
 

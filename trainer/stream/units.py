@@ -14,8 +14,9 @@ A streamed unit's buffer keeps its tensor but not its memory while it is away: `
 resizes the storage to 0 bytes (as FSDP frees an unsharded parameter) and `allocate()` gives it
 back, uninitialised, for a pull to fill. On the node's own daemon (`share_units`) a CPU model's
 streamed units live in one window shared with it instead, so pulls land in them in place, and
-`release()` gives their pages back to the kernel (the mapping stays). The parameters stay the same Python objects throughout,
-so autograd's saved tensors, the optimizer's param_groups and the user's references stay valid.
+`release()` gives their pages back to the kernel (the mapping stays). The parameters stay the
+same Python objects throughout, so autograd's saved tensors, the optimizer's param_groups and
+the user's references stay valid.
 
 A model built on the meta device has no storage at all: each of its parameters becomes a view
 into its unit's buffer (torch.utils.swap_tensors, so its identity stays), and its buffers

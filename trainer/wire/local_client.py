@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import queue
 import socket
@@ -47,7 +46,7 @@ from ps_offload.proto.payloads import topk_nbytes
 from ps_offload.proto.pull import PullStreamError, check_pull_header
 from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
-from ps_offload.proto.shared_memory import sealed_memfd
+from ps_offload.proto.shared_memory import SharedMapping, sealed_memfd
 from ps_offload.trainer.wire.dataplane_client import STATUS_CODES, DataPlaneError, pull_request
 from ps_offload.trainer.wire.host_windows import HostWindow, HostWindows
 
@@ -76,8 +75,7 @@ class _Connection:
     def __init__(self, endpoint: str, client: str, slot_bytes: int, timeout: float) -> None:
         fd = sealed_memfd(slot_bytes, "ps-offload-slot")
         try:
-            self._map = mmap.mmap(fd, slot_bytes)
-            self.slot = torch.frombuffer(self._map, dtype=torch.uint8)  # (slot_bytes,) over the mapping
+            self.slot = SharedMapping(fd)
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 self.sock.settimeout(timeout)
@@ -90,14 +88,6 @@ class _Connection:
                 raise
         finally:
             os.close(fd)  # the daemon has its own; the mapping keeps ours
-
-    def write(self, data: memoryview) -> None:
-        """`data` into the slot; torch's copy (threads for large ones) unless it is read-only,
-        which torch will not wrap."""
-        if data.readonly:
-            self._map[: len(data)] = data
-        elif len(data):
-            self.slot[: len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
 
     def fence(self, seconds: float) -> bool:
         """After a failed request: whether the daemon closed its end (so it is out of that
@@ -119,9 +109,7 @@ class _Connection:
 
     def close(self) -> None:
         self.sock.close()
-        if hasattr(self, "slot"):
-            del self.slot  # exports the mapping: it must go before munmap
-            self._map.close()
+        self.slot.close()
 
 
 class LocalClient:
@@ -278,7 +266,7 @@ class LocalClient:
             except PullStreamError as exc:
                 raise FrameError(str(exc)) from None  # the plan is wrong: close the connection
             if ref is None and len(view):
-                torch.frombuffer(view, dtype=torch.uint8).copy_(conn.slot[: len(view)])
+                torch.frombuffer(view, dtype=torch.uint8).copy_(conn.slot.bytes[: len(view)])
             self._count(ref, len(view))
             return header.version
 
@@ -296,7 +284,7 @@ class LocalClient:
         request = ps_pb2.DataRequest(push=push.header, authorization=self._authorization, local=ref)
         with self._connection(timeout, fence=ref is not None) as conn:
             if ref is None:
-                conn.write(data)
+                conn.slot.write(data)
             send_message(conn.sock, request)
             answer = _answer(conn.sock).push
         self._count(ref, len(data))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 
 import pytest
 
@@ -56,6 +57,13 @@ def _caller(sync: GroupSync, disk: Disk, results: list, errors: list) -> None:
     results.append(disk.covered(since, disk.mark()))
 
 
+def _until(predicate) -> None:
+    deadline = time.monotonic() + 60
+    while not predicate():
+        assert time.monotonic() < deadline, "the callers never arrived"
+        threading.Event().wait(0.01)
+
+
 def _during_a_held_flush(disk: Disk, sync: GroupSync, waiting: int, *, fail_next: bool = False) -> tuple[list, list]:
     """One commit whose flush is held, `waiting` more arriving meanwhile; then all run out.
     Returns (results, errors) of _caller."""
@@ -68,8 +76,7 @@ def _during_a_held_flush(disk: Disk, sync: GroupSync, waiting: int, *, fail_next
     others = [threading.Thread(target=_caller, args=(sync, disk, results, errors)) for _ in range(waiting)]
     for t in others:
         t.start()
-    while sync.calls < waiting + 1:
-        threading.Event().wait(0.01)
+    _until(lambda: sync.calls == waiting + 1)  # every caller is in sync()
     disk.hold.set()
     for t in [first, *others]:
         t.join(60)
