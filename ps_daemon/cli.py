@@ -29,10 +29,17 @@ def serve(
     data_listen: Annotated[
         Optional[str], typer.Option(help='TCP data plane: "auto" (listen host, free port), "off", or host:port.')
     ] = None,
-    state_dir: Annotated[Optional[str], typer.Option(help="Directory for the daemon's state.")] = None,
+    state_dir: Annotated[Optional[str], typer.Option(hidden=True, help="No longer read (see --nvme-dir).")] = None,
     nvme_dir: Annotated[
-        Optional[str], typer.Option(help="Persist every committed shard version here (O_DIRECT); recovered on start.")
+        Optional[str],
+        typer.Option(
+            help="Persist every committed shard version here (O_DIRECT); recovered on start. Without it: RAM only, "
+            "every model is lost when the daemon stops."
+        ),
     ] = None,
+    create_nvme_dir: Annotated[
+        bool, typer.Option("--create-nvme-dir", help="Create --nvme-dir when missing (else a missing one is an error).")
+    ] = False,
     nvme_bytes: Annotated[
         Optional[str], typer.Option(help="Most bytes the arena files under --nvme-dir may take, e.g. 2TiB.")
     ] = None,
@@ -50,8 +57,8 @@ def serve(
             server__listen=listen,
             server__data_listen=data_listen,
             server__port_file=port_file,
-            store__state_dir=state_dir,
             store__nvme_dir=nvme_dir,
+            store__create_nvme_dir=True if create_nvme_dir else None,
             store__nvme_bytes=None if nvme_bytes is None else parse_size(nvme_bytes, key="--nvme-bytes"),
             store__shard_bytes=None if shard_bytes is None else parse_size(shard_bytes, key="--shard-bytes"),
             store__ram_bytes=None if ram_bytes is None else parse_size(ram_bytes, key="--ram-bytes"),
@@ -64,6 +71,11 @@ def serve(
         systemd.notify(f"STATUS=Failed: {exc}")
         raise typer.Exit(2) from None
     _configure_logging(cfg.log.level)
+    if state_dir is not None:
+        logging.getLogger(__name__).warning(
+            "--state-dir is no longer read: nothing was ever written there; the daemon's state lives under "
+            "--nvme-dir (store.nvme_dir)"
+        )
     # systemd's watchdog kills a hung daemon with SIGABRT: the journal then shows where
     # every thread was stuck.
     faulthandler.enable()

@@ -83,8 +83,6 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    state_dir: str = "/var/lib/ps-daemon"
-    """Where the daemon keeps its state."""
     ram_bytes: int = 8 << 30
     """Budget of the RAM tier: master values plus optimizer state of resident shards.
     A registration that would exceed it is refused with RESOURCE_EXHAUSTED."""
@@ -94,7 +92,12 @@ class StoreConfig:
     nvme_dir: str = ""
     """Directory (on an NVMe drive) where every committed version of every shard is written
     with O_DIRECT before its push is acknowledged, and recovered from after a restart.
-    Empty: RAM only, nothing survives a restart."""
+    Empty: RAM only, nothing survives a restart. It must exist (see create_nvme_dir) and
+    belongs to one daemon: a second one on it refuses to start."""
+    create_nvme_dir: bool = False
+    """Create nvme_dir (and its parents) when it is missing. Off: a missing directory refuses
+    to start, so that a typo or a disk that is not mounted is not an empty daemon whose
+    trainers restart from step 0."""
     nvme_bytes: int = 0
     """Most bytes this daemon's arena files under nvme_dir may take together; a registration
     past it is refused with RESOURCE_EXHAUSTED. 0: as much as the disk has. A model takes
@@ -179,6 +182,14 @@ class DaemonConfig:
 # Keys that were renamed: old dotted key -> new dotted key. The old key still works, with a
 # warning, so configs in the field keep running across an upgrade.
 RENAMED_KEYS: dict[str, str] = {}
+# Keys that are no longer read: old dotted key -> why. Accepted with a warning, so a config
+# in the field keeps starting.
+REMOVED_KEYS: dict[str, str] = {
+    "store.state_dir": (
+        "nothing was ever written there; a daemon's state lives under store.nvme_dir (empty: RAM only, "
+        "every model is lost when the daemon stops)"
+    ),
+}
 
 _SIZE_FIELDS = {"max_message_bytes", "ram_bytes", "shard_bytes", "io_block_bytes", "nvme_bytes", "local_pool_bytes"}
 _SECTIONS = {
@@ -220,6 +231,9 @@ def _build(cls: type, table: dict[str, Any], prefix: str) -> Any:
             log.warning("config key %r was renamed to %r; please update the file", dotted, new)
             key = new.rsplit(".", 1)[-1]
             dotted = new
+        if dotted in REMOVED_KEYS:
+            log.warning("config key %r is no longer read (%s); please remove it", dotted, REMOVED_KEYS[dotted])
+            continue
         if key not in fields:
             hint = difflib.get_close_matches(key, fields, n=1)
             did_you_mean = f"; did you mean {prefix + hint[0]!r}?" if hint else ""
@@ -286,9 +300,7 @@ def validate(config: DaemonConfig) -> DaemonConfig:
             f"server.max_waiting_pulls_per_client must be at least 0 (0: half of max_waiting_pulls), got "
             f"{server.max_waiting_pulls_per_client}"
         )
-    data_listen = config.server.data_listen
-    if data_listen not in ("auto", "off") and not re.fullmatch(r".+:\d+", data_listen):
-        raise ConfigError(f'server.data_listen must be "auto", "off" or host:port, got {data_listen!r}')
+    _check_addresses(config)
     if config.server.max_message_bytes < 64 << 10:
         raise ConfigError("server.max_message_bytes must be at least 64KiB")
     tls = config.tls
@@ -312,11 +324,35 @@ def validate(config: DaemonConfig) -> DaemonConfig:
             "clear: set tls.cert_file and tls.key_file, or start with --insecure (server.insecure = true) on a "
             "network you trust"
         )
-    if config.metrics.listen and not re.fullmatch(r".+:\d+", config.metrics.listen):
-        raise ConfigError(f"metrics.listen must be host:port (or empty: off), got {config.metrics.listen!r}")
     if logging.getLevelName(config.log.level.upper()) == f"Level {config.log.level.upper()}":
         raise ConfigError(f"log.level: unknown level {config.log.level!r}")
     return config
+
+
+def _check_addresses(config: DaemonConfig) -> None:
+    """Every address is host:port with a port in 0-65535 (0: a free one), and the fixed ports
+    of one host differ: a bad one must fail here, naming its key, not in the socket layer."""
+    server = config.server
+    addresses = {"server.listen": _port_of("server.listen", server.listen, "")}
+    if server.data_listen not in ("auto", "off"):
+        addresses["server.data_listen"] = _port_of("server.data_listen", server.data_listen, ' "auto", "off" or')
+    if config.metrics.listen:
+        addresses["metrics.listen"] = _port_of("metrics.listen", config.metrics.listen, " empty (off) or")
+    seen: dict[int, str] = {}
+    for key, port in addresses.items():
+        if port and port in seen:
+            raise ConfigError(f"{seen[port]} and {key} both ask for port {port}: give each its own (or 0)")
+        seen[port] = key
+
+
+def _port_of(key: str, address: str, other_forms: str) -> int:
+    match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):(\d{1,5})", address)
+    if match is None:
+        raise ConfigError(f"{key} must be{other_forms} host:port (e.g. 127.0.0.1:50051, [::1]:50051), got {address!r}")
+    port = int(match.group(2))
+    if port > 65535:
+        raise ConfigError(f"{key}: port {port} is out of range (0-65535; 0 picks a free one), in {address!r}")
+    return port
 
 
 def exposed_in_plaintext(config: DaemonConfig) -> str:

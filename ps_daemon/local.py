@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 class LocalDaemon:
-    """`ps-daemon serve` on 127.0.0.1, port 0, state under `workdir`, output to
+    """`ps-daemon serve` on 127.0.0.1, port 0, files under `workdir`, output to
     `workdir/daemon.log`. Construction returns once the daemon listens."""
 
     def __init__(
@@ -31,11 +31,13 @@ class LocalDaemon:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.log_path = workdir / "daemon.log"
+        if "--nvme-dir" in extra:  # as an operator would mkdir it: the daemon refuses a missing one
+            Path(extra[extra.index("--nvme-dir") + 1]).mkdir(parents=True, exist_ok=True)
         port_file = workdir / "port"
         with open(self.log_path, "w") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(
                 [*launcher, sys.executable, "-m", "ps_offload.daemon.cli", "serve", "--listen", f"{host}:0",
-                 "--state-dir", str(workdir / "state"), "--port-file", str(port_file), *extra],
+                 "--port-file", str(port_file), *extra],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **env} if env else None,
@@ -53,10 +55,6 @@ class LocalDaemon:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
-
-    @property
-    def state_dir(self) -> Path:
-        return self.workdir / "state"
 
     def log(self) -> str:
         return self.log_path.read_text()

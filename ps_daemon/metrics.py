@@ -17,6 +17,7 @@ can run several daemons' metrics in one process.
 from __future__ import annotations
 
 import collections
+import errno
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ps_offload.daemon.ownership import port_in_use
 from ps_offload.daemon.rpc.handlers import rebuild
 from ps_offload.daemon.store.shard_store import ShardStore
 
@@ -80,7 +82,9 @@ class DaemonMetrics:
         try:
             self._server, _ = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
         except OSError as exc:
-            raise OSError(f"cannot listen for metrics on {listen}: {exc.strerror or exc}") from None
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(port_in_use("metrics.listen", listen, int(port))) from None
+            raise OSError(f"cannot listen for metrics on {listen} (metrics.listen): {exc.strerror or exc}") from None
         return self._server.server_port
 
     def stop(self) -> None:

@@ -5,7 +5,9 @@ new calls, let in-flight ones finish within the grace period, and exit 0."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
+import os
 import queue
 import resource
 import shutil
@@ -26,6 +28,7 @@ from ps_offload.daemon.dataplane.local_pool import LocalPool
 from ps_offload.daemon.dataplane.local_server import LocalServer
 from ps_offload.daemon.dataplane.server import DataPlaneServer
 from ps_offload.daemon.metrics import DaemonMetrics
+from ps_offload.daemon.ownership import DirectoryInUse, DirectoryLock, listener_of, port_in_use
 from ps_offload.daemon.rpc import server_security
 from ps_offload.daemon.rpc.fronts import Fronts
 from ps_offload.daemon.rpc.servicer import (
@@ -60,6 +63,8 @@ class Daemon:
         self.config = config
         self.watchdog = watchdog
         keep_chunk_buffers_in_heap()
+        # First: a directory another daemon holds must refuse before anything reads it.
+        self.nvme_lock = _lock_nvme_dir(config)
         self.store = ShardStore(
             ram_bytes=config.store.ram_bytes,
             default_shard_bytes=config.store.shard_bytes,
@@ -99,7 +104,8 @@ class Daemon:
         interceptors.append(server_security.TokenInterceptor(self.token))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.server.max_workers, thread_name_prefix="rpc"),
-            options=[*channel_options(config.server.max_message_bytes), *SERVER_KEEPALIVE],
+            # so_reuseport off: gRPC would otherwise let a second daemon listen on this port.
+            options=[*channel_options(config.server.max_message_bytes), *SERVER_KEEPALIVE, ("grpc.so_reuseport", 0)],
             interceptors=interceptors,
         )
         parameter_server = ParameterServerServicer(
@@ -147,13 +153,17 @@ class Daemon:
                 self.port = self.server.add_insecure_port(listen)
             else:
                 self.port = self.server.add_secure_port(listen, credentials)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on {listen}: {exc}") from exc
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {listen} (address in use or not local?)")
+            _, port = split_host_port(listen)
+            if port and listener_of(port):
+                raise OSError(port_in_use("server.listen", listen, port))
+            raise OSError(
+                f"cannot listen on {listen} (server.listen): not an address of this host, or the port is taken"
+            )
         if self.watchdog:
             self._open_probe()
-        Path(self.config.store.state_dir).mkdir(parents=True, exist_ok=True)
         self.server.start()
         if self.data_plane is not None:
             self.data_plane.start()
@@ -170,6 +180,11 @@ class Daemon:
         if self.config.server.port_file:
             _write_atomically(Path(self.config.server.port_file), f"{self.port}\n")
         log.info("ps-daemon listening on %s (port %d)", listen, self.port)
+        if self.nvme_lock is not None:
+            data = f", data plane port {self.data_plane.port}" if self.data_plane is not None else ""
+            self.nvme_lock.note(f"pid {os.getpid()}, gRPC port {self.port}{data}")
+        else:
+            log.warning("no store.nvme_dir: RAM only, every model is lost when this daemon stops")
         exposed = exposed_in_plaintext(self.config)
         if exposed:  # only with server.insecure: validate() refuses it otherwise
             log.warning("INSECURE: %s serves plaintext beyond this host (--insecure; no [tls])", exposed)
@@ -316,7 +331,36 @@ class Daemon:
             shutil.rmtree(self._probe_dir, ignore_errors=True)
         self.store.close()
         self.store.files.close()
+        if self.nvme_lock is not None:
+            self.nvme_lock.release()
         log.info("stopped")
+
+
+def _lock_nvme_dir(config: DaemonConfig) -> DirectoryLock | None:
+    """Holds store.nvme_dir for this daemon (None without one): missing, it is an error unless
+    store.create_nvme_dir; held by another daemon, it is refused, naming that one."""
+    store = config.store
+    if not store.nvme_dir:
+        return None
+    directory = Path(store.nvme_dir)
+    if not directory.exists():
+        if not store.create_nvme_dir:
+            raise OSError(
+                f"store.nvme_dir {directory} does not exist: is the disk mounted, is the path right? Create it, "
+                "or set store.create_nvme_dir (--create-nvme-dir) to have the daemon create it"
+            )
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(f"store.nvme_dir: cannot create {directory}: {exc.strerror or exc}") from None
+    if not directory.is_dir():
+        raise OSError(f"store.nvme_dir {directory} is not a directory")
+    try:
+        return DirectoryLock(directory, key="store.nvme_dir", note=f"pid {os.getpid()}, starting")
+    except DirectoryInUse:
+        raise
+    except OSError as exc:
+        raise OSError(f"store.nvme_dir {directory}: cannot write there: {exc.strerror or exc}") from None
 
 
 def _open_nvme(config: DaemonConfig) -> NvmeFiles | None:
@@ -334,7 +378,7 @@ def _open_nvme(config: DaemonConfig) -> NvmeFiles | None:
             floor_seconds=store.nvme_floor_seconds,
         )
     except OSError as exc:
-        raise OSError(f"cannot use nvme_dir {store.nvme_dir}: {exc.strerror or exc}") from exc
+        raise OSError(f"store.nvme_dir {store.nvme_dir}: cannot use it: {exc.strerror or exc}") from exc
 
 
 def _bind_data_plane(
@@ -358,7 +402,10 @@ def _bind_data_plane(
             **options,
         )
     except OSError as exc:
-        raise OSError(f"cannot listen for the data plane on {host}:{port}: {exc.strerror}") from exc
+        key = "server.listen (data_listen auto)" if setting == "auto" else "server.data_listen"
+        if exc.errno == errno.EADDRINUSE:
+            raise OSError(port_in_use(key, f"{host}:{port}", port)) from None
+        raise OSError(f"cannot listen for the data plane on {host}:{port} ({key}): {exc.strerror or exc}") from None
 
 
 # Descriptors beside the data plane's connections: gRPC's, the arena and record files, logs.

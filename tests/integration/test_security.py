@@ -265,8 +265,7 @@ def test_bad_tls_settings_stop_the_daemon_with_one_line(tmp_path, pki):
     config = tmp_path / "bad.toml"
     config.write_text(f'[tls]\ncert_file = "{pki["server_key"]}"\nkey_file = "{pki["server_cert"]}"\n')  # swapped
     result = subprocess.run(
-        [sys.executable, "-m", "ps_offload.daemon.cli", "serve", "--config", str(config), "--listen", "127.0.0.1:0",
-         "--state-dir", str(tmp_path / "state")],
+        [sys.executable, "-m", "ps_offload.daemon.cli", "serve", "--config", str(config), "--listen", "127.0.0.1:0"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
@@ -277,7 +276,7 @@ def test_plaintext_beyond_loopback_starts_only_with_insecure_and_says_so(daemon_
     """Secure by default: listening on every interface without [tls] (gradients, parameters
     and a token in clear) is refused with one line saying what to do; --insecure starts it
     and it warns at every start; with TLS it starts without a word."""
-    flags = ["--listen", "0.0.0.0:0", "--state-dir", str(tmp_path / "state")]
+    flags = ["--listen", "0.0.0.0:0"]
     refused = subprocess.run(
         [sys.executable, "-m", "ps_offload.daemon.cli", "serve", *flags],
         capture_output=True, text=True, timeout=120,

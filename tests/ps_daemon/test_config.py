@@ -67,7 +67,7 @@ grace_seconds = 2.5
 max_pull_wait_seconds = 12
 
 [store]
-state_dir = "/srv/ps"
+nvme_dir = "/srv/ps"
 ram_bytes = "3 GiB"
 shard_bytes = 1048576
 
@@ -87,7 +87,7 @@ def test_full_file_lands_in_the_right_dataclasses(write_toml):
         grace_seconds=2.5,
         max_pull_wait_seconds=12.0,
     )
-    assert config.store == StoreConfig(state_dir="/srv/ps", ram_bytes=3 * GiB, shard_bytes=MiB)
+    assert config.store == StoreConfig(nvme_dir="/srv/ps", ram_bytes=3 * GiB, shard_bytes=MiB)
     assert config.log == LogConfig(level="DEBUG")
     # An integer given for a float option becomes a float.
     assert isinstance(config.server.max_pull_wait_seconds, float)
@@ -133,10 +133,10 @@ KNOWN_OPTIONS = [
     "server.grace_seconds",
     "server.max_pull_wait_seconds",
     "server.insecure",
-    "store.state_dir",
     "store.ram_bytes",
     "store.shard_bytes",
     "store.nvme_dir",
+    "store.create_nvme_dir",
     "store.nvme_bytes",
     "store.nvme_spare_slots",
     "store.nvme_floor_seconds",
@@ -185,10 +185,10 @@ def test_every_option_can_be_set_from_a_file(write_toml, tmp_path):
         "server.grace_seconds": ("1.5", 1.5),
         "server.max_pull_wait_seconds": ("4.0", 4.0),
         "server.insecure": ("true", True),
-        "store.state_dir": ('"/x"', "/x"),
         "store.ram_bytes": ('"2GiB"', 2 * GiB),
         "store.shard_bytes": ("8192", 8192),
         "store.nvme_dir": ('"/nvme"', "/nvme"),
+        "store.create_nvme_dir": ("true", True),
         "store.nvme_bytes": ('"2TiB"', 2 << 40),
         "store.nvme_spare_slots": ("2", 2),
         "store.nvme_floor_seconds": ("0.25", 0.25),
@@ -348,18 +348,18 @@ def test_overrides_win_over_the_file(write_toml):
     assert config.log.level == "ERROR"
     # Options not overridden keep the file's values.
     assert config.server.max_workers == 7
-    assert config.store.state_dir == "/srv/ps"
+    assert config.store.nvme_dir == "/srv/ps"
 
 
 def test_none_override_keeps_the_file_value(write_toml):
-    config = load_config(write_toml(FULL_TOML), server__listen=None, store__state_dir=None)
+    config = load_config(write_toml(FULL_TOML), server__listen=None, store__nvme_dir=None)
     assert config.server.listen == "0.0.0.0:6000"
-    assert config.store.state_dir == "/srv/ps"
+    assert config.store.nvme_dir == "/srv/ps"
 
 
 def test_overrides_without_a_file():
-    config = load_config(None, store__state_dir="/tmp/x", server__max_workers=4)
-    assert config.store.state_dir == "/tmp/x"
+    config = load_config(None, store__nvme_dir="/tmp/x", server__max_workers=4)
+    assert config.store.nvme_dir == "/tmp/x"
     assert config.server.max_workers == 4
     assert config.server.listen == ServerConfig().listen
 
@@ -503,6 +503,41 @@ def test_data_listen_rejects_other_values(write_toml):
         load_config(write_toml('[server]\ndata_listen = "yes"\n'))
 
 
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('[server]\nlisten = "127.0.0.1:99999"\n', r"server.listen: port 99999 is out of range \(0-65535"),
+        ('[server]\nlisten = "nonsense"\n', "server.listen must be host:port"),
+        ('[server]\nlisten = ":50051"\n', "server.listen must be host:port"),
+        ('[server]\nlisten = "127.0.0.1:"\n', "server.listen must be host:port"),
+        ('[server]\ndata_listen = "127.0.0.1:70000"\n', "server.data_listen: port 70000 is out of range"),
+        ('[server]\ndata_listen = "127.0.0.1:x"\n', 'server.data_listen must be "auto", "off" or host:port'),
+        ('[metrics]\nlisten = "127.0.0.1:123456"\n', "metrics.listen must be empty"),
+        ('[metrics]\nlisten = "127.0.0.1:65536"\n', "metrics.listen: port 65536 is out of range"),
+        (
+            '[server]\nlisten = "127.0.0.1:6000"\ndata_listen = "127.0.0.1:6000"\n',
+            "server.listen and server.data_listen both ask for port 6000",
+        ),
+        (
+            '[server]\nlisten = "127.0.0.1:6000"\n[metrics]\nlisten = "127.0.0.1:6000"\n',
+            "server.listen and metrics.listen both ask for port 6000",
+        ),
+    ],
+)
+def test_every_address_is_checked_naming_its_key(write_toml, toml, message):
+    """A port past 65535 once listened on a wrapped port, and "nonsense" ended in a traceback;
+    both are config errors now, naming the key."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(write_toml(toml))
+
+
+def test_a_removed_key_loads_with_a_warning(write_toml, caplog):
+    """store.state_dir was never written to: old configs still start, told to drop it."""
+    config = load_config(write_toml('[store]\nstate_dir = "/var/lib/ps-daemon"\n'))
+    assert config.store == StoreConfig()
+    assert "store.state_dir' is no longer read" in caplog.text and "store.nvme_dir" in caplog.text
+
+
 def test_bool_options_take_only_booleans(write_toml):
     with pytest.raises(ConfigError, match="store.fsync: expected true or false"):
         load_config(write_toml('[store]\nfsync = "yes"\n'))
@@ -527,7 +562,7 @@ def test_floor_interval_out_of_range_is_refused_with_why(write_toml, value):
         ('[tls]\ncert_file = "{pem}"\nkey_file = "/nonexistent.pem"\n', "tls.key_file: /nonexistent.pem is not"),
         ('[auth]\ntoken_file = "/nonexistent"\n', "auth.token_file: /nonexistent is not a readable file"),
         ('[auth]\nrequire_token = "some"\n', 'require_token must be "admin" or "all"'),
-        ('[metrics]\nlisten = "9100"\n', "metrics.listen must be host:port"),
+        ('[metrics]\nlisten = "9100"\n', "metrics.listen must be empty"),
     ],
 )
 def test_tls_auth_and_metrics_settings_that_cannot_work_are_refused(write_toml, tmp_path, toml, message):

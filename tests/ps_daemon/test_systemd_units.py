@@ -78,10 +78,9 @@ def test_verify_reports_a_broken_unit(tmp_path):
 
 def test_template_is_the_unit_per_instance():
     unit, template = (_settings(text) for text in _units().values())
-    assert template["ExecStart"] == [f"{INSTALLED} serve --config /etc/ps-daemon/%i.toml --state-dir %S/ps-daemon/%i"]
-    assert template["StateDirectory"] == ["ps-daemon/%i"]
+    assert template["ExecStart"] == [f"{INSTALLED} serve --config /etc/ps-daemon/%i.toml"]
     assert template["ReadWritePaths"] == ["-/mnt/nvme/ps-daemon/%i"]
-    per_instance = {"Description", "ExecStart", "StateDirectory", "ReadWritePaths"}
+    per_instance = {"Description", "ExecStart", "ReadWritePaths"}
     assert {k: v for k, v in template.items() if k not in per_instance} == {
         k: v for k, v in unit.items() if k not in per_instance
     }
@@ -104,8 +103,7 @@ def test_units_agree_with_the_example_config():
     config = load_config(SYSTEMD / "ps-daemon.toml")
     unit = _settings(_units()[UNIT])
     assert unit["Type"] == ["notify"]
-    assert unit["ExecStart"] == [f"{INSTALLED} serve --config /etc/ps-daemon/ps-daemon.toml --state-dir %S/ps-daemon"]
-    assert unit["StateDirectory"] == ["ps-daemon"]
+    assert unit["ExecStart"] == [f"{INSTALLED} serve --config /etc/ps-daemon/ps-daemon.toml"]
     assert unit["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
     assert unit["Restart"] == ["on-failure"]
     assert unit["RestartPreventExitStatus"] == ["2"]  # ps-daemon's exit code for a bad config

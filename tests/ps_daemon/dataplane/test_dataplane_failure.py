@@ -10,12 +10,12 @@ import threading
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ps_offload.daemon.config import DaemonConfig, ServerConfig, StoreConfig
+from ps_offload.daemon.config import DaemonConfig, ServerConfig
 from ps_offload.daemon.server import Daemon
 
 
 def test_a_dead_selector_thread_makes_the_daemon_unhealthy(tmp_path):
-    config = DaemonConfig(server=ServerConfig(listen="127.0.0.1:0"), store=StoreConfig(state_dir=str(tmp_path)))
+    config = DaemonConfig(server=ServerConfig(listen="127.0.0.1:0"))
     daemon = Daemon(config, watchdog=True)
     died = threading.Event()
     plane = daemon.data_plane
