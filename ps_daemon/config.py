@@ -57,10 +57,16 @@ class ServerConfig:
     """A data plane connection with no next request (or a request or TLS handshake stalled
     half-sent) for this long is closed; trainers reconnect unseen."""
     data_stall_seconds: float = 30.0
-    """A data plane request whose payload or answer stops moving for this long is cut off,
-    freeing its worker (a client that stopped reading or writing midway)."""
+    """A data plane request or gRPC call whose request or answer stops moving for this long
+    is cut off, freeing its worker or thread (a client that stopped reading or writing
+    midway, or never sent its request)."""
     max_workers: int = 32
     """Threads serving RPCs. Pulls waiting for a version hold one each."""
+    max_calls_per_client: int = 0
+    """Most gRPC calls from one client address running at once (every process on that host
+    shares them); one more is answered RESOURCE_EXHAUSTED, marked busy, which trainers retry.
+    0: half of max_workers, so that one host cannot hold every thread. A call whose client
+    stops sending or reading for data_stall_seconds is cut off (ps_daemon/rpc/call_bounds.py)."""
     max_waiting_pulls: int = 0
     """Most gRPC Pulls waiting at once for a version not pushed yet; one more is answered
     RESOURCE_EXHAUSTED (ps_daemon/store/pull_wait.py). 0: half of max_workers, so the other half
@@ -282,6 +288,11 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError("store.max_models and store.max_shards_per_model must be at least 1")
     if config.server.max_workers < 2:
         raise ConfigError("server.max_workers must be at least 2")
+    if not 0 <= config.server.max_calls_per_client <= config.server.max_workers:
+        raise ConfigError(
+            f"server.max_calls_per_client must be in [0, server.max_workers] (0: half of them), got "
+            f"{config.server.max_calls_per_client}"
+        )
     server = config.server
     if min(server.max_data_connections, server.max_data_connections_per_client, server.data_workers) < 1:
         raise ConfigError(

@@ -158,6 +158,17 @@ class _WaitsCollector(Collector):
             "gRPC pulls refused because server.max_waiting_pulls (or _per_client) were waiting",
             self.pull_waits.refused,
         )
+        calls = self.fronts.calls
+        yield _counter(
+            "ps_rpc_calls_refused_busy",
+            "gRPC calls refused because server.max_calls_per_client calls from that address were running",
+            calls.refused if calls else 0,
+        )
+        yield _counter(
+            "ps_rpc_calls_cut_off",
+            "gRPC calls cancelled because their client moved no bytes for server.data_stall_seconds",
+            calls.cancelled if calls else 0,
+        )
         yield GaugeMetricFamily(
             "ps_data_connections", "Data plane connections open", value=plane.connections if plane else 0
         )

@@ -30,6 +30,7 @@ from ps_offload.daemon.dataplane.server import DataPlaneServer
 from ps_offload.daemon.metrics import DaemonMetrics
 from ps_offload.daemon.ownership import DirectoryInUse, DirectoryLock, listener_of, port_in_use
 from ps_offload.daemon.rpc import server_security
+from ps_offload.daemon.rpc.call_bounds import CallBounds
 from ps_offload.daemon.rpc.fronts import Fronts
 from ps_offload.daemon.rpc.servicer import (
     AdminServicer,
@@ -102,6 +103,12 @@ class Daemon:
         # Outermost first: a call refused for its token is still timed, with its code.
         interceptors = [self.metrics.interceptor()] if self.metrics else []
         interceptors.append(server_security.TokenInterceptor(self.token))
+        # Innermost: it serves every method as request-streaming, to watch the wait for a request.
+        self.call_bounds = CallBounds(
+            per_client=config.server.max_calls_per_client or config.server.max_workers // 2,
+            stall_seconds=config.server.data_stall_seconds,
+        )
+        interceptors.append(self.call_bounds)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.server.max_workers, thread_name_prefix="rpc"),
             # so_reuseport off: gRPC would otherwise let a second daemon listen on this port.
@@ -119,7 +126,8 @@ class Daemon:
             max_waiting_pulls=config.server.max_waiting_pulls or config.server.max_workers // 2,
             max_waiting_pulls_per_client=config.server.max_waiting_pulls_per_client,
         )
-        fronts = Fronts(parameter_server.peers, self.data_plane, self.local)  # what Stats and metrics say of them
+        # What Stats and metrics say of the ways in.
+        fronts = Fronts(parameter_server.peers, self.data_plane, self.local, self.call_bounds)
         self.server.add_generic_rpc_handlers(
             [
                 parameter_server_handler(parameter_server),
@@ -165,6 +173,7 @@ class Daemon:
         if self.watchdog:
             self._open_probe()
         self.server.start()
+        self.call_bounds.start()
         if self.data_plane is not None:
             self.data_plane.start()
             log.info("data plane listening on port %d", self.data_plane.port)
@@ -323,6 +332,7 @@ class Daemon:
         if self.local is not None:
             self.local.stop(grace)
         stopped.wait()
+        self.call_bounds.stop()
         if self.metrics is not None:
             self.metrics.stop()
         if self._probe_channel is not None:

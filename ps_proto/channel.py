@@ -44,4 +44,8 @@ def keepalive_options(dead_peer_seconds: float) -> list[tuple[str, int]]:
 
 # The daemon's side: accept a caller's pings as often as every second even while a call sends
 # no data (a pull waiting for its version), instead of answering them with GOAWAY.
+# Trailing metadata of a RESOURCE_EXHAUSTED that only says "busy now" (too many calls from one
+# client at once: ps_daemon/rpc/call_bounds.py): the trainer retries it with backoff, where a
+# RESOURCE_EXHAUSTED without it (a full disk, a budget) is final.
+BUSY_METADATA = ("ps-retry", "busy")
 SERVER_KEEPALIVE = [("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.http2.max_ping_strikes", 0)]

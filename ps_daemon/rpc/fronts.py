@@ -70,11 +70,21 @@ class LocalCounters(Protocol):
     def processes(self) -> list[tuple[int, int, int]]: ...
 
 
+class CallCounters(Protocol):
+    """What it reads of the gRPC calls' bounds (ps_offload.daemon.rpc.call_bounds.CallBounds)."""
+
+    @property
+    def refused(self) -> int: ...
+    @property
+    def cancelled(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Fronts:
     grpc_peers: RecentPeers
     data_plane: DataPlaneCounters | None = None
     local: LocalCounters | None = None
+    calls: CallCounters | None = None
 
     def client_paths(self) -> list[ps_pb2.ClientPath]:
         paths = [

@@ -95,8 +95,12 @@ def take(
             raise FailedPrecondition(f"snapshot {name!r} of model {model!r}: {exc}") from exc
         left = caller_left or threading.Event()
         done = file.cond.wait_for(
-            lambda: snap.complete or name not in file.snapshots.snapshots or left.is_set(), timeout
+            lambda: snap.complete or name not in file.snapshots.snapshots or left.is_set() or file.dropped, timeout
         )
+        if file.dropped:
+            raise NotFound(
+                f"model {model!r} was dropped while snapshot {name!r} waited for step {step}; nothing was kept"
+            )
         if not done or not snap.complete and left.is_set():
             behind = sorted(snap.waiting)
             file.release(file.snapshots.remove_locked(name))

@@ -51,6 +51,7 @@ class ModelFile:
         self.active: dict[int, tuple[int, SlotHeader]] = {}  # shard -> (slot, header)
         self.free: deque[int] = deque(range(layout.slots))
         self.cond = threading.Condition()
+        self.dropped = False  # set (under cond) when the model is dropped: its waiters end
         # A new file is truncated: a stale file of the same name (a crash between creating it
         # and recording the spec) must not lend its old headers to the new model.
         flags = os.O_RDWR | os.O_DIRECT | (os.O_CREAT | os.O_TRUNC if create else 0)

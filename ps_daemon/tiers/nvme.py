@@ -230,6 +230,9 @@ class NvmeFiles:
         file = self.files.get(model)
         if file is not None:
             file.floors.retire()  # the floor writer must not bring MODEL.versions back
+            with file.cond:  # a snapshot waiting for its step ends NOT_FOUND (snapshot_admin.take)
+                file.dropped = True
+                file.cond.notify_all()
         self.forget(model)
         arena = self.arena_path(model)
         paths = [arena, self._spec_path(model), arena.with_suffix(".versions"), arena.with_suffix(".snapshots")]

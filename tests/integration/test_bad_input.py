@@ -201,7 +201,7 @@ def test_a_model_name_that_cannot_name_its_files_is_invalid_argument_and_leaves_
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     code, details = _status(lambda: client.register(_spec(model=name), 0, timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details, details
-    assert sorted(p.name for p in nvme.iterdir()) == ["accumulators"]
+    assert sorted(p.name for p in nvme.iterdir()) == ["accumulators", "ps-daemon.lock"]
     assert client.register(_spec(model="x" * 200), 0, timeout=10).created
     client.close()
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ps_offload.daemon.local import LocalDaemon
-from ps_offload.proto import ps_pb2
+from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 from tests.integration.test_bad_input import _bytes, _spec
@@ -179,6 +179,46 @@ def test_drop_while_pushes_run_ends_them_with_not_found_and_nothing_else(tmp_pat
         assert _files_of(nvme, "busy") == []
         assert "Traceback" not in daemon.log()
         assert run_admin("health", "--daemon", daemon.address).returncode == 0
+        client.close()
+    finally:
+        daemon.kill()
+
+
+def test_a_snapshot_waiting_for_its_step_ends_not_found_when_the_model_is_dropped(tmp_path):
+    """It used to wait out its 600 s holding one of the daemon's two snapshot slots."""
+    nvme = tmp_path / "nvme"
+    daemon = LocalDaemon(tmp_path / "d", "--nvme-dir", str(nvme))
+    try:
+        client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+        _fill(client, "going", 0.0)
+        admin = ps_pb2_grpc.AdminStub(client.channel)
+        request = ps_pb2.CreateSnapshotRequest(model="going", name="later", step=50, wait_seconds=600)
+        waiting = admin.CreateSnapshot.future(request, timeout=120)
+        deadline = time.monotonic() + 60
+        listing = ps_pb2.ListSnapshotsRequest(model="going")
+        while "later" not in [s.name for s in admin.ListSnapshots(listing).snapshots]:
+            assert time.monotonic() < deadline, "the snapshot never began waiting"
+            time.sleep(0.05)
+        started = time.monotonic()
+        assert run_admin("drop", "going", "--daemon", daemon.address, "--yes").returncode == 0
+        with pytest.raises(grpc.RpcError) as ended:
+            waiting.result(timeout=60)
+        assert ended.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "was dropped while snapshot 'later' waited for step 50" in ended.value.details()
+        assert time.monotonic() - started < 30
+        # Both snapshot slots are free again: two more can wait at once (a third is refused).
+        _fill(client, "again", 0.0)
+        waits = [
+            admin.CreateSnapshot.future(
+                ps_pb2.CreateSnapshotRequest(model="again", name=f"s{i}", step=50, wait_seconds=1), timeout=60
+            )
+            for i in range(2)
+        ]
+        for w in waits:
+            with pytest.raises(grpc.RpcError) as late:
+                w.result(timeout=60)
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # its own wait, not "2 being taken"
+        assert _files_of(nvme, "going") == []
         client.close()
     finally:
         daemon.kill()

@@ -70,7 +70,10 @@ def _initialize(client: DaemonClient) -> None:
 def test_waiting_pulls_are_bounded_refused_past_the_bound_and_freed_by_their_callers_leaving(daemon_factory, tmp_path):
     config = tmp_path / "workers.toml"
     # One client here: the per-client bound as high as the whole (the next test shares them out).
-    config.write_text(f"[server]\nmax_workers = {WORKERS}\nmax_waiting_pulls_per_client = {WORKERS // 2}\n")
+    config.write_text(
+        f"[server]\nmax_workers = {WORKERS}\nmax_waiting_pulls_per_client = {WORKERS // 2}\n"
+        f"max_calls_per_client = {WORKERS}\n"
+    )
     daemon = daemon_factory(config=config)
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     _initialize(client)
@@ -118,7 +121,8 @@ def test_a_trainers_pull_refused_for_waiting_is_retried_until_there_is_room(daem
     pushed yet is refused RESOURCE_EXHAUSTED, backs off and retries (as the refusal says), and
     gets its version once the slots free and the version is pushed, instead of failing the job."""
     config = tmp_path / "workers.toml"
-    config.write_text("[server]\nmax_workers = 4\nmax_waiting_pulls_per_client = 2\n")  # 2 waiting pulls at most
+    # 2 waiting pulls at most; one host may hold every thread (the trainer and the other client).
+    config.write_text("[server]\nmax_workers = 4\nmax_waiting_pulls_per_client = 2\nmax_calls_per_client = 4\n")
     daemon = daemon_factory(config=config)
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     _initialize(client)

@@ -216,7 +216,7 @@ def test_watchdog_stops_pinging_while_rpc_threads_are_stuck(daemon_factory, syst
     # check cannot get a thread, as in a deadlock, until the streams end. (Pulls waiting for a
     # version can no longer do this: at most server.max_waiting_pulls of the threads wait.)
     config = tmp_path / "ps-daemon.toml"
-    config.write_text("[server]\nmax_workers = 2\n")
+    config.write_text("[server]\nmax_workers = 2\nmax_calls_per_client = 2\n")  # one client may take both
     notes = systemd_env(1.0, "daemon0")
     daemon = daemon_factory(config=config)
     client = _register(daemon.address)

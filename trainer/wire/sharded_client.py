@@ -16,7 +16,7 @@ import grpc
 import torch
 
 from ps_offload.proto import codec, ps_pb2
-from ps_offload.proto.channel import channel_options, keepalive_options, method_path
+from ps_offload.proto.channel import BUSY_METADATA, channel_options, keepalive_options, method_path
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.memory import keep_chunk_buffers_in_heap
 from ps_offload.proto.plan import ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
@@ -47,6 +47,15 @@ RECONNECT = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+def busy(error: grpc.RpcError) -> bool:
+    """A refusal that only says the daemon is busy now (too many calls from this host at
+    once): retried like an unreachable daemon, where other RESOURCE_EXHAUSTEDs are final."""
+    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    trailing = getattr(error, "trailing_metadata", None)
+    return BUSY_METADATA in [tuple(m) for m in (trailing() if trailing else None) or ()]
 
 
 class DaemonError(RuntimeError):
@@ -297,7 +306,7 @@ class ShardedClient:
             except grpc.RpcError as error:
                 now = time.monotonic()
                 give_up_at = give_up_at if give_up_at is not None else now + self.config.retry_seconds
-                if error.code() not in retryable or now >= give_up_at:
+                if (error.code() not in retryable and not busy(error)) or now >= give_up_at:
                     raise DaemonError(address, what, error) from None
                 log.warning("%s on %s: %s (attempt %d), retrying", what, address, error.code().name, attempt)
                 if isinstance(error, DataPlaneError) and error.code() == grpc.StatusCode.UNAVAILABLE and self.plan:
