@@ -252,7 +252,12 @@ def _verify_daemon(address: str, model: str, timeout: float, progress: Progress)
     def on_answer(answer: ps_pb2.VerifyResponse) -> None:
         nonlocal task
         if answer.HasField("plan"):
-            summary.update(at_rest=answer.plan.at_rest, planned_bytes=answer.plan.bytes, shards=[])
+            summary.update(
+                at_rest=answer.plan.at_rest,
+                planned_bytes=answer.plan.bytes,
+                damaged=dict(sorted(answer.plan.damaged.items())),
+                shards=[],
+            )
             task = progress.add_task(f"verify {address}", total=answer.plan.shards)
         else:
             summary["shards"].append(views.verdict_to_dict(answer.shard, address))
@@ -270,14 +275,17 @@ def _verify_daemon(address: str, model: str, timeout: float, progress: Progress)
 def verify(
     model: ModelOpt = None, daemon: DaemonsOpt = None, as_json: JsonOpt = False, timeout: TimeoutOpt = 3600.0
 ) -> None:
-    """Read every committed shard back from NVMe and check its crc32c. Exit 1 if any is bad."""
+    """Read every committed shard back from NVMe and check its crc32c. Exit 1 if any shard or
+    model is bad (a model the daemon could not recover, or whose files would not bring it back
+    at the next start)."""
     daemons = unique_daemons(daemon)
     with views.progress_bar() as progress:
         answers, failed = _each_daemon(daemons, lambda d: _verify_daemon(d, model or "", timeout, progress))
     summaries = [s for _, s in answers]
     bad = [v for s in summaries for v in s["shards"] if v["status"] == "bad"]
+    damaged = [(s["daemon"], name, why) for s in summaries for name, why in s["damaged"].items()]
     if as_json:
-        views.print_json({"bad": len(bad), "daemons": summaries})
+        views.print_json({"bad": len(bad), "damaged_models": len(damaged), "daemons": summaries})
     else:
         console = views.console()
         for s in summaries:
@@ -286,7 +294,9 @@ def verify(
             console.print(views.bad_shards_table(bad))
     for v in bad:
         fail(f"shard {v['shard_id']} of model {v['model']!r} on daemon {v['daemon']} is bad: {v['detail']}")
-    if failed or bad:
+    for address, name, why in damaged:
+        fail(f"model {name!r} on daemon {address} is damaged: {why}")
+    if failed or bad or damaged:
         raise typer.Exit(1)
 
 

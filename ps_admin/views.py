@@ -311,6 +311,9 @@ def verify_line(s: dict[str, Any]) -> str:
     line = f"daemon {s['daemon']}: {shards}, {s['ok']} ok, {s['bad']} bad ({human_bytes(s['bytes_read'])} read)"
     if s["not_at_rest"]:
         line += f", {s['not_at_rest']} never committed"
+    if s["damaged"]:
+        n = len(s["damaged"])
+        line += f"; {n} model{'s' * (n != 1)} DAMAGED ({', '.join(map(repr, s['damaged']))})"
     return line
 
 

@@ -569,14 +569,23 @@ class VerifyRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class VerifyPlan(_message.Message):
-    __slots__ = ("shards", "bytes", "at_rest")
+    __slots__ = ("shards", "bytes", "at_rest", "damaged")
+    class DamagedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     AT_REST_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_FIELD_NUMBER: _ClassVar[int]
     shards: int
     bytes: int
     at_rest: bool
-    def __init__(self, shards: _Optional[int] = ..., bytes: _Optional[int] = ..., at_rest: _Optional[bool] = ...) -> None: ...
+    damaged: _containers.ScalarMap[str, str]
+    def __init__(self, shards: _Optional[int] = ..., bytes: _Optional[int] = ..., at_rest: _Optional[bool] = ..., damaged: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ShardVerdict(_message.Message):
     __slots__ = ("model", "shard_id", "status", "detail", "version", "bytes_read", "tier", "nonfinite")

@@ -240,7 +240,8 @@ class AdminServicer:
     def Verify(self, request: ps_pb2.VerifyRequest, context: grpc.ServicerContext):
         shards, files = inspection.shards_to_verify(self.store, request.model), self.store.files
         bytes_read = inspection.verify_bytes(files, shards)
-        plan = ps_pb2.VerifyPlan(shards=len(shards), bytes=bytes_read, at_rest=files.at_rest)
+        damaged = inspection.damaged_models(self.store, request.model)
+        plan = ps_pb2.VerifyPlan(shards=len(shards), bytes=bytes_read, at_rest=files.at_rest, damaged=damaged)
         yield ps_pb2.VerifyResponse(plan=plan)
         for verdict in inspection.verify(files, shards):
             if not context.is_active():  # the client went away: stop reading the disk

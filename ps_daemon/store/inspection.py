@@ -85,6 +85,18 @@ def shards_to_verify(store: ShardStore, model: str = "") -> list[Shard]:
     return [m.shards[i] for m in models for i in sorted(m.shards)]
 
 
+def damaged_models(store: ShardStore, model: str = "") -> dict[str, str]:
+    """The models (the named one, or every one: "") that are bad as a whole: not recovered at
+    start, or not coming back at the next one (ShardFiles.restart_problem) -> why."""
+    names = [model] if model else sorted({*(m.spec.model for m in store.models()), *store.damaged})
+    damaged = {}
+    for name in names:
+        why = store.damaged.get(name) or store.files.restart_problem(name)
+        if why:
+            damaged[name] = why
+    return damaged
+
+
 def verify_bytes(files: ShardFiles, shards: list[Shard]) -> int:
     """About the bytes `verify` reads from disk for these shards (0 without NVMe: nothing is
     committed there)."""

@@ -247,6 +247,31 @@ class NvmeFiles:
         self._sync_dir()
         return freed
 
+    def restart_problem(self, model: str) -> str:
+        """Why this open model would not come back at the next start, "" when it would: its
+        arena file deleted, replaced or truncated under the daemon, or its record gone or
+        unreadable. (The daemon serves from the file it has open, so nothing else shows it.)"""
+        file = self.files.get(model)
+        if file is None:
+            return ""
+        try:
+            on_disk = os.stat(file.path)
+        except FileNotFoundError:
+            return f"its arena file {file.path} was deleted (the daemon still has it open; a restart loses the model)"
+        held = os.fstat(file.fd)
+        if (on_disk.st_dev, on_disk.st_ino) != (held.st_dev, held.st_ino):
+            return f"its arena file {file.path} was replaced by another file (a restart would read that one)"
+        if on_disk.st_size < file.layout.size:
+            return f"its arena file {file.path} is truncated: {on_disk.st_size} of {file.layout.size} bytes"
+        record = self._spec_path(model)
+        try:
+            spec_from_json(record.read_text(), dict)
+        except FileNotFoundError:
+            return f"its record {record} was deleted (a restart would not know the model)"
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            return f"its record {record} cannot be read ({exc})"
+        return ""
+
     def forget(self, model: str) -> None:
         """Closes a model's file if it is open (a model that could not be recovered)."""
         file = self.files.pop(model, None)

@@ -71,6 +71,9 @@ class NoShardFiles:
     def delete_model(self, model: str) -> int:
         return 0
 
+    def restart_problem(self, model: str) -> str:
+        return ""
+
     def close(self) -> None:
         pass
 

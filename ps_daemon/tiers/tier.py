@@ -109,6 +109,10 @@ class ShardFiles(Protocol):
         """Deletes a model's files; returns their bytes."""
         ...
 
+    def restart_problem(self, model: str) -> str:
+        """Why an open model would not come back at the next start ("" when it would)."""
+        ...
+
     def close(self) -> None: ...
 
 

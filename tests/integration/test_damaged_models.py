@@ -20,6 +20,7 @@ from ps_offload.proto import ps_pb2
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.sharded_client import DaemonClient
 from tests.integration.test_bad_input import _bytes, _spec
+from tests.ps_admin.test_cli import run_admin
 
 
 def _damage(nvme, how: str) -> str:
@@ -73,6 +74,53 @@ def test_a_damaged_model_is_refused_and_the_daemon_serves_the_others(tmp_path, h
         )  # fmt: skip
         rows = {row["model"]: row for row in json.loads(listed.stdout)}
         assert rows["good"]["damaged"] is None and named in rows["bad"]["damaged"]
+        # verify of every model is not "all ok": the damaged one is bad, and it exits 1.
+        verified = run_admin("verify", "--daemon", daemon.address)
+        assert verified.returncode == 1, verified.stdout + verified.stderr
+        assert "1 model DAMAGED ('bad')" in verified.stdout
+        assert "model 'bad' on daemon" in verified.stderr and named in verified.stderr
+        assert run_admin("verify", "--model", "good", "--daemon", daemon.address).returncode == 0
         client.close()
+    finally:
+        daemon.kill()
+
+
+def _fill(address: str) -> None:
+    client = DaemonClient(address, max_message_bytes=8 << 20)
+    for name in ("good", "bad"):
+        client.register(_spec(model=name), 0, timeout=10)
+        for shard_id, n in enumerate((1024, 1024, 952)):
+            values = torch.arange(n, dtype=torch.float32) + shard_id
+            client.push(Push.build(name, shard_id, _bytes(values), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("truncated arena", "bad.arena is truncated: 5000 of"),
+        ("deleted arena", "bad.arena was deleted (the daemon still has it open; a restart loses the model)"),
+        ("unreadable record", "bad.json cannot be read"),
+        ("deleted record", "bad.json was deleted (a restart would not know the model)"),
+    ],
+)
+def test_files_damaged_under_a_running_daemon_make_verify_fail(tmp_path, how, said):
+    """The daemon serves from the file it holds open, so its shards still read back: verify
+    used to say "all ok" and exit 0 about a model the next restart would lose."""
+    nvme = tmp_path / "nvme"
+    daemon = LocalDaemon(tmp_path / "d", "--nvme-dir", str(nvme))
+    try:
+        _fill(daemon.address)
+        if how == "deleted record":
+            (nvme / "bad.json").unlink()
+        else:
+            _damage(nvme, how)
+        verified = run_admin("verify", "--daemon", daemon.address, "--json")
+        assert verified.returncode == 1, verified.stderr
+        report = json.loads(verified.stdout)
+        assert report["damaged_models"] == 1
+        assert said in report["daemons"][0]["damaged"]["bad"]
+        assert "good" not in report["daemons"][0]["damaged"]
+        assert run_admin("verify", "--model", "good", "--daemon", daemon.address).returncode == 0
     finally:
         daemon.kill()
