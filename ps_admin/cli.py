@@ -349,10 +349,25 @@ def drop(
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask (needed when stdin is not a terminal).")] = False,
     as_json: JsonOpt = False,
     timeout: TimeoutOpt = 120.0,
+    partial: Annotated[
+        bool,
+        typer.Option(
+            "--partial", help="Drop it on the daemons named even though it spans others (e.g. one whose node is gone)."
+        ),
+    ] = False,
 ) -> None:
-    """Delete a model from daemons for good: its parameters and optimizer state, in RAM and on NVMe."""
+    """Delete a model from daemons for good: its parameters and optimizer state, in RAM and on NVMe.
+    Every daemon the model spans must be named (else nothing is dropped), unless --partial."""
     daemons = unique_daemons(daemon)
     where = ", ".join(daemons)
+    missing = [] if partial else _unnamed_daemons(model, daemons, timeout)
+    if missing:
+        fail(
+            f"model {model!r} also has shards on {', '.join(missing)} (as its trainers named them), which "
+            "--daemon does not name; nothing was dropped. Name every daemon of the model (its trainers could not "
+            "register it again while a part of it is left), or pass --partial to drop only these"
+        )
+        raise typer.Exit(2)
     if not yes:
         if not sys.stdin.isatty():
             fail(f"drop deletes model {model!r} and all its state on {where}; pass --yes to do it")
@@ -361,7 +376,6 @@ def drop(
         if typed != model:
             fail("the name typed does not match; nothing was dropped")
             raise typer.Exit(1)
-    spanned = _spanned_daemons(model, daemons, timeout)
     answers, failed = _each_daemon(daemons, lambda d: client.drop_model(d, model, timeout))
     rows = [
         {"daemon": d, "model": model, "shards": a.shards, "ram_bytes": a.ram_bytes, "disk_bytes": a.disk_bytes,
@@ -373,24 +387,24 @@ def drop(
     else:
         for row in rows:
             typer.echo(views.drop_line(row))
-    if spanned:
-        fail(
-            f"model {model!r} has shards on {len(spanned)} daemons ({', '.join(spanned)}, as its trainers named "
-            f"them) and was dropped on {len(daemons)}; drop it on the others too"
-        )
     if failed:
         raise typer.Exit(1)
 
 
-def _spanned_daemons(model: str, daemons: list[str], timeout: float) -> list[str]:
-    """The daemons the model's spec names (as its trainers spelled them) when they are more
-    than `daemons`, as far as the first of those knows; else nothing. Counted, not matched by
-    name: an admin and a trainer may spell one daemon differently."""
-    try:
-        spec = client.get_model(daemons[0], model, timeout).spec
-    except AdminError:
-        return []  # the drop itself says what is wrong
-    return list(spec.daemons) if len(spec.daemons) > len(daemons) else []
+def _unnamed_daemons(model: str, daemons: list[str], timeout: float) -> list[str]:
+    """The daemons of the model's plan (as its trainers spelled them) that none of `daemons`
+    is. Told by each daemon's index in the plan, not by name: an admin and a trainer may spell
+    one daemon differently. A daemon that cannot say (down, damaged model) is left to the drop."""
+    indices: set[int] = set()
+    spanned: list[str] = []
+    for address in daemons:
+        try:
+            info = client.get_model(address, model, timeout)
+        except AdminError:
+            continue
+        indices.add(info.daemon_index)
+        spanned = list(info.spec.daemons)
+    return [name for index, name in enumerate(spanned) if index not in indices]
 
 
 @app.command()

@@ -19,6 +19,7 @@ gradient pushed in parts is held beside the shard until its APPLY (ps_offload.da
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -59,6 +60,8 @@ from ps_offload.daemon.tiers.tier import ResidencyTier, ShardFiles, SumStore
 from ps_offload.proto.plan import ParamLayout, ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
 
 log = logging.getLogger(__name__)
+
+DROPPED_REMEMBERED = 1024
 
 
 @dataclass
@@ -105,7 +108,10 @@ class ShardStore:
         # DATA_LOSS, while the daemon serves the others).
         self.damaged: dict[str, str] = {}
         self._dropping: set[str] = set()  # names being dropped: not to be registered meanwhile
-        self._lock = threading.Lock()  # guards _models, damaged, _dropping and stats counters
+        # Names dropped since the start (the last DROPPED_REMEMBERED) -> when: a call naming one
+        # is told it was dropped, not that it was never registered.
+        self._dropped: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._lock = threading.Lock()  # guards _models, damaged, _dropping, _dropped and stats counters
 
     # -- registration and recovery --------------------------------------------------------
 
@@ -126,7 +132,8 @@ class ShardStore:
                     raise FailedPrecondition(
                         f"model {spec.model!r} is already registered with a different spec "
                         f"({spec_difference(existing.spec, spec, existing.daemon_index, daemon_index)}); "
-                        "register it under a new name, or restart the daemon to drop it"
+                        "register it under a new name, or delete the old one first with `ps-admin drop "
+                        f"{spec.model} --daemon ...` on every daemon it spans (a restart does not: it is recovered)"
                     )
                 existing.spec = spec  # same identity; the addresses may be new
                 return existing, False
@@ -138,6 +145,7 @@ class ShardStore:
             registered = self._build(spec, daemon_index, plan)
             create_files(self.files, spec, daemon_index, registered.shards)
             self._models[spec.model] = registered
+            self._dropped.pop(spec.model, None)  # a new model of that name
             return registered, True
 
     @staticmethod
@@ -215,6 +223,12 @@ class ShardStore:
         model = self._models.get(name)
         if model is None and name in self.damaged:
             raise self._damaged_error(name)
+        if model is None and name in self._dropped:
+            ago = time.time() - self._dropped[name]
+            raise NotFound(
+                f"model {name!r} was dropped from this daemon {ago:.0f}s ago (ps-admin drop): its parameters and "
+                "optimizer state are gone; register it again to start it over"
+            )
         if model is None:
             known = ", ".join(sorted(self._models)) or "none"
             raise NotFound(f"model {name!r} is not registered on this daemon (registered: {known})")
@@ -398,6 +412,7 @@ class ShardStore:
                 disk = self.files.delete_model(name)
                 del self.damaged[name]
                 log.warning("model %r (damaged) dropped: %d bytes of files deleted", name, disk)
+                self._remember_dropped_locked(name)
                 return Dropped(0, disk, 0, was_damaged=True)
             model = self.model(name)
             self._dropping.add(name)
@@ -423,8 +438,16 @@ class ShardStore:
         finally:
             with self._lock:
                 self._dropping.discard(name)
+                if name not in self._models:
+                    self._remember_dropped_locked(name)
         log.warning("model %r dropped: %d shards, %d bytes of RAM and %d of files freed", name, len(shards), ram, disk)
         return Dropped(len(shards), disk, ram, was_damaged=False)
+
+    def _remember_dropped_locked(self, name: str) -> None:
+        self._dropped[name] = time.time()
+        self._dropped.move_to_end(name)
+        while len(self._dropped) > DROPPED_REMEMBERED:
+            self._dropped.popitem(last=False)
 
     # -- snapshots (taken, listed and deleted by ps_offload.daemon.store.snapshot_admin) -----
 

@@ -78,6 +78,7 @@ def test_drop_frees_the_model_and_leaves_the_others_untouched(tmp_path):
         with pytest.raises(grpc.RpcError) as info:
             _pulled(client, "gone")
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "model 'gone' was dropped from this daemon" in info.value.details()  # not "not registered"
         assert torch.equal(_pulled(client, "kept"), kept_before)
 
         again = run_admin("drop", "gone", "--daemon", daemon.address, "--yes")
@@ -222,3 +223,49 @@ def test_a_snapshot_waiting_for_its_step_ends_not_found_when_the_model_is_droppe
         client.close()
     finally:
         daemon.kill()
+
+
+def test_a_drop_that_names_some_of_a_models_daemons_drops_nothing_unless_partial(tmp_path):
+    """It used to drop the model on the daemons named and exit 0, leaving a part its trainers
+    could not register again. Now every daemon of the model must be named (told by each
+    daemon's index in the plan, however the admin spells the address), or --partial given;
+    a trainer whose model was dropped is told so."""
+    from ps_offload import trainer
+    from ps_offload.trainer.debug_models import mlp
+
+    first = LocalDaemon(tmp_path / "a", "--nvme-dir", str(tmp_path / "nvme-a"))
+    second = LocalDaemon(tmp_path / "b", "--nvme-dir", str(tmp_path / "nvme-b"))
+    try:
+        torch.manual_seed(0)
+        model = mlp((32, 64, 10))
+        config = trainer.OffloadConfig(shard_bytes=4096)
+        with trainer.offload(
+            model, daemons=[first.address, second.address], optimizer=trainer.SGD(lr=0.1), config=config
+        ) as opt:
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()
+            opt.synchronize()
+            name = config.model_name
+            refused = run_admin("drop", name, "--daemon", first.address, "--yes")
+            assert refused.returncode == 2, refused.stderr
+            assert f"also has shards on {second.address}" in refused.stderr and "nothing was dropped" in refused.stderr
+            assert [r["model"] for r in admin_json("models", "--daemon", first.address)] == [name]
+            # Another spelling of the same daemons is the same set.
+            spelled = [a.replace("127.0.0.1", "localhost") for a in (first.address, second.address)]
+            dropped = run_admin("drop", name, "--daemon", spelled[0], "--daemon", spelled[1], "--yes")
+            assert dropped.returncode == 0, dropped.stderr
+            with pytest.raises(Exception, match=f"model '{name}' was dropped from this daemon"):
+                model(torch.randn(4, 32)).sum().backward()
+                opt.step()
+                opt.synchronize()
+        trainer_again = mlp((32, 64, 10))
+        with trainer.offload(
+            trainer_again, daemons=[first.address, second.address], optimizer=trainer.SGD(lr=0.1), config=config
+        ):
+            pass  # registered anew
+        partial = run_admin("drop", name, "--daemon", second.address, "--yes", "--partial")
+        assert partial.returncode == 0, partial.stderr
+        assert [r["model"] for r in admin_json("models", "--daemon", first.address)] == [name]
+    finally:
+        first.kill()
+        second.kill()
