@@ -57,9 +57,11 @@ fuzz: $(STAMP)
 # The daemon under the faults of issue #15, each phase bounded (6-15 minutes here): 100
 # deaths mid-commit and at random, the fuzz suite, 1,000 waiting pulls on each transport and
 # 3,000 idle connections, a 10 s partition (root only). bench/soak.py; docs/reliability.md quotes
-# bench/results/reliability/soak.json.
+# bench/results/reliability/soak.json. Then health under 64 stalled gRPC clients of each kind,
+# with the call bounds and without (bench/stalled_clients.py, a minute: stalled_clients.json).
 soak: $(STAMP)
 	$(PY) -m bench.soak
+	$(PY) -m bench.stalled_clients
 
 # Regenerates ps_proto/ (installed as ps_offload.proto) from proto/ps.proto; tests/ps_proto
 # checks the committed copy is fresh.

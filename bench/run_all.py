@@ -22,6 +22,7 @@ from bench import (
     deepspeed_ops,
     fused_decompress_adamw,
     gpu_step_vs_torchao,
+    nonfinite_check,
     nvme_io,
     nvme_train_step,
     optimizer_step,
@@ -281,7 +282,37 @@ def _zero_infinity(r: dict) -> str:
     )
 
 
+def _nonfinite_check(r: dict) -> str:
+    ms = r["ms"]
+    return (
+        f"Per 64 MiB shard, ms: fused AdamW {ms['adamw']} alone, {ms['adamw_checked']} with the check before it; "
+        f"fused SGD {ms['sgd']} alone, {ms['sgd_checked']} with it ({r['ratio_sgd']}×); the check of a BF16 payload "
+        f"{ms['check_bf16_payload']}. What bounds it: the check is a pass of its own over the payload (4 bytes per "
+        "element, beside AdamW's 16 read and 12 written); under 2% it would have to run inside the optimizer's "
+        "kernel, and the daemon runs torch's own fused kernel to stay bit for bit with torch.optim. The check is "
+        "on by default all the same (a NaN would poison a shared model for every trainer, silently); "
+        "`store.allow_nonfinite_pushes = true` turns it off."
+    )
+
+
+def _nvme_engines(r: dict) -> str:
+    shapes = "; ".join(
+        f"{shape}: " + ", ".join(f"{who} {gbps}" for who, gbps in engines.items())
+        for shape, engines in r["shapes"].items()
+    )
+    return (
+        f"GB/s by shape (block x in flight): {shapes}. Not part of `make bench` (`python -m bench.nvme_engines` "
+        "with liburing and libaio installed): no engine beats the thread pool by more than the rounds' spread, at "
+        "DeepSpeed's own shape (1 MiB x 32) either, so the NVMe tier keeps its threads and depends on neither. "
+        "Whatever makes DeepSpeed's C++ handle faster in `nvme_write` / `nvme_read` is not kernel AIO or io_uring "
+        "as such; it was not found this round."
+    )
+
+
 DETAILS: dict[str, Callable[[dict], str]] = {
+    "nonfinite_check": _nonfinite_check,
+    "nvme_engines_write": _nvme_engines,
+    "nvme_engines_read": _nvme_engines,
     "optimizer_step": _optimizer_step,
     "transport_pull": _transport,
     "transport_push": _transport,
@@ -348,6 +379,7 @@ def main() -> None:
     # Compiles DeepSpeed's ops on the first run (minutes), so no benchmark pays for it.
     _timed("deepspeed_ops", deepspeed_ops.main, seconds)
     _timed("optimizer_step", optimizer_step.main, seconds)
+    _timed("nonfinite_check", nonfinite_check.main, seconds)
     _timed("transport", transport.main, seconds)
     _timed("transport_local", transport_local.main, seconds)
     _timed("train_step_overhead", train_step_overhead.main, seconds)

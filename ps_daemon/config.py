@@ -128,6 +128,12 @@ class StoreConfig:
     prefetch_depth: int = 2
     """With an NVMe tier: as each push arrives, read ahead this many shards that came next
     in the previous step's order (0: only the trainers' Prefetch hints)."""
+    allow_nonfinite_pushes: bool = False
+    """Apply a push whose values hold a NaN or an infinity (a gradient element, a TOPK value, a
+    ONEBIT block scale, an initial value), as torch would in process. Off: it is refused with
+    INVALID_ARGUMENT naming the shard and the first such value, and nothing changes: on a
+    shared daemon one trainer's NaN would otherwise poison the shard's state for good.
+    Checking costs one read of the payload per push (docs/benchmarks.md, nonfinite_check)."""
     max_models: int = 256
     """Models registered at once; one more is refused with RESOURCE_EXHAUSTED."""
     max_shards_per_model: int = 1 << 18

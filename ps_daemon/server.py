@@ -74,6 +74,7 @@ class Daemon:
             limits=StoreLimits(
                 max_models=config.store.max_models, max_shards_per_model=config.store.max_shards_per_model
             ),
+            allow_nonfinite_pushes=config.store.allow_nonfinite_pushes,
         )
         # Idle staging kept for about as many concurrent pushes as usually arrive; more are
         # allocated on demand and dropped.

@@ -112,6 +112,32 @@ def parse(
     raise InvalidArgument(f"{where}: unknown encoding {encoding!r}")
 
 
+def check_finite(data: torch.Tensor | CompressedGradient, where: str) -> None:
+    """Raises InvalidArgument naming the first NaN or infinite value of a parsed payload: a RAW
+    or BF16/FP16 element, a TOPK value, a ONEBIT block scale (a sign cannot be one). One pass
+    over those values, their sum (the fastest reduction here): a NaN or an infinity makes it
+    non-finite, and so may an overflow of finite values, which the exact check then clears."""
+    if isinstance(data, OneBitGradient):
+        values, what = data.scales, "block scale"
+    elif isinstance(data, (TopKGradient, CastGradient)):
+        values, what = data.values, "value" if isinstance(data, TopKGradient) else "element"
+    else:
+        values, what = data, "element"
+    if bool(torch.isfinite(values.sum())):
+        return
+    low, high = torch.aminmax(values)  # a NaN reaches both ends, an infinity is one of them
+    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+        return  # finite values whose sum overflowed
+    at = int((~torch.isfinite(values)).nonzero()[0])
+    place = f"{what} {at}" + (f" (of element {int(data.indices[at])})" if isinstance(data, TopKGradient) else "")
+    raise InvalidArgument(
+        f"{where}: {place} is {float(values[at])}; nothing was applied. A non-finite value would make the "
+        "shard's master values and optimizer state non-finite for good, for every trainer of the model: find "
+        "where it comes from (a diverging loss; fp16 without a GradScaler), or let the daemon apply such pushes "
+        "as torch would in process (store.allow_nonfinite_pushes = true)"
+    )
+
+
 def _parse_topk(raw: torch.Tensor, numel: int, where: str) -> TopKGradient:
     k = payloads.topk_count(raw.numel())  # size-checked already: not None
     count = payloads.TOPK_COUNT_BYTES

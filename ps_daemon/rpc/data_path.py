@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ps_offload.daemon.model.encodings import parse
+from ps_offload.daemon.model.encodings import check_finite, parse
 from ps_offload.daemon.rpc import conversions
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store.master_pull import Scratch
@@ -61,6 +61,8 @@ def receive_push(
         if push.kind != "apply":  # an APPLY carries none: the parts held are its gradient
             shard = store.shard(push.model, push.shard_id)
             push = push.with_data(parse(push.encoding, payload, push.nbytes, push.payload_numel(shard), push.where))
+            if not store.allow_nonfinite_pushes:  # before anything changes (its parts too)
+                check_finite(push.data, push.where)
         result = store.push(push, scratch=staging.borrow)
     return ps_pb2.PushResponse(applied=result.applied, version=result.version)
 

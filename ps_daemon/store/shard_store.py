@@ -82,8 +82,11 @@ class ShardStore:
         files: NvmeFiles | None = None,
         prefetch_depth: int = 2,
         limits: StoreLimits | None = None,
+        allow_nonfinite_pushes: bool = False,
     ) -> None:
         self.ram_bytes = ram_bytes
+        # Read by the fronts before a push is applied (ps_offload.daemon.rpc.data_path).
+        self.allow_nonfinite_pushes = allow_nonfinite_pushes
         # Checked before a registration does any work (ps_offload.daemon.store.limits).
         self.limits = limits or StoreLimits()
         # The tiers (ps_offload.daemon.tiers.tier), chosen here once: past this point the store

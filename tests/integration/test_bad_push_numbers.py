@@ -207,3 +207,56 @@ def test_bad_parameter_weight_decay_is_refused_at_registration(daemon):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "parameter 'w': weight_decay must be finite" in info.value.details()
     client.close()
+
+
+def _with(values: torch.Tensor, at: int, bad: float) -> torch.Tensor:
+    values = values.clone()
+    values[at] = bad
+    return values
+
+
+def _topk_with_bad_value(position: int) -> torch.Tensor:
+    indices = torch.arange(0, N, 4, dtype=torch.int32)
+    values = _with(torch.ones(len(indices)), position, math.nan)
+    count = torch.tensor([len(indices)], dtype=torch.int32)
+    return torch.cat([count.view(torch.uint8), indices.view(torch.uint8), values.view(torch.uint8)])
+
+
+def _onebit_with_bad_scale(block: int) -> torch.Tensor:
+    payload = _onebit(N)
+    scales = payload[: 4 * math.ceil(N / 1024)].view(torch.float32)
+    scales[block] = math.inf
+    return payload
+
+
+NONFINITE_CASES = {
+    "raw-nan": (ps_pb2.GRADIENT, ps_pb2.RAW, _with(GRADIENT, 700, math.nan), "element 700 is nan"),
+    "raw-inf": (ps_pb2.GRADIENT, ps_pb2.RAW, _with(GRADIENT, 3, math.inf), "element 3 is inf"),
+    "fp16-inf": (ps_pb2.GRADIENT, ps_pb2.FP16, _with(GRADIENT.half(), 9, -math.inf), "element 9 is -inf"),
+    "bf16-nan": (ps_pb2.GRADIENT, ps_pb2.BF16, _with(GRADIENT.bfloat16(), 0, math.nan), "element 0 is nan"),
+    "topk-nan": (ps_pb2.GRADIENT, ps_pb2.TOPK, _topk_with_bad_value(3), "value 3 (of element 12) is nan"),
+    "onebit-scale-inf": (ps_pb2.GRADIENT, ps_pb2.ONEBIT, _onebit_with_bad_scale(1), "block scale 1 is inf"),
+    "momentum-raw-inf": (ps_pb2.MOMENTUM, ps_pb2.RAW, _with(MOMENTUM, N - 1, -math.inf), f"element {N - 1} is -inf"),
+}
+
+
+@pytest.mark.parametrize(("kind", "encoding", "payload", "said"), NONFINITE_CASES.values(), ids=NONFINITE_CASES)
+def test_a_non_finite_payload_is_refused_naming_the_first_bad_value_and_changes_nothing(
+    twins, kind, encoding, payload, said
+):
+    """It used to be applied, leaving the master non-finite for good for every trainer."""
+    bad = _push(kind, encoding) | {"data": _view(payload)}
+    twins.refuse_on_both_transports(said, **bad)
+    twins.continue_both(**_push(kind, ps_pb2.RAW))
+
+
+def test_with_allow_nonfinite_pushes_a_nan_is_applied_as_torch_would(daemon_factory, tmp_path):
+    config = tmp_path / "allow.toml"
+    config.write_text("[store]\nallow_nonfinite_pushes = true\n")
+    twins = Twins(daemon_factory(config=config).address)
+    nan_at_5 = _push(ps_pb2.GRADIENT, ps_pb2.RAW) | {"data": _view(_with(GRADIENT, 5, math.nan))}
+    ack = twins.client.push(_build("m", **nan_at_5), timeout=10)
+    assert ack.applied and ack.version == 2
+    versions, (master, *_) = twins.state("m")
+    assert versions == [2, 2, 2] and torch.isnan(master[5]) and torch.isfinite(master[:5]).all()
+    twins.close()
