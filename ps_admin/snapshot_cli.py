@@ -5,10 +5,13 @@ does the work; ps_daemon/tiers/snapshot_pins.py says how a daemon keeps one with
     ps-admin snapshot list MODEL [--daemon ADDR ...]
     ps-admin snapshot delete MODEL NAME [--daemon ADDR ...]
     ps-admin snapshot restore MODEL NAME --to ADDR [--to ADDR ...] [--as NEW] [--shard-bytes N] [--daemon ADDR ...]
+    ps-admin snapshot export MODEL NAME --out DIR [--part-bytes N] [--daemon ADDR ...]
+    ps-admin snapshot restore MODEL NAME --from DIR --to ADDR [--to ADDR ...] [--as NEW] [--shard-bytes N]
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -30,6 +33,13 @@ def _work():
     from ps_offload.admin import snapshots
 
     return snapshots
+
+
+def _files():
+    """snapshot_files.py (export, restore --from), imported late for the same reason."""
+    from ps_offload.admin import snapshot_files
+
+    return snapshot_files
 
 
 def _run(call) -> Any:
@@ -96,26 +106,24 @@ def restore(
     shard_bytes: Annotated[
         Optional[int], typer.Option(min=4096, help="fp32 bytes per shard of the restored model (default: the same).")
     ] = None,
+    from_dir: Annotated[
+        Optional[Path], typer.Option("--from", help="An export's directory (snapshot export) instead of the daemons.")
+    ] = None,
     daemon: DaemonsOpt = None,
     as_json: JsonOpt = False,
     timeout: TimeoutOpt = 600.0,
 ) -> None:
     """Restore a snapshot into a model registered afresh on the --to daemons (any number: the
-    plan is cut again). Training resumes there at the snapshot's step."""
-    sources = unique_daemons(daemon)
+    plan is cut again), from its daemons or from an export (--from DIR, checked first).
+    Training resumes there at the snapshot's step. Run it again after a failure to finish it."""
+    targets = list(dict.fromkeys(to))
+    options = dict(new_name=as_name, shard_bytes=shard_bytes, timeout=timeout)
     with views.progress_bar(total_bytes=True) as progress:
-        row = _run(
-            lambda: _work().restore(
-                model,
-                name,
-                sources,
-                list(dict.fromkeys(to)),
-                new_name=as_name,
-                shard_bytes=shard_bytes,
-                timeout=timeout,
-                progress=progress,
-            )  # fmt: skip
-        )
+        if from_dir is not None:
+            row = _run(lambda: _files().restore_from(from_dir, model, name, targets, progress=progress, **options))
+        else:
+            sources = unique_daemons(daemon)
+            row = _run(lambda: _work().restore(model, name, sources, targets, progress=progress, **options))
     if as_json:
         views.print_json(row)
     else:
@@ -123,4 +131,35 @@ def restore(
             f"restored snapshot {row['snapshot']!r} of {row['from']!r} at step {row['step']} as model "
             f"{row['model']!r} on {len(row['daemons'])} daemons: {row['shards']} shards "
             f"({row['shards_restored']} written now), {views.human_bytes(row['bytes'])}"
+        )
+
+
+@snapshot_app.command()
+def export(
+    model: ModelArg,
+    name: NameArg,
+    out: Annotated[Path, typer.Option("--out", help="Directory to write (shared storage); created if missing.")],
+    part_bytes: Annotated[
+        int, typer.Option(min=4096, help="About this many fp32 bytes of parameters per file (default 1 GiB).")
+    ] = 1 << 30,
+    daemon: DaemonsOpt = None,
+    as_json: JsonOpt = False,
+    timeout: TimeoutOpt = 600.0,
+) -> None:
+    """Copy a snapshot off its daemons into a directory: safetensors files per parameter (master
+    values and optimizer state) and a manifest, readable by torch, restorable onto any daemons
+    with `snapshot restore --from DIR`. Run it again after an interruption: it keeps what it wrote."""
+    with views.progress_bar(total_bytes=True) as progress:
+        row = _run(
+            lambda: _files().export(
+                model, name, unique_daemons(daemon), out, part_bytes=part_bytes, timeout=timeout, progress=progress
+            )
+        )
+    if as_json:
+        views.print_json(row)
+    else:
+        typer.echo(
+            f"exported snapshot {row['snapshot']!r} of {row['model']!r} at step {row['step']} to {row['out']}: "
+            f"{row['files']} files in {row['parts']} parts ({row['parts_written']} written now), "
+            f"{views.human_bytes(row['bytes'])}"
         )

@@ -7,12 +7,14 @@ model being trained is taken at the step in progress. If one daemon fails, the o
 parts are deleted again: a snapshot exists on all of a model's daemons or on none.
 
 restore: a snapshot's master values and optimizer state, pulled from its daemons
-(PullRequest.snapshot), pushed as STATE into a model registered afresh on the target daemons,
-possibly more or fewer of them and with another shard size (the plan re-cut). The flat layout
-is the same, so each new shard gathers its slices from the old shards that overlap it, one
-old shard held at a time: memory is a few shards, not the model. Running it again after a
-failure finishes the job (a shard already restored answers duplicate). The trainer then
-registers the same spec and resumes at step S.
+(PullRequest.snapshot) or read from an export (snapshot_files.py), pushed as STATE into a
+model registered afresh on the target daemons, possibly more or fewer of them and with another
+shard size (the plan re-cut). The flat layout is the same, so each new shard gathers its
+slices from the old shards (or parameters) that overlap it, a few held at a time: memory is a
+few shards, not the model. Running it again after a failure finishes the job (a shard already
+restored answers duplicate). The trainer then registers the same spec and resumes at step S.
+The state carried: AdamW's exp_avg and exp_avg_sq, SGD's momentum buffer (none without
+momentum), beside the master values.
 """
 
 from __future__ import annotations
@@ -30,25 +32,34 @@ from ps_offload.admin.export import owners
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
 
-_STATE_TENSORS = {"adamw": (ps_pb2.EXP_AVG, ps_pb2.EXP_AVG_SQ)}
+
+def state_tensors(spec: ps_pb2.ModelSpec) -> list[tuple[str, int]]:
+    """The optimizer state a snapshot carries besides the master values: (its name in an
+    export, the ShardTensor a pull asks for), in the order a STATE push lays them out."""
+    kind = spec.optimizer.WhichOneof("kind")
+    if kind == "adamw":
+        return [("exp_avg", ps_pb2.EXP_AVG), ("exp_avg_sq", ps_pb2.EXP_AVG_SQ)]
+    if kind == "sgd" and spec.optimizer.sgd.momentum:
+        return [("momentum_buffer", ps_pb2.EXP_AVG)]  # served as EXP_AVG (ps.proto, ShardTensor)
+    return []
 
 
-def _plan(shards) -> list[ShardSlice]:
+def plan_of(shards) -> list[ShardSlice]:
     return [ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel) for s in shards]
 
 
-def _owning(info: ps_pb2.ModelInfo, addresses: list[str]) -> list[str]:
+def owning(info: ps_pb2.ModelInfo, addresses: list[str]) -> list[str]:
     return [addresses[i] for i in sorted({s.daemon_index for s in info.shards})]
 
 
 def take(model: str, name: str, daemons: list[str], step: int | None, timeout: float) -> list[dict[str, Any]]:
     info, addresses = owners(model, daemons, timeout)
-    owning = _owning(info, addresses)
+    holders = owning(info, addresses)
     if step is None:
-        versions = [s.version for d in owning for s in client.list_shards(d, model, timeout)]
+        versions = [s.version for d in holders for s in client.list_shards(d, model, timeout)]
         step = max(versions, default=0)
-    with ThreadPoolExecutor(max_workers=len(owning)) as pool:
-        futures = {d: pool.submit(client.create_snapshot, d, model, name, step, timeout) for d in owning}
+    with ThreadPoolExecutor(max_workers=len(holders)) as pool:
+        futures = {d: pool.submit(client.create_snapshot, d, model, name, step, timeout) for d in holders}
     taken, failures = {}, []
     for daemon, future in futures.items():
         try:
@@ -62,7 +73,7 @@ def take(model: str, name: str, daemons: list[str], step: int | None, timeout: f
             except AdminError as exc:
                 failures.append(f"{exc} (delete it there by hand)")
         raise AdminError("; ".join(failures))
-    return [_row(d, model, taken[d]) for d in owning]
+    return [_row(d, model, taken[d]) for d in holders]
 
 
 def _row(daemon: str, model: str, snap: ps_pb2.SnapshotInfo) -> dict[str, Any]:
@@ -74,15 +85,15 @@ def _row(daemon: str, model: str, snap: ps_pb2.SnapshotInfo) -> dict[str, Any]:
 
 def listing(model: str, daemons: list[str], timeout: float) -> list[dict[str, Any]]:
     info, addresses = owners(model, daemons, timeout)
-    return [_row(d, model, s) for d in _owning(info, addresses) for s in client.list_snapshots(d, model, timeout)]
+    return [_row(d, model, s) for d in owning(info, addresses) for s in client.list_snapshots(d, model, timeout)]
 
 
 def delete(model: str, name: str, daemons: list[str], timeout: float) -> list[dict[str, Any]]:
     info, addresses = owners(model, daemons, timeout)
-    return [_row(d, model, client.delete_snapshot(d, model, name, timeout)) for d in _owning(info, addresses)]
+    return [_row(d, model, client.delete_snapshot(d, model, name, timeout)) for d in owning(info, addresses)]
 
 
-def _snapshot_step(model: str, name: str, owning: list[str], timeout: float) -> int:
+def snapshot_step(model: str, name: str, owning: list[str], timeout: float) -> int:
     steps = set()
     for daemon in owning:
         found = {s.name: s for s in client.list_snapshots(daemon, model, timeout)}.get(name)
@@ -107,44 +118,60 @@ def restore(
     progress: Progress,
 ) -> dict[str, Any]:
     info, addresses = owners(model, sources, timeout)
-    kind = info.spec.optimizer.WhichOneof("kind") or ""
-    if kind == "sgd" and info.spec.optimizer.sgd.momentum:
-        raise AdminError(f"model {model!r} runs SGD with momentum, whose buffer a restore cannot carry yet")
-    states = _STATE_TENSORS.get(kind, ())
-    step = _snapshot_step(model, name, _owning(info, addresses), timeout)
-    spec = ps_pb2.ModelSpec()
-    spec.CopyFrom(info.spec)
-    spec.model = new_name or model
-    del spec.daemons[:]
-    spec.daemons.extend(targets)
-    if shard_bytes is not None:
-        spec.shard_bytes = shard_bytes
-    plans = [_plan(client.register(d, spec, i, timeout).shards) for i, d in enumerate(targets)]
+    states = [tensor for _, tensor in state_tensors(info.spec)]
+    step = snapshot_step(model, name, owning(info, addresses), timeout)
+    source = OldShards(model, name, plan_of(info.shards), addresses, states, timeout)
+    target = Target(info.spec, targets, new_name=new_name, shard_bytes=shard_bytes)
+    row = restore_into(target, step, source, info.total_numel, len(states), timeout=timeout, progress=progress)
+    return {"from": model, "snapshot": name, **row}
+
+
+class Target:
+    """Where a restore goes: the spec re-registered on `daemons` (as index 0, 1, ...), under
+    `new_name` and with `shard_bytes` when given."""
+
+    def __init__(self, spec: ps_pb2.ModelSpec, daemons: list[str], *, new_name: str | None, shard_bytes: int | None):
+        self.spec = ps_pb2.ModelSpec()
+        self.spec.CopyFrom(spec)
+        self.spec.model = new_name or spec.model
+        del self.spec.daemons[:]
+        self.spec.daemons.extend(daemons)
+        if shard_bytes is not None:
+            self.spec.shard_bytes = shard_bytes
+        self.daemons = daemons
+
+
+def restore_into(
+    target: Target, step: int, source, total_numel: int, states: int, *, timeout: float, progress: Progress
+) -> dict[str, Any]:
+    """Registers the target and pushes each of its shards' master and `states` state tensors
+    at `step`, gathered by `source.copy_range(start, numel, tensor_index, out)`."""
+    spec = target.spec
+    plans = [plan_of(client.register(d, spec, i, timeout).shards) for i, d in enumerate(target.daemons)]
     if any(p != plans[0] for p in plans):
         raise AdminError(f"the target daemons computed different plans for {spec.model!r}: are they one release?")
-    old = sorted(_plan(info.shards), key=lambda s: s.offset)
-    task = progress.add_task(f"restore {spec.model}", total=info.total_numel * 4 * (1 + len(states)))
-    source = _OldShards(model, name, old, addresses, states, timeout)
+    task = progress.add_task(f"restore {spec.model}", total=total_numel * 4 * (1 + states))
     restored = 0
     for new in sorted(plans[0], key=lambda s: s.offset):
-        state = torch.empty((1 + len(states)) * new.numel, dtype=torch.float32)
-        for tensor_index in range(1 + len(states)):
+        state = torch.empty((1 + states) * new.numel, dtype=torch.float32)
+        for tensor_index in range(1 + states):
             into = state[tensor_index * new.numel : (tensor_index + 1) * new.numel]
             source.copy_range(new.offset, new.numel, tensor_index, into)
         data = memoryview(state.numpy()).cast("B")
-        restored += client.push_state(targets[new.daemon_index], spec.model, new.shard_id, step, data, timeout)
+        restored += client.push_state(target.daemons[new.daemon_index], spec.model, new.shard_id, step, data, timeout)
         progress.advance(task, len(data))
     return {
-        "model": spec.model, "from": model, "snapshot": name, "step": step, "daemons": targets,
-        "shards": len(plans[0]), "shards_restored": restored, "bytes": info.total_numel * 4 * (1 + len(states)),
+        "model": spec.model, "step": step, "daemons": target.daemons, "shards": len(plans[0]),
+        "shards_restored": restored, "bytes": total_numel * 4 * (1 + states),
     }  # fmt: skip
 
 
-class _OldShards:
+class OldShards:
     """The snapshot's shards in offset order, each pulled once when first needed and dropped
     once the new plan has passed it."""
 
     def __init__(self, model, name, plan: list[ShardSlice], addresses, states, timeout) -> None:
+        plan = sorted(plan, key=lambda s: s.offset)
         self.model, self.name, self.plan = model, name, plan
         self.addresses, self.tensors, self.timeout = addresses, (ps_pb2.MASTER, *states), timeout
         self.offsets = [s.offset for s in plan]

@@ -27,6 +27,7 @@ from ps_offload.daemon.store.master_pull import Scratch
 from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.pull_rounding import tensor_bytes
 from ps_offload.daemon.store.pull_wait import PullWait
+from ps_offload.daemon.store.shard import SHARD_TENSORS
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import ps_pb2
 
@@ -62,7 +63,8 @@ def receive_push(
             shard = store.shard(push.model, push.shard_id)
             push = push.with_data(parse(push.encoding, payload, push.nbytes, push.payload_numel(shard), push.where))
             if not store.allow_nonfinite_pushes:  # before anything changes (its parts too)
-                check_finite(push.data, push.where)
+                state = SHARD_TENSORS[: 1 + shard.optimizer.config.state_per_param] if push.kind == "state" else ()
+                check_finite(push.data, push.where, state)
         result = store.push(push, scratch=staging.borrow)
     return ps_pb2.PushResponse(applied=result.applied, version=result.version)
 
