@@ -16,20 +16,22 @@ import torch
 from safetensors.torch import load_file
 
 from ps_offload import trainer
-from tests.integration.test_snapshots import CUT, _batches, _daemon_args, _model, _nvme_daemon, _step
+from tests.integration.test_snapshots import (
+    CUT,
+    _batches,
+    _daemon_args,
+    _model,
+    _nvme_daemon,
+    _offload,
+    _step,
+    resumes_as_uninterrupted,
+)
 from tests.ps_admin.test_cli import admin_json, run_admin
 
 OPTIMIZERS = {
     "adamw": (lambda: trainer.AdamW(lr=1e-2, weight_decay=0.1), ["master", "exp_avg", "exp_avg_sq"]),
     "sgd-momentum": (lambda: trainer.SGD(lr=0.05, momentum=0.9, weight_decay=0.01), ["master", "momentum_buffer"]),
 }
-
-
-def _offload(model, daemons: list[str], shard_bytes: int, optimizer):
-    return trainer.offload(
-        model, daemons=daemons, optimizer=optimizer(), config=trainer.OffloadConfig(shard_bytes=shard_bytes),
-        client=trainer.ClientConfig(retry_seconds=30.0, backoff_seconds=0.05),
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("which", OPTIMIZERS)
@@ -76,15 +78,7 @@ def test_a_node_lost_with_its_disk_resumes_from_the_export_bit_for_bit(tmp_path,
             "--shard-bytes", "8192",
         )  # fmt: skip
         assert (restored["step"], restored["shards_restored"]) == (CUT, restored["shards"])
-
-        resumed = _model(seed=7)  # other initial values: the restored ones replace them
-        with _offload(resumed, [targets[0].address], 8192, optimizer) as opt:
-            assert opt.step_count == CUT
-            for batch in batches[CUT:]:
-                _step(opt, resumed, batch)
-            opt.synchronize()
-        for (name, ours), theirs in zip(resumed.named_parameters(), uninterrupted.parameters(), strict=True):
-            assert torch.equal(ours, theirs), name
+        resumes_as_uninterrupted(targets[0].address, 8192, batches, uninterrupted, optimizer)
     finally:
         for daemon in sources + targets:
             daemon.kill()
@@ -107,13 +101,7 @@ def test_sgd_with_momentum_restores_from_its_daemons_too(tmp_path):
                 _step(opt, model, batch)
             opt.synchronize()
         admin_json("snapshot", "restore", "model", "cut", "--to", target.address, "--daemon", source.address)
-        resumed = _model(seed=3)
-        with _offload(resumed, [target.address], 4096, optimizer) as opt:
-            for batch in batches[CUT:]:
-                _step(opt, resumed, batch)
-            opt.synchronize()
-        for ours, theirs in zip(resumed.parameters(), model.parameters(), strict=True):
-            assert torch.equal(ours, theirs)
+        resumes_as_uninterrupted(target.address, 4096, batches, copy.deepcopy(model), optimizer)
     finally:
         source.kill()
         target.kill()

@@ -40,12 +40,28 @@ def _model(seed: int = 0):
     return mlp((32, 64, 64, 10))  # 6,922 parameters
 
 
-def _offload(model, daemons: list[str], shard_bytes: int):
+def _adamw():
+    return trainer.AdamW(lr=1e-2, weight_decay=0.1)
+
+
+def _offload(model, daemons: list[str], shard_bytes: int, optimizer=_adamw):
     return trainer.offload(
-        model, daemons=daemons, optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
-        config=trainer.OffloadConfig(shard_bytes=shard_bytes),
+        model, daemons=daemons, optimizer=optimizer(), config=trainer.OffloadConfig(shard_bytes=shard_bytes),
         client=trainer.ClientConfig(retry_seconds=30.0, backoff_seconds=0.05),
     )  # fmt: skip
+
+
+def resumes_as_uninterrupted(address: str, shard_bytes: int, batches, uninterrupted, optimizer=_adamw) -> None:
+    """A trainer started on a restored daemon resumes at the snapshot's step (CUT) and ends bit
+    for bit where the uninterrupted run did."""
+    resumed = _model(seed=7)  # other initial values: the restored ones replace them
+    with _offload(resumed, [address], shard_bytes, optimizer) as opt:
+        assert opt.step_count == CUT
+        for batch in batches[CUT:]:
+            _step(opt, resumed, batch)
+        opt.synchronize()
+    for (name, ours), theirs in zip(resumed.named_parameters(), uninterrupted.parameters(), strict=True):
+        assert torch.equal(ours, theirs), name
 
 
 def _step(opt, model, batch) -> None:
@@ -98,15 +114,7 @@ def test_resumed_from_a_snapshot_on_another_cluster_equals_the_uninterrupted_run
         again = admin_json("snapshot", "restore", "model", "cut", "--to", targets[0].address, "--shard-bytes",
                            "8192", *_daemon_args(*sources))  # fmt: skip
         assert again["shards_restored"] == 0  # run again: every shard holds it already
-
-        resumed = _model(seed=7)  # other initial values: the restored ones replace them
-        with _offload(resumed, [targets[0].address], 8192) as opt:
-            assert opt.step_count == CUT
-            for batch in batches[CUT:]:
-                _step(opt, resumed, batch)
-            opt.synchronize()
-        for (name, ours), theirs in zip(resumed.named_parameters(), uninterrupted.parameters(), strict=True):
-            assert torch.equal(ours, theirs), name
+        resumes_as_uninterrupted(targets[0].address, 8192, batches, uninterrupted)
     finally:
         for daemon in sources + targets:
             daemon.kill()
