@@ -22,6 +22,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.stalled_clients import Stalled, register_model
 from ps_offload.proto import codec, ps_pb2
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.sharded_client import DaemonClient
@@ -279,3 +280,26 @@ def test_watchdog_stops_pinging_while_rpc_threads_are_stuck(daemon_factory, syst
     for thread in threads:
         thread.join(timeout=10)
     client.close()
+
+
+def test_the_watchdog_keeps_pinging_while_more_clients_stall_than_there_are_threads(daemon_factory, systemd_env):
+    """The other side of the test above: with the default per-client bound (half the threads),
+    twice as many stalled pushes as RPC threads leave the watchdog's own health checks a
+    thread, so systemd is not told the daemon hangs (ps_daemon/rpc/call_bounds.py)."""
+    notes = systemd_env(1.0, "daemon0")
+    daemon = daemon_factory("--log-level", "WARNING")  # max_workers 32
+    register_model(daemon.address)
+    notes.wait_for(lambda n: len(notes.pings()) >= 2, timeout=10)
+    release, ends = threading.Event(), threading.Semaphore(0)
+    clients = [Stalled(daemon.address, "push", release, ends) for _ in range(64)]
+    try:
+        for _ in range(64 - 16):  # the host's budget (16) holds; the rest are refused at once
+            assert ends.acquire(timeout=60)
+        stalled_at = time.monotonic()
+        notes.wait_for(lambda n: len(notes.pings(start=stalled_at)) >= 4, timeout=20)
+        assert not [n for n in notes.notes if n.at >= stalled_at and n.message.startswith("STATUS=Not serving")]
+        assert _health(daemon.address) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        release.set()
+        for client in clients:
+            client.close()
