@@ -46,6 +46,7 @@ from ps_offload.admin.snapshot_cli import snapshot_app
 from ps_offload.admin.views import SortKey, Tier
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.security import ClientSecurity
+from ps_offload.version import version_option
 
 T = TypeVar("T")
 
@@ -68,6 +69,10 @@ def _each_daemon(daemons: list[str], fetch: Callable[[str], T]) -> tuple[list[tu
 
 @app.callback()
 def main(
+    show_version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=version_option("ps-admin"), help="Print the version."),
+    ] = False,
     ca_file: Annotated[
         Optional[str],
         typer.Option("--ca-file", envvar="PS_TLS_CA_FILE", help="CA that signed the daemons' certificates: use TLS."),

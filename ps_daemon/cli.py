@@ -13,12 +13,18 @@ import typer
 
 from ps_offload.daemon import systemd
 from ps_offload.daemon.config import ConfigError, load_config, parse_size
+from ps_offload.version import version_option
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ps-offload node daemon.")
 
 
 @app.callback()
-def main() -> None:
+def main(
+    show_version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=version_option("ps-daemon"), help="Print the version."),
+    ] = False,
+) -> None:
     """ps-offload node daemon."""
 
 
@@ -47,6 +53,7 @@ def serve(
     ram_bytes: Annotated[Optional[str], typer.Option(help="RAM tier budget, e.g. 8GiB.")] = None,
     port_file: Annotated[Optional[str], typer.Option(help="Write the bound port here once listening.")] = None,
     log_level: Annotated[Optional[str], typer.Option(help="DEBUG, INFO, WARNING, ERROR.")] = None,
+    log_format: Annotated[Optional[str], typer.Option(help='"text" or "json" (one object per line).')] = None,
     insecure: Annotated[
         bool, typer.Option("--insecure", help="Serve plaintext on a non-loopback address anyway (no [tls]).")
     ] = False,
@@ -63,6 +70,7 @@ def serve(
             store__shard_bytes=None if shard_bytes is None else parse_size(shard_bytes, key="--shard-bytes"),
             store__ram_bytes=None if ram_bytes is None else parse_size(ram_bytes, key="--ram-bytes"),
             log__level=log_level,
+            log__format=log_format,
             server__insecure=True if insecure else None,
         )
         cfg = load_config(config, **overrides)
@@ -70,7 +78,7 @@ def serve(
         typer.echo(f"ps-daemon: {exc}", err=True)
         systemd.notify(f"STATUS=Failed: {exc}")
         raise typer.Exit(2) from None
-    _configure_logging(cfg.log.level)
+    _configure_logging(cfg.log.level, cfg.log.format)
     if state_dir is not None:
         logging.getLogger(__name__).warning(
             "--state-dir is no longer read: nothing was ever written there; the daemon's state lives under "
@@ -100,10 +108,12 @@ def serve(
     os._exit(code)
 
 
-def _configure_logging(level: str) -> None:
+def _configure_logging(level: str, form: str = "text") -> None:
     """One line per event on stdout, which systemd hands to journald."""
     handler = logging.StreamHandler(sys.stdout)
-    if systemd.stdout_is_journal():
+    if form == "json":
+        handler.setFormatter(systemd.JsonFormatter(journal=systemd.stdout_is_journal()))
+    elif systemd.stdout_is_journal():
         handler.setFormatter(systemd.JournalFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -179,6 +179,10 @@ class MetricsConfig:
 class LogConfig:
     level: str = "INFO"
     """Python logging level name."""
+    format: str = "text"
+    """"text": one line per record ("TIME LEVEL LOGGER: MESSAGE"; under journald, its
+    priority first and no time). "json": one JSON object per line (time, level, logger,
+    message, exception), for log shippers."""
 
 
 @dataclass(frozen=True)
@@ -343,6 +347,8 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         )
     if logging.getLevelName(config.log.level.upper()) == f"Level {config.log.level.upper()}":
         raise ConfigError(f"log.level: unknown level {config.log.level!r}")
+    if config.log.format not in ("text", "json"):
+        raise ConfigError(f'log.format must be "text" or "json", got {config.log.format!r}')
     return config
 
 

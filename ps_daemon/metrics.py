@@ -23,13 +23,14 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, Info, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ps_offload.daemon.ownership import port_in_use
 from ps_offload.daemon.rpc.handlers import rebuild
 from ps_offload.daemon.store.shard_store import ShardStore
+from ps_offload.version import build_info
 
 if TYPE_CHECKING:
     from ps_offload.daemon.rpc.fronts import Fronts
@@ -61,6 +62,8 @@ class DaemonMetrics:
             buckets=STEP_BUCKETS,
             registry=self.registry,
         )
+        built = "The ps-offload release this daemon runs, and its Python, torch, grpcio, protobuf and numba"
+        Info("ps_build", built, registry=self.registry).info(build_info())
         self.registry.register(_StoreCollector(store))
         store.on_optimizer_step = self.optimizer_seconds.observe
         self._server = None

@@ -20,6 +20,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ps_offload.version import release
+
 # Kept equal to ps_offload.trainer.__all__ (tests/trainer/test_config.py checks it).
 _TRAINER_EXPORTS = frozenset(
     {
@@ -49,6 +51,7 @@ _TRAINER_EXPORTS = frozenset(
 )
 
 __all__ = sorted(_TRAINER_EXPORTS)
+__version__ = release()
 
 
 def __getattr__(name: str) -> Any:

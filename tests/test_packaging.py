@@ -22,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import zipfile
+from importlib.metadata import version as installed_version
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,25 @@ def test_wheel_installs_one_import_name(wheel: Path):
     ):
         assert f"ps_offload/{module}/__init__.py" in names, f"ps_offload.{module.replace('/', '.')} missing"
     assert "ps_offload/proto/ps_pb2_grpc.py" in names
+    assert "ps_offload/py.typed" in names  # PEP 561: type checkers read our annotations
+    licenses = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert licenses, "the wheel carries no LICENSE"
+    with zipfile.ZipFile(wheel) as archive:
+        assert "Apache License" in archive.read(licenses[0]).decode()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata and "Classifier: Typing :: Typed" in metadata
+
+
+def test_the_version_is_one_number_everywhere():
+    """pyproject's version is what `ps_offload.__version__`, `ps-daemon --version` and
+    `ps-admin --version` say (the daemon's ps_build_info metric: tests/integration/test_metrics.py)."""
+    import ps_offload
+
+    assert ps_offload.__version__ == installed_version("ps-offload")
+    for program, module in (("ps-daemon", "ps_offload.daemon.cli"), ("ps-admin", "ps_offload.admin.cli")):
+        shown = _run(sys.executable, "-m", module, "--version", timeout=120)
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.startswith(f"{program} {ps_offload.__version__} (python ") and "torch " in shown.stdout
 
 
 def _files_intact(python: Path, dist: str) -> list[str]:

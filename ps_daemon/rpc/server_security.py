@@ -20,6 +20,8 @@ import grpc
 
 from ps_offload.daemon.config import AuthConfig, TlsConfig
 from ps_offload.daemon.rpc.handlers import rebuild
+from ps_offload.daemon.rpc.status import RateLimitedLog
+from ps_offload.daemon.store.pull_wait import client_address
 from ps_offload.proto.channel import method_path
 from ps_offload.proto.security import METADATA_KEY, read_file, read_token
 
@@ -112,13 +114,21 @@ class TokenInterceptor(grpc.ServerInterceptor):
             return None
         presented = dict(handler_call_details.invocation_metadata or ()).get(METADATA_KEY)
         refusal = self.check.refusal(handler_call_details.method, presented)
-        return handler if refusal is None else _refusing(handler, *refusal)
+        return handler if refusal is None else _refusing(handler, handler_call_details.method, *refusal)
 
 
-def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape that aborts with `code` without reading the request."""
+# A refused token is worth a WARNING (who is knocking?), at most one per 10 s per method and code.
+_refused = RateLimitedLog(level=logging.WARNING)
+
+
+def _refusing(
+    handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
+    """A handler of the same shape that aborts with `code` without reading the request; the
+    refusal is logged with the caller's address."""
 
     def abort(_request, context):
+        _refused.info(method.rsplit("/", 1)[-1], code.name, f"from {client_address(context.peer())}: {message}")
         context.abort(code, message)
 
     return rebuild(handler, lambda _behaviour, _streams: abort)

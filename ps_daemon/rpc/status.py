@@ -91,8 +91,9 @@ class RateLimitedLog:
     bad requests in a loop must not fill the disk with the same line. The next line says
     how many were left out."""
 
-    def __init__(self, interval: float = 10.0) -> None:
+    def __init__(self, interval: float = 10.0, level: int = logging.INFO) -> None:
         self.interval = interval
+        self.level = level
         self._last: dict[tuple[str, str], float] = {}
         self._dropped: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
@@ -106,7 +107,7 @@ class RateLimitedLog:
             self._last[key] = now
             dropped = self._dropped.pop(key, 0)
         more = f" ({dropped} more like it in the last {self.interval:.0f}s not logged)" if dropped else ""
-        log.info("%s -> %s: %s%s", method, code, message, more)
+        log.log(self.level, "%s -> %s: %s%s", method, code, message, more)
 
 
 _refusals = RateLimitedLog()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+import ps_offload
 from ps_offload import trainer
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.frames import send_message
@@ -84,6 +85,8 @@ def test_metrics_count_what_the_trainer_did(daemon_factory, tmp_path, transport)
     assert m[("ps_rpc_duration_seconds_count", (("code", "NOT_FOUND"), ("method", "Admin/GetShard")))] == 1
     assert m[("ps_local_pool_bytes", ())] > 0 and ("ps_local_pool_bytes_used", ()) in m
     assert m[("ps_clients", (("transport", "grpc"),))] == (transport == "grpc")  # its calls of the last minute
+    (build,) = [labels for name, labels in m if name == "ps_build_info"]
+    assert dict(build)["version"] == ps_offload.__version__ and dict(build)["torch"] == torch.__version__
 
 
 def test_nvme_bytes_and_seconds_and_tiers(daemon_factory, tmp_path):

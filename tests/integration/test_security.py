@@ -194,6 +194,10 @@ def test_admin_token_guards_state_changes_only(daemon_factory, tmp_path):
     assert code == grpc.StatusCode.UNAUTHENTICATED and "DropModel needs this daemon's bearer token" in details
     assert _admin(daemon.address, plain, "ListShards", ps_pb2.ListShardsRequest()).shards  # not dropped
     assert _admin(daemon.address, right, "DropModel", drop).shards >= 1
+    # Each refusal is a WARNING naming the caller (at most one per 10 s per method and code).
+    log = daemon.log()
+    assert "WARNING ps_offload.daemon.rpc.status: Load -> UNAUTHENTICATED: from 127.0.0.1: Load needs" in log
+    assert "Load -> PERMISSION_DENIED: from 127.0.0.1: Load: the token presented is not this daemon's" in log
 
 
 def test_token_on_every_call_covers_the_data_plane_and_spares_health(daemon_factory, tmp_path):

@@ -156,6 +156,7 @@ KNOWN_OPTIONS = [
     "metrics.listen",
     "metrics.port_file",
     "log.level",
+    "log.format",
 ]
 
 
@@ -210,6 +211,7 @@ def test_every_option_can_be_set_from_a_file(write_toml, tmp_path):
         "metrics.listen": ('"127.0.0.1:9100"', "127.0.0.1:9100"),
         "metrics.port_file": ('"m"', "m"),
         "log.level": ('"ERROR"', "ERROR"),
+        "log.format": ('"json"', "json"),
     }
     assert sorted(samples) == sorted(KNOWN_OPTIONS)
     for dotted, (toml_value, expected) in samples.items():

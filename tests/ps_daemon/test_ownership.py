@@ -104,3 +104,14 @@ def test_removed_state_dir_flag_is_accepted_with_a_warning(daemon_factory, tmp_p
     assert "--state-dir is no longer read" in daemon.log()
     assert "RAM only, every model is lost when this daemon stops" in daemon.log()
     assert not (tmp_path / "state").exists()
+
+
+def test_json_logs_are_one_object_per_line(daemon_factory):
+    import json
+
+    daemon = daemon_factory("--log-format", "json")
+    lines = daemon.log().splitlines()
+    entries = [json.loads(line) for line in lines if line.startswith("{")]  # (gRPC's C core writes its own)
+    assert not [line for line in lines if " INFO " in line or " WARNING " in line]  # no text records
+    assert any(e["message"].startswith("ps-daemon listening on 127.0.0.1:0") for e in entries)
+    assert {"time", "level", "logger", "message"} <= entries[0].keys()

@@ -198,3 +198,23 @@ def test_config_changes_name_every_changed_key_in_order():
         ("log.level", "INFO", "DEBUG"),
     ]
     assert {"log.level", "server.grace_seconds"} == LIVE_KEYS
+
+
+def test_json_log_lines_are_one_object_each_with_the_traceback_inside():
+    import json
+    import logging
+
+    from ps_offload.daemon.systemd import JsonFormatter
+
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        record = logging.LogRecord("ps.x", logging.ERROR, __file__, 1, "failed: %s", ("why",), sys.exc_info())
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    entry = json.loads(line)
+    assert (entry["level"], entry["logger"], entry["message"]) == ("ERROR", "ps.x", "failed: why")
+    assert entry["time"].endswith("+00:00") and "ValueError: boom" in entry["exception"]
+    assert JsonFormatter(journal=True).format(record).startswith('<3>{"time"')
