@@ -1,6 +1,6 @@
 """Fine-tune a Hugging Face model with the Hugging Face Trainer, its optimizer on ps-daemons.
 
-    ps-daemon serve --port 50051 &
+    ps-daemon serve --listen 127.0.0.1:50051 &
     python examples/hf_trainer.py --daemons 127.0.0.1:50051 --output-dir /tmp/hf-run --steps 40
     python examples/hf_trainer.py --daemons 127.0.0.1:50051 --output-dir /tmp/hf-run --steps 80 --resume
     torchrun --nproc-per-node 2 examples/hf_trainer.py --daemons 127.0.0.1:50051 --output-dir /tmp/hf-ddp

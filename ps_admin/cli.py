@@ -150,7 +150,7 @@ def shards(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(context_settings={"ignore_unknown_options": True})  # `shard -1`: a bad id, not an option
 def shard(
     shard_id: Annotated[int, typer.Argument(min=0, max=2**32 - 1, help="Shard id.")],
     model: ModelOpt = None,
@@ -216,8 +216,10 @@ def stats(
         raise typer.Exit(1)
 
 
-def _move(verb: str, shard_ids: list[int], model: str | None, daemon: str | None, timeout: float) -> None:
-    """evict / prefetch: one RPC per shard, one line per shard, exit 1 if any failed."""
+def _move(
+    verb: str, shard_ids: list[int], model: str | None, daemon: str | None, timeout: float, as_json: bool
+) -> None:
+    """evict / prefetch: one RPC per shard, one line (or JSON row) per shard, exit 1 if any failed."""
     address = daemon or DEFAULT_DAEMON
     failed = False
     try:
@@ -225,6 +227,7 @@ def _move(verb: str, shard_ids: list[int], model: str | None, daemon: str | None
     except AdminError as exc:
         fail(str(exc))
         raise typer.Exit(1) from None
+    rows = []
     for shard_id in shard_ids:
         try:
             answer = client.move(address, verb, model, shard_id, timeout)
@@ -232,21 +235,31 @@ def _move(verb: str, shard_ids: list[int], model: str | None, daemon: str | None
             fail(str(exc))
             failed = True
             continue
-        typer.echo(f"shard {shard_id}: {answer.tier}")
+        rows.append({"daemon": address, "model": model, "shard_id": shard_id, "tier": answer.tier})
+        if not as_json:
+            typer.echo(f"shard {shard_id}: {answer.tier}")
+    if as_json:
+        views.print_json(rows)
     if failed:
         raise typer.Exit(1)
 
 
-@app.command()
-def evict(shard_ids: ShardIds, model: ModelOpt = None, daemon: DaemonOpt = None, timeout: TimeoutOpt = 10.0) -> None:
+@app.command(context_settings={"ignore_unknown_options": True})
+def evict(
+    shard_ids: ShardIds, model: ModelOpt = None, daemon: DaemonOpt = None, as_json: JsonOpt = False,
+    timeout: TimeoutOpt = 10.0,
+) -> None:  # fmt: skip
     """Drop shards from the RAM tier; they stay committed on NVMe."""
-    _move("evict", shard_ids, model, daemon, timeout)
+    _move("evict", shard_ids, model, daemon, timeout, as_json)
 
 
-@app.command()
-def prefetch(shard_ids: ShardIds, model: ModelOpt = None, daemon: DaemonOpt = None, timeout: TimeoutOpt = 60.0) -> None:
+@app.command(context_settings={"ignore_unknown_options": True})
+def prefetch(
+    shard_ids: ShardIds, model: ModelOpt = None, daemon: DaemonOpt = None, as_json: JsonOpt = False,
+    timeout: TimeoutOpt = 60.0,
+) -> None:  # fmt: skip
     """Read shards into the RAM tier now."""
-    _move("prefetch", shard_ids, model, daemon, timeout)
+    _move("prefetch", shard_ids, model, daemon, timeout, as_json)
 
 
 def _verify_daemon(address: str, model: str, timeout: float, progress: Progress) -> dict[str, Any]:

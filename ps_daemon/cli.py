@@ -55,7 +55,7 @@ def serve(
     log_level: Annotated[Optional[str], typer.Option(help="DEBUG, INFO, WARNING, ERROR.")] = None,
     log_format: Annotated[Optional[str], typer.Option(help='"text" or "json" (one object per line).')] = None,
     insecure: Annotated[
-        bool, typer.Option("--insecure", help="Serve plaintext on a non-loopback address anyway (no [tls]).")
+        bool, typer.Option("--insecure", help="Serve plaintext on a non-loopback address anyway (no \\[tls] section).")
     ] = False,
 ) -> None:
     """Serve shards over gRPC until SIGTERM; SIGHUP re-reads --config."""

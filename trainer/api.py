@@ -10,6 +10,8 @@ from collections.abc import Callable
 from torch import nn
 
 from ps_offload.trainer.config import (
+    SGD,
+    AdamW,
     ClientConfig,
     CompressionConfig,
     DeviceConfig,
@@ -20,6 +22,19 @@ from ps_offload.trainer.config import (
 from ps_offload.trainer.optimizer.offload import OffloadOptimizer
 from ps_offload.trainer.stream.optimizer import StreamedOptimizer
 from ps_offload.trainer.stream.settings import Streaming
+from ps_offload.trainer.wire.sharded_client import check_daemon_list
+
+
+def check_optimizer(optimizer: object) -> None:
+    """A TypeError that says what to write when `optimizer` is not an AdamW(...) or SGD(...)
+    of ours (torch's own optimizer classes are the usual mistake)."""
+    if isinstance(optimizer, (AdamW, SGD)):
+        return
+    name = getattr(optimizer, "__name__", None) or type(optimizer).__name__
+    hint = " (torch.optim's: the daemons run ours, with the same arguments)" if "torch" in repr(optimizer) else ""
+    raise TypeError(
+        f"optimizer= takes ps_offload.AdamW(lr=...) or ps_offload.SGD(lr=...), an instance, got {name}{hint}"
+    )
 
 
 def offload(
@@ -49,6 +64,8 @@ def offload(
     stream: train with only a window of blocks on the trainer (trainer/stream/optimizer.py); the
         model may then be built on the meta device.
     """
+    check_optimizer(optimizer)
+    check_daemon_list(daemons)  # at once, before a model is flattened or a daemon is called
     if stream is not None:
         if compression is not None or loss_scaling is not None:
             raise ValueError("streaming does not take compression or loss_scaling yet")

@@ -133,9 +133,10 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"OffloadConfig.model_name must be a non-empty string, got {self.model_name!r}")
-        if isinstance(self.shard_bytes, bool) or not isinstance(self.shard_bytes, int) or self.shard_bytes < 0:
-            raise ValueError(
-                f"OffloadConfig.shard_bytes must be an int >= 0 (0: the daemon's default), got {self.shard_bytes!r}"
+        size = self.shard_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or not (size == 0 or size >= 4096):
+            raise ValueError(  # (the daemons refuse less than 4 KiB; said here, before any work)
+                f"OffloadConfig.shard_bytes must be an int, 0 (the daemon's default) or at least 4096, got {size!r}"
             )
         if self.staleness not in (0, 1):
             raise ValueError(

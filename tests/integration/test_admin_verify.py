@@ -96,7 +96,8 @@ def test_verify_passes_then_names_the_shards_flipped_on_disk(tmp_path):
         }
 
         # Shard 0 goes to NVMe only; verify must neither load it nor read through the RAM tier.
-        assert run_admin("evict", "0", "--daemon", daemon.address).returncode == 0
+        (evicted,) = admin_json("evict", "0", "--daemon", daemon.address)  # --json, as the README says
+        assert (evicted["shard_id"], evicted["tier"]) == (0, "nvme")
         read_before = admin_json("stats", "--daemon", daemon.address)["nvme_bytes_read"]
 
         # Damage the committed copies on disk while the daemon runs: a data byte of shard 1,

@@ -88,7 +88,8 @@ def test_configs_are_frozen_and_keyword_friendly():
     [
         (lambda: trainer.OffloadConfig(staleness=2), r"OffloadConfig.staleness must be 0 \(exact update\) or 1"),
         (lambda: trainer.OffloadConfig(push_share=(2, 2)), r"push_share must be \(i, n\) with 0 <= i < n"),
-        (lambda: trainer.OffloadConfig(shard_bytes=-1), "shard_bytes must be an int >= 0"),
+        (lambda: trainer.OffloadConfig(shard_bytes=-1), "shard_bytes must be an int, 0 .* or at least 4096"),
+        (lambda: trainer.OffloadConfig(shard_bytes=100), r"at least 4096, got 100"),
         (lambda: trainer.OffloadConfig(model_name=""), "model_name must be a non-empty string"),
         (lambda: trainer.OffloadConfig(audit_every=-1), r"audit_every must be an int >= 0 \(0: off\)"),
         (lambda: trainer.OffloadConfig(audit_tolerance=float("nan")), "audit_tolerance must be a finite number"),

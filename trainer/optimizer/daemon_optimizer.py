@@ -13,6 +13,7 @@ whose float16 models get dynamic loss scaling (trainer/optimizer/loss_scale.py).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -31,6 +32,8 @@ from ps_offload.trainer.io.device import WIRE_DTYPES
 from ps_offload.trainer.optimizer.loss_scale import LossScaler
 from ps_offload.trainer.optimizer.param_groups import GroupTracker, defaults_of, initial_groups
 from ps_offload.trainer.wire.sharded_client import ShardedClient
+
+log = logging.getLogger(__name__)
 
 
 class DaemonOptimizer(torch.optim.Optimizer):
@@ -80,6 +83,24 @@ class DaemonOptimizer(torch.optim.Optimizer):
             if decay_overrides[group] is not None:  # for pushes without groups (1-bit Adam's)
                 param.weight_decay = decay_overrides[group]
         self.plan: list[ShardSlice] = self.client.register(spec)
+        self.closed = False  # set by close(): step() then says so, not a thread pool's error
+
+    def say_if_resumed(self) -> None:
+        """A WARNING (shown without any logging set up) when the daemons held this model's state
+        already: a script run again under the same model name continues the old run."""
+        if self.step_count:
+            log.warning(
+                "resuming model %r at step %d from the daemons' state (%s); to start another run, give it "
+                "another OffloadConfig(model_name=...), or delete this one with ps-admin drop",
+                self.client.model, self.step_count, ", ".join(self.client.daemons),
+            )  # fmt: skip
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(
+                "this optimizer was closed (close(), or the end of its `with offload(...)` block); make a new one "
+                "with offload() to train on: it resumes from the daemons' state"
+            )
 
     def synchronize(self) -> None:
         raise NotImplementedError

@@ -178,8 +178,7 @@ class OffloadOptimizer(DaemonOptimizer):
                 self._shards_of,
                 lambda shard: self.io.push_part(shard, self.step_count, self.flat.grads),
             )
-        if self.step_count:
-            log.info("resumed model %r at step %d", self.client.model, self.step_count)
+        self.say_if_resumed()
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -244,6 +243,7 @@ class OffloadOptimizer(DaemonOptimizer):
         """Pushes all gradients of this step (returns when the daemons acknowledged them)
         and starts pulling the updated parameters in forward order. Under staleness=1 it
         returns at once: the pushes and pulls run during the next forward and backward."""
+        self.check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -421,6 +421,9 @@ class OffloadOptimizer(DaemonOptimizer):
         )
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.synchronize()
         finally:

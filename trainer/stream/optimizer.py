@@ -170,6 +170,7 @@ class StreamedOptimizer(DaemonOptimizer):
         self._push_failures: list[BaseException] = []
         self._clip_coefficient: float | None = None  # from clip_grad_norm_, for the next step
         self.step_count = self._attach(stream.init)
+        self.say_if_resumed()
         self.window.version = self.step_count
         self._hooks = self._install_hooks(model)
 
@@ -384,6 +385,7 @@ class StreamedOptimizer(DaemonOptimizer):
         """Applies the parts pushed by the backward passes since the last step (returns once
         every daemon has), then starts pulling the resident parameters' new values. Raises
         StepLost when a daemon lost some of them (see the module docstring)."""
+        self.check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -426,6 +428,9 @@ class StreamedOptimizer(DaemonOptimizer):
         return out
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         try:
             self._wait_pushes()
             self.synchronize()

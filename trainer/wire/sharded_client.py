@@ -49,6 +49,26 @@ RECONNECT = [
 ]
 
 
+def check_daemon_list(daemons: object) -> None:
+    """Raises ValueError at once, saying what to write, unless `daemons` is a non-empty list of
+    distinct host:port addresses (a port gRPC would otherwise take as 443, and time out)."""
+    if isinstance(daemons, str):
+        listed = [d.strip() for d in daemons.split(",")]
+        raise ValueError(f"daemons must be a list of host:port addresses, not the string {daemons!r}: write {listed!r}")
+    if not isinstance(daemons, (list, tuple)) or not daemons:
+        raise ValueError(f"daemons must be a non-empty list of host:port addresses, got {daemons!r}")
+    for address in daemons:
+        host, sep, port = str(address).rpartition(":")
+        if not isinstance(address, str) or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"daemon address {address!r} is not host:port with a port in 1-65535 (e.g. '10.0.0.5:50051'; "
+                "a daemon's port is its server.listen)"
+            )
+    repeated = sorted({d for d in daemons if daemons.count(d) > 1})
+    if repeated:
+        raise ValueError(f"daemon addresses repeat: {repeated} in {list(daemons)}; each daemon once, in plan order")
+
+
 def busy(error: grpc.RpcError) -> bool:
     """A refusal that only says the daemon is busy now (too many calls from this host at
     once): retried like an unreachable daemon, where other RESOURCE_EXHAUSTEDs are final."""
@@ -161,10 +181,7 @@ class ShardedClient:
     """A model's plan over an ordered daemon list, and shard-level push/pull with retries."""
 
     def __init__(self, daemons: list[str], *, config: ClientConfig | None = None) -> None:
-        if not daemons:
-            raise ValueError("no daemon addresses given")
-        if len(set(daemons)) != len(daemons):
-            raise ValueError(f"daemon addresses repeat: {daemons}")
+        check_daemon_list(daemons)
         self.daemons = list(daemons)
         self.config = config or ClientConfig()
         security = self.config.security

@@ -1,0 +1,69 @@
+"""The mistakes a newcomer makes first get a message to act on, at once (issue #27): torch's
+optimizer class for ours, one address as a string, an address without a port, a shard size
+the daemons refuse, a step after close(), and a script run again under the same model name
+(it resumes the old run: said in a WARNING)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ps_offload import trainer
+from ps_offload.trainer.debug_models import mlp
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(optimizer=torch.optim.AdamW), TypeError, r"takes ps_offload.AdamW\(lr=...\).*got AdamW \(torch.optim's"),
+        (dict(optimizer="adamw"), TypeError, r"an instance, got str"),
+        (dict(daemons="10.0.0.5:50051"), ValueError, r"not the string '10.0.0.5:50051': write \['10.0.0.5:50051'\]"),
+        (dict(daemons=["10.0.0.5"]), ValueError, r"'10.0.0.5' is not host:port"),
+        (dict(daemons=["10.0.0.5:0"]), ValueError, r"with a port in 1-65535"),
+        (dict(daemons=["a:1", "b:2", "a:1"]), ValueError, r"daemon addresses repeat: \['a:1'\]"),
+        (dict(daemons=[]), ValueError, "a non-empty list"),
+    ],
+)
+def test_offload_says_what_to_write_before_calling_any_daemon(kwargs, error, message):
+    args = dict(daemons=["127.0.0.1:1"], optimizer=trainer.AdamW(lr=1e-3)) | kwargs
+    started = time.monotonic()
+    with pytest.raises(error, match=message):
+        trainer.offload(mlp((4, 4)), **args)
+    assert time.monotonic() - started < 5  # at once: no retries against a daemon
+
+
+def test_a_shard_size_the_daemons_refuse_is_refused_in_the_config():
+    with pytest.raises(ValueError, match="0 \\(the daemon's default\\) or at least 4096, got 100"):
+        trainer.OffloadConfig(shard_bytes=100)
+
+
+def test_a_step_after_close_says_the_optimizer_was_closed(daemon, caplog):
+    model = mlp((8, 8))
+    opt = trainer.offload(model, daemons=[daemon.address], optimizer=trainer.SGD(lr=0.1))
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.close()
+    opt.close()  # twice is fine
+    with pytest.raises(RuntimeError, match=r"this optimizer was closed .*make a new one with offload\(\)"):
+        opt.step()
+    # The same script run again: it resumes the daemons' model, and says so.
+    with (
+        caplog.at_level(logging.WARNING),
+        trainer.offload(mlp((8, 8)), daemons=[daemon.address], optimizer=trainer.SGD(lr=0.1)) as again,
+    ):
+        assert again.step_count == 1
+    assert "resuming model 'model' at step 1 from the daemons' state" in caplog.text
+    assert "another OffloadConfig(model_name=...)" in caplog.text
+
+
+def test_ps_admin_takes_a_negative_shard_id_as_a_bad_id_not_an_option():
+    result = subprocess.run(
+        [sys.executable, "-m", "ps_offload.admin.cli", "shard", "-1"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and "No such option" not in result.stderr
+    assert "greater than or equal to 0" in result.stderr
