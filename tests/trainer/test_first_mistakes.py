@@ -6,6 +6,7 @@ the daemons refuse, a step after close(), and a script run again under the same 
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import sys
 import time
@@ -67,3 +68,16 @@ def test_ps_admin_takes_a_negative_shard_id_as_a_bad_id_not_an_option():
     )
     assert result.returncode == 2 and "No such option" not in result.stderr
     assert "greater than or equal to 0" in result.stderr
+
+
+def test_a_daemon_that_does_not_answer_is_said_at_once(caplog):
+    """offload() used to wait a register timeout and the retries (about 90 s) before a word."""
+    with socket.socket() as closed:  # a free port with nothing listening
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    client = trainer.ClientConfig(register_timeout_seconds=1.0, retry_seconds=1.0, backoff_seconds=0.1)
+    with caplog.at_level(logging.WARNING), pytest.raises(Exception, match="RegisterModel"):
+        trainer.offload(mlp((4, 4)), daemons=[address], optimizer=trainer.SGD(lr=0.1), client=client)
+    messages = [r.getMessage() for r in caplog.records]
+    said = next(i for i, m in enumerate(messages) if f"daemon {address} does not answer" in m)
+    assert said == 0, messages  # before the first attempt's deadline and its retry

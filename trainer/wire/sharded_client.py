@@ -78,6 +78,9 @@ def busy(error: grpc.RpcError) -> bool:
     return BUSY_METADATA in [tuple(m) for m in (trailing() if trailing else None) or ()]
 
 
+UNREACHABLE_AFTER = 2.0  # seconds without a connection before registration says it is waiting
+
+
 class DaemonError(RuntimeError):
     """A daemon refused a call or could not be reached; the message names both ends."""
 
@@ -215,6 +218,7 @@ class ShardedClient:
         self.model = spec.model
         self.created = []
         for index, client in enumerate(self.clients):
+            self._say_if_unreachable(index)
             response = self._call(
                 f"RegisterModel {spec.model!r}",
                 index,
@@ -237,6 +241,19 @@ class ShardedClient:
                 self.nvme_daemons.discard(index)
             self._use_data_plane(index, response)
         return self.plan
+
+    def _say_if_unreachable(self, index: int) -> None:
+        """Registration waits for a daemon that is down (it may be starting); say so at once
+        instead of after the first attempt's deadline."""
+        try:
+            grpc.channel_ready_future(self.clients[index].channel).result(timeout=UNREACHABLE_AFTER)
+        except grpc.FutureTimeoutError:
+            wait = self.config.register_timeout_seconds + self.config.retry_seconds
+            log.warning(
+                "daemon %s does not answer (is it running, and is %s its server.listen?); waiting up to %.0f s for it "
+                "(ClientConfig.register_timeout_seconds + retry_seconds)",
+                self.daemons[index], self.daemons[index], wait,
+            )  # fmt: skip
 
     def _use_data_plane(self, index: int, response: ps_pb2.RegisterModelResponse) -> None:
         current, data_port, endpoint = self.transports[index], response.data_port, response.local_endpoint
