@@ -444,7 +444,7 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
             {"trainer/optimizer/offload.py": "from ps_offload.trainer.stream.optimizer import StreamedOptimizer\n"},
             "trainer.stream",
         ),
-        ({"trainer/wire/cluster.py": "import ps_offload.daemon.errors\n"}, "daemon.base"),
+        ({"ps_proto/cluster.py": "import ps_offload.daemon.errors\n"}, "daemon.base"),
         ({"ps_proto/plan.py": "from ps_offload import kernels\n"}, "kernels"),
     ],
 )  # fmt: skip

@@ -25,6 +25,7 @@ script needs. The plumbing stays importable from its module (the clients from
 ps_offload.trainer.wire.sharded_client, StepOptimizer from ps_offload.trainer.pipeline.local_optimizer).
 """
 
+from ps_offload.proto.cluster import daemon_addresses
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.api import offload
 from ps_offload.trainer.config import (
@@ -45,7 +46,6 @@ from ps_offload.trainer.pipeline.local_optimizer import LocalOptimizer
 from ps_offload.trainer.pipeline.trainer import PipelineTrainer
 from ps_offload.trainer.stream.optimizer import StreamedOptimizer
 from ps_offload.trainer.stream.settings import StepLost, StepTorn, Streaming
-from ps_offload.trainer.wire.cluster import daemon_addresses
 from ps_offload.trainer.wire.sharded_client import DaemonError
 
 __all__ = [

@@ -22,7 +22,6 @@ from ps_offload.trainer.config import (
 from ps_offload.trainer.optimizer.offload import OffloadOptimizer
 from ps_offload.trainer.stream.optimizer import StreamedOptimizer
 from ps_offload.trainer.stream.settings import Streaming
-from ps_offload.trainer.wire.sharded_client import check_daemon_list
 
 
 def check_optimizer(optimizer: object) -> None:
@@ -64,8 +63,7 @@ def offload(
     stream: train with only a window of blocks on the trainer (trainer/stream/optimizer.py); the
         model may then be built on the meta device.
     """
-    check_optimizer(optimizer)
-    check_daemon_list(daemons)  # at once, before a model is flattened or a daemon is called
+    check_optimizer(optimizer)  # (the daemon list is checked by ShardedClient, before any call)
     if stream is not None:
         if compression is not None or loss_scaling is not None:
             raise ValueError("streaming does not take compression or loss_scaling yet")

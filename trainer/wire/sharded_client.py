@@ -17,6 +17,7 @@ import torch
 
 from ps_offload.proto import codec, ps_pb2
 from ps_offload.proto.channel import BUSY_METADATA, channel_options, keepalive_options, method_path
+from ps_offload.proto.cluster import check_daemon_list
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.memory import keep_chunk_buffers_in_heap
 from ps_offload.proto.plan import ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
@@ -47,26 +48,6 @@ RECONNECT = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-
-
-def check_daemon_list(daemons: object) -> None:
-    """Raises ValueError at once, saying what to write, unless `daemons` is a non-empty list of
-    distinct host:port addresses (a port gRPC would otherwise take as 443, and time out)."""
-    if isinstance(daemons, str):
-        listed = [d.strip() for d in daemons.split(",")]
-        raise ValueError(f"daemons must be a list of host:port addresses, not the string {daemons!r}: write {listed!r}")
-    if not isinstance(daemons, (list, tuple)) or not daemons:
-        raise ValueError(f"daemons must be a non-empty list of host:port addresses, got {daemons!r}")
-    for address in daemons:
-        host, sep, port = str(address).rpartition(":")
-        if not isinstance(address, str) or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                f"daemon address {address!r} is not host:port with a port in 1-65535 (e.g. '10.0.0.5:50051'; "
-                "a daemon's port is its server.listen)"
-            )
-    repeated = sorted({d for d in daemons if daemons.count(d) > 1})
-    if repeated:
-        raise ValueError(f"daemon addresses repeat: {repeated} in {list(daemons)}; each daemon once, in plan order")
 
 
 def busy(error: grpc.RpcError) -> bool:

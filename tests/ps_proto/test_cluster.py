@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ps_offload.trainer.wire.cluster import daemon_addresses
+from ps_offload.proto.cluster import daemon_addresses
 
 
 def _file(tmp_path, text):

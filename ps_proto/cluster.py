@@ -21,8 +21,6 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ps_offload.proto.frames import split_host_port
-
 ENV_DAEMONS = "PS_DAEMONS"
 ENV_CLUSTER_FILE = "PS_CLUSTER_FILE"
 CLUSTER_FILE_KEYS = frozenset({"daemons"})
@@ -74,15 +72,40 @@ def _split(daemons: str | Sequence[str]) -> list[str]:
     return [item.strip() for item in items if item.strip()]
 
 
+def _bad_address(address: object) -> bool:
+    """Not "HOST:PORT" with a port in 1-65535 (gRPC would take a missing port as 443)."""
+    host, sep, port = str(address).rpartition(":")
+    return not isinstance(address, str) or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536
+
+
+def _repeated(addresses: Sequence[str]) -> list[str]:
+    return sorted({a for a in addresses if list(addresses).count(a) > 1})
+
+
 def _checked(addresses: list[str], where: str) -> list[str]:
     for address in addresses:
-        try:
-            host, port = split_host_port(address)
-        except ValueError:
-            host, port = "", 0
-        if not host or not port:
+        if _bad_address(address):
             raise ValueError(f'{where}: {address!r} is not "HOST:PORT"')
-    repeated = sorted({a for a in addresses if addresses.count(a) > 1})
+    repeated = _repeated(addresses)
     if repeated:
         raise ValueError(f"{where} names {repeated} more than once; each daemon takes one place in the plan")
     return addresses
+
+
+def check_daemon_list(daemons: object) -> None:
+    """Raises ValueError at once, saying what to write, unless `daemons` is a non-empty list of
+    distinct host:port addresses (a port gRPC would otherwise take as 443, and time out)."""
+    if isinstance(daemons, str):
+        listed = [d.strip() for d in daemons.split(",")]
+        raise ValueError(f"daemons must be a list of host:port addresses, not the string {daemons!r}: write {listed!r}")
+    if not isinstance(daemons, (list, tuple)) or not daemons:
+        raise ValueError(f"daemons must be a non-empty list of host:port addresses, got {daemons!r}")
+    for address in daemons:
+        if _bad_address(address):
+            raise ValueError(
+                f"daemon address {address!r} is not host:port with a port in 1-65535 (e.g. '10.0.0.5:50051'; "
+                "a daemon's port is its server.listen)"
+            )
+    repeated = _repeated(daemons)
+    if repeated:
+        raise ValueError(f"daemon addresses repeat: {repeated} in {list(daemons)}; each daemon once, in plan order")
