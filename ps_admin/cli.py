@@ -448,5 +448,31 @@ def health(
         raise typer.Exit(1)
 
 
+@app.command("cluster-file")
+def cluster_file_command(
+    port: Annotated[int, typer.Option(min=1, max=65535, help="The daemons' port (their server.listen).")] = 50051,
+    nodelist: Annotated[
+        Optional[str], typer.Option(envvar="SLURM_JOB_NODELIST", help="Slurm node list, e.g. gpu[001-004].")
+    ] = None,
+    out: Annotated[Optional[Path], typer.Option(help="File to write (default: print it).")] = None,
+) -> None:
+    """Write a job's cluster file (one daemon per node, in plan order) from a Slurm node list:
+    point $PS_CLUSTER_FILE at it for the trainers and ps-admin."""
+    from ps_offload.admin import cluster_file
+
+    if not nodelist:
+        fail("no node list: give --nodelist, or run inside a Slurm job ($SLURM_JOB_NODELIST)")
+        raise typer.Exit(2)
+    try:
+        daemons = cluster_file.daemons_of(nodelist, port)
+        if out is None:
+            typer.echo(cluster_file.text(daemons), nl=False)
+        else:
+            cluster_file.write(out, daemons)
+    except AdminError as exc:
+        fail(str(exc))
+        raise typer.Exit(1) from None
+
+
 if __name__ == "__main__":
     app()

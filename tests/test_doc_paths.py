@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 TOP_FOLDERS = (
     "proto", "ps_proto", "ps_daemon", "ps_admin", "ps_offload", "trainer", "kernels",
-    "tests", "bench", "examples", "docs", "systemd",
+    "tests", "bench", "examples", "docs", "systemd", "deploy",
 )  # fmt: skip
 ROOT_FILES = ("README.md", "pyproject.toml", "Makefile", "constraints.txt")
 
