@@ -44,6 +44,11 @@ def keepalive_options(dead_peer_seconds: float) -> list[tuple[str, int]]:
 
 # The daemon's side: accept a caller's pings as often as every second even while a call sends
 # no data (a pull waiting for its version), instead of answering them with GOAWAY.
+# The protocol this release speaks (RegisterModelResponse.protocol), raised when a trainer
+# comes to need what older daemons lack, and the oldest daemon protocol its trainer accepts.
+PROTOCOL = 1
+MIN_DAEMON_PROTOCOL = 1
+
 # Trailing metadata of a RESOURCE_EXHAUSTED that only says "busy now" (too many calls from one
 # client at once: ps_daemon/rpc/call_bounds.py): the trainer retries it with backoff, where a
 # RESOURCE_EXHAUSTED without it (a full disk, a budget) is final.

@@ -157,20 +157,24 @@ class ShardPlacement(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., daemon_index: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
 
 class RegisterModelResponse(_message.Message):
-    __slots__ = ("shards", "created", "shard_bytes", "data_port", "nvme_tier", "local_endpoint")
+    __slots__ = ("shards", "created", "shard_bytes", "data_port", "nvme_tier", "local_endpoint", "daemon_version", "protocol")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     NVME_TIER_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardPlacement]
     created: bool
     shard_bytes: int
     data_port: int
     nvme_tier: bool
     local_endpoint: str
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., created: _Optional[bool] = ..., shard_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., nvme_tier: _Optional[bool] = ..., local_endpoint: _Optional[str] = ...) -> None: ...
+    daemon_version: str
+    protocol: int
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., created: _Optional[bool] = ..., shard_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., nvme_tier: _Optional[bool] = ..., local_endpoint: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("model", "shard_id", "min_version", "tensor", "dtype", "snapshot")
@@ -359,7 +363,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read", "nvme_bytes_written", "ram_bytes_budget", "nvme_bytes_allocated", "nvme_bytes_capacity", "shards_in_ram", "shards_on_nvme", "shards_corrupt", "nvme_write_seconds", "nvme_read_seconds", "nvme_master_reads", "nvme_master_bytes_read", "pulls_waiting", "pulls_refused_waiting", "data_connections", "data_pulls_waiting", "data_connections_refused", "local_connections", "local_connections_refused", "local_pool_bytes", "local_pool_bytes_used", "clients")
+    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read", "nvme_bytes_written", "ram_bytes_budget", "nvme_bytes_allocated", "nvme_bytes_capacity", "shards_in_ram", "shards_on_nvme", "shards_corrupt", "nvme_write_seconds", "nvme_read_seconds", "nvme_master_reads", "nvme_master_bytes_read", "pulls_waiting", "pulls_refused_waiting", "data_connections", "data_pulls_waiting", "data_connections_refused", "local_connections", "local_connections_refused", "local_pool_bytes", "local_pool_bytes_used", "clients", "daemon_version")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     RAM_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +401,7 @@ class StatsResponse(_message.Message):
     LOCAL_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_POOL_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     models: int
     shards: int
     ram_bytes_used: int
@@ -434,7 +439,8 @@ class StatsResponse(_message.Message):
     local_pool_bytes: int
     local_pool_bytes_used: int
     clients: _containers.RepeatedCompositeFieldContainer[ClientPath]
-    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., ram_bytes_budget: _Optional[int] = ..., nvme_bytes_allocated: _Optional[int] = ..., nvme_bytes_capacity: _Optional[int] = ..., shards_in_ram: _Optional[int] = ..., shards_on_nvme: _Optional[int] = ..., shards_corrupt: _Optional[int] = ..., nvme_write_seconds: _Optional[float] = ..., nvme_read_seconds: _Optional[float] = ..., nvme_master_reads: _Optional[int] = ..., nvme_master_bytes_read: _Optional[int] = ..., pulls_waiting: _Optional[int] = ..., pulls_refused_waiting: _Optional[int] = ..., data_connections: _Optional[int] = ..., data_pulls_waiting: _Optional[int] = ..., data_connections_refused: _Optional[int] = ..., local_connections: _Optional[int] = ..., local_connections_refused: _Optional[int] = ..., local_pool_bytes: _Optional[int] = ..., local_pool_bytes_used: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientPath, _Mapping]]] = ...) -> None: ...
+    daemon_version: str
+    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., ram_bytes_budget: _Optional[int] = ..., nvme_bytes_allocated: _Optional[int] = ..., nvme_bytes_capacity: _Optional[int] = ..., shards_in_ram: _Optional[int] = ..., shards_on_nvme: _Optional[int] = ..., shards_corrupt: _Optional[int] = ..., nvme_write_seconds: _Optional[float] = ..., nvme_read_seconds: _Optional[float] = ..., nvme_master_reads: _Optional[int] = ..., nvme_master_bytes_read: _Optional[int] = ..., pulls_waiting: _Optional[int] = ..., pulls_refused_waiting: _Optional[int] = ..., data_connections: _Optional[int] = ..., data_pulls_waiting: _Optional[int] = ..., data_connections_refused: _Optional[int] = ..., local_connections: _Optional[int] = ..., local_connections_refused: _Optional[int] = ..., local_pool_bytes: _Optional[int] = ..., local_pool_bytes_used: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientPath, _Mapping]]] = ..., daemon_version: _Optional[str] = ...) -> None: ...
 
 class ClientPath(_message.Message):
     __slots__ = ("client", "transport", "connections", "shared_bytes")

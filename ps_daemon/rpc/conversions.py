@@ -16,6 +16,8 @@ from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard import SHARD_TENSORS
 from ps_offload.daemon.store.shard_store import RegisteredModel
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.channel import PROTOCOL
+from ps_offload.version import release
 
 DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
 PUSH_KINDS = {
@@ -72,6 +74,8 @@ def plan_to_proto(
         nvme_tier=nvme_tier,
         shard_bytes=model.spec.shard_bytes,
         shards=_placements(model),
+        daemon_version=release(),
+        protocol=PROTOCOL,
     )
 
 

@@ -23,6 +23,7 @@ from ps_offload.daemon.store import inspection, snapshot_admin, tier_admin
 from ps_offload.daemon.store.pull_wait import PullWaits
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import codec, ps_pb2
+from ps_offload.version import release
 
 
 class ParameterServerServicer:
@@ -170,6 +171,7 @@ class AdminServicer:
             pulls_waiting=waits.waiting if waits else 0,
             pulls_refused_waiting=waits.refused if waits else 0,
             **self.fronts.stats(),
+            daemon_version=release(),
         )
 
     @grpc_errors

@@ -81,3 +81,34 @@ def test_a_daemon_that_does_not_answer_is_said_at_once(caplog):
     messages = [r.getMessage() for r in caplog.records]
     said = next(i for i, m in enumerate(messages) if f"daemon {address} does not answer" in m)
     assert said == 0, messages  # before the first attempt's deadline and its retry
+
+
+def test_a_daemon_too_old_for_the_trainer_is_refused_naming_both():
+    from ps_offload.proto import ps_pb2
+    from ps_offload.trainer.wire.sharded_client import check_protocol
+
+    with pytest.raises(RuntimeError, match=r"daemon a:1 runs ps-offload a release from before 0.1.0 \(protocol 0\)"):
+        check_protocol("a:1", ps_pb2.RegisterModelResponse())  # a daemon from before the field
+    with pytest.raises(RuntimeError, match=r"runs ps-offload 0.0.9 \(protocol 0\), older than this trainer"):
+        check_protocol("a:1", ps_pb2.RegisterModelResponse(daemon_version="0.0.9"))
+
+
+def test_a_daemon_says_its_release_and_protocol(daemon):
+    import grpc
+
+    import ps_offload
+    from ps_offload.proto import ps_pb2, ps_pb2_grpc
+    from ps_offload.proto.channel import PROTOCOL
+    from ps_offload.trainer.wire.sharded_client import DaemonClient
+
+    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
+    spec = ps_pb2.ModelSpec(
+        model="m", params=[ps_pb2.ParamSpec(name="w", shape=[8], dtype=ps_pb2.FLOAT32)],
+        optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)), daemons=["d0"],
+    )  # fmt: skip
+    response = client.register(spec, 0, timeout=30)
+    assert (response.daemon_version, response.protocol) == (ps_offload.__version__, PROTOCOL)
+    client.close()
+    with grpc.insecure_channel(daemon.address) as channel:
+        stats = ps_pb2_grpc.AdminStub(channel).Stats(ps_pb2.StatsRequest(), timeout=10)
+    assert stats.daemon_version == ps_offload.__version__

@@ -16,7 +16,13 @@ import grpc
 import torch
 
 from ps_offload.proto import codec, ps_pb2
-from ps_offload.proto.channel import BUSY_METADATA, channel_options, keepalive_options, method_path
+from ps_offload.proto.channel import (
+    BUSY_METADATA,
+    MIN_DAEMON_PROTOCOL,
+    channel_options,
+    keepalive_options,
+    method_path,
+)
 from ps_offload.proto.cluster import check_daemon_list
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.memory import keep_chunk_buffers_in_heap
@@ -29,6 +35,7 @@ from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneE
 from ps_offload.trainer.wire.host_windows import HostWindows, Prepare
 from ps_offload.trainer.wire.local_client import LocalClient, slot_bytes_for
 from ps_offload.trainer.wire.transport import Transport
+from ps_offload.version import release as ps_offload_release
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,17 @@ RECONNECT = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+def check_protocol(address: str, response: ps_pb2.RegisterModelResponse) -> None:
+    """Refuses a daemon too old for this trainer, naming both releases, before any push."""
+    if response.protocol < MIN_DAEMON_PROTOCOL:
+        release = response.daemon_version or "a release from before 0.1.0"
+        raise RuntimeError(
+            f"daemon {address} runs ps-offload {release} (protocol {response.protocol}), older than this trainer "
+            f"({ps_offload_release()}) needs (protocol {MIN_DAEMON_PROTOCOL} or later): upgrade the daemons "
+            "(docs/deploy.md, rolling upgrade), or run the trainer's release that matches them"
+        )
 
 
 def busy(error: grpc.RpcError) -> bool:
@@ -209,6 +227,7 @@ class ShardedClient:
                 spec.shard_bytes = response.shard_bytes
                 self.plan = expected_plan(spec, response.shard_bytes)
                 self._spec = spec
+            check_protocol(self.daemons[index], response)
             got = [ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel) for s in response.shards]
             if got != self.plan:
                 raise RuntimeError(
