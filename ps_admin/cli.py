@@ -132,10 +132,13 @@ def shards(
     param: Annotated[Optional[str], typer.Option(help="Only shards holding a parameter whose name has this.")] = None,
     sort: Annotated[Optional[SortKey], typer.Option(help="Order by this (default: as listed).")] = None,
     reverse: Annotated[bool, typer.Option("--reverse", help="Reverse the order.")] = False,
+    as_map: Annotated[
+        bool, typer.Option("--map", help="A glyph per shard, per model and daemon, instead of a table.")
+    ] = False,
     as_json: JsonOpt = False,
     timeout: TimeoutOpt = 10.0,
 ) -> None:
-    """List the shards each daemon holds."""
+    """List the shards each daemon holds (--map: where they live, at a glance)."""
     daemons = unique_daemons(daemon)
     answers, failed = _each_daemon(daemons, lambda d: client.list_shards(d, model or "", timeout))
     if not answers:  # nothing to show; the errors are on stderr
@@ -144,6 +147,9 @@ def shards(
     rows = views.select_shards(rows, tier=tier, param=param, sort=sort, reverse=reverse)
     if as_json:
         views.print_json(rows)
+    elif as_map:
+        for line in views.shard_map(rows):
+            views.console().print(line)
     else:
         views.console().print(views.shards_table(rows, daemons))
     if failed:

@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from ps_offload.proto import ps_pb2
 
@@ -275,6 +276,31 @@ def shards_table(rows: list[dict[str, Any]], daemons: list[str]) -> Table:
         cells += [human_bytes(r["bytes"]), r["tier"], str(r["version"]), "yes" if r["initialized"] else "no"]
         table.add_row(*[r["daemon"]] * multi, *cells)
     return table
+
+
+# One glyph per shard in `ps-admin shards --map`: readable without colour, coloured on a terminal.
+MAP_GLYPHS = {"ram": ("R", "green"), "nvme": ("n", "blue"), "corrupt": ("X", "bold red")}
+MAP_WIDTH = 64
+
+
+def shard_map(rows: list[dict[str, Any]]) -> list[Text]:
+    """Where a model's shards live at a glance: per model and daemon, one glyph per shard in id
+    order (R in RAM, n on NVMe only, X corrupt, ? anything else), MAP_WIDTH to a line."""
+    lines = [Text("R ram  n nvme  X corrupt  (one per shard, in shard id order)", style="dim")]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["daemon"]), []).append(r)
+    for (model, daemon), shards in sorted(groups.items()):
+        shards.sort(key=lambda r: r["shard_id"])
+        counts = ", ".join(f"{sum(s['tier'] == t for s in shards)} {t}" for t in sorted({s["tier"] for s in shards}))
+        lines.append(Text(f"{model} on {daemon}: {len(shards)} shards ({counts})", style="bold"))
+        for start in range(0, len(shards), MAP_WIDTH):
+            line = Text(f"  {shards[start]['shard_id']:>6} ")
+            for s in shards[start : start + MAP_WIDTH]:
+                glyph, style = MAP_GLYPHS.get(s["tier"], ("?", "yellow"))
+                line.append(glyph, style=style)
+            lines.append(line)
+    return lines
 
 
 def shard_tables(row: dict[str, Any]) -> tuple[Table, Table]:

@@ -147,6 +147,11 @@ def test_shards_filter_and_sort_by_tier(tmp_path):
         assert ids("--tier", "corrupt") == []
         assert ids("--sort", "tier") == [0, 2, 1]  # ram, then nvme
         assert ids("--sort", "tier", "--reverse") == [1, 2, 0]
+        # At a glance: a glyph per shard in id order, per model and daemon.
+        shown = run_admin("shards", "--map", "--daemon", daemon.address)
+        assert shown.returncode == 0, shown.stderr
+        assert f"model on {daemon.address}: 3 shards (1 nvme, 2 ram)" in shown.stdout
+        assert "      0 RnR" in shown.stdout
     finally:
         daemon.kill()
 
