@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from bench import (
     audit_overhead,
+    chart,
     compress_cpu,
     compress_gpu,
     compression_convergence,
@@ -40,6 +41,7 @@ from bench import (
 from bench.common import QUICK, REPO, RESULTS
 
 DOC = REPO / "docs" / "benchmarks.md"
+CHART = REPO / "docs" / "benchmarks.svg"
 MARKERS = {
     "results": ("<!-- results:begin -->", "<!-- results:end -->"),
     "status": ("<!-- status:begin -->", "<!-- status:end -->"),
@@ -350,6 +352,7 @@ def status(results: dict[str, dict]) -> str:
 
 def update_doc() -> None:
     results = _results()
+    chart.render(results, CHART)
     text = DOC.read_text()
     for key, body in (("results", table(results)), ("status", status(results))):
         begin, end = MARKERS[key]
