@@ -483,3 +483,54 @@ def test_planted_name_package_and_mirror_problems(tmp_path):
     assert "ps_offload.daemon.store" in unlisted_packages(root)
     problems = mirror_problems(root)
     assert any("nowhere" in p for p in problems) and any("share a file name" in p for p in problems)
+
+
+# -- the diagram --------------------------------------------------------------------------
+
+DIAGRAM = ("<!-- layers:begin -->", "<!-- layers:end -->")
+
+
+def layers_diagram() -> str:
+    """ALLOWED as a Mermaid graph, each unit pointing at what it may import, without the
+    arrows another path already implies (a transitive reduction of the DAG)."""
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in ALLOWED[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    def implied(unit: str, target: str) -> bool:
+        return any(target in reachable(other) for other in ALLOWED[unit] if other != target)
+
+    def node(unit: str) -> str:
+        return unit.replace(".", "_")
+
+    lines = ["```mermaid", "graph TD"]
+    for unit in sorted(ALLOWED):
+        lines.append(f'    {node(unit)}["{unit}"]')
+    for unit in sorted(ALLOWED):
+        for target in sorted(ALLOWED[unit]):
+            if not implied(unit, target):
+                lines.append(f"    {node(unit)} --> {node(target)}")
+    lines.append("```")
+    return "\n".join(lines)
+
+
+def test_the_architecture_diagram_is_the_layering():
+    """docs/architecture.md's diagram is generated from ALLOWED; regenerate it with
+    `python -c "from tests.test_layering import write_diagram; write_diagram()"`."""
+    begin, end = DIAGRAM
+    text = (REPO / "docs" / "architecture.md").read_text()
+    shown = text.split(begin, 1)[1].split(end, 1)[0].strip()
+    assert shown == layers_diagram(), "docs/architecture.md's layer diagram is stale: run write_diagram()"
+
+
+def write_diagram() -> None:
+    begin, end = DIAGRAM
+    path = REPO / "docs" / "architecture.md"
+    head, rest = path.read_text().split(begin, 1)
+    path.write_text(f"{head}{begin}\n{layers_diagram()}\n{end}{rest.split(end, 1)[1]}")
