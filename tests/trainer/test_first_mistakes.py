@@ -75,7 +75,7 @@ def test_a_daemon_that_does_not_answer_is_said_at_once(caplog):
     with socket.socket() as closed:  # a free port with nothing listening
         closed.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{closed.getsockname()[1]}"
-    client = trainer.ClientConfig(register_timeout_seconds=1.0, retry_seconds=1.0, backoff_seconds=0.1)
+    client = trainer.ClientConfig(register_timeout_seconds=5.0, retry_seconds=0.0)  # one attempt of 5 s
     with caplog.at_level(logging.WARNING), pytest.raises(Exception, match="RegisterModel"):
         trainer.offload(mlp((4, 4)), daemons=[address], optimizer=trainer.SGD(lr=0.1), client=client)
     messages = [r.getMessage() for r in caplog.records]

@@ -8,6 +8,7 @@ applied at most once per (shard, step) and a pull only reads.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -77,7 +78,7 @@ def busy(error: grpc.RpcError) -> bool:
     return BUSY_METADATA in [tuple(m) for m in (trailing() if trailing else None) or ()]
 
 
-UNREACHABLE_AFTER = 2.0  # seconds without a connection before registration says it is waiting
+UNREACHABLE_AFTER = 2.0  # seconds without an answer before registration says it is waiting
 
 
 class DaemonError(RuntimeError):
@@ -217,12 +218,19 @@ class ShardedClient:
         self.model = spec.model
         self.created = []
         for index, client in enumerate(self.clients):
-            self._say_if_unreachable(index)
-            response = self._call(
-                f"RegisterModel {spec.model!r}",
-                index,
-                lambda c=client, i=index: c.register(spec, i, timeout=self.config.register_timeout_seconds),
-            )
+            # Registration waits for a daemon that is down (it may be starting): said after a
+            # moment, not only once the first attempt's deadline (30 s) has passed.
+            waiting = threading.Timer(UNREACHABLE_AFTER, self._say_unanswered, (index,))
+            waiting.daemon = True
+            waiting.start()
+            try:
+                response = self._call(
+                    f"RegisterModel {spec.model!r}",
+                    index,
+                    lambda c=client, i=index: c.register(spec, i, timeout=self.config.register_timeout_seconds),
+                )
+            finally:
+                waiting.cancel()
             if index == 0:
                 spec.shard_bytes = response.shard_bytes
                 self.plan = expected_plan(spec, response.shard_bytes)
@@ -242,18 +250,13 @@ class ShardedClient:
             self._use_data_plane(index, response)
         return self.plan
 
-    def _say_if_unreachable(self, index: int) -> None:
-        """Registration waits for a daemon that is down (it may be starting); say so at once
-        instead of after the first attempt's deadline."""
-        try:
-            grpc.channel_ready_future(self.clients[index].channel).result(timeout=UNREACHABLE_AFTER)
-        except grpc.FutureTimeoutError:
-            wait = self.config.register_timeout_seconds + self.config.retry_seconds
-            log.warning(
-                "daemon %s does not answer (is it running, and is %s its server.listen?); waiting up to %.0f s for it "
-                "(ClientConfig.register_timeout_seconds + retry_seconds)",
-                self.daemons[index], self.daemons[index], wait,
-            )  # fmt: skip
+    def _say_unanswered(self, index: int) -> None:
+        wait = self.config.register_timeout_seconds + self.config.retry_seconds
+        log.warning(
+            "daemon %s does not answer (is it running, and is %s its server.listen?); waiting up to %.0f s for it "
+            "(ClientConfig.register_timeout_seconds + retry_seconds)",
+            self.daemons[index], self.daemons[index], wait,
+        )  # fmt: skip
 
     def _use_data_plane(self, index: int, response: ps_pb2.RegisterModelResponse) -> None:
         current, data_port, endpoint = self.transports[index], response.data_port, response.local_endpoint
