@@ -136,6 +136,7 @@ def export(
             files[file] = {"tensor": kind, "part": number, "bytes": (out / file).stat().st_size,
                            "crc32c": _crc(out / file)}  # fmt: skip
         progress.advance(task, part_numel * 4 * len(kinds))
+    part_of = {index: number for number, indices in enumerate(parts, 1) for index in indices}
     manifest = {
         "format": FORMAT,
         "model": model,
@@ -150,7 +151,7 @@ def export(
                 "shape": list(p.shape),
                 "offset": p.offset,
                 "numel": p.numel,
-                "part": next(n for n, idx in enumerate(parts, 1) if i in idx),
+                "part": part_of[i],
             }
             for i, p in enumerate(info.params)
         ],  # fmt: skip

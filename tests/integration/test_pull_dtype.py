@@ -90,10 +90,7 @@ class Served:
 def served(tmp_path_factory):
     """One daemon with two models, both initialized to INITIAL: "init" at version 0, and
     "stepped" one AdamW step further (version 1)."""
-    workdir = tmp_path_factory.mktemp("daemon")
-    config = workdir / "allow.toml"  # INITIAL holds infinities and NaNs on purpose: their rounding is tested
-    config.write_text("[store]\nallow_nonfinite_pushes = true\n")
-    daemon = LocalDaemon(workdir, "--config", str(config))
+    daemon = LocalDaemon(tmp_path_factory.mktemp("daemon"))
     try:
         client = ShardedClient([daemon.address], config=ClientConfig(transport="grpc"))
         for model in ("init", "stepped"):
