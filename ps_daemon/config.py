@@ -129,8 +129,8 @@ class StoreConfig:
     """With an NVMe tier: as each push arrives, read ahead this many shards that came next
     in the previous step's order (0: only the trainers' Prefetch hints)."""
     allow_nonfinite_pushes: bool = False
-    """Apply a push whose values hold a NaN or an infinity (a gradient element, a TOPK value, a
-    ONEBIT block scale, an initial value), as torch would in process. Off: it is refused with
+    """Apply a gradient or momentum push whose values hold a NaN or an infinity (an element, a
+    TOPK value, a ONEBIT block scale), as torch would in process. Off: it is refused with
     INVALID_ARGUMENT naming the shard and the first such value, and nothing changes: on a
     shared daemon one trainer's NaN would otherwise poison the shard's state for good.
     Checking costs one read of the payload per push (docs/benchmarks.md, nonfinite_check)."""

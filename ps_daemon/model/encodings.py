@@ -112,13 +112,11 @@ def parse(
     raise InvalidArgument(f"{where}: unknown encoding {encoding!r}")
 
 
-def check_finite(data: torch.Tensor | CompressedGradient, where: str, sections: tuple[str, ...] = ()) -> None:
+def check_finite(data: torch.Tensor | CompressedGradient, where: str) -> None:
     """Raises InvalidArgument naming the first NaN or infinite value of a parsed payload: a RAW
     or BF16/FP16 element, a TOPK value, a ONEBIT block scale (a sign cannot be one). One pass
     over those values, their sum (the fastest reduction here): a NaN or an infinity makes it
-    non-finite, and so may an overflow of finite values, which the exact check then clears.
-    `sections`: the names of equal tensors laid end to end in a RAW payload (a STATE's
-    master and optimizer state), to name the one that holds the value."""
+    non-finite, and so may an overflow of finite values, which the exact check then clears."""
     if isinstance(data, OneBitGradient):
         values, what = data.scales, "block scale"
     elif isinstance(data, (TopKGradient, CastGradient)):
@@ -132,9 +130,6 @@ def check_finite(data: torch.Tensor | CompressedGradient, where: str, sections: 
         return  # finite values whose sum overflowed
     at = int((~torch.isfinite(values)).nonzero()[0])
     place = f"{what} {at}" + (f" (of element {int(data.indices[at])})" if isinstance(data, TopKGradient) else "")
-    if sections:
-        numel = values.numel() // len(sections)
-        place = f"{sections[at // numel]} {what} {at % numel}"
     raise InvalidArgument(
         f"{where}: {place} is {float(values[at])}; nothing was applied. A non-finite value would make the "
         "shard's master values and optimizer state non-finite for good, for every trainer of the model: find "

@@ -27,10 +27,10 @@ from ps_offload.daemon.store.master_pull import Scratch
 from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.pull_rounding import tensor_bytes
 from ps_offload.daemon.store.pull_wait import PullWait
-from ps_offload.daemon.store.shard import SHARD_TENSORS
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import ps_pb2
 
+STEPPED = frozenset({"gradient", "gradient_part", "momentum"})
 ReadPayload = Callable[[memoryview], None]
 """Fills the view given (the header's nbytes; empty for an APPLY) with the push's payload, or raises."""
 InPlace = Callable[[int], torch.Tensor | None]
@@ -62,9 +62,11 @@ def receive_push(
         if push.kind != "apply":  # an APPLY carries none: the parts held are its gradient
             shard = store.shard(push.model, push.shard_id)
             push = push.with_data(parse(push.encoding, payload, push.nbytes, push.payload_numel(shard), push.where))
-            if not store.allow_nonfinite_pushes:  # before anything changes (its parts too)
-                state = SHARD_TENSORS[: 1 + shard.optimizer.config.state_per_param] if push.kind == "state" else ()
-                check_finite(push.data, push.where, state)
+            # What the optimizer step would take in (a gradient, a part of one, 1-bit Adam's
+            # momentum), before anything changes. Initial values and restored state are copied,
+            # once: a check there would be a second pass over a copy for nothing to guard.
+            if push.kind in STEPPED and not store.allow_nonfinite_pushes:
+                check_finite(push.data, push.where)
         result = store.push(push, scratch=staging.borrow)
     return ps_pb2.PushResponse(applied=result.applied, version=result.version)
 
