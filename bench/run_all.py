@@ -311,7 +311,40 @@ def _nvme_engines(r: dict) -> str:
     )
 
 
+def _compress_gpu(r: dict) -> str:
+    return (
+        f"On {r['notes'].split(' on ')[-1].split(';')[0]}. Variants, GB/s and ratio to a device copy: "
+        + ", ".join(f"{k} {v['ours_gbps']} ({v['ratio']})" for k, v in r["methods"].items())
+        + f"; one call on 1024 elements {r['launch_overhead_us']} µs (Numba's launch path)."
+    )
+
+
+def _gpu_step(r: dict) -> str:
+    steps = r.get("steps_per_s") or {"ours": r["ours"], "torchao": r["peer"]}
+    text = f"On {r['device']}, {r['params'] / 1e9:.2f}B parameters: steps/s " + ", ".join(
+        f"{who} {v}" for who, v in steps.items()
+    )
+    if "ratio_vs_torchao_fp32" in r:
+        text += f"; against torchao with fp32 state {r['ratio_vs_torchao_fp32']}×"
+    idle = r["gpu_idle_fraction"]
+    text += ". GPU idle per step: " + ", ".join(f"{who} {_pct(v)}" for who, v in idle.items()) + "."
+    if prof := r.get("profile"):
+        ours = prof["ours"]
+        text += (
+            f" Profiled: our step {ours['step_ms']} ms, of which the daemon's optimizer {ours['daemon_optimizer_ms']}"
+            " ms; " + ", ".join(f"{who}'s step {v['step_ms']} ms" for who, v in prof.items() if who != "ours") + "."
+        )
+    return text + (
+        " What bounds ours: the daemon's AdamW, memory-bound on the host's cores, over fp32 master, exp_avg and "
+        "exp_avg_sq; torchao keeps its CPU copy, and so AdamW's state, in the parameters' dtype, bf16 here: about "
+        "half the bytes per step, with bf16 AdamW's rounding (`torchao_fp32`, where measured, is the same "
+        "precision as ours)."
+    )
+
+
 DETAILS: dict[str, Callable[[dict], str]] = {
+    "compress_gpu": _compress_gpu,
+    "gpu_step_vs_torchao": _gpu_step,
     "nonfinite_check": _nonfinite_check,
     "nvme_engines_write": _nvme_engines,
     "nvme_engines_read": _nvme_engines,

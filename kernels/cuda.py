@@ -17,6 +17,20 @@ from numba import config, cuda
 from ps_offload.kernels import BLOCK, LANES, ROWS, rounding
 
 _SIM = bool(config.ENABLE_CUDASIM)
+if not _SIM:
+    # The first compile imports numba.cuda's numpy overloads; numba-cuda 0.30.4 (the newest as
+    # of 2026-11) registers one for np.row_stack, which numpy 2.5 removed, so every kernel then
+    # fails with an AttributeError deep in its compile (seen on the GPU image: numpy 2.5.2). Say
+    # so at import, with the way out, instead.
+    try:
+        import numba.cuda.cudaimpl  # noqa: F401
+    except AttributeError as exc:
+        from importlib.metadata import version
+
+        raise ImportError(
+            f"numba-cuda {version('numba-cuda')} does not work with numpy {np.__version__} ({exc}); "
+            "pip install 'numpy<2.5' (the `cuda` extra asks for it), or a numba-cuda that supports it"
+        ) from exc
 
 _f32_to_bf16 = cuda.jit(device=True)(rounding.f32_to_bf16)
 _bf16_to_f32 = cuda.jit(device=True)(rounding.bf16_to_f32)

@@ -37,7 +37,7 @@ OLDEST = "2.11"
 TORCH_2_11 = {
     "torch": """
         Event Generator Size Stream Tensor __version__ _foreach_norm _fused_adamw_ _fused_sgd_
-        aminmax arange bfloat16 bool cat clamp device dtype empty empty_like enable_grad equal finfo
+        aminmax arange autocast bfloat16 bool cat clamp device dtype empty empty_like enable_grad equal finfo
         float16 float32 float64 from_file frombuffer full full_like get_num_threads histc int32 int64
         is_grad_enabled isfinite isnan long manual_seed mul multinomial nextafter no_grad ones rand
         randint randn set_num_threads softmax sort stack tensor uint16 uint8 where zeros
@@ -68,6 +68,8 @@ TORCH_2_11 = {
     "torch.nn.init": "normal_ zeros_",
     "torch.nn.utils": "clip_grad_norm_ get_total_norm",
     "torch.optim": "AdamW Optimizer SGD",
+    "torch.profiler": "ProfilerActivity profile",  # bench/gpu_step_vs_torchao.py --profile (ran on 2.11)
+    "torch.profiler.ProfilerActivity": "CPU CUDA",
     "torch.utils": "swap_tensors",
     "torch.utils._pytree": "tree_flatten",
     "torch.utils.cpp_extension": "_get_build_directory",

@@ -85,3 +85,23 @@ def test_tensors_are_wrapped_inside_the_tensors_device_context(monkeypatch):
     index = grad.device.index  # (a CPU tensor's: None; a cuda:1 tensor's: 1)
     assert log == [("enter", index), ("wrap", index), ("wrap", index), ("wrap", index), ("launch", index),
                    ("exit", index)]  # fmt: skip
+
+
+def test_a_numpy_numba_cuda_cannot_compile_with_is_named_at_import():
+    """numba-cuda 0.30.4's first compile registers an overload of np.row_stack, which numpy 2.5
+    removed: on the GPU image (numpy 2.5.2) every kernel failed with an AttributeError deep in
+    its first launch. Importing the kernels says so instead, naming the way out; here numpy
+    without row_stack stands in for 2.5 (without the simulator, as on a GPU)."""
+    code = (
+        "import numpy\n"
+        "numpy.__dict__.pop('row_stack', None)\n"
+        "try:\n"
+        "    import ps_offload.kernels.cuda\n"
+        "except ImportError as exc:\n"
+        "    print('ImportError:', exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ImportError: numba-cuda" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "numpy<2.5" in proc.stdout and "row_stack" in proc.stdout, proc.stdout
