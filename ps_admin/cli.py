@@ -110,16 +110,23 @@ def main(
 
 @app.command()
 def models(daemon: DaemonsOpt = None, as_json: JsonOpt = False, timeout: TimeoutOpt = 10.0) -> None:
-    """List the models each daemon holds: spec, plan, optimizer."""
+    """List the models each daemon holds: spec, plan, optimizer; and each daemon's release."""
     daemons = unique_daemons(daemon)
-    answers, failed = _each_daemon(daemons, lambda d: client.list_models(d, timeout))
+    answers, failed = _each_daemon(daemons, lambda d: client.list_models_answer(d, timeout))
     if not answers:
         raise typer.Exit(1)
-    rows = [views.model_to_dict(info, d) for d, infos in answers for info in infos]
+    rows = [
+        {**views.model_to_dict(info, d), "daemon_version": answer.daemon_version, "protocol": answer.protocol}
+        for d, answer in answers
+        for info in answer.models
+    ]
     if as_json:
         views.print_json(rows)
     else:
-        views.console().print(views.models_table(rows))
+        out = views.console()
+        out.print(views.models_table(rows))
+        for d, answer in answers:  # also for a daemon holding no model
+            out.print(f"{d}: ps-offload {answer.daemon_version or '(before 0.1.0)'}, protocol {answer.protocol}")
     if failed:
         raise typer.Exit(1)
 

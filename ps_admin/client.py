@@ -76,8 +76,13 @@ def list_shards(daemon: str, model: str, timeout: float) -> list[ps_pb2.ShardInf
 
 
 def list_models(daemon: str, timeout: float) -> list[ps_pb2.ModelInfo]:
+    return list(list_models_answer(daemon, timeout).models)
+
+
+def list_models_answer(daemon: str, timeout: float) -> ps_pb2.ListModelsResponse:
+    """The models and the daemon's release and protocol."""
     request = ps_pb2.ListModelsRequest()
-    return list(rpc(daemon, "listing models", lambda stub: stub.ListModels(request, timeout=timeout)).models)
+    return rpc(daemon, "listing models", lambda stub: stub.ListModels(request, timeout=timeout))
 
 
 def get_model(daemon: str, model: str, timeout: float) -> ps_pb2.ModelInfo:

@@ -459,10 +459,14 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "daemon_version", "protocol")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+    daemon_version: str
+    protocol: int
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class GetModelRequest(_message.Message):
     __slots__ = ("model",)

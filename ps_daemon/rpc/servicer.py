@@ -23,6 +23,7 @@ from ps_offload.daemon.store import inspection, snapshot_admin, tier_admin
 from ps_offload.daemon.store.pull_wait import PullWaits
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import codec, ps_pb2
+from ps_offload.proto.channel import PROTOCOL
 from ps_offload.version import release
 
 
@@ -182,7 +183,7 @@ class AdminServicer:
             ps_pb2.ModelInfo(spec=ps_pb2.ModelSpec(model=name), damaged=why)
             for name, why in sorted(self.store.damaged.items())
         ]
-        return ps_pb2.ListModelsResponse(models=infos)
+        return ps_pb2.ListModelsResponse(models=infos, daemon_version=release(), protocol=PROTOCOL)
 
     @grpc_errors
     def CreateSnapshot(self, request: ps_pb2.CreateSnapshotRequest, context: grpc.ServicerContext):

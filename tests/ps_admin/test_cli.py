@@ -15,11 +15,13 @@ import grpc
 import pytest
 import torch
 
+import ps_offload
 from ps_offload import trainer
 from ps_offload.admin import views
 from ps_offload.daemon.model.optimizer import AdamWConfig
 from ps_offload.daemon.store.shard import shard_resident_bytes
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
+from ps_offload.proto.channel import PROTOCOL
 from ps_offload.proto.plan import ShardSlice
 
 REPO = Path(__file__).resolve().parents[2]
@@ -287,6 +289,13 @@ def test_models_lists_the_spec_and_the_flat_layout(trained):
         {"name": "bias", "shape": [OUT_FEATURES], "offset": weight, "numel": OUT_FEATURES},
     ]
     assert row["numel"] == trained.flat.numel()
+    assert (row["daemon_version"], row["protocol"]) == (ps_offload.__version__, PROTOCOL)
+
+
+def test_models_names_each_daemons_release_even_without_models(daemon):
+    result = run_admin("models", "--daemon", daemon.address)
+    assert result.returncode == 0, result.stderr
+    assert f"{daemon.address}: ps-offload {ps_offload.__version__}, protocol {PROTOCOL}" in result.stdout
 
 
 # -- verify on a RAM-only daemon -------------------------------------------------------
