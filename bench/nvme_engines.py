@@ -113,17 +113,75 @@ def _aio(path: str, view: memoryview, block: int, depth: int, write: bool) -> No
         file.close()
 
 
-ENGINES = {"threads": _threads, "io_uring": _uring, "libaio": _aio}
+@functools.cache
+def _deepspeed_handle(block: int, depth: int):
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    # 0.19: block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism (as nvme_io)
+    return AsyncIOBuilder().load(verbose=False).aio_handle(block, depth, False, True, 1)
+
+
+_DEEPSPEED_BUFFERS: dict[int, object] = {}
+
+
+def _deepspeed(path: str, view: memoryview, block: int, depth: int, write: bool) -> None:
+    """DeepSpeed's aio handle at the same block size and queue depth, from its own page-locked
+    buffer holding the same bytes (ZeRO-Infinity's swapper), then one fdatasync."""
+    import torch
+
+    handle = _deepspeed_handle(block, depth)
+    key = id(view)
+    if key not in _DEEPSPEED_BUFFERS:
+        locked = handle.new_cpu_locked_tensor(len(view), torch.empty(0, dtype=torch.uint8))
+        locked.copy_(torch.frombuffer(view, dtype=torch.uint8))
+        _DEEPSPEED_BUFFERS[key] = locked
+    buffer = _DEEPSPEED_BUFFERS[key]
+    submit = handle.async_pwrite if write else handle.async_pread
+    if submit(buffer, path, 0) != 0 or handle.wait() != 1:
+        raise OSError(5, "deepspeed aio: the transfer failed")
+    if write:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+
+def _locked(view: memoryview) -> memoryview:
+    """The same bytes in page-locked memory (mlock), as DeepSpeed's buffers are: does locking
+    alone make O_DIRECT faster?"""
+    import ctypes
+
+    region = mmap.mmap(-1, len(view))
+    locked = memoryview(region)
+    locked[:] = view
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    if ctypes.CDLL(None, use_errno=True).mlock(ctypes.c_void_p(address), ctypes.c_size_t(len(view))) != 0:
+        raise OSError(ctypes.get_errno(), "mlock of the benchmark buffer failed (RLIMIT_MEMLOCK?)")
+    return locked
+
+
+# (engine, the Python module it needs or None)
+ENGINES = {
+    "threads": (_threads, None),
+    "threads_locked": (_threads, None),  # the same, from page-locked memory
+    "io_uring": (_uring, "liburing"),
+    "libaio": (_aio, "libaio"),
+    "deepspeed": (_deepspeed, "deepspeed"),
+}
 
 
 def main() -> list[dict]:
-    missing = [name for name, module in (("io_uring", "liburing"), ("libaio", "libaio")) if not _importable(module)]
-    if missing:
-        print(f"nvme_engines: skipped, {' and '.join(missing)} not installed (see bench/nvme_engines.py)")
+    present = {name: fn for name, (fn, module) in ENGINES.items() if module is None or _importable(module)}
+    others = [name for name in present if not name.startswith("threads")]
+    missing = sorted(set(ENGINES) - set(present))
+    if not others:
+        print("nvme_engines: skipped, none of liburing, libaio, deepspeed is installed (see bench/nvme_engines.py)")
         return []
     region = mmap.mmap(-1, TOTAL)
     view = memoryview(region)
     view[:] = os.urandom(1 << 20) * (TOTAL >> 20)
+    locked = _locked(view)
     shapes: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="ps-bench-engines-", dir=REPO) as tmp:
         path = os.path.join(tmp, "file")
@@ -132,14 +190,19 @@ def main() -> list[dict]:
             os.fsync(f.fileno())
         for block, depth in SHAPES:
             for write in (True, False):
-                runs = {name: functools.partial(fn, path, view, block, depth, write) for name, fn in ENGINES.items()}
+                runs = {
+                    name: functools.partial(fn, path, locked if name == "threads_locked" else view, block, depth, write)
+                    for name, fn in present.items()
+                }
                 times = interleaved_many(runs, reps=REPS)
                 gbps = {name: [TOTAL / t / 1e9 for t in ts] for name, ts in times.items()}
                 key = f"{'write' if write else 'read'} {block >> 20} MiB x {depth}"
-                rounds = zip(gbps["threads"], gbps["io_uring"], gbps["libaio"], strict=True)
                 shapes[key] = {
                     "gbps": {name: round(statistics.median(v), 3) for name, v in gbps.items()},
-                    "ratios": [threads / max(uring, aio) for threads, uring, aio in rounds],
+                    # per round: our threads over the fastest other engine of that round
+                    "ratios": [
+                        gbps["threads"][i] / max(gbps[name][i] for name in others) for i in range(len(gbps["threads"]))
+                    ],
                 }
                 print(key, shapes[key]["gbps"])
     records = []
@@ -147,7 +210,7 @@ def main() -> list[dict]:
         ratios = [r for key, s in shapes.items() if key.startswith(kind) for r in s["ratios"]]
         ours = statistics.median([s["gbps"]["threads"] for key, s in shapes.items() if key.startswith(kind)])
         peer = statistics.median(
-            [max(s["gbps"]["io_uring"], s["gbps"]["libaio"]) for key, s in shapes.items() if key.startswith(kind)]
+            [max(s["gbps"][name] for name in others) for key, s in shapes.items() if key.startswith(kind)]
         )
         records.append(
             record(
@@ -159,12 +222,14 @@ def main() -> list[dict]:
                 higher_is_better=True,
                 ratio=statistics.median(ratios),
                 notes=(
-                    f"the NVMe tier's thread pool against the faster of io_uring (liburing) and kernel AIO (libaio), "
+                    f"the NVMe tier's thread pool against the fastest of {', '.join(others)}, "
                     f"{TOTAL >> 20} MiB O_DIRECT {kind}s of the same blocks with the same number in flight, "
                     "over three shapes (1 MiB x 32, 8 MiB x 4, 8 MiB x 8); ABC CBA rounds; ratio = median of the "
                     "per-round ratios"
                 ),
                 extra={
+                    "engines": list(present),
+                    "engines_missing": missing,
                     "ratio_spread": spread(ratios),
                     "shapes": {k: s["gbps"] for k, s in shapes.items() if k.startswith(kind)},
                 },

@@ -170,10 +170,29 @@ def main() -> list[dict]:
         def ours_together_read() -> None:
             assert all(together.map(lambda i: files.load("bench", i, arenas[i][1]) is not None, range(SHARDS)))
 
+        # A diagnostic, not a contender: the same DirectIO moving the same shards' bytes to the
+        # same offsets of a file of its own, shard after shard, without a commit's header, its
+        # two fdatasyncs per shard and a load's crc32c check (one fdatasync after all writes, as
+        # the DeepSpeed peer's). What the commit protocol costs = ours against this.
+        raw_path = directory / "raw.dat"
+        with open(raw_path, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, file_bytes)
+        raw_io = DirectIO(threads=IO_THREADS, block_bytes=IO_BLOCK)
+        raw_fd = os.open(raw_path, os.O_RDWR | os.O_DIRECT)
+
+        def bytes_only_write() -> None:
+            for (_, view), offset in zip(arenas, slot_offsets, strict=True):
+                raw_io.write(raw_fd, view, offset)
+            os.fdatasync(raw_fd)
+
+        def bytes_only_read() -> None:
+            for (_, view), offset in zip(arenas, slot_offsets, strict=True):
+                raw_io.read(raw_fd, view, offset)
+
         fio_path = directory / "fio.dat"
-        writes = {"ours": ours_write, "ours_together": ours_together_write,
+        writes = {"ours": ours_write, "ours_together": ours_together_write, "bytes_only": bytes_only_write,
                   "fio": lambda: fio_seconds(fio_path, "write", io_bytes=total, file_bytes=file_bytes)}  # fmt: skip
-        reads = {"ours": ours_read, "ours_together": ours_together_read,
+        reads = {"ours": ours_read, "ours_together": ours_together_read, "bytes_only": bytes_only_read,
                  "fio": lambda: fio_seconds(fio_path, "read", io_bytes=total, file_bytes=file_bytes)}  # fmt: skip
         ds = None
         if not ds_missing:
@@ -185,6 +204,7 @@ def main() -> list[dict]:
         fio_seconds(fio_path, "write", io_bytes=file_bytes, file_bytes=file_bytes)
         ours_write()
         ours_write()
+        bytes_only_write()
         write_t = interleaved_many(writes, reps=ROUNDS, warmup=1)
         read_t = interleaved_many(reads, reps=ROUNDS, warmup=1)
         together.shutdown()
@@ -202,6 +222,8 @@ def main() -> list[dict]:
         if ds is not None:
             ds.close()
         files.close()
+        os.close(raw_fd)
+        raw_io.close()
 
     peers = ["fio"] + ([] if ds_missing else ["deepspeed"])
     results = []
@@ -241,6 +263,13 @@ def main() -> list[dict]:
                     "ratio_together_spread": spread(best_together),
                     "committers": COMMITTERS,
                     "flushes_shared": shared,
+                    # The same bytes through the same DirectIO without the commit protocol (above).
+                    "ratio_to_bytes_only": round(
+                        median([b / o for o, b in zip(t["ours"], t["bytes_only"], strict=True)]), 3
+                    ),
+                    "bytes_only_vs_faster_peer": round(
+                        median([min(t[who][r] for who in peers) / t["bytes_only"][r] for r in range(ROUNDS)]), 3
+                    ),
                 },
             )
         )
