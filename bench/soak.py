@@ -50,7 +50,7 @@ from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.channel import method_path
 from ps_offload.proto.frames import send_message
 from ps_offload.trainer.debug_models import mlp
-from ps_offload.trainer.wire.sharded_client import DaemonError
+from ps_offload.trainer.wire.daemon_client import DaemonError
 
 SHARD_BYTES = 4096  # 7 shards: several commits per step, so a crash point lands mid-step
 

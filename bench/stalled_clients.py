@@ -33,7 +33,7 @@ from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import codec, ps_pb2
 from ps_offload.proto.channel import method_path
 from ps_offload.proto.push import Push
-from ps_offload.trainer.wire.sharded_client import DaemonClient
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 
 SHARD_BYTES = 64 << 20  # the default shard size: far past HTTP/2's flow-control windows
 # A connection of its own for each client, as separate processes would have (channels to one

@@ -19,6 +19,7 @@ piece of a parameter so that the result is still bit-identical to torch.optim's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,13 +56,19 @@ class ParamLayout:
 @dataclass(frozen=True)
 class ShardSlice:
     shard_id: int
-    daemon_index: int
+    daemon_index: int  # the primary
     offset: int
     numel: int
+    replicas: tuple[int, ...] = ()  # the other daemons holding it (place_replicas), in order
 
     @property
     def end(self) -> int:
         return self.offset + self.numel
+
+    @property
+    def holders(self) -> tuple[int, ...]:
+        """Every daemon holding the shard, the primary first."""
+        return (self.daemon_index, *self.replicas)
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,24 @@ def plan_shards(total_numel: int, shard_numel: int, num_daemons: int, starts: Se
             shards.append(ShardSlice(len(shards), daemon, offset, numel))
     validate_plan(shards, total_numel=total_numel, shard_numel=shard_numel, num_daemons=num_daemons, starts=cuts)
     return shards
+
+
+def place_replicas(shards: list[ShardSlice], num_daemons: int, replicas: int) -> list[ShardSlice]:
+    """The plan with each shard on `replicas` daemons: replica j of a shard whose primary is p
+    is daemon (p + j * (num_daemons // replicas)) mod num_daemons, as far apart in the list as
+    the count allows (distinct, as step * replicas <= num_daemons). It depends on the daemons'
+    number and order only, as the plan does, so a daemon moved to another address keeps its
+    shards; a list written node by node (the same number of daemons on each) puts a shard's
+    replicas on different nodes. replicas 0 or 1: the plan as it is."""
+    if replicas <= 1:
+        return shards
+    if replicas > num_daemons:
+        raise PlanError(f"{replicas} replicas need at least {replicas} daemons, the list has {num_daemons}")
+    step = num_daemons // replicas
+    return [
+        dataclasses.replace(s, replicas=tuple((s.daemon_index + j * step) % num_daemons for j in range(1, replicas)))
+        for s in shards
+    ]
 
 
 def validate_plan(

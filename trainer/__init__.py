@@ -22,7 +22,8 @@ Pipeline stages x data-parallel replicas, under torchrun:
 
 The same names are in `ps_offload.trainer` (`from ps_offload import trainer`): what a training
 script needs. The plumbing stays importable from its module (the clients from
-ps_offload.trainer.wire.sharded_client, StepOptimizer from ps_offload.trainer.pipeline.local_optimizer).
+ps_offload.trainer.wire.sharded_client and .daemon_client, StepOptimizer from
+ps_offload.trainer.pipeline.local_optimizer).
 """
 
 from ps_offload.proto.cluster import daemon_addresses
@@ -46,7 +47,7 @@ from ps_offload.trainer.pipeline.local_optimizer import LocalOptimizer
 from ps_offload.trainer.pipeline.trainer import PipelineTrainer
 from ps_offload.trainer.stream.optimizer import StreamedOptimizer
 from ps_offload.trainer.stream.settings import StepLost, StepTorn, Streaming
-from ps_offload.trainer.wire.sharded_client import DaemonError
+from ps_offload.trainer.wire.daemon_client import DaemonError
 
 __all__ = [
     "SGD",

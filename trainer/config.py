@@ -129,6 +129,14 @@ class OffloadConfig:
     """The largest |difference| an audit lets pass, per element of the master and of each state
     tensor. 0: bit for bit, what a CPU daemon running the trainer's torch build gives. Raise it
     for daemons whose CPU takes other kernel paths (another instruction set or torch build)."""
+    replicas: int = 1
+    """Daemons holding each shard (at most as many as the list has). With 2 or more, every push
+    goes to each live holder of its shard, which apply it alike (their kernels are checked to
+    round alike at registration), pulls come from the first live one, and training goes on
+    while any replicas - 1 of a shard's holders are lost: a holder that stops answering for
+    `ClientConfig.dead_peer_seconds` is left out for the rest of the run, with a WARNING naming
+    the shards it leaves short. Replica j of a shard sits num_daemons / replicas places after
+    its primary in the daemon list, so a list written node by node puts them on other nodes."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -148,6 +156,9 @@ class OffloadConfig:
             raise ValueError(
                 "OffloadConfig.push_in_backward needs staleness=0 (the delayed update pushes after backward)"
             )
+        replicas = self.replicas
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"OffloadConfig.replicas must be an int >= 1, got {replicas!r}")
         every = self.audit_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"OffloadConfig.audit_every must be an int >= 0 (0: off), got {every!r}")

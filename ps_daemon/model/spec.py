@@ -60,9 +60,10 @@ class ModelSpec:
     optimizer: OptimizerConfig
     shard_bytes: int
     daemons: tuple[str, ...]
+    replicas: int = 1  # daemons holding each shard (ps_proto/plan.py place_replicas)
 
     def identity(self) -> tuple:
-        return (self.model, self.params, self.optimizer, self.shard_bytes, len(self.daemons))
+        return (self.model, self.params, self.optimizer, self.shard_bytes, len(self.daemons), self.replicas)
 
     @property
     def group_count(self) -> int:
@@ -107,6 +108,11 @@ def validate_spec(spec: ModelSpec, daemon_index: int) -> None:
         raise InvalidArgument("the daemon list is empty")
     if not 0 <= daemon_index < len(spec.daemons):
         raise InvalidArgument(f"daemon_index {daemon_index} is outside the daemon list of {len(spec.daemons)}")
+    if not 1 <= spec.replicas <= len(spec.daemons):
+        raise InvalidArgument(
+            f"model {spec.model!r}: {spec.replicas} replicas of each shard need as many daemons; the list has "
+            f"{len(spec.daemons)}"
+        )
     for param in spec.params:
         if param.dtype not in SUPPORTED_COMPUTE_DTYPES:
             raise InvalidArgument(
@@ -168,7 +174,7 @@ def spec_difference(old: ModelSpec, new: ModelSpec, old_index: int, new_index: i
         return f"this daemon is index {old_index}, the new request says {new_index}"
     if len(old.daemons) != len(new.daemons):
         return f"{len(old.daemons)} daemons before, {len(new.daemons)} now"
-    for name in ("params", "optimizer", "shard_bytes"):
+    for name in ("params", "optimizer", "shard_bytes", "replicas"):
         if getattr(old, name) != getattr(new, name):
             if name == "params":
                 for a, b in zip(old.params, new.params, strict=False):  # lengths may differ
@@ -200,12 +206,13 @@ def spec_to_dict(spec: ModelSpec) -> dict:
         "optimizer": {"type": "adamw" if isinstance(spec.optimizer, AdamWConfig) else "sgd", **asdict(spec.optimizer)},
         "shard_bytes": spec.shard_bytes,
         "daemons": list(spec.daemons),
+        "replicas": spec.replicas,
     }
 
 
 def spec_from_dict(data: dict) -> ModelSpec:
     """The inverse of spec_to_dict (files written before param groups: every group 0; before
-    starts_shard: no flag, the plan of equal shards they were written under)."""
+    starts_shard: no flag, the plan of equal shards they were written under; before replicas: one)."""
     params = tuple(
         ParamSpec(
             p["name"], tuple(p["shape"]), p["dtype"], p["weight_decay"], p.get("group", 0), p.get("starts_shard", False)
@@ -215,4 +222,6 @@ def spec_from_dict(data: dict) -> ModelSpec:
     optimizer = dict(data["optimizer"])
     kind = optimizer.pop("type")
     config = AdamWConfig(**optimizer) if kind == "adamw" else SGDConfig(**optimizer)
-    return ModelSpec(data["model"], params, config, data["shard_bytes"], tuple(data["daemons"]))
+    return ModelSpec(
+        data["model"], params, config, data["shard_bytes"], tuple(data["daemons"]), data.get("replicas", 1)
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ps_offload.daemon.errors import InvalidArgument
+from ps_offload.daemon.model.kernel_digest import kernel_digest
 from ps_offload.daemon.model.optimizer import AdamWConfig, GroupHyperparams, SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.store.inspection import Verdict
@@ -61,7 +62,7 @@ def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
         optimizer = SGDConfig(o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov)
     else:
         raise InvalidArgument(f"model {spec.model!r}: no optimizer given (adamw or sgd)")
-    return ModelSpec(spec.model, tuple(params), optimizer, spec.shard_bytes, tuple(spec.daemons))
+    return ModelSpec(spec.model, tuple(params), optimizer, spec.shard_bytes, tuple(spec.daemons), max(1, spec.replicas))
 
 
 def plan_to_proto(
@@ -76,12 +77,15 @@ def plan_to_proto(
         shards=_placements(model),
         daemon_version=release(),
         protocol=PROTOCOL,
+        kernel_digest=kernel_digest(),
     )
 
 
 def _placements(model: RegisteredModel) -> list[ps_pb2.ShardPlacement]:
     return [
-        ps_pb2.ShardPlacement(shard_id=s.shard_id, daemon_index=s.daemon_index, offset=s.offset, numel=s.numel)
+        ps_pb2.ShardPlacement(
+            shard_id=s.shard_id, daemon_index=s.daemon_index, offset=s.offset, numel=s.numel, holders=s.holders
+        )
         for s in model.plan
     ]
 
@@ -199,8 +203,9 @@ def spec_to_proto(spec: ModelSpec) -> ps_pb2.ModelSpec:
             )
         )
     return ps_pb2.ModelSpec(
-        model=spec.model, params=params, optimizer=optimizer, shard_bytes=spec.shard_bytes, daemons=list(spec.daemons)
-    )
+        model=spec.model, params=params, optimizer=optimizer, shard_bytes=spec.shard_bytes, daemons=list(spec.daemons),
+        replicas=spec.replicas,
+    )  # fmt: skip
 
 
 def model_info(model: RegisteredModel) -> ps_pb2.ModelInfo:

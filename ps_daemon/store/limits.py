@@ -53,7 +53,7 @@ def check_plan_size(limits: StoreLimits, spec: ModelSpec) -> None:
 def arena_bytes(plan: list[ShardSlice], daemon_index: int, spec: ModelSpec) -> list[int]:
     """The arena bytes (master and optimizer state) of each of this daemon's shards."""
     state = spec.optimizer.state_per_param
-    return [arena_numel(s.numel, state) * FP32_BYTES for s in plan if s.daemon_index == daemon_index]
+    return [arena_numel(s.numel, state) * FP32_BYTES for s in plan if daemon_index in s.holders]
 
 
 def check_ram(name: str, arenas: list[int], *, ram_bytes: int, used: int | None) -> None:

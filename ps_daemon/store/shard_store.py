@@ -57,7 +57,15 @@ from ps_offload.daemon.tiers.nvme import NvmeFiles
 from ps_offload.daemon.tiers.ram import RamTier
 from ps_offload.daemon.tiers.ram_only import NoShardFiles, RamOnlyTier, RamSums
 from ps_offload.daemon.tiers.tier import ResidencyTier, ShardFiles, SumStore
-from ps_offload.proto.plan import ParamLayout, ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
+from ps_offload.proto.plan import (
+    ParamLayout,
+    ShardSlice,
+    layout_params,
+    place_replicas,
+    plan_shards,
+    shard_numel_for,
+    shard_starts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +164,8 @@ class ShardStore:
         layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
         total = sum(p.numel for p in layouts)
         starts = shard_starts(layouts, [p.starts_shard for p in spec.params])
-        return plan_shards(total, shard_numel_for(spec.shard_bytes), len(spec.daemons), starts)
+        plan = plan_shards(total, shard_numel_for(spec.shard_bytes), len(spec.daemons), starts)
+        return place_replicas(plan, len(spec.daemons), spec.replicas)
 
     def _build(self, spec: ModelSpec, daemon_index: int, plan: list[ShardSlice] | None = None) -> RegisteredModel:
         layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
@@ -173,7 +182,7 @@ class ShardStore:
                 sums=self.accumulators,
             )  # fmt: skip
             for s in plan
-            if s.daemon_index == daemon_index
+            if daemon_index in s.holders
         }
         return RegisteredModel(spec, daemon_index, layouts, plan, shards)
 
@@ -248,10 +257,11 @@ class ShardStore:
         shard = model.shards.get(shard_id)
         if shard is None:
             if shard_id < len(model.plan):
-                owner = model.plan[shard_id].daemon_index
+                holders = model.plan[shard_id].holders
+                where = ", ".join(f"daemon {i} ({model.spec.daemons[i]})" for i in holders)
                 raise NotFound(
-                    f"shard {shard_id} of model {model_name!r} lives on daemon {owner} "
-                    f"({model.spec.daemons[owner]}), not on this one (daemon {model.daemon_index})"
+                    f"shard {shard_id} of model {model_name!r} lives on {where}, not on this one "
+                    f"(daemon {model.daemon_index})"
                 )
             raise NotFound(f"model {model_name!r} has shards 0..{len(model.plan) - 1}; there is no shard {shard_id}")
         if shard.corrupt:

@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ps_offload import kernels
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.push import Push
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
-from ps_offload.trainer.wire.sharded_client import DaemonClient
 
 SHARD_BYTES = 8192
 SIZES = (2048, 952)  # one parameter of 3000 fp32 -> shards 0 (2048), 1 (952)

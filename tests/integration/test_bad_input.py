@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.proto import codec, ps_pb2
 from ps_offload.proto.push import Push
-from ps_offload.trainer.wire.sharded_client import DaemonClient
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 
 SHARD_BYTES = 4096
 NUMEL = 3000  # one parameter of 3000 fp32 -> shards 0 (1024), 1 (1024), 2 (952)

@@ -16,8 +16,8 @@ import torch
 from ps_offload import kernels
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.push import Push
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
-from ps_offload.trainer.wire.sharded_client import DaemonClient
 from tests.integration.test_bad_compressed_input import _onebit, _spec, _view
 
 N = 2048  # shard 0 of test_bad_compressed_input's model (AdamW, lr 0.1)

@@ -20,7 +20,8 @@ from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice, plan_shards, shard_numel_for
 from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
-from ps_offload.trainer.wire.sharded_client import DaemonClient, ShardedClient
+from ps_offload.trainer.wire.daemon_client import DaemonClient
+from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 SHARD_BYTES = 4096  # 1024 elements
 # (name, shape, starts_shard). Offsets: embed 0, block0.w 1000, block0.b 2500, block1.w 2513,

@@ -17,7 +17,7 @@ import pytest
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.tiers.nvme import PAGE, SlotHeader
 from ps_offload.daemon.tiers.version_floors import VersionFloors
-from ps_offload.trainer.wire.sharded_client import DaemonClient
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 from tests.integration.test_admin_verify import STEPS, _train, _verdicts, committed_slot, flip_byte
 from tests.ps_admin.test_cli import admin_json, run_admin
 

@@ -18,7 +18,7 @@ import torch
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.push import Push
-from ps_offload.trainer.wire.sharded_client import DaemonClient
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 from tests.integration.test_bad_input import _bytes, _spec
 from tests.ps_admin.test_cli import run_admin
 

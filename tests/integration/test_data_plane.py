@@ -17,8 +17,8 @@ from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import recv_message, send_message
 from ps_offload.proto.push import Push
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
-from ps_offload.trainer.wire.sharded_client import DaemonClient
 from tests.integration.test_liveness import _until
 
 NUMEL = 1024

@@ -27,7 +27,7 @@ from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import codec, ps_pb2
 from ps_offload.proto.frames import recv_message, send_message
 from ps_offload.proto.push import Push
-from ps_offload.trainer.wire.sharded_client import DaemonClient
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 from tests.integration import fuzz_inputs as fuzz
 from tests.integration.test_bad_input import _bytes, _spec
 

@@ -23,7 +23,8 @@ import torch
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
-from ps_offload.trainer.wire.sharded_client import DaemonError, ShardedClient
+from ps_offload.trainer.wire.daemon_client import DaemonError
+from ps_offload.trainer.wire.sharded_client import ShardedClient
 from tests.integration.test_bad_compressed_input import _onebit
 from tests.integration.test_group_hyperparams import _flat, _spec, _unflat, _view
 from tests.ps_daemon.model.test_group_steps import Reference, gradients, initial_values, proto_groups

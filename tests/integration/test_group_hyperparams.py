@@ -26,8 +26,9 @@ from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
-from ps_offload.trainer.wire.sharded_client import DaemonClient, ShardedClient
+from ps_offload.trainer.wire.sharded_client import ShardedClient
 from tests.ps_daemon.model.test_group_steps import (
     GROUP_OF,
     SHAPES,

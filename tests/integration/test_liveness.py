@@ -17,7 +17,8 @@ from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
-from ps_offload.trainer.wire.sharded_client import DaemonClient, ShardedClient
+from ps_offload.trainer.wire.daemon_client import DaemonClient
+from ps_offload.trainer.wire.sharded_client import ShardedClient
 from tests.integration.test_bad_input import _bytes, _spec
 
 WORKERS = 8  # max_waiting_pulls 0: half of them, 4

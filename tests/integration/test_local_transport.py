@@ -31,9 +31,10 @@ from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import frame, recv_message, send_message
 from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
 from ps_offload.trainer.wire.local_client import LocalClient
-from ps_offload.trainer.wire.sharded_client import DaemonClient, ShardedClient
+from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 NUMEL = 1024
 _models = itertools.count()

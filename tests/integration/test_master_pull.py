@@ -18,7 +18,7 @@ from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.tiers.nvme import PAGE
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.trainer.debug_models import mlp
-from ps_offload.trainer.wire.sharded_client import DaemonClient
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 from tests.integration.test_admin_verify import committed_slot
 from tests.ps_daemon.tiers.format2 import downgrade_to_format_2
 

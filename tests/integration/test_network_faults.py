@@ -13,7 +13,7 @@ import pytest
 from bench import netns
 from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
-from ps_offload.trainer.wire.sharded_client import DaemonError
+from ps_offload.trainer.wire.daemon_client import DaemonError
 from tests.integration.test_persistence import SHARD_BYTES, _assert_equal, _case, _reference, _train
 
 WHY_NOT = netns.unavailable()

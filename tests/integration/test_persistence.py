@@ -22,7 +22,7 @@ from ps_offload.daemon.tiers.nvme import PAGE, SlotHeader
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.push import Push
 from ps_offload.trainer.debug_models import mlp
-from ps_offload.trainer.wire.sharded_client import DaemonClient
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 
 STEPS = 24
 SHARD_BYTES = 8192

@@ -19,9 +19,10 @@ from ps_offload.proto import codec, ps_pb2, ps_pb2_grpc
 from ps_offload.proto.frames import recv_exact_into, recv_message, send_message
 from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.local_client import LocalClient
-from ps_offload.trainer.wire.sharded_client import DaemonClient, ShardedClient
+from ps_offload.trainer.wire.sharded_client import ShardedClient
 from tests.ps_daemon.store.test_pull_rounding import edge_values
 
 SHARD_BYTES = 4096  # 1024 elements: parameters of 1000 and 4097 make shards 1024 x 4 and 1001

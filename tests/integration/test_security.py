@@ -23,9 +23,9 @@ from ps_offload import trainer
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.debug_models import mlp
+from ps_offload.trainer.wire.daemon_client import DaemonClient, DaemonError
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.local_client import LocalClient
-from ps_offload.trainer.wire.sharded_client import DaemonClient, DaemonError
 
 TOKEN = "s3cret-token-0123456789"
 

@@ -10,7 +10,7 @@ import torch
 
 from ps_offload.proto import codec, ps_pb2, ps_pb2_grpc
 from ps_offload.proto.push import Push
-from ps_offload.trainer.wire.sharded_client import DaemonClient
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 
 NUMEL = 4 << 20  # 16 MiB shard: 16 chunks
 

@@ -16,7 +16,7 @@ import pytest
 from bench.stalled_clients import OWN_CONNECTION, Stalled, health_seconds, register_model
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.channel import BUSY_METADATA
-from ps_offload.trainer.wire.sharded_client import busy
+from ps_offload.trainer.wire.daemon_client import busy
 
 WORKERS = 8
 STALLED = 2 * WORKERS

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.stalled_clients import Stalled, register_model
 from ps_offload.proto import codec, ps_pb2
 from ps_offload.proto.push import Push
-from ps_offload.trainer.wire.sharded_client import DaemonClient
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 
 NUMEL = 4096
 SHARD_BYTES = 8192  # two shards of 2048 floats

@@ -20,9 +20,9 @@ import torch
 
 from ps_offload import trainer
 from ps_offload.trainer.debug_models import GPTConfig, TinyGPT, mlp
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.local_client import LocalClient
-from ps_offload.trainer.wire.sharded_client import DaemonClient
 
 STEPS = 50
 

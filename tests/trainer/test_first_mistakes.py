@@ -85,7 +85,7 @@ def test_a_daemon_that_does_not_answer_is_said_at_once(caplog):
 
 def test_a_daemon_too_old_for_the_trainer_is_refused_naming_both():
     from ps_offload.proto import ps_pb2
-    from ps_offload.trainer.wire.sharded_client import check_protocol
+    from ps_offload.trainer.wire.daemon_client import check_protocol
 
     with pytest.raises(RuntimeError, match=r"daemon a:1 runs ps-offload a release from before 0.1.0 \(protocol 0\)"):
         check_protocol("a:1", ps_pb2.RegisterModelResponse())  # a daemon from before the field
@@ -99,7 +99,7 @@ def test_a_daemon_says_its_release_and_protocol(daemon):
     import ps_offload
     from ps_offload.proto import ps_pb2, ps_pb2_grpc
     from ps_offload.proto.channel import PROTOCOL
-    from ps_offload.trainer.wire.sharded_client import DaemonClient
+    from ps_offload.trainer.wire.daemon_client import DaemonClient
 
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     spec = ps_pb2.ModelSpec(

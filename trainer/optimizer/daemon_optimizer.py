@@ -73,8 +73,9 @@ class DaemonOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.client = ShardedClient(daemons, config=client)
         spec = ps_pb2.ModelSpec(
-            model=self.config.model_name, optimizer=optimizer.to_proto(), shard_bytes=self.config.shard_bytes
-        )
+            model=self.config.model_name, optimizer=optimizer.to_proto(), shard_bytes=self.config.shard_bytes,
+            replicas=self.config.replicas,
+        )  # fmt: skip
         for (name, p), group in zip(named, group_of, strict=True):
             param = spec.params.add(
                 name=name, shape=list(p.shape), dtype=WIRE_DTYPES.get(p.dtype, 0), group=group,

@@ -22,7 +22,8 @@ from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.io.shard_io import first_failure
 from ps_offload.trainer.stream.settings import StepLost, StepTorn
-from ps_offload.trainer.wire.sharded_client import DaemonError, ShardedClient
+from ps_offload.trainer.wire.daemon_client import DaemonError
+from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 
 class PartsApplier:

@@ -26,6 +26,7 @@ the modules' own `reset_parameters` (or the caller's function) one unit at a tim
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -98,7 +99,7 @@ class StreamUnit:
 
     def local(self, shard: ShardSlice) -> ShardSlice:
         """The shard with its offset within `values` (what a ShardMover slices by)."""
-        return ShardSlice(shard.shard_id, shard.daemon_index, shard.offset - self.start, shard.numel)
+        return dataclasses.replace(shard, offset=shard.offset - self.start)
 
     def modules(self, owners: dict[int, list[nn.Module]]) -> list[nn.Module]:
         """The modules whose own parameters are this unit's: the block's submodules, or the

@@ -16,168 +16,37 @@ from typing import TypeVar
 import grpc
 import torch
 
-from ps_offload.proto import codec, ps_pb2
-from ps_offload.proto.channel import (
-    BUSY_METADATA,
-    MIN_DAEMON_PROTOCOL,
-    channel_options,
-    keepalive_options,
-    method_path,
-)
+from ps_offload.proto import ps_pb2
 from ps_offload.proto.cluster import check_daemon_list
 from ps_offload.proto.frames import split_host_port
-from ps_offload.proto.memory import keep_chunk_buffers_in_heap
-from ps_offload.proto.plan import ShardSlice, layout_params, plan_shards, shard_numel_for, shard_starts
-from ps_offload.proto.pull import read_pull_stream
+from ps_offload.proto.plan import (
+    ShardSlice,
+    layout_params,
+    place_replicas,
+    plan_shards,
+    shard_numel_for,
+    shard_starts,
+)
 from ps_offload.proto.push import Push
-from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.config import ClientConfig
+from ps_offload.trainer.wire.daemon_client import (
+    PULL_RETRYABLE,
+    PUSH_RETRYABLE,
+    UNREACHABLE_AFTER,
+    DaemonClient,
+    DaemonError,
+    busy,
+    check_protocol,
+)
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
 from ps_offload.trainer.wire.host_windows import HostWindows, Prepare
 from ps_offload.trainer.wire.local_client import LocalClient, slot_bytes_for
+from ps_offload.trainer.wire.replicas import check_replicas, id_ranges
 from ps_offload.trainer.wire.transport import Transport
-from ps_offload.version import release as ps_offload_release
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# A push is retried when the daemon was unreachable or the attempt ran out of time: it is
-# idempotent on (shard, step). A pull is retried when unreachable, and when refused because
-# as many pulls as the daemon allows are waiting for versions already (server.max_waiting_
-# pulls: its message says to retry later; with backoff, that is the retry). Not on
-# DEADLINE_EXCEEDED: there the version usually never came, and waiting again would repeat it.
-PUSH_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-PULL_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
-# gRPC backs off reconnecting after failures, 1 s growing to 120 s by default; a daemon that
-# systemd restarts is back within seconds, and a trainer waiting minutes for it loses steps.
-# Reconnect attempts every 100 ms to 1 s instead (one TCP connect each: cheap on a cluster).
-RECONNECT = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-
-
-def check_protocol(address: str, response: ps_pb2.RegisterModelResponse) -> None:
-    """Refuses a daemon too old for this trainer, naming both releases, before any push."""
-    if response.protocol < MIN_DAEMON_PROTOCOL:
-        release = response.daemon_version or "a release from before 0.1.0"
-        raise RuntimeError(
-            f"daemon {address} runs ps-offload {release} (protocol {response.protocol}), older than this trainer "
-            f"({ps_offload_release()}) needs (protocol {MIN_DAEMON_PROTOCOL} or later): upgrade the daemons "
-            "(docs/deploy.md, rolling upgrade), or run the trainer's release that matches them"
-        )
-
-
-def busy(error: grpc.RpcError) -> bool:
-    """A refusal that only says the daemon is busy now (too many calls from this host at
-    once): retried like an unreachable daemon, where other RESOURCE_EXHAUSTEDs are final."""
-    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return False
-    trailing = getattr(error, "trailing_metadata", None)
-    return BUSY_METADATA in [tuple(m) for m in (trailing() if trailing else None) or ()]
-
-
-UNREACHABLE_AFTER = 2.0  # seconds without an answer before registration says it is waiting
-
-
-class DaemonError(RuntimeError):
-    """A daemon refused a call or could not be reached; the message names both ends."""
-
-    def __init__(self, address: str, what: str, error: grpc.RpcError) -> None:
-        self.address = address
-        self.code = error.code()
-        hint = ""
-        if self.code == grpc.StatusCode.UNAVAILABLE:
-            hint = (
-                " (is the daemon up and its port reachable? If it uses TLS, ClientConfig.security must name the CA "
-                "that signed its certificate, and a client certificate from its client CA under mutual TLS)"
-            )
-        super().__init__(f"{what} on daemon {address}: {self.code.name}: {error.details()}{hint}")
-
-
-def _identity(data: bytes) -> bytes:
-    return data
-
-
-class DaemonClient:
-    """One channel to one daemon and its data-path methods."""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        max_message_bytes: int,
-        security: ClientSecurity | None = None,
-        dead_peer_seconds: float = 10.0,
-    ) -> None:
-        self.address = address
-        keep_chunk_buffers_in_heap()
-        security = security or ClientSecurity()
-        options = [*channel_options(max_message_bytes), *RECONNECT, *keepalive_options(dead_peer_seconds)]
-        self.channel = security.channel(address, options)
-        self._register = self.channel.unary_unary(
-            method_path("ParameterServer", "RegisterModel"),
-            request_serializer=ps_pb2.RegisterModelRequest.SerializeToString,
-            response_deserializer=ps_pb2.RegisterModelResponse.FromString,
-        )
-        self._pull = self.channel.unary_stream(
-            method_path("ParameterServer", "Pull"),
-            request_serializer=ps_pb2.PullRequest.SerializeToString,
-            response_deserializer=codec.pull_chunks.decode,
-        )
-        self._push = self.channel.stream_unary(
-            method_path("ParameterServer", "Push"),
-            request_serializer=_identity,
-            response_deserializer=ps_pb2.PushResponse.FromString,
-        )
-        self._prefetch = self.channel.unary_unary(
-            method_path("ParameterServer", "Prefetch"),
-            request_serializer=ps_pb2.PrefetchRequest.SerializeToString,
-            response_deserializer=ps_pb2.PrefetchResponse.FromString,
-        )
-
-    def register(self, spec: ps_pb2.ModelSpec, daemon_index: int, *, timeout: float) -> ps_pb2.RegisterModelResponse:
-        """Waits up to `timeout` for the daemon to come up (systemd may be restarting it)."""
-        request = ps_pb2.RegisterModelRequest(spec=spec, daemon_index=daemon_index)
-        try:
-            return self._register(request, timeout=timeout, wait_for_ready=True)
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise
-        # Waiting hides why no connection came up (a refused port, a failed TLS handshake):
-        # one attempt that does not wait reports it as UNAVAILABLE with gRPC's reason.
-        return self._register(request, timeout=min(timeout, 5.0), wait_for_ready=False)
-
-    def pull_into(
-        self,
-        model: str,
-        shard_id: int,
-        *,
-        min_version: int,
-        out: memoryview,
-        timeout: float,
-        tensor: int = ps_pb2.MASTER,
-        dtype: int = ps_pb2.FLOAT32,
-    ) -> int:
-        """Streams shard `shard_id`'s `tensor` (its master values unless told otherwise) in
-        `dtype` into `out` (a byte view of exactly the shard's size in that dtype); returns
-        the version received."""
-        request = ps_pb2.PullRequest(
-            model=model, shard_id=shard_id, min_version=min_version, tensor=tensor, dtype=dtype
-        )
-        chunks = self._pull(request, timeout=timeout)
-        return read_pull_stream(chunks, out, what=f"shard {shard_id} from daemon {self.address}", dtype=dtype)
-
-    def push(self, push: Push, *, timeout: float) -> ps_pb2.PushResponse:
-        """Streams the push's payload in chunks, the header with the first."""
-        return self._push(push.chunks(), timeout=timeout)
-
-    def prefetch(self, model: str, shard_ids: list[int], *, timeout: float) -> int:
-        return self._prefetch(ps_pb2.PrefetchRequest(model=model, shard_ids=shard_ids), timeout=timeout).accepted
-
-    def close(self) -> None:
-        self.channel.close()
 
 
 class ShardedClient:
@@ -208,15 +77,24 @@ class ShardedClient:
         self.transports: list[Transport] = list(self.clients)
         # Host memory shared with the node's daemons (their local transports): see shared_host_tensor.
         self.host_windows = HostWindows()
+        # Daemons left out for the rest of the run (a replicated model's holders that stopped
+        # answering), and why: index -> the error.
+        self.lost: dict[int, str] = {}
 
     def register(self, spec: ps_pb2.ModelSpec) -> list[ShardSlice]:
         """Registers on every daemon (the first resolves the shard size when the spec leaves
         it 0), checks each daemon's plan equals the one computed here, and returns it."""
+        if spec.replicas > len(self.daemons):
+            raise ValueError(
+                f"OffloadConfig.replicas={spec.replicas} needs at least as many daemons; the list has "
+                f"{len(self.daemons)}: {', '.join(self.daemons)}"
+            )
         spec = _copy(spec)
         del spec.daemons[:]
         spec.daemons.extend(self.daemons)
         self.model = spec.model
         self.created = []
+        digests: list[str] = []
         for index, client in enumerate(self.clients):
             # Registration waits for a daemon that is down (it may be starting): said after a
             # moment, not only once the first attempt's deadline (30 s) has passed.
@@ -236,7 +114,10 @@ class ShardedClient:
                 self.plan = expected_plan(spec, response.shard_bytes)
                 self._spec = spec
             check_protocol(self.daemons[index], response)
-            got = [ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel) for s in response.shards]
+            got = [
+                ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel, tuple(s.holders[1:])) for s in response.shards
+            ]
+            digests.append(response.kernel_digest)
             if got != self.plan:
                 raise RuntimeError(
                     f"daemon {self.daemons[index]} computed a different shard plan for {spec.model!r}; "
@@ -248,6 +129,8 @@ class ShardedClient:
             else:
                 self.nvme_daemons.discard(index)
             self._use_data_plane(index, response)
+        if spec.replicas > 1:
+            check_replicas(self.daemons, digests, self.plan)
         return self.plan
 
     def _say_unanswered(self, index: int) -> None:
@@ -330,11 +213,20 @@ class ShardedClient:
             return
         self._use_data_plane(index, response)
 
-    def _call(self, what: str, daemon_index: int, fn: Callable[[], T], retryable: frozenset = PUSH_RETRYABLE) -> T:
-        """Runs fn with retries on transient errors; raises DaemonError otherwise."""
+    def _call(
+        self,
+        what: str,
+        daemon_index: int,
+        fn: Callable[[], T],
+        retryable: frozenset = PUSH_RETRYABLE,
+        give_up_seconds: float | None = None,
+    ) -> T:
+        """Runs fn with retries on transient errors, for `give_up_seconds` (retry_seconds by
+        default) after the first; raises DaemonError otherwise."""
         address = self.daemons[daemon_index]
         delay = self.config.backoff_seconds
-        give_up_at: float | None = None  # retry_seconds after the first transient error
+        give_up_seconds = self.config.retry_seconds if give_up_seconds is None else give_up_seconds
+        give_up_at: float | None = None  # give_up_seconds after the first transient error
         attempt = 0
         while True:
             attempt += 1
@@ -342,7 +234,7 @@ class ShardedClient:
                 return fn()
             except grpc.RpcError as error:
                 now = time.monotonic()
-                give_up_at = give_up_at if give_up_at is not None else now + self.config.retry_seconds
+                give_up_at = give_up_at if give_up_at is not None else now + give_up_seconds
                 if (error.code() not in retryable and not busy(error)) or now >= give_up_at:
                     raise DaemonError(address, what, error) from None
                 log.warning("%s on %s: %s (attempt %d), retrying", what, address, error.code().name, attempt)
@@ -357,17 +249,27 @@ class ShardedClient:
         return self.push(shard, Push.build(self.model, shard.shard_id, data, **header))
 
     def push(self, shard: ShardSlice, push: Push) -> ps_pb2.PushResponse:
-        """Sends one shard's push (retried as a whole, the same bytes each attempt)."""
+        """Sends one shard's push (retried as a whole, the same bytes each attempt) to each live
+        holder of the shard; they answer alike, or the replicas have diverged (an error)."""
         header = push.header
         if (header.model, header.shard_id) != (self.model, shard.shard_id):
             raise ValueError(
                 f"a push for {header.model!r} shard {header.shard_id} sent as shard {shard.shard_id} of {self.model!r}"
             )
-        return self._call(
+        answers = self._on_holders(
+            shard,
             push.describe(),
-            shard.daemon_index,
-            lambda: self.transports[shard.daemon_index].push(push, timeout=self.config.rpc_timeout_seconds),
+            lambda index: self.transports[index].push(push, timeout=self.config.rpc_timeout_seconds),
+            PUSH_RETRYABLE,
+            every=True,
         )
+        versions = {self.daemons[index]: answer.version for index, answer in answers}
+        if len(set(versions.values())) > 1:
+            raise RuntimeError(
+                f"the replicas of shard {shard.shard_id} of model {self.model!r} answered {push.describe()} at "
+                f"different versions ({versions}): they have diverged; stop, and restore the model from a snapshot"
+            )
+        return answers[0][1]
 
     def pull(
         self,
@@ -378,13 +280,13 @@ class ShardedClient:
         tensor: int = ps_pb2.MASTER,
         dtype: int = ps_pb2.FLOAT32,
     ) -> int:
-        """Pulls the shard's `tensor` (master values by default) in `dtype` into `out`;
-        returns its version."""
+        """Pulls the shard's `tensor` (master values by default) in `dtype` into `out` from its
+        first live holder; returns its version."""
         what = "" if tensor == ps_pb2.MASTER else f" {ps_pb2.ShardTensor.Name(tensor)}"
-        return self._call(
+        ((_, version),) = self._on_holders(
+            shard,
             f"pull of shard {shard.shard_id}{what} (version >= {min_version})",
-            shard.daemon_index,
-            lambda: self.transports[shard.daemon_index].pull_into(
+            lambda index: self.transports[index].pull_into(
                 self.model,
                 shard.shard_id,
                 min_version=min_version,
@@ -394,11 +296,68 @@ class ShardedClient:
                 dtype=dtype,
             ),
             PULL_RETRYABLE,
+            every=False,
         )
+        return version
+
+    def live_holders(self, shard: ShardSlice) -> list[int]:
+        """The shard's holders not lost, the primary first; raises when none is left."""
+        live = [index for index in shard.holders if index not in self.lost]
+        if not live:
+            lost = "; ".join(f"{self.daemons[i]}: {self.lost[i]}" for i in shard.holders)
+            raise RuntimeError(
+                f"every daemon holding shard {shard.shard_id} of model {self.model!r} is lost ({lost}): its state is "
+                "gone from this job; restore the model from a snapshot (ps-admin snapshot restore)"
+            )
+        return live
+
+    def _on_holders(
+        self, shard: ShardSlice, what: str, fn: Callable[[int], T], retryable: frozenset, *, every: bool
+    ) -> list[tuple[int, T]]:
+        """fn(daemon index) on every live holder of the shard (every=True: a push), or on the
+        first that answers (a pull). Unreplicated: the one holder, retried for retry_seconds.
+        Replicated: a holder unreachable for dead_peer_seconds is lost (left out from now on),
+        and the others go on; a refusal (any other error) is raised as it is."""
+        holders = self.live_holders(shard)
+        if len(shard.holders) == 1:
+            return [(holders[0], self._call(what, holders[0], lambda: fn(holders[0]), retryable))]
+        answers = []
+        for index in holders:
+            try:
+                answer = self._call(
+                    what, index, lambda i=index: fn(i), retryable, give_up_seconds=self.config.dead_peer_seconds
+                )
+            except DaemonError as error:
+                if error.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                self._lose(index, error)
+                continue
+            answers.append((index, answer))
+            if not every:
+                break
+        if not answers:
+            self.live_holders(shard)  # raises: every holder is lost now
+        return answers
+
+    def _lose(self, index: int, error: DaemonError) -> None:
+        """Leaves a holder out for the rest of the run, saying which shards it leaves short."""
+        if index in self.lost:
+            return
+        self.lost[index] = str(error)
+        short = [s.shard_id for s in self.plan if index in s.holders]
+        log.warning(
+            "daemon %s is lost (%s): left out for the rest of this run; %d shards of model %r now have one holder "
+            "fewer (%s). Training goes on with their other replicas; replace the daemon to restore them.",
+            self.daemons[index], error.code.name, len(short), self.model, id_ranges(short),
+        )  # fmt: skip
 
     def _by_daemon(self, shard_ids: list[int]) -> list[tuple[int, DaemonClient, list[int]]]:
-        """(daemon index, client, its shards in the given order) for daemons with any."""
-        groups = [(i, c, [s for s in shard_ids if self.plan[s].daemon_index == i]) for i, c in enumerate(self.clients)]
+        """(daemon index, client, its shards in the given order) for live daemons with any."""
+        groups = [
+            (i, c, [s for s in shard_ids if i in self.plan[s].holders])
+            for i, c in enumerate(self.clients)
+            if i not in self.lost
+        ]
         return [group for group in groups if group[2]]
 
     def prefetch(self, shard_ids: list[int]) -> None:
@@ -431,7 +390,8 @@ def expected_plan(spec: ps_pb2.ModelSpec, shard_bytes: int) -> list[ShardSlice]:
     layouts = layout_params([(p.name, tuple(p.shape), None) for p in spec.params])
     total = sum(layout.numel for layout in layouts)
     starts = shard_starts(layouts, [p.starts_shard for p in spec.params])
-    return plan_shards(total, shard_numel_for(shard_bytes), len(spec.daemons), starts)
+    plan = plan_shards(total, shard_numel_for(shard_bytes), len(spec.daemons), starts)
+    return place_replicas(plan, len(spec.daemons), spec.replicas)
 
 
 def _copy(spec: ps_pb2.ModelSpec) -> ps_pb2.ModelSpec:

@@ -1,6 +1,6 @@
 """What carries a shard's bytes between the trainer and one daemon.
 
-Three transports implement it: the gRPC client (ps_offload.trainer.wire.sharded_client.
+Three transports implement it: the gRPC client (ps_offload.trainer.wire.daemon_client.
 DaemonClient: chunked Push and Pull streams), the data plane (ps_offload.trainer.wire.
 dataplane_client.DataPlaneClient: a header, then the raw bytes, over pooled TCP connections)
 and the local transport (ps_offload.trainer.wire.local_client.LocalClient: headers over a Unix

@@ -9,7 +9,8 @@ import pytest
 
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire import sharded_client as client_module
-from ps_offload.trainer.wire.sharded_client import DaemonError, ShardedClient
+from ps_offload.trainer.wire.daemon_client import DaemonError
+from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 
 class Unavailable(grpc.RpcError):

@@ -6,9 +6,9 @@ import inspect
 
 import pytest
 
+from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.local_client import LocalClient
-from ps_offload.trainer.wire.sharded_client import DaemonClient
 from ps_offload.trainer.wire.transport import Transport
 
 METHODS = [name for name in vars(Transport) if not name.startswith("_")]
