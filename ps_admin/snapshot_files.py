@@ -40,6 +40,7 @@ from ps_offload.admin import snapshots
 from ps_offload.admin.client import AdminError
 from ps_offload.admin.export import owners
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.push import state_tensors
 
 FORMAT = "ps-offload-snapshot/1"
 MANIFEST = "manifest.json"
@@ -94,7 +95,7 @@ def export(
     """Writes snapshot `name` of `model` (taken on its daemons) into `out`; returns a summary."""
     info, addresses = owners(model, daemons, timeout)
     step = snapshots.snapshot_step(model, name, snapshots.owning(info, addresses), timeout)
-    states = snapshots.state_tensors(info.spec)
+    states = state_tensors(info.spec)
     kinds = ["master", *(kind for kind, _ in states)]
     manifest_path = out / MANIFEST
     if manifest_path.exists():
@@ -251,8 +252,8 @@ def restore_from(
             )
         progress.advance(task, size)
     spec = json_format.ParseDict(manifest["spec"], ps_pb2.ModelSpec())
-    states = len(snapshots.state_tensors(spec))
-    if manifest["tensors"] != ["master", *(kind for kind, _ in snapshots.state_tensors(spec))]:
+    states = len(state_tensors(spec))
+    if manifest["tensors"] != ["master", *(kind for kind, _ in state_tensors(spec))]:
         raise AdminError(f"{directory}: its tensors {manifest['tensors']} do not match its optimizer")
     target = snapshots.Target(spec, targets, new_name=new_name, shard_bytes=shard_bytes)
     source = _FileParams(directory, manifest)

@@ -31,17 +31,7 @@ from ps_offload.admin.client import AdminError
 from ps_offload.admin.export import owners
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
-
-
-def state_tensors(spec: ps_pb2.ModelSpec) -> list[tuple[str, int]]:
-    """The optimizer state a snapshot carries besides the master values: (its name in an
-    export, the ShardTensor a pull asks for), in the order a STATE push lays them out."""
-    kind = spec.optimizer.WhichOneof("kind")
-    if kind == "adamw":
-        return [("exp_avg", ps_pb2.EXP_AVG), ("exp_avg_sq", ps_pb2.EXP_AVG_SQ)]
-    if kind == "sgd" and spec.optimizer.sgd.momentum:
-        return [("momentum_buffer", ps_pb2.EXP_AVG)]  # served as EXP_AVG (ps.proto, ShardTensor)
-    return []
+from ps_offload.proto.push import state_tensors
 
 
 def plan_of(shards) -> list[ShardSlice]:

@@ -90,6 +90,45 @@ def test_a_daemon_lost_for_good_mid_training_loses_nothing(daemon_factory, tmp_p
         assert torch.equal(ours, theirs), f"{name}: max |diff| {(ours - theirs).abs().max().item()}"
 
 
+def test_a_replacement_catches_up_while_training_runs_then_a_second_loss_is_survived(daemon_factory, tmp_path, caplog):
+    """The issue's run: daemon 1 lost for good; a replacement (another port, an empty
+    directory) takes its place and is caught up between two steps; then daemon 2 is lost for
+    good too, and training still ends bit for bit where torch's ends."""
+    steps = 16
+    model, batches = _case()
+    batches = (batches * 2)[:steps]
+    reference = _reference(model, batches)
+    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
+    with _offload(model, daemons) as opt, caplog.at_level(logging.WARNING):
+        for step, batch in enumerate(batches):
+            if step == 3:
+                _lose_for_good(daemons[1], dirs[1])
+            if step == 6:
+                assert set(opt.client.lost) == {1}
+                replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
+                opt.replace_daemon(daemons[1].address, replacement.address)
+            if step == 7:
+                assert not opt.client.lost  # caught up before step 6's pushes
+            if step == 10:
+                _lose_for_good(daemons[2], dirs[2])
+            opt.zero_grad()
+            _loss(model, batch).backward()
+            opt.step()
+        opt.synchronize()
+        assert set(opt.client.lost) == {2}
+        assert opt.client.daemons[1] == replacement.address
+    said = [r.getMessage() for r in caplog.records]
+    assert any("repaired" in m and replacement.address in m for m in said), said
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs), f"{name}: max |diff| {(ours - theirs).abs().max().item()}"
+
+
+def _lose_for_good(daemon, directory):
+    daemon.process.send_signal(signal.SIGKILL)
+    daemon.process.wait(timeout=30)
+    shutil.rmtree(directory)
+
+
 def test_every_replica_of_a_shard_on_its_daemons_holds_the_same_bits(daemon_factory, tmp_path):
     """After training, each shard's master and AdamW state are equal on both holders."""
     from ps_offload.proto import ps_pb2
@@ -131,3 +170,43 @@ def test_both_holders_of_a_shard_lost_is_said_not_trained_past(daemon_factory, t
             opt.zero_grad()
             _loss(model, batches[1]).backward()
             opt.step()
+
+
+def test_a_lost_daemon_back_with_its_old_state_stays_out_until_its_copy_is_dropped(daemon_factory, tmp_path, caplog):
+    """A holder killed, then restarted from its own disk on its own port: its shards are some
+    steps behind, so it is not taken back (a STATE lands only on a shard with no updates);
+    the trainer says how to have it repaired, and, once its copy is dropped, repairs it."""
+    import subprocess
+    import sys
+
+    model, batches = _case()
+    reference = _reference(model, batches)
+    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
+    port = daemons[1].port
+    with _offload(model, daemons) as opt, caplog.at_level(logging.WARNING):
+        for step, batch in enumerate(batches):
+            if step == 2:
+                daemons[1].process.send_signal(signal.SIGKILL)
+                daemons[1].process.wait(timeout=30)
+            if step == 4:  # back from its disk, at step 2's state
+                daemons[1] = daemon_factory("--nvme-dir", str(dirs[1]), "--listen", f"127.0.0.1:{port}")
+                opt.client.next_probe.clear()  # ask it now, not REPAIR_PROBE_SECONDS later
+            if step == 6:
+                assert 1 in opt.client.lost
+                said = [r.getMessage() for r in caplog.records]
+                drop = f"ps-admin drop model --partial --daemon {daemons[1].address}"
+                assert any("some steps behind" in m and drop in m for m in said), said
+                dropped = subprocess.run(
+                    [sys.executable, "-m", "ps_offload.admin", *drop.split()[1:], "--yes"],
+                    capture_output=True, text=True, timeout=120,
+                )  # fmt: skip
+                assert dropped.returncode == 0, dropped.stderr
+                opt.client.next_probe.clear()
+            if step == 7:
+                assert not opt.client.lost  # repaired before step 6's pushes
+            opt.zero_grad()
+            _loss(model, batch).backward()
+            opt.step()
+        opt.synchronize()
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs), f"{name}: max |diff| {(ours - theirs).abs().max().item()}"

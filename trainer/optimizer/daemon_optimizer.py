@@ -96,6 +96,12 @@ class DaemonOptimizer(torch.optim.Optimizer):
                 self.client.model, self.step_count, ", ".join(self.client.daemons),
             )  # fmt: skip
 
+    def replace_daemon(self, old: str, new: str) -> None:
+        """Puts the daemon at `new` in the place of `old`, a lost holder of a replicated model
+        (OffloadConfig.replicas): before the next step's pushes, `new`, which must hold none of
+        this model, gets a copy of every shard `old` held, from their live replicas."""
+        self.client.replace_daemon(old, new)
+
     def check_open(self) -> None:
         if self.closed:
             raise RuntimeError(

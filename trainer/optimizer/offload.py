@@ -277,6 +277,10 @@ class OffloadOptimizer(DaemonOptimizer):
             multiplier = float(torch.tensor(clip if multiplier is None else clip * multiplier, dtype=torch.float32))
         if not self.staleness:
             self.synchronize()
+        if self.client.lost and not parts and self.config.push_share[1] == 1:
+            # Between steps: no push in flight, every shard at step_count (a replicated model's
+            # lost daemon, back or replaced, gets its shards copied before this step's pushes).
+            self.client.repair_lost(self.step_count)
         if self._before_push is not None:
             self._before_push()
         step = self.step_count

@@ -1,12 +1,24 @@
-"""A replicated model's checks at registration (OffloadConfig.replicas): its daemons'
-optimizer kernels must compute alike, and a shard's replicas should not share a host."""
+"""A replicated model (OffloadConfig.replicas) beyond one shard's push and pull: the checks at
+registration (its daemons' optimizer kernels must compute alike; a shard's replicas should not
+share a host), and the repair of a lost daemon's replicas between steps."""
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import TYPE_CHECKING
 
+import grpc
+import torch
+
+from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.proto.push import Push, state_tensors
+from ps_offload.trainer.wire.daemon_client import check_protocol
+
+if TYPE_CHECKING:
+    from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 log = logging.getLogger(__name__)
 
@@ -42,3 +54,68 @@ def id_ranges(ids: list[int]) -> str:
             parts.append(f"{start}-{n}" if n != start else f"{n}")
             start = None
     return ", ".join(parts)
+
+
+REPAIR_PROBE_SECONDS = 5.0  # how often a lost daemon is asked whether it is back
+
+
+def repair_lost(client: ShardedClient, version: int) -> list[str]:
+    """Between steps, with no push in flight and every shard at `version`: each lost daemon
+    that answers again holding none of the model's state (a replacement, or the same node
+    with its disk wiped) gets every shard it holds copied from a live holder, master and
+    optimizer state at `version` (a STATE push), and is a holder again from the next push on.
+    A lost daemon is asked at most every REPAIR_PROBE_SECONDS. One that comes back with state
+    of its own (restarted from its disk: some steps behind) stays out, said once: its copy is
+    stale, and a STATE may only land on a shard with no updates. Returns the daemons repaired."""
+    repaired = []
+    now = time.monotonic()
+    for index in sorted(client.lost):
+        if now < client.next_probe.get(index, 0.0):
+            continue
+        client.next_probe[index] = now + REPAIR_PROBE_SECONDS
+        try:
+            response = client.clients[index].register(client.spec, index, timeout=2.0)
+        except grpc.RpcError:
+            continue  # still gone
+        address = client.daemons[index]
+        if not response.created:
+            if index not in client.stale_said:
+                client.stale_said.add(index)
+                log.warning(
+                    "daemon %s answers again with its own copy of model %r, some steps behind: it stays left "
+                    "out. Delete that copy (ps-admin drop %s --partial --daemon %s) to have it repaired from the "
+                    "live replicas",
+                    address, client.model, client.model, address,
+                )  # fmt: skip
+            continue
+        check_protocol(address, response)
+        live = next(i for i in range(len(client.daemons)) if i not in client.lost)
+        if response.kernel_digest != client.digests[live]:
+            check_replicas([client.daemons[live], address], [client.digests[live], response.kernel_digest], [])
+        client.use_data_plane(index, response)
+        held = [s for s in client.plan if index in s.holders]
+        tensors = [ps_pb2.MASTER, *(tensor for _, tensor in state_tensors(client.spec))]
+        for shard in held:
+            state = torch.empty(len(tensors) * shard.numel, dtype=torch.float32)
+            view = memoryview(state.numpy()).cast("B")
+            for n, tensor in enumerate(tensors):
+                got = client.pull(shard, min_version=version, out=view[n * shard.numel * 4 : (n + 1) * shard.numel * 4],
+                                  tensor=tensor)  # fmt: skip
+                if got != version:
+                    raise RuntimeError(
+                        f"repairing daemon {address}: shard {shard.shard_id} is at version {got} on its live replica, "
+                        f"not {version}: a push is in flight (repair_lost runs between steps only)"
+                    )
+            push = Push.build(client.model, shard.shard_id, view, step=version, kind=ps_pb2.STATE)
+            # Over gRPC: a STATE is (1 + states) times a shard's bytes, more than a local slot holds.
+            transport, seconds = client.clients[index], client.config.rpc_timeout_seconds
+            client.call(push.describe(), index, lambda p=push, t=transport, s=seconds: t.push(p, timeout=s))
+        client.digests[index] = response.kernel_digest
+        del client.lost[index]
+        client.stale_said.discard(index)
+        repaired.append(address)
+        log.warning(
+            "daemon %s repaired: %d shards of model %r copied from their live replicas at step %d; they have all "
+            "their holders again", address, len(held), client.model, version,
+        )  # fmt: skip
+    return repaired

@@ -41,7 +41,7 @@ from ps_offload.trainer.wire.daemon_client import (
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
 from ps_offload.trainer.wire.host_windows import HostWindows, Prepare
 from ps_offload.trainer.wire.local_client import LocalClient, slot_bytes_for
-from ps_offload.trainer.wire.replicas import check_replicas, id_ranges
+from ps_offload.trainer.wire.replicas import check_replicas, id_ranges, repair_lost
 from ps_offload.trainer.wire.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,9 @@ class ShardedClient:
         # Daemons left out for the rest of the run (a replicated model's holders that stopped
         # answering), and why: index -> the error.
         self.lost: dict[int, str] = {}
+        self.next_probe: dict[int, float] = {}  # when a lost daemon is next asked whether it is back
+        self.stale_said: set[int] = set()  # lost daemons said to be back with stale state
+        self.digests: list[str] = []  # each daemon's kernel digest, from its registration
 
     def register(self, spec: ps_pb2.ModelSpec) -> list[ShardSlice]:
         """Registers on every daemon (the first resolves the shard size when the spec leaves
@@ -102,7 +105,7 @@ class ShardedClient:
             waiting.daemon = True
             waiting.start()
             try:
-                response = self._call(
+                response = self.call(
                     f"RegisterModel {spec.model!r}",
                     index,
                     lambda c=client, i=index: c.register(spec, i, timeout=self.config.register_timeout_seconds),
@@ -112,7 +115,7 @@ class ShardedClient:
             if index == 0:
                 spec.shard_bytes = response.shard_bytes
                 self.plan = expected_plan(spec, response.shard_bytes)
-                self._spec = spec
+                self.spec = spec
             check_protocol(self.daemons[index], response)
             got = [
                 ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel, tuple(s.holders[1:])) for s in response.shards
@@ -128,10 +131,41 @@ class ShardedClient:
                 self.nvme_daemons.add(index)
             else:
                 self.nvme_daemons.discard(index)
-            self._use_data_plane(index, response)
+            self.use_data_plane(index, response)
         if spec.replicas > 1:
             check_replicas(self.daemons, digests, self.plan)
+        self.digests = digests
         return self.plan
+
+    def repair_lost(self, version: int) -> list[str]:
+        """Copies a lost daemon's shards back onto it once it answers with none of the model
+        (trainer/wire/replicas.py repair_lost); only between steps, every shard at `version`."""
+        return repair_lost(self, version) if self.lost else []
+
+    def replace_daemon(self, old: str, new: str) -> None:
+        """A lost daemon's replacement at another address: `new` takes `old`'s place in the list
+        (the plan depends on the list's count and order only), and is repaired between steps
+        like a lost daemon back at its address."""
+        if old not in self.daemons:
+            raise ValueError(f"{old} is not among this model's daemons ({', '.join(self.daemons)})")
+        index = self.daemons.index(old)
+        if index not in self.lost:
+            raise ValueError(f"daemon {old} is not lost: only a lost daemon is replaced")
+        check_daemon_list([*self.daemons[:index], new, *self.daemons[index + 1 :]])
+        self._replace(index, self.clients[index])  # closes its data plane or local client
+        self.clients[index].close()
+        self.clients[index] = DaemonClient(
+            new,
+            max_message_bytes=self.config.max_message_bytes,
+            security=self.config.security,
+            dead_peer_seconds=self.config.dead_peer_seconds,
+        )
+        self.transports[index] = self.clients[index]
+        self.daemons[index] = new
+        del self.spec.daemons[:]
+        self.spec.daemons.extend(self.daemons)
+        self.next_probe.pop(index, None)
+        log.warning("daemon %s replaces lost daemon %s (index %d) for model %r", new, old, index, self.model)
 
     def _say_unanswered(self, index: int) -> None:
         wait = self.config.register_timeout_seconds + self.config.retry_seconds
@@ -141,13 +175,13 @@ class ShardedClient:
             self.daemons[index], self.daemons[index], wait,
         )  # fmt: skip
 
-    def _use_data_plane(self, index: int, response: ps_pb2.RegisterModelResponse) -> None:
+    def use_data_plane(self, index: int, response: ps_pb2.RegisterModelResponse) -> None:
         current, data_port, endpoint = self.transports[index], response.data_port, response.local_endpoint
         if not data_port or self.config.transport == "grpc":
             return
         if endpoint and self.config.transport in ("auto", "local"):
             # The slot holds any push or pull of this daemon's largest shard.
-            slot_bytes = slot_bytes_for(max((s.numel for s in self.plan if s.daemon_index == index), default=1))
+            slot_bytes = slot_bytes_for(max((s.numel for s in self.plan if index in s.holders), default=1))
             if isinstance(current, LocalClient) and (current.endpoint, current.slot_bytes) == (endpoint, slot_bytes):
                 return
             local = self._connect_local(index, endpoint, slot_bytes)
@@ -208,12 +242,12 @@ class ShardedClient:
         idempotent, and a restarted daemon has recovered the model), for its data port may
         have changed. Failures are left to the next attempt."""
         try:
-            response = self.clients[index].register(self._spec, index, timeout=2.0)
+            response = self.clients[index].register(self.spec, index, timeout=2.0)
         except grpc.RpcError:
             return
-        self._use_data_plane(index, response)
+        self.use_data_plane(index, response)
 
-    def _call(
+    def call(
         self,
         what: str,
         daemon_index: int,
@@ -320,11 +354,11 @@ class ShardedClient:
         and the others go on; a refusal (any other error) is raised as it is."""
         holders = self.live_holders(shard)
         if len(shard.holders) == 1:
-            return [(holders[0], self._call(what, holders[0], lambda: fn(holders[0]), retryable))]
+            return [(holders[0], self.call(what, holders[0], lambda: fn(holders[0]), retryable))]
         answers = []
         for index in holders:
             try:
-                answer = self._call(
+                answer = self.call(
                     what, index, lambda i=index: fn(i), retryable, give_up_seconds=self.config.dead_peer_seconds
                 )
             except DaemonError as error:
@@ -363,7 +397,7 @@ class ShardedClient:
     def prefetch(self, shard_ids: list[int]) -> None:
         """Sends each daemon the hint for its shards, in the given order."""
         for index, client, mine in self._by_daemon(shard_ids):
-            self._call("prefetch", index, lambda c=client, m=mine: c.prefetch(self.model, m, timeout=5.0))
+            self.call("prefetch", index, lambda c=client, m=mine: c.prefetch(self.model, m, timeout=5.0))
 
     def hint(self, shard_ids: list[int]) -> None:
         """Like prefetch, but once, without raising, and only to daemons with an NVMe tier

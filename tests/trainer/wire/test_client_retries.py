@@ -56,7 +56,7 @@ def _down_for(clock: FakeClock, seconds: float):
 
 def test_a_daemon_down_for_longer_than_many_attempts_is_waited_for_within_the_budget(clock):
     client = ShardedClient(["127.0.0.1:1"], config=ClientConfig(retry_seconds=60.0, backoff_seconds=0.1))
-    assert client._call("pull", 0, _down_for(clock, 40.0)) == "answered"
+    assert client.call("pull", 0, _down_for(clock, 40.0)) == "answered"
     assert len(clock.sleeps) > 8  # more attempts than the old fixed count of 8
     assert max(clock.sleeps) <= 2.0  # the backoff's cap
     client.close()
@@ -66,7 +66,7 @@ def test_a_daemon_gone_for_good_fails_the_call_once_the_budget_is_spent(clock):
     client = ShardedClient(["127.0.0.1:1"], config=ClientConfig(retry_seconds=10.0, backoff_seconds=0.1))
     started = clock.now
     with pytest.raises(DaemonError, match="UNAVAILABLE"):
-        client._call("pull", 0, _down_for(clock, 1e9))
+        client.call("pull", 0, _down_for(clock, 1e9))
     assert clock.now - started == pytest.approx(10.0)  # the last sleep is cut to what is left
     client.close()
 
@@ -74,7 +74,7 @@ def test_a_daemon_gone_for_good_fails_the_call_once_the_budget_is_spent(clock):
 def test_no_retry_budget_fails_at_the_first_transient_error(clock):
     client = ShardedClient(["127.0.0.1:1"], config=ClientConfig(retry_seconds=0.0))
     with pytest.raises(DaemonError):
-        client._call("pull", 0, _down_for(clock, 1.0))
+        client.call("pull", 0, _down_for(clock, 1.0))
     assert clock.sleeps == []
     client.close()
 
