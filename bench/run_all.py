@@ -30,6 +30,7 @@ from bench import (
     pipeline_efficiency,
     ps_overhead_pp_dp,
     pull_bytes_bf16,
+    replication_overhead,
     staleness_convergence,
     stream_overhead,
     train_step_overhead,
@@ -363,7 +364,25 @@ def _gpu_step(r: dict) -> str:
     )
 
 
+def _replication(r: dict) -> str:
+    if r["name"] == "replication_overhead":
+        b = r["bytes_per_step"]
+        return (
+            f"Bytes the daemons received per step: {b['r1']} with one holder per shard, {b['r2']} with two. What "
+            "it costs: each push goes to both holders and both run AdamW, on the same two cores as the trainer "
+            "here; on a cluster the second holder is another node's cores and link."
+        )
+    return (
+        f"Each loss, s: {', '.join(str(s) for s in r['stall_s'])}; a step {r['step_ms']} ms. The stall is the "
+        "client's dead_peer_seconds by design: a holder that does not answer is retried that long (a daemon "
+        "systemd restarts is back within it, and keeps its place) before it is left out. The step that copies a "
+        f"replacement's shards back, ms: {', '.join(str(s) for s in r['repair_step_ms'])}."
+    )
+
+
 DETAILS: dict[str, Callable[[dict], str]] = {
+    "replication_overhead": _replication,
+    "replication_failover": _replication,
     "compress_gpu": _compress_gpu,
     "gpu_step_vs_torchao": _gpu_step,
     "nonfinite_check": _nonfinite_check,
@@ -442,6 +461,7 @@ def main() -> None:
     _timed("train_step_overhead", train_step_overhead.main, seconds)
     _timed("train_step_overhead_bf16", train_step_overhead_bf16.main, seconds)
     _timed("audit_overhead", audit_overhead.main, seconds)
+    _timed("replication_overhead", replication_overhead.main, seconds)
     _timed("pull_bytes_bf16", pull_bytes_bf16.main, seconds)
     _timed("stream_overhead", stream_overhead.main, seconds)
     _timed("pipeline_efficiency", lambda: pipeline_efficiency.main([]), seconds)

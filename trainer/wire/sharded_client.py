@@ -237,12 +237,16 @@ class ShardedClient:
             return None
         return self.host_windows.allocate(numel, dtype, prepare)
 
-    def _rediscover(self, index: int) -> None:
+    def _rediscover(self, index: int, seconds: float) -> None:
         """After the data plane became unreachable: ask the daemon again (RegisterModel is
         idempotent, and a restarted daemon has recovered the model), for its data port may
-        have changed. Failures are left to the next attempt."""
+        have changed, for at most `seconds` (2 s, or what the call's retries have left: a
+        replicated shard's holder is given up on time). Failures are left to the next attempt."""
+        if seconds < 0.2:
+            return
         try:
-            response = self.clients[index].register(self.spec, index, timeout=2.0)
+            # (register may try twice: waiting for the channel, then once more without)
+            response = self.clients[index].register(self.spec, index, timeout=min(2.0, seconds / 2))
         except grpc.RpcError:
             return
         self.use_data_plane(index, response)
@@ -269,11 +273,13 @@ class ShardedClient:
             except grpc.RpcError as error:
                 now = time.monotonic()
                 give_up_at = give_up_at if give_up_at is not None else now + give_up_seconds
-                if (error.code() not in retryable and not busy(error)) or now >= give_up_at:
+                final = error.code() not in retryable and not busy(error)
+                # (lost: another call left this holder out meanwhile; its retries would only wait)
+                if final or now >= give_up_at or daemon_index in self.lost:
                     raise DaemonError(address, what, error) from None
                 log.warning("%s on %s: %s (attempt %d), retrying", what, address, error.code().name, attempt)
                 if isinstance(error, DataPlaneError) and error.code() == grpc.StatusCode.UNAVAILABLE and self.plan:
-                    self._rediscover(daemon_index)
+                    self._rediscover(daemon_index, give_up_at - time.monotonic())
             time.sleep(max(0.0, min(delay, give_up_at - time.monotonic())))
             delay = min(delay * 2, 2.0)
 
