@@ -10,6 +10,7 @@
     ps-admin evict ID... / prefetch ID... [--model NAME] [--daemon ADDR]
     ps-admin drop MODEL [--daemon ADDR ...] [--yes]
     ps-admin snapshot take|list|delete|restore ...   (snapshot_cli.py)
+    ps-admin replicas MODEL [--daemon ADDR ...] [--json]   (replicas.py)
 
 The commands only: calls are in client.py, dicts and tables in views.py, the export in
 export.py. A failed RPC becomes one line on stderr and exit code 1; usage errors exit 2.
@@ -42,6 +43,7 @@ from ps_offload.admin.options import (
     fail,
     unique_daemons,
 )
+from ps_offload.admin.replicas import replicas_command
 from ps_offload.admin.snapshot_cli import snapshot_app
 from ps_offload.admin.views import SortKey, Tier
 from ps_offload.proto import ps_pb2
@@ -52,6 +54,7 @@ T = TypeVar("T")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect running ps-daemons.")
 app.add_typer(snapshot_app, name="snapshot")
+app.command("replicas")(replicas_command)
 
 
 def _each_daemon(daemons: list[str], fetch: Callable[[str], T]) -> tuple[list[tuple[str, T]], bool]:

@@ -106,10 +106,16 @@ def test_a_replacement_catches_up_while_training_runs_then_a_second_loss_is_surv
                 _lose_for_good(daemons[1], dirs[1])
             if step == 6:
                 assert set(opt.client.lost) == {1}
+                report = _replicas(daemons[0].address)  # the operator's view: from the daemons
+                short = {s.shard_id for s in opt.plan if 1 in s.holders}
+                assert report["degraded"] == len(short) > 0 and daemons[1].address in report["unreachable"]
+                assert {r["shard_id"] for r in report["shards"] if r["degraded"]} == short
                 replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
                 opt.replace_daemon(daemons[1].address, replacement.address)
             if step == 7:
                 assert not opt.client.lost  # caught up before step 6's pushes
+                report = _replicas(daemons[0].address)  # the replacement's address is in the spec now
+                assert report["degraded"] == 0 and not report["unreachable"], report
             if step == 10:
                 _lose_for_good(daemons[2], dirs[2])
             opt.zero_grad()
@@ -122,6 +128,22 @@ def test_a_replacement_catches_up_while_training_runs_then_a_second_loss_is_surv
     assert any("repaired" in m and replacement.address in m for m in said), said
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs), f"{name}: max |diff| {(ours - theirs).abs().max().item()}"
+
+
+def _replicas(*daemons: str) -> dict:
+    """`ps-admin replicas model --json` as an operator runs it (exit 1: some shard degraded)."""
+    import json
+    import subprocess
+    import sys
+
+    flags = [flag for address in daemons for flag in ("--daemon", address)]
+    done = subprocess.run(
+        [sys.executable, "-m", "ps_offload.admin", "replicas", "model", *flags, "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    report = json.loads(done.stdout)
+    assert done.returncode == (1 if report["degraded"] else 0), done.stderr
+    return report
 
 
 def _lose_for_good(daemon, directory):

@@ -4,9 +4,11 @@ share a host), and the repair of a lost daemon's replicas between steps."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import grpc
 import torch
@@ -15,10 +17,31 @@ from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.push import Push, state_tensors
-from ps_offload.trainer.wire.daemon_client import check_protocol
+from ps_offload.trainer.config import ClientConfig
+from ps_offload.trainer.wire.daemon_client import DaemonClient, check_protocol
 
-if TYPE_CHECKING:
-    from ps_offload.trainer.wire.sharded_client import ShardedClient
+T = TypeVar("T")
+
+
+class ReplicatedClient(Protocol):
+    """What a repair needs of the trainer's ShardedClient (sharded_client.py, which calls it)."""
+
+    model: str
+    spec: ps_pb2.ModelSpec
+    plan: list[ShardSlice]
+    daemons: list[str]
+    clients: list[DaemonClient]
+    config: ClientConfig
+    lost: dict[int, str]
+    next_probe: dict[int, float]
+    stale_said: set[int]
+    digests: list[str]
+    replaced: set[int]
+
+    def use_data_plane(self, index: int, response: ps_pb2.RegisterModelResponse) -> None: ...
+    def pull(self, shard: ShardSlice, *, min_version: int, out: memoryview, tensor: int = ...) -> int: ...
+    def call(self, what: str, daemon_index: int, fn: Callable[[], T]) -> T: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +82,7 @@ def id_ranges(ids: list[int]) -> str:
 REPAIR_PROBE_SECONDS = 5.0  # how often a lost daemon is asked whether it is back
 
 
-def repair_lost(client: ShardedClient, version: int) -> list[str]:
+def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
     """Between steps, with no push in flight and every shard at `version`: each lost daemon
     that answers again holding none of the model's state (a replacement, or the same node
     with its disk wiped) gets every shard it holds copied from a live holder, master and
@@ -112,6 +135,12 @@ def repair_lost(client: ShardedClient, version: int) -> list[str]:
             client.call(push.describe(), index, lambda p=push, t=transport, s=seconds: t.push(p, timeout=s))
         client.digests[index] = response.kernel_digest
         del client.lost[index]
+        if index in client.replaced:  # the others' copy of the spec learns the new address (ps-admin reads it)
+            for other in range(len(client.daemons)):
+                if other not in client.lost and other != index:
+                    with contextlib.suppress(grpc.RpcError):
+                        client.clients[other].register(client.spec, other, timeout=5.0)
+            client.replaced.discard(index)
         client.stale_said.discard(index)
         repaired.append(address)
         log.warning(

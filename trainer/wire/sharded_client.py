@@ -83,6 +83,7 @@ class ShardedClient:
         self.next_probe: dict[int, float] = {}  # when a lost daemon is next asked whether it is back
         self.stale_said: set[int] = set()  # lost daemons said to be back with stale state
         self.digests: list[str] = []  # each daemon's kernel digest, from its registration
+        self.replaced: set[int] = set()  # lost daemons given a new address (replace_daemon), not yet repaired
 
     def register(self, spec: ps_pb2.ModelSpec) -> list[ShardSlice]:
         """Registers on every daemon (the first resolves the shard size when the spec leaves
@@ -165,6 +166,7 @@ class ShardedClient:
         del self.spec.daemons[:]
         self.spec.daemons.extend(self.daemons)
         self.next_probe.pop(index, None)
+        self.replaced.add(index)
         log.warning("daemon %s replaces lost daemon %s (index %d) for model %r", new, old, index, self.model)
 
     def _say_unanswered(self, index: int) -> None:
