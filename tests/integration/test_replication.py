@@ -9,44 +9,24 @@ daemon after it (3 // 2 = 1 place on), so every daemon holds two thirds of the m
 
 from __future__ import annotations
 
-import copy
 import logging
 import shutil
 import signal
 import threading
 
 import pytest
-import torch
 
 from ps_offload import trainer
-from ps_offload.trainer.debug_models import mlp
+from tests.integration.test_persistence import _assert_equal, _loss, _reference
+from tests.integration.test_persistence import _case as persistence_case
 
 STEPS, KILL_AT = 12, 5
 DEAD_PEER_SECONDS = 2.0
 
 
 def _case():
-    torch.manual_seed(0)
-    model = mlp((32, 64, 64, 10))
-    g = torch.Generator().manual_seed(1)
-    teacher = torch.randn(32, 10, generator=g)
-    inputs = [torch.randn(16, 32, generator=g) for _ in range(STEPS)]
-    return model, [(x, (x @ teacher).argmax(dim=1)) for x in inputs]
-
-
-def _loss(model, batch):
-    x, y = batch
-    return torch.nn.functional.cross_entropy(model(x), y)
-
-
-def _reference(model, batches):
-    reference = copy.deepcopy(model)
-    opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
-    for batch in batches:
-        opt.zero_grad()
-        _loss(reference, batch).backward()
-        opt.step()
-    return reference
+    model, batches = persistence_case()
+    return model, batches[:STEPS]
 
 
 def _nvme_daemons(daemon_factory, tmp_path, n=3):
@@ -58,7 +38,7 @@ def _offload(model, daemons, **client):
     return trainer.offload(
         model,
         daemons=[d.address for d in daemons],
-        optimizer=trainer.AdamW(lr=3e-3, weight_decay=0.1),
+        optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
         config=trainer.OffloadConfig(shard_bytes=4096, replicas=2),
         client=trainer.ClientConfig(dead_peer_seconds=DEAD_PEER_SECONDS, **client),
     )
@@ -87,8 +67,7 @@ def test_a_daemon_lost_for_good_mid_training_loses_nothing(daemon_factory, tmp_p
         assert set(opt.client.lost) == {1}
     lost = [r.getMessage() for r in caplog.records if "is lost" in r.getMessage()]
     assert len(lost) == 1 and daemons[1].address in lost[0], lost
-    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert torch.equal(ours, theirs), f"{name}: max |diff| {(ours - theirs).abs().max().item()}"
+    _assert_equal(model, reference)
 
 
 def test_a_replacement_catches_up_while_training_runs_then_a_second_loss_is_survived(daemon_factory, tmp_path, caplog):
@@ -96,8 +75,8 @@ def test_a_replacement_catches_up_while_training_runs_then_a_second_loss_is_surv
     directory) takes its place and is caught up between two steps; then daemon 2 is lost for
     good too, and training still ends bit for bit where torch's ends."""
     steps = 16
-    model, batches = _case()
-    batches = (batches * 2)[:steps]
+    model, batches = persistence_case()
+    batches = batches[:steps]
     reference = _reference(model, batches)
     daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
     with _offload(model, daemons) as opt, caplog.at_level(logging.WARNING):
@@ -126,8 +105,7 @@ def test_a_replacement_catches_up_while_training_runs_then_a_second_loss_is_surv
         assert opt.client.daemons[1] == replacement.address
     said = [r.getMessage() for r in caplog.records]
     assert any("repaired" in m and replacement.address in m for m in said), said
-    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert torch.equal(ours, theirs), f"{name}: max |diff| {(ours - theirs).abs().max().item()}"
+    _assert_equal(model, reference)
 
 
 def _replicas(*daemons: str) -> dict:
@@ -231,8 +209,7 @@ def test_a_lost_daemon_back_with_its_old_state_stays_out_until_its_copy_is_dropp
             _loss(model, batch).backward()
             opt.step()
         opt.synchronize()
-    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert torch.equal(ours, theirs), f"{name}: max |diff| {(ours - theirs).abs().max().item()}"
+    _assert_equal(model, reference)
 
 
 def test_a_partitioned_replica_is_survived_and_kept_out_when_the_network_heals(daemon_factory, tmp_path, caplog):
@@ -276,5 +253,4 @@ def test_a_partitioned_replica_is_survived_and_kept_out_when_the_network_heals(d
         finally:
             ns.heal()
             remote.kill()
-    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert torch.equal(ours, theirs), f"{name}: max |diff| {(ours - theirs).abs().max().item()}"
+    _assert_equal(model, reference)
