@@ -1,5 +1,6 @@
-"""`ps-admin export`: a model's parameters pulled from every daemon that owns a shard of it,
-reassembled per parameter with its shape, and written as one safetensors file.
+"""`ps-admin export`: a model's parameters pulled from every daemon that owns a shard of it
+(of a replicated model, from a live holder of each), reassembled per parameter with its
+shape, and written as one safetensors file.
 
 The plan comes from the daemons (GetModel), not from a trainer: each shard is pulled over
 ParameterServer.Pull at the lowest version any shard holds, so an idle model exports at one
@@ -26,8 +27,17 @@ FORMATS = ("safetensors",)
 
 def owners(model: str, daemons: list[str], timeout: float) -> tuple[ps_pb2.ModelInfo, list[str]]:
     """The model's info and the address of every daemon of its plan: each daemon named
-    answers which index it is; the others are taken from the spec's daemon list."""
-    infos = [(d, client.get_model(d, model, timeout)) for d in daemons]
+    answers which index it is; the others are taken from the spec's daemon list. Of a
+    replicated model (ModelSpec.replicas), a named daemon that does not answer is passed
+    over (another holder of its shards may); one daemon at least must answer."""
+    infos, errors = [], []
+    for d in daemons:
+        try:
+            infos.append((d, client.get_model(d, model, timeout)))
+        except AdminError as exc:
+            errors.append(exc)
+    if errors and (not infos or infos[0][1].spec.replicas <= 1):
+        raise errors[0]
     first_address, first = infos[0]
     addresses = list(first.spec.daemons)
     for address, info in infos:
@@ -57,22 +67,44 @@ def _owner(address: str, named: list[str]) -> Iterator[None]:
         raise AdminError(f"{exc} (an address from the model's spec; name the daemon with --daemon)") from None
 
 
-def _common_version(
-    model: str, addresses: list[str], named: list[str], plan: list[ShardSlice], timeout: float
-) -> tuple[int, int]:
-    """The lowest and highest version among the model's shards; every shard must hold values."""
-    versions = {}
-    for index in sorted({s.daemon_index for s in plan}):
-        with _owner(addresses[index], named):
-            infos = client.list_shards(addresses[index], model, timeout)
-        for info in infos:
-            if not info.initialized:
-                raise AdminError(
-                    f"shard {info.shard_id} of model {model!r} on daemon {addresses[index]} holds no values yet "
+def _sources(
+    model: str, addresses: list[str], named: list[str], info: ps_pb2.ModelInfo, timeout: float
+) -> tuple[dict[int, str], dict[int, int]]:
+    """Where each shard is pulled from, and its version there: its primary, or of a replicated
+    model the first of its holders that answers holding its values. Every shard must hold
+    values somewhere."""
+    answers: dict[str, dict[int, ps_pb2.ShardInfo] | AdminError] = {}
+
+    def shards_on(address: str) -> dict[int, ps_pb2.ShardInfo] | AdminError:
+        if address not in answers:
+            try:
+                with _owner(address, named):
+                    answers[address] = {s.shard_id: s for s in client.list_shards(address, model, timeout)}
+            except AdminError as exc:
+                answers[address] = exc
+        return answers[address]
+
+    sources, versions = {}, {}
+    for shard in info.shards:
+        problems = []
+        for index in shard.holders or [shard.daemon_index]:
+            address = addresses[index]
+            held = shards_on(address)
+            if isinstance(held, AdminError):
+                problems.append(held)
+                continue
+            if shard.shard_id in held and held[shard.shard_id].initialized:
+                sources[shard.shard_id], versions[shard.shard_id] = address, held[shard.shard_id].version
+                break
+            problems.append(
+                AdminError(
+                    f"shard {shard.shard_id} of model {model!r} on daemon {address} holds no values yet "
                     "(its trainer never pushed them); nothing to export"
                 )
-            versions[info.shard_id] = info.version
-    return min(versions.values(), default=0), max(versions.values(), default=0)
+            )
+        else:
+            raise problems[0]
+    return sources, versions
 
 
 def export_model(
@@ -83,7 +115,8 @@ def export_model(
     info, addresses = owners(model, daemons, timeout)
     plan = [ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel) for s in info.shards]
     layouts = [ParamLayout(i, p.name, tuple(p.shape), p.offset, p.numel, None) for i, p in enumerate(info.params)]
-    low, high = _common_version(model, addresses, daemons, plan, timeout)
+    sources, versions = _sources(model, addresses, daemons, info, timeout)
+    low, high = min(versions.values(), default=0), max(versions.values(), default=0)
     if low != high and not allow_mixed:
         raise AdminError(
             f"the shards of model {model!r} are at versions {low} to {high}: it is being trained. Export between "
@@ -93,7 +126,7 @@ def export_model(
     task = progress.add_task(f"export {model}", total=info.total_numel * 4)
 
     def fetch(s: ShardSlice) -> int:
-        address = addresses[s.daemon_index]
+        address = sources[s.shard_id]
         with _owner(address, daemons):
             data, version = client.pull_shard(address, model, s, low, timeout)
         values = torch.frombuffer(data, dtype=torch.float32)

@@ -65,6 +65,8 @@ def test_a_daemon_lost_for_good_mid_training_loses_nothing(daemon_factory, tmp_p
                 opt.step()
         opt.synchronize()
         assert set(opt.client.lost) == {1}
+        if transport == "local":  # an export needs one live holder of each shard
+            _export_equals(model, daemons[0].address, tmp_path / "export.safetensors")
     lost = [r.getMessage() for r in caplog.records if "is lost" in r.getMessage()]
     assert len(lost) == 1 and daemons[1].address in lost[0], lost
     _assert_equal(model, reference)
@@ -106,6 +108,23 @@ def test_a_replacement_catches_up_while_training_runs_then_a_second_loss_is_surv
     said = [r.getMessage() for r in caplog.records]
     assert any("repaired" in m and replacement.address in m for m in said), said
     _assert_equal(model, reference)
+
+
+def _export_equals(model, daemon: str, out) -> None:
+    """`ps-admin export` with a holder gone: every parameter as the trainer has it."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    done = subprocess.run(
+        [sys.executable, "-m", "ps_offload.admin", "export", "--model", "model", "--out", str(out), "--daemon", daemon],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    exported = load_file(out)
+    for name, p in model.named_parameters():
+        assert exported[name].equal(p.detach()), name
 
 
 def _replicas(*daemons: str) -> dict:
