@@ -241,9 +241,10 @@ class ShardedClient:
 
     def _rediscover(self, index: int, seconds: float) -> None:
         """After the data plane became unreachable: ask the daemon again (RegisterModel is
-        idempotent, and a restarted daemon has recovered the model), for its data port may
-        have changed, for at most `seconds` (2 s, or what the call's retries have left: a
-        replicated shard's holder is given up on time). Failures are left to the next attempt."""
+        idempotent, and a restarted daemon has recovered the model), for its data port or local
+        endpoint may have changed, for at most `seconds` (4 s; for a replicated shard's holder,
+        what its window has left, so it is given up on time). Failures are left to the next
+        attempt."""
         if seconds < 0.2:
             return
         try:
@@ -265,6 +266,8 @@ class ShardedClient:
         default) after the first; raises DaemonError otherwise."""
         address = self.daemons[daemon_index]
         delay = self.config.backoff_seconds
+        # A holder's window (a replicated shard's): its re-registrations fit in what is left of it.
+        windowed = give_up_seconds is not None
         give_up_seconds = self.config.retry_seconds if give_up_seconds is None else give_up_seconds
         give_up_at: float | None = None  # give_up_seconds after the first transient error
         attempt = 0
@@ -281,7 +284,7 @@ class ShardedClient:
                     raise DaemonError(address, what, error) from None
                 log.warning("%s on %s: %s (attempt %d), retrying", what, address, error.code().name, attempt)
                 if isinstance(error, DataPlaneError) and error.code() == grpc.StatusCode.UNAVAILABLE and self.plan:
-                    self._rediscover(daemon_index, give_up_at - time.monotonic())
+                    self._rediscover(daemon_index, give_up_at - time.monotonic() if windowed else 4.0)
             time.sleep(max(0.0, min(delay, give_up_at - time.monotonic())))
             delay = min(delay * 2, 2.0)
 
