@@ -273,3 +273,37 @@ def test_a_partitioned_replica_is_survived_and_kept_out_when_the_network_heals(d
             ns.heal()
             remote.kill()
     _assert_equal(model, reference)
+
+
+def test_a_replacement_written_into_the_cluster_file_is_taken_up(daemon_factory, tmp_path, monkeypatch):
+    """ "The daemon list updated": with the job's daemons in $PS_CLUSTER_FILE, an operator
+    rewrites the lost daemon's entry to its replacement's address, and the trainer (every
+    rank, each on its own) takes it up and repairs it between two steps, with no call in the
+    training script."""
+    model, batches = _case()
+    reference = _reference(model, batches)
+    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
+    cluster = tmp_path / "cluster.toml"
+
+    def write(addresses):
+        cluster.write_text("daemons = [" + ", ".join(f'"{a}"' for a in addresses) + "]\n")
+
+    write([d.address for d in daemons])
+    monkeypatch.setenv("PS_CLUSTER_FILE", str(cluster))
+    monkeypatch.delenv("PS_DAEMONS", raising=False)
+    with _offload(model, daemons) as opt:
+        for step, batch in enumerate(batches):
+            if step == 3:
+                _lose_for_good(daemons[1], dirs[1])
+            if step == 6:
+                assert set(opt.client.lost) == {1}
+                replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
+                write([daemons[0].address, replacement.address, daemons[2].address])
+                opt.client.next_probe.clear()  # the old address was asked moments ago
+            if step == 7:
+                assert not opt.client.lost and opt.client.daemons[1] == replacement.address
+            opt.zero_grad()
+            _loss(model, batch).backward()
+            opt.step()
+        opt.synchronize()
+    _assert_equal(model, reference)

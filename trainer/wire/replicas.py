@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -14,6 +15,7 @@ import grpc
 import torch
 
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.cluster import ENV_CLUSTER_FILE, ENV_DAEMONS, read_cluster_file
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.push import Push, state_tensors
@@ -39,6 +41,7 @@ class ReplicatedClient(Protocol):
     replaced: set[int]
 
     def use_data_plane(self, index: int, response: ps_pb2.RegisterModelResponse) -> None: ...
+    def replace_daemon(self, old: str, new: str) -> None: ...
     def pull(self, shard: ShardSlice, *, min_version: int, out: memoryview, tensor: int = ...) -> int: ...
     def call(self, what: str, daemon_index: int, fn: Callable[[], T]) -> T: ...
 
@@ -82,6 +85,28 @@ def id_ranges(ids: list[int]) -> str:
 REPAIR_PROBE_SECONDS = 5.0  # how often a lost daemon is asked whether it is back
 
 
+def _follow_cluster_file(client: ReplicatedClient) -> None:
+    """ "The daemon list updated": where the job's list is the cluster file ($PS_CLUSTER_FILE,
+    without $PS_DAEMONS), a lost daemon's entry rewritten there to a replacement's address is
+    taken (replace_daemon), so every rank converges on it without a call in the script. Only a
+    file that still names every live daemon where the trainer has it counts as this job's."""
+    path = os.environ.get(ENV_CLUSTER_FILE)
+    if not path or os.environ.get(ENV_DAEMONS):
+        return
+    try:
+        listed = read_cluster_file(path)
+    except ValueError as exc:
+        log.debug("cluster file not followed: %s", exc)
+        return
+    if len(listed) != len(client.daemons):
+        return
+    if any(listed[i] != address for i, address in enumerate(client.daemons) if i not in client.lost):
+        return
+    for index in sorted(client.lost):
+        if listed[index] != client.daemons[index]:
+            client.replace_daemon(client.daemons[index], listed[index])
+
+
 def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
     """Between steps, with no push in flight and every shard at `version`: each lost daemon
     that answers again holding none of the model's state (a replacement, or the same node
@@ -92,6 +117,7 @@ def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
     stale, and a STATE may only land on a shard with no updates. Returns the daemons repaired."""
     repaired = []
     now = time.monotonic()
+    _follow_cluster_file(client)
     for index in sorted(client.lost):
         if now < client.next_probe.get(index, 0.0):
             continue
