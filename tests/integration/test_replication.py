@@ -277,9 +277,8 @@ def test_a_partitioned_replica_is_survived_and_kept_out_when_the_network_heals(d
 
 def test_a_replacement_written_into_the_cluster_file_is_taken_up(daemon_factory, tmp_path, monkeypatch):
     """ "The daemon list updated": with the job's daemons in $PS_CLUSTER_FILE, an operator
-    rewrites the lost daemon's entry to its replacement's address, and the trainer (every
-    rank, each on its own) takes it up and repairs it between two steps, with no call in the
-    training script."""
+    rewrites the lost daemon's entry to its replacement's address, and the trainer takes it
+    up and repairs it between two steps, with no call in the training script."""
     model, batches = _case()
     reference = _reference(model, batches)
     daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
