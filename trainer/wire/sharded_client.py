@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
@@ -84,6 +85,8 @@ class ShardedClient:
         self.stale_said: set[int] = set()  # lost daemons said to be back with stale state
         self.digests: list[str] = []  # each daemon's kernel digest, from its registration
         self.replaced: set[int] = set()  # lost daemons given a new address (replace_daemon), not yet repaired
+        # A replicated push's copies to the other holders run here, beside the caller's own.
+        self._fanout = ThreadPoolExecutor(max_workers=4 * len(daemons), thread_name_prefix="ps-replica-push")
 
     def register(self, spec: ps_pb2.ModelSpec) -> list[ShardSlice]:
         """Registers on every daemon (the first resolves the shard size when the spec leaves
@@ -366,20 +369,23 @@ class ShardedClient:
         holders = self.live_holders(shard)
         if len(shard.holders) == 1:
             return [(holders[0], self.call(what, holders[0], lambda: fn(holders[0]), retryable))]
-        answers = []
-        for index in holders:
+
+        def one(index: int) -> tuple[int, T] | None:
             try:
-                answer = self.call(
-                    what, index, lambda i=index: fn(i), retryable, give_up_seconds=self.config.dead_peer_seconds
-                )
+                window = self.config.dead_peer_seconds
+                return index, self.call(what, index, lambda: fn(index), retryable, give_up_seconds=window)
             except DaemonError as error:
                 if error.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 self._lose(index, error)
-                continue
-            answers.append((index, answer))
-            if not every:
-                break
+                return None
+
+        if every:  # a push: to every holder at once, each on its own thread (the first here)
+            others = [self._fanout.submit(one, index) for index in holders[1:]]
+            results = [one(holders[0]), *(future.result() for future in others)]
+            answers = [result for result in results if result is not None]
+        else:  # a pull: the first holder that answers
+            answers = next(([r] for r in map(one, holders) if r is not None), [])
         if not answers:
             self.live_holders(shard)  # raises: every holder is lost now
         return answers
@@ -423,6 +429,7 @@ class ShardedClient:
                 log.debug("prefetch hint to %s failed: %s", self.daemons[index], error.code().name)
 
     def close(self) -> None:
+        self._fanout.shutdown(wait=True)
         for transport in self.transports:
             if transport not in self.clients:
                 transport.close()
