@@ -90,6 +90,36 @@ def get_model(daemon: str, model: str, timeout: float) -> ps_pb2.ModelInfo:
     return rpc(daemon, f"model {model!r}", lambda stub: stub.GetModel(request, timeout=timeout))
 
 
+def owners(model: str, daemons: list[str], timeout: float) -> tuple[ps_pb2.ModelInfo, list[str]]:
+    """The model's info and the address of every daemon of its plan: each daemon named
+    answers which index it is; the others are taken from the spec's daemon list. Of a
+    replicated model (ModelSpec.replicas), a named daemon that does not answer is passed
+    over (another holder of its shards may); one daemon at least must answer."""
+    infos, errors = [], []
+    for d in daemons:
+        try:
+            infos.append((d, get_model(d, model, timeout)))
+        except AdminError as exc:
+            errors.append(exc)
+    if errors and (not infos or infos[0][1].spec.replicas <= 1):
+        raise errors[0]
+    first_address, first = infos[0]
+    addresses = list(first.spec.daemons)
+    for address, info in infos:
+        mine, theirs = _model_identity(first), _model_identity(info)
+        if mine != theirs:
+            raise AdminError(
+                f"daemons {first_address} and {address} hold different models named {model!r}; "
+                "name the daemons of one job with --daemon"
+            )
+        addresses[info.daemon_index] = address
+    return first, addresses
+
+
+def _model_identity(info: ps_pb2.ModelInfo) -> tuple:
+    return (list(info.params), info.spec.shard_bytes, len(info.spec.daemons), list(info.shards))
+
+
 def get_shard(daemon: str, model: str, shard_id: int, bins: int, timeout: float) -> ps_pb2.ShardInfo:
     """One shard's metadata, value statistics and a histogram of `bins` bins."""
     request = ps_pb2.GetShardRequest(model=model, shard_id=shard_id, histogram_bins=bins)

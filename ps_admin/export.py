@@ -18,41 +18,11 @@ import torch
 from rich.progress import Progress
 
 from ps_offload.admin import client
-from ps_offload.admin.client import AdminError
+from ps_offload.admin.client import AdminError, owners
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ParamLayout, ShardSlice, segments_of
 
 FORMATS = ("safetensors",)
-
-
-def owners(model: str, daemons: list[str], timeout: float) -> tuple[ps_pb2.ModelInfo, list[str]]:
-    """The model's info and the address of every daemon of its plan: each daemon named
-    answers which index it is; the others are taken from the spec's daemon list. Of a
-    replicated model (ModelSpec.replicas), a named daemon that does not answer is passed
-    over (another holder of its shards may); one daemon at least must answer."""
-    infos, errors = [], []
-    for d in daemons:
-        try:
-            infos.append((d, client.get_model(d, model, timeout)))
-        except AdminError as exc:
-            errors.append(exc)
-    if errors and (not infos or infos[0][1].spec.replicas <= 1):
-        raise errors[0]
-    first_address, first = infos[0]
-    addresses = list(first.spec.daemons)
-    for address, info in infos:
-        mine, theirs = _identity(first), _identity(info)
-        if mine != theirs:
-            raise AdminError(
-                f"daemons {first_address} and {address} hold different models named {model!r}; "
-                "name the daemons of one job with --daemon"
-            )
-        addresses[info.daemon_index] = address
-    return first, addresses
-
-
-def _identity(info: ps_pb2.ModelInfo) -> tuple:
-    return (list(info.params), info.spec.shard_bytes, len(info.spec.daemons), list(info.shards))
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from ps_offload.proto import ps_pb2
 def replica_report(model: str, daemons: list[str], timeout: float) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Per shard: its holders (address, version or None, why not) and whether it is degraded.
     Also each daemon that could not be asked, and why."""
-    info, addresses = _model_and_addresses(model, daemons, timeout)
+    info, addresses = client.owners(model, daemons, timeout)
     versions: dict[str, dict[int, ps_pb2.ShardInfo] | str] = {}
     for address in sorted(set(addresses)):
         try:
@@ -49,24 +49,6 @@ def replica_report(model: str, daemons: list[str], timeout: float) -> tuple[list
         rows.append({"shard_id": shard.shard_id, "holders": holders, "degraded": bool(problems), "problems": problems})
     unreachable = {a: v for a, v in versions.items() if isinstance(v, str)}
     return rows, unreachable
-
-
-def _model_and_addresses(model: str, daemons: list[str], timeout: float) -> tuple[ps_pb2.ModelInfo, list[str]]:
-    """The model's info from the first named daemon that answers, and the address of each
-    index of its plan (the spec's, or the named daemon that says it is that index)."""
-    infos, errors = [], []
-    for daemon in daemons:
-        try:
-            infos.append((daemon, client.get_model(daemon, model, timeout)))
-        except AdminError as exc:
-            errors.append(str(exc))
-    if not infos:
-        raise AdminError("; ".join(errors) or f"no daemon named for model {model!r}")
-    info = infos[0][1]
-    addresses = list(info.spec.daemons)
-    for address, other in infos:
-        addresses[other.daemon_index] = address
-    return info, addresses
 
 
 def replicas_command(

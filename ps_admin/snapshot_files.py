@@ -37,8 +37,7 @@ from google.protobuf import json_format
 from rich.progress import Progress
 
 from ps_offload.admin import snapshots
-from ps_offload.admin.client import AdminError
-from ps_offload.admin.export import owners
+from ps_offload.admin.client import AdminError, owners
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.push import state_tensors
 

@@ -27,8 +27,7 @@ import torch
 from rich.progress import Progress
 
 from ps_offload.admin import client
-from ps_offload.admin.client import AdminError
-from ps_offload.admin.export import owners
+from ps_offload.admin.client import AdminError, owners
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.push import state_tensors

@@ -20,7 +20,7 @@ from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.push import Push, state_tensors
 from ps_offload.trainer.config import ClientConfig
-from ps_offload.trainer.wire.daemon_client import DaemonClient, check_protocol
+from ps_offload.trainer.wire.daemon_client import DaemonClient, DaemonError, check_protocol
 
 T = TypeVar("T")
 
@@ -43,23 +43,16 @@ class ReplicatedClient(Protocol):
     def use_data_plane(self, index: int, response: ps_pb2.RegisterModelResponse) -> None: ...
     def replace_daemon(self, old: str, new: str) -> None: ...
     def pull(self, shard: ShardSlice, *, min_version: int, out: memoryview, tensor: int = ...) -> int: ...
-    def call(self, what: str, daemon_index: int, fn: Callable[[], T]) -> T: ...
+    def call(self, what: str, daemon_index: int, fn: Callable[[], T], *, give_up_seconds: float) -> T: ...
 
 
 log = logging.getLogger(__name__)
 
 
 def check_replicas(daemons: list[str], digests: list[str], plan: list[ShardSlice]) -> None:
-    """A replicated model's daemons must step alike: refuses daemons whose optimizer kernels
-    round differently (RegisterModelResponse.kernel_digest; '' from a daemon too old to say),
-    and warns of shards whose replicas share a host (losing it loses them all)."""
-    if len(set(digests)) > 1 or "" in digests:
-        said = ", ".join(f"{a}: {d or 'none (an older daemon)'}" for a, d in zip(daemons, digests, strict=True))
-        raise RuntimeError(
-            f"the daemons' optimizer kernels do not compute alike ({said}): replicas of a shard would drift apart "
-            "bit by bit. Their CPUs' vector instructions or torch builds differ; run a replicated model on daemons "
-            "of one kind (the same torch, the same CPU family), or without replicas"
-        )
+    """A replicated model's daemons must step alike (check_kernel_digests), and a warning for
+    shards whose replicas share a host (losing it loses them all)."""
+    check_kernel_digests(daemons, digests)
     hosts = [split_host_port(a)[0] for a in daemons]
     shared = [s.shard_id for s in plan if len({hosts[i] for i in s.holders}) < len(s.holders)]
     if shared and len(set(hosts)) > 1:
@@ -68,6 +61,18 @@ def check_replicas(daemons: list[str], digests: list[str], plan: list[ShardSlice
             "so that a shard's replicas land on different nodes",
             len(shared), id_ranges(shared),
         )  # fmt: skip
+
+
+def check_kernel_digests(daemons: list[str], digests: list[str]) -> None:
+    """Refuses daemons whose optimizer kernels round differently (RegisterModelResponse.
+    kernel_digest; '' from a daemon too old to say): their replicas would drift apart."""
+    if len(set(digests)) > 1 or "" in digests:
+        said = ", ".join(f"{a}: {d or 'none (an older daemon)'}" for a, d in zip(daemons, digests, strict=True))
+        raise RuntimeError(
+            f"the daemons' optimizer kernels do not compute alike ({said}): replicas of a shard would drift apart "
+            "bit by bit. Their CPUs' vector instructions or torch builds differ; run a replicated model on daemons "
+            "of one kind (the same torch, the same CPU family), or without replicas"
+        )
 
 
 def id_ranges(ids: list[int]) -> str:
@@ -139,26 +144,13 @@ def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
             continue
         check_protocol(address, response)
         live = next(i for i in range(len(client.daemons)) if i not in client.lost)
-        if response.kernel_digest != client.digests[live]:
-            check_replicas([client.daemons[live], address], [client.digests[live], response.kernel_digest], [])
+        check_kernel_digests([client.daemons[live], address], [client.digests[live], response.kernel_digest])
         client.use_data_plane(index, response)
-        held = [s for s in client.plan if index in s.holders]
-        tensors = [ps_pb2.MASTER, *(tensor for _, tensor in state_tensors(client.spec))]
-        for shard in held:
-            state = torch.empty(len(tensors) * shard.numel, dtype=torch.float32)
-            view = memoryview(state.numpy()).cast("B")
-            for n, tensor in enumerate(tensors):
-                got = client.pull(shard, min_version=version, out=view[n * shard.numel * 4 : (n + 1) * shard.numel * 4],
-                                  tensor=tensor)  # fmt: skip
-                if got != version:
-                    raise RuntimeError(
-                        f"repairing daemon {address}: shard {shard.shard_id} is at version {got} on its live replica, "
-                        f"not {version}: a push is in flight (repair_lost runs between steps only)"
-                    )
-            push = Push.build(client.model, shard.shard_id, view, step=version, kind=ps_pb2.STATE)
-            # Over gRPC: a STATE is (1 + states) times a shard's bytes, more than a local slot holds.
-            transport, seconds = client.clients[index], client.config.rpc_timeout_seconds
-            client.call(push.describe(), index, lambda p=push, t=transport, s=seconds: t.push(p, timeout=s))
+        try:
+            copied = _copy_shards(client, index, version)
+        except DaemonError as error:  # the replacement failed meanwhile: it stays out, training goes on
+            log.warning("repairing daemon %s failed (%s): it stays left out", address, error)
+            continue
         client.digests[index] = response.kernel_digest
         del client.lost[index]
         if index in client.replaced:  # the others' copy of the spec learns the new address (ps-admin reads it)
@@ -171,6 +163,35 @@ def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
         repaired.append(address)
         log.warning(
             "daemon %s repaired: %d shards of model %r copied from their live replicas at step %d; they have all "
-            "their holders again", address, len(held), client.model, version,
+            "their holders again", address, copied, client.model, version,
         )  # fmt: skip
     return repaired
+
+
+def _copy_shards(client: ReplicatedClient, index: int, version: int) -> int:
+    """Every shard daemon `index` holds, master and optimizer state at `version`, pulled from
+    a live holder and pushed to it as a STATE; returns how many. A failure of the daemon being
+    repaired (it is given up on after dead_peer_seconds) raises DaemonError."""
+    held = [s for s in client.plan if index in s.holders]
+    tensors = [ps_pb2.MASTER, *(tensor for _, tensor in state_tensors(client.spec))]
+    for shard in held:
+        state = torch.empty(len(tensors) * shard.numel, dtype=torch.float32)
+        view = memoryview(state.numpy()).cast("B")
+        nbytes = shard.numel * 4
+        for n, tensor in enumerate(tensors):
+            got = client.pull(shard, min_version=version, out=view[n * nbytes : (n + 1) * nbytes], tensor=tensor)
+            if got != version:
+                raise RuntimeError(
+                    f"repairing daemon {client.daemons[index]}: shard {shard.shard_id} is at version {got} on its "
+                    f"live replica, not {version}: a push is in flight (repair_lost runs between steps only)"
+                )
+        push = Push.build(client.model, shard.shard_id, view, step=version, kind=ps_pb2.STATE)
+        # Over gRPC: a STATE is (1 + states) times a shard's bytes, more than a local slot holds.
+        grpc_client, seconds = client.clients[index], client.config.rpc_timeout_seconds
+        client.call(
+            push.describe(),
+            index,
+            lambda p=push, c=grpc_client, t=seconds: c.push(p, timeout=t),
+            give_up_seconds=client.config.dead_peer_seconds,
+        )
+    return len(held)

@@ -57,16 +57,7 @@ class ShardedClient:
         check_daemon_list(daemons)
         self.daemons = list(daemons)
         self.config = config or ClientConfig()
-        security = self.config.security
-        self.clients = [
-            DaemonClient(
-                a,
-                max_message_bytes=self.config.max_message_bytes,
-                security=security,
-                dead_peer_seconds=self.config.dead_peer_seconds,
-            )
-            for a in daemons
-        ]
+        self.clients = [self._daemon_client(a) for a in daemons]
         self.model = ""
         self.plan: list[ShardSlice] = []
         self.created: list[bool] = []
@@ -87,6 +78,14 @@ class ShardedClient:
         self.replaced: set[int] = set()  # lost daemons given a new address (replace_daemon), not yet repaired
         # A replicated push's copies to the other holders run here, beside the caller's own.
         self._fanout = ThreadPoolExecutor(max_workers=4 * len(daemons), thread_name_prefix="ps-replica-push")
+
+    def _daemon_client(self, address: str) -> DaemonClient:
+        return DaemonClient(
+            address,
+            max_message_bytes=self.config.max_message_bytes,
+            security=self.config.security,
+            dead_peer_seconds=self.config.dead_peer_seconds,
+        )
 
     def register(self, spec: ps_pb2.ModelSpec) -> list[ShardSlice]:
         """Registers on every daemon (the first resolves the shard size when the spec leaves
@@ -156,15 +155,11 @@ class ShardedClient:
         if index not in self.lost:
             raise ValueError(f"daemon {old} is not lost: only a lost daemon is replaced")
         check_daemon_list([*self.daemons[:index], new, *self.daemons[index + 1 :]])
-        self._replace(index, self.clients[index])  # closes its data plane or local client
-        self.clients[index].close()
-        self.clients[index] = DaemonClient(
-            new,
-            max_message_bytes=self.config.max_message_bytes,
-            security=self.config.security,
-            dead_peer_seconds=self.config.dead_peer_seconds,
-        )
-        self.transports[index] = self.clients[index]
+        old_client, current = self.clients[index], self.transports[index]
+        self.clients[index] = self.transports[index] = self._daemon_client(new)
+        if current is not old_client:  # its data plane or local client
+            current.close()
+        old_client.close()
         self.daemons[index] = new
         del self.spec.daemons[:]
         self.spec.daemons.extend(self.daemons)

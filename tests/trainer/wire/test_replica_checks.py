@@ -47,3 +47,20 @@ def test_more_replicas_than_daemons_is_said_before_any_call():
             optimizer=trainer.AdamW(),
             config=trainer.OffloadConfig(replicas=3),
         )
+
+
+def test_only_a_lost_daemon_of_the_list_is_replaced():
+    from ps_offload.trainer.wire.sharded_client import ShardedClient
+
+    client = ShardedClient(["127.0.0.1:1", "127.0.0.1:2"])  # nothing is asked of them
+    try:
+        with pytest.raises(ValueError, match="127.0.0.1:9 is not among this model's daemons"):
+            client.replace_daemon("127.0.0.1:9", "127.0.0.1:3")
+        with pytest.raises(ValueError, match="daemon 127.0.0.1:1 is not lost: only a lost daemon is replaced"):
+            client.replace_daemon("127.0.0.1:1", "127.0.0.1:3")
+        client.lost[0] = "gone"
+        with pytest.raises(ValueError, match="repeat"):  # the new list would name 127.0.0.1:2 twice
+            client.replace_daemon("127.0.0.1:1", "127.0.0.1:2")
+        assert client.daemons == ["127.0.0.1:1", "127.0.0.1:2"]  # nothing changed
+    finally:
+        client.close()
