@@ -54,9 +54,12 @@ def _table(rows: list[dict[str, Any]]) -> Table:
     table = Table("daemon", "model", "snapshot", "step", "shards", "disk", "state")
     for r in rows:
         state = "DAMAGED: " + r["damaged"] if r["damaged"] else ("complete" if r["complete"] else "being taken")
+        if r.get("missing"):  # a replica's holder passed over: the others hold its shards
+            state = "not on this holder: " + r["missing"]
+        step = "-" if r["step"] is None else str(r["step"])
         table.add_row(
-            r["daemon"], r["model"], r["name"], str(r["step"]), str(r["shards"]), views.human_bytes(r["bytes"]), state,
-            style="red" if r["damaged"] else None,
+            r["daemon"], r["model"], r["name"], step, str(r["shards"]), views.human_bytes(r["bytes"]), state,
+            style="red" if r["damaged"] else ("yellow" if r.get("missing") else None),
         )  # fmt: skip
     return table
 

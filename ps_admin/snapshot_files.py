@@ -93,7 +93,7 @@ def export(
 ) -> dict[str, Any]:
     """Writes snapshot `name` of `model` (taken on its daemons) into `out`; returns a summary."""
     info, addresses = owners(model, daemons, timeout)
-    step = snapshots.snapshot_step(model, name, snapshots.owning(info, addresses), timeout)
+    step, sources = snapshots.snapshot_sources(model, name, info, addresses, timeout)
     states = state_tensors(info.spec)
     kinds = ["master", *(kind for kind, _ in states)]
     manifest_path = out / MANIFEST
@@ -110,9 +110,7 @@ def export(
         raise AdminError(f"cannot write {out}: {exc.strerror or exc}") from None
     parts = _parts(info.params, part_bytes)
     metadata = {"format": FORMAT, "model": model, "snapshot": name, "step": str(step)}
-    source = snapshots.OldShards(
-        model, name, snapshots.plan_of(info.shards), addresses, [t for _, t in states], timeout
-    )
+    source = snapshots.OldShards(model, name, snapshots.plan_of(info.shards), sources, [t for _, t in states], timeout)
     task = progress.add_task(f"export {model}/{name}", total=info.total_numel * 4 * len(kinds))
     files, written = {}, 0
     for number, indices in enumerate(parts, 1):

@@ -34,35 +34,83 @@ from ps_offload.proto.push import state_tensors
 
 
 def plan_of(shards) -> list[ShardSlice]:
-    return [ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel) for s in shards]
+    return [ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel, tuple(s.holders[1:])) for s in shards]
+
+
+def _holders(shard: ps_pb2.ShardPlacement) -> list[int]:
+    return list(shard.holders) or [shard.daemon_index]
 
 
 def owning(info: ps_pb2.ModelInfo, addresses: list[str]) -> list[str]:
-    return [addresses[i] for i in sorted({s.daemon_index for s in info.shards})]
+    """Every daemon holding a shard of the model: its primaries and, replicated, their replicas."""
+    return [addresses[i] for i in sorted({i for s in info.shards for i in _holders(s)})]
+
+
+def uncovered(info: ps_pb2.ModelInfo, addresses: list[str], having: set[str]) -> list[int]:
+    """The shards none of whose holders is in `having`."""
+    return [s.shard_id for s in info.shards if not any(addresses[i] in having for i in _holders(s))]
+
+
+def _stale(info: ps_pb2.ModelInfo, addresses: list[str], shards: dict[str, dict[int, int]]) -> dict[str, str]:
+    """Holders two or more steps behind another holder of the same shard: left out by the trainer
+    (a lost daemon come back with its old copy), so they never reach the step being taken.
+    One step behind is a step in flight, and is waited for."""
+    stale = {}
+    for s in info.shards:
+        held = {addresses[i]: shards[addresses[i]].get(s.shard_id) for i in _holders(s) if addresses[i] in shards}
+        newest = max((v for v in held.values() if v is not None), default=0)
+        for daemon, version in held.items():
+            if daemon not in stale and (version is None or version < newest - 1):
+                stale[daemon] = f"left out: shard {s.shard_id} at version {version}, behind {newest}"
+    return stale
 
 
 def take(model: str, name: str, daemons: list[str], step: int | None, timeout: float) -> list[dict[str, Any]]:
+    """Of a replicated model, a holder that does not answer or is left out is passed over (and
+    shown as not taken) as long as every shard has a holder that takes it."""
     info, addresses = owners(model, daemons, timeout)
     holders = owning(info, addresses)
+    replicated = info.spec.replicas > 1
+    versions: dict[str, dict[int, int]] = {}
+    failures: dict[str, str] = {}
+    for d in holders:
+        try:
+            versions[d] = {s.shard_id: s.version for s in client.list_shards(d, model, timeout)}
+        except AdminError as exc:
+            if not replicated:
+                raise
+            failures[d] = str(exc)
     if step is None:
-        versions = [s.version for d in holders for s in client.list_shards(d, model, timeout)]
-        step = max(versions, default=0)
-    with ThreadPoolExecutor(max_workers=len(holders)) as pool:
-        futures = {d: pool.submit(client.create_snapshot, d, model, name, step, timeout) for d in holders}
-    taken, failures = {}, []
+        step = max((v for held in versions.values() for v in held.values()), default=0)
+    if replicated:
+        failures.update(_stale(info, addresses, versions))
+    asked = [d for d in holders if d not in failures]
+    with ThreadPoolExecutor(max_workers=max(len(asked), 1)) as pool:
+        futures = {d: pool.submit(client.create_snapshot, d, model, name, step, timeout) for d in asked}
+    taken = {}
     for daemon, future in futures.items():
         try:
             taken[daemon] = future.result()
         except AdminError as exc:
-            failures.append(str(exc))
-    if failures:
-        for daemon in taken:  # all or none
+            failures[daemon] = str(exc)
+    short = uncovered(info, addresses, set(taken))
+    if failures and (not replicated or short):
+        problems = list(failures.values())
+        if replicated:
+            problems.insert(0, f"no holder of shards {short} took the snapshot")
+        for daemon in [*taken, *futures.keys() - taken.keys()]:  # all or none
             try:
                 client.delete_snapshot(daemon, model, name, timeout)
             except AdminError as exc:
-                failures.append(f"{exc} (delete it there by hand)")
-        raise AdminError("; ".join(failures))
-    return [_row(d, model, taken[d]) for d in holders]
+                if daemon in taken:
+                    problems.append(f"{exc} (delete it there by hand)")
+        raise AdminError("; ".join(problems))
+    for daemon in futures.keys() - taken.keys():  # a part left behind by one that failed
+        try:
+            client.delete_snapshot(daemon, model, name, timeout)
+        except AdminError:
+            pass
+    return [_row(d, model, taken[d]) if d in taken else _missing(d, model, name, failures[d]) for d in holders]
 
 
 def _row(daemon: str, model: str, snap: ps_pb2.SnapshotInfo) -> dict[str, Any]:
@@ -72,27 +120,73 @@ def _row(daemon: str, model: str, snap: ps_pb2.SnapshotInfo) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _missing(daemon: str, model: str, name: str, why: str) -> dict[str, Any]:
+    """A holder of a replicated model passed over: its shards are in the snapshot from others."""
+    return {
+        "daemon": daemon, "model": model, "name": name, "step": None, "shards": 0, "bytes": 0,
+        "complete": False, "damaged": None, "created": None, "missing": why,
+    }  # fmt: skip
+
+
+def _each_holder(info, addresses, call) -> list[dict[str, Any]]:
+    """call(daemon) -> rows on every holder; of a replicated model a holder that fails gives a
+    `missing` row instead of failing the command."""
+    rows = []
+    for d in owning(info, addresses):
+        try:
+            rows.extend(call(d))
+        except AdminError as exc:
+            if info.spec.replicas <= 1:
+                raise
+            rows.append(_missing(d, info.spec.model, "-", str(exc)))
+    return rows
+
+
 def listing(model: str, daemons: list[str], timeout: float) -> list[dict[str, Any]]:
     info, addresses = owners(model, daemons, timeout)
-    return [_row(d, model, s) for d in owning(info, addresses) for s in client.list_snapshots(d, model, timeout)]
+    return _each_holder(
+        info, addresses, lambda d: [_row(d, model, snap) for snap in client.list_snapshots(d, model, timeout)]
+    )
 
 
 def delete(model: str, name: str, daemons: list[str], timeout: float) -> list[dict[str, Any]]:
     info, addresses = owners(model, daemons, timeout)
-    return [_row(d, model, client.delete_snapshot(d, model, name, timeout)) for d in owning(info, addresses)]
+    return _each_holder(info, addresses, lambda d: [_row(d, model, client.delete_snapshot(d, model, name, timeout))])
 
 
-def snapshot_step(model: str, name: str, owning: list[str], timeout: float) -> int:
-    steps = set()
-    for daemon in owning:
-        found = {s.name: s for s in client.list_snapshots(daemon, model, timeout)}.get(name)
-        if found is None or not found.complete or found.damaged:
-            why = "has no such snapshot" if found is None else found.damaged or "is still taking it"
-            raise AdminError(f"snapshot {name!r} of model {model!r}: daemon {daemon} {why}")
-        steps.add(found.step)
+def snapshot_sources(
+    model: str, name: str, info: ps_pb2.ModelInfo, addresses: list[str], timeout: float
+) -> tuple[int, dict[int, str]]:
+    """The snapshot's step, and the daemon to read each shard of it from: its holder (of a
+    replicated model the first of its holders) holding the snapshot complete and undamaged."""
+    found: dict[str, ps_pb2.SnapshotInfo | str] = {}
+
+    def on(daemon: str) -> ps_pb2.SnapshotInfo | str:
+        if daemon not in found:
+            try:
+                snap = {s.name: s for s in client.list_snapshots(daemon, model, timeout)}.get(name)
+            except AdminError as exc:
+                snap = str(exc)
+            if isinstance(snap, ps_pb2.SnapshotInfo) and (not snap.complete or snap.damaged):
+                snap = snap.damaged or "is still taking it"
+            found[daemon] = snap if snap is not None else "has no such snapshot"
+        return found[daemon]
+
+    sources = {}
+    for shard in info.shards:
+        why = []
+        for index in _holders(shard):
+            snap = on(addresses[index])
+            if isinstance(snap, ps_pb2.SnapshotInfo):
+                sources[shard.shard_id] = addresses[index]
+                break
+            why.append(f"daemon {addresses[index]} {snap}")
+        else:
+            raise AdminError(f"snapshot {name!r} of model {model!r}: " + "; ".join(why))
+    steps = {found[d].step for d in set(sources.values())}
     if len(steps) != 1:
         raise AdminError(f"snapshot {name!r} of model {model!r} is at different steps on its daemons: {sorted(steps)}")
-    return steps.pop()
+    return steps.pop(), sources
 
 
 def restore(
@@ -108,8 +202,8 @@ def restore(
 ) -> dict[str, Any]:
     info, addresses = owners(model, sources, timeout)
     states = [tensor for _, tensor in state_tensors(info.spec)]
-    step = snapshot_step(model, name, owning(info, addresses), timeout)
-    source = OldShards(model, name, plan_of(info.shards), addresses, states, timeout)
+    step, sources = snapshot_sources(model, name, info, addresses, timeout)
+    source = OldShards(model, name, plan_of(info.shards), sources, states, timeout)
     target = Target(info.spec, targets, new_name=new_name, shard_bytes=shard_bytes)
     row = restore_into(target, step, source, info.total_numel, len(states), timeout=timeout, progress=progress)
     return {"from": model, "snapshot": name, **row}
@@ -147,7 +241,8 @@ def restore_into(
             into = state[tensor_index * new.numel : (tensor_index + 1) * new.numel]
             source.copy_range(new.offset, new.numel, tensor_index, into)
         data = memoryview(state.numpy()).cast("B")
-        restored += client.push_state(target.daemons[new.daemon_index], spec.model, new.shard_id, step, data, timeout)
+        holders = [target.daemons[i] for i in new.holders]  # each replica of a replicated target
+        restored += any([client.push_state(d, spec.model, new.shard_id, step, data, timeout) for d in holders])
         progress.advance(task, len(data))
     return {
         "model": spec.model, "step": step, "daemons": target.daemons, "shards": len(plans[0]),
@@ -159,10 +254,10 @@ class OldShards:
     """The snapshot's shards in offset order, each pulled once when first needed and dropped
     once the new plan has passed it."""
 
-    def __init__(self, model, name, plan: list[ShardSlice], addresses, states, timeout) -> None:
+    def __init__(self, model, name, plan: list[ShardSlice], sources: dict[int, str], states, timeout) -> None:
         plan = sorted(plan, key=lambda s: s.offset)
         self.model, self.name, self.plan = model, name, plan
-        self.addresses, self.tensors, self.timeout = addresses, (ps_pb2.MASTER, *states), timeout
+        self.sources, self.tensors, self.timeout = sources, (ps_pb2.MASTER, *states), timeout
         self.offsets = [s.offset for s in plan]
         self.held: dict[int, tuple[ShardSlice, list[torch.Tensor]]] = {}  # shard id -> its tensors
 
@@ -171,7 +266,7 @@ class OldShards:
             pulled = []
             for tensor in self.tensors:
                 request = ps_pb2.PullRequest(model=self.model, shard_id=s.shard_id, tensor=tensor, snapshot=self.name)
-                data, _ = client.pull(self.addresses[s.daemon_index], request, s.numel, self.timeout)
+                data, _ = client.pull(self.sources[s.shard_id], request, s.numel, self.timeout)
                 pulled.append(torch.frombuffer(data, dtype=torch.float32))
             self.held[s.shard_id] = (s, pulled)
         return self.held[s.shard_id][1]

@@ -137,6 +137,17 @@ class _StoreCollector(Collector):
         capacity.add_metric(["ram"], s.ram_bytes_budget)
         capacity.add_metric(["nvme"], s.nvme_bytes_capacity)
         yield capacity
+        lost = GaugeMetricFamily(
+            "ps_replica_lost_holders", "Daemons of a replicated model its trainer reports lost", labels=["model"]
+        )
+        degraded = GaugeMetricFamily(
+            "ps_replica_degraded_shards", "Shards held here that a lost holder leaves a replica short", labels=["model"]
+        )
+        for health in self.store.replica_health():
+            lost.add_metric([health.model], len(health.lost_holders))
+            degraded.add_metric([health.model], health.degraded_shards)
+        yield lost
+        yield degraded
         yield GaugeMetricFamily("ps_models", "Models registered", value=s.models)
         yield GaugeMetricFamily("ps_uptime_seconds", "Seconds since the daemon started", value=s.uptime_seconds)
 

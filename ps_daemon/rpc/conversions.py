@@ -116,6 +116,7 @@ def push_request(header: ps_pb2.PushHeader) -> PushRequest:
         part=header.part,
         parts=header.parts,
         check_only=header.check_only,
+        lost_holders=tuple(header.lost_holders),
     )
 
 

@@ -81,6 +81,7 @@ class PushRequest:
     part: int = 0  # GRADIENT_PART only: which part of the step's gradient, from 0
     parts: int = 0  # APPLY only: how many parts the step's gradient has (>= 1)
     check_only: bool = False  # APPLY only: check the parts held, apply nothing
+    lost_holders: tuple[int, ...] = ()  # a replicated model's daemons its trainer left out (replica_reports)
     data: torch.Tensor | CompressedGradient | None = None
 
     def __post_init__(self) -> None:

@@ -50,6 +50,7 @@ from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.pull_rounding import check_pull_dtype, element_bytes, rounded
 from ps_offload.daemon.store.pull_wait import PullWait
 from ps_offload.daemon.store.push import PushRequest, PushResult, check_step_locked
+from ps_offload.daemon.store.replica_reports import ReplicaHealth, ReplicaReports
 from ps_offload.daemon.store.shard import Shard, allocate_arena
 from ps_offload.daemon.store.stats import StatsSnapshot, StoreStats, tier_counts
 from ps_offload.daemon.tiers.accumulator_files import AccumulatorFiles
@@ -112,6 +113,7 @@ class ShardStore:
         self.prefetcher = Prefetcher(self.tier, depth=prefetch_depth)
         self.default_shard_bytes = default_shard_bytes
         self.stats = StoreStats()
+        self.replica_reports = ReplicaReports()  # trainers' word on lost holders (metrics)
         # Called with each shard's optimizer time, outside the store's locks (metrics).
         self.on_optimizer_step: Callable[[float], None] | None = None
         self._models: dict[str, RegisteredModel] = {}
@@ -346,6 +348,13 @@ class ShardStore:
         needed; counted as a duplicate), else None."""
         shard = self.shard(push.model, push.shard_id)
         push.check_shard(shard)
+        model = self.model(push.model)
+        spec = model.spec
+        ReplicaReports.check(
+            push.lost_holders, replicas=spec.replicas, daemons=len(spec.daemons), own_index=model.daemon_index,
+            where=push.where,
+        )  # fmt: skip
+        self.replica_reports.note(spec.model, push.lost_holders, list(spec.daemons), model.plan, model.daemon_index)
         with shard.cond:
             ack = check_step_locked(shard, push)
         if ack is None and push.kind in ("gradient_part", "apply"):
@@ -381,6 +390,12 @@ class ShardStore:
 
             apply = push_kinds.check_apply if push.check_only else push_kinds.BY_KIND[push.kind]
             return apply(self, shard, push, borrow)
+
+    def replica_health(self) -> list[ReplicaHealth]:
+        """Each replicated model held, as its trainer last reported its holders (replica_reports)."""
+        with self._lock:
+            models = {n: (m.plan, m.daemon_index) for n, m in self._models.items() if m.spec.replicas > 1}
+        return self.replica_reports.health(models)
 
     def prefetch(self, model: str, shard_ids: list[int]) -> int:
         """A trainer's hint: these shards next, in this order. Queued for loading into the
@@ -453,6 +468,7 @@ class ShardStore:
                 self._dropping.discard(name)
                 if name not in self._models:
                     self._remember_dropped_locked(name)
+        self.replica_reports.forget(name)
         log.warning("model %r dropped: %d shards, %d bytes of RAM and %d of files freed", name, len(shards), ram, disk)
         return Dropped(len(shards), disk, ram, was_damaged=False)
 

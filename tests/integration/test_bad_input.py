@@ -271,3 +271,41 @@ def test_registrations_past_a_limit_are_refused_before_any_work_naming_the_limit
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "store.max_models = 2" in details, details
     assert client.register(_spec(), 0, timeout=10).created is False  # a known model is no new one
     client.close()
+
+
+def _with_lost(push: Push, lost: list[int]) -> Push:
+    push.header.lost_holders.extend(lost)
+    return push
+
+
+def test_lost_holders_that_cannot_describe_the_model_are_invalid_argument(setup, daemon_factory):
+    """PushHeader.lost_holders (a replicated model's holders its trainer left out): on an
+    unreplicated model, outside the daemon list, twice, or naming the daemon it is sent to,
+    it is refused and nothing is applied; a fitting list is taken with the push."""
+    _, client = setup
+    gradient = _bytes(torch.ones(1024))
+    code, details = _status(
+        lambda: client.push(_with_lost(Push.build("m", 0, gradient, step=1, kind=ps_pb2.GRADIENT), [1]), timeout=5)
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "replicated models only" in details
+
+    replicated = DaemonClient(daemon_factory().address, max_message_bytes=8 << 20)
+    spec = _spec(model="r", daemons=("d0", "d1", "d2"))
+    spec.replicas = 2
+    plan = replicated.register(spec, 0, timeout=10).shards
+    held = next(s for s in plan if 0 in s.holders)
+    values = _bytes(torch.ones(held.numel))
+    replicated.push(Push.build("r", held.shard_id, values, step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+    for lost, said in (
+        ([3], "not indices of the model's 3 daemons"),
+        ([1, 1], "twice"),
+        ([0], "the one it was sent to"),
+    ):
+        push = _with_lost(Push.build("r", held.shard_id, values, step=0, kind=ps_pb2.GRADIENT), lost)
+        code, details = _status(lambda push=push: replicated.push(push, timeout=5))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and said in details, details
+    other = next(i for i in held.holders if i != 0)
+    ack = replicated.push(
+        _with_lost(Push.build("r", held.shard_id, values, step=0, kind=ps_pb2.GRADIENT), [other]), timeout=5
+    )
+    assert ack.applied and ack.version == 1  # the refused ones applied nothing

@@ -17,6 +17,7 @@ import threading
 import pytest
 
 from ps_offload import trainer
+from tests.integration.test_metrics import _daemon_with_metrics, _scrape
 from tests.integration.test_persistence import _assert_equal, _loss, _reference
 from tests.integration.test_persistence import _case as persistence_case
 
@@ -32,6 +33,13 @@ def _case():
 def _nvme_daemons(daemon_factory, tmp_path, n=3):
     dirs = [tmp_path / f"nvme{i}" for i in range(n)]
     return [daemon_factory("--nvme-dir", str(d), "--create-nvme-dir") for d in dirs], dirs
+
+
+def _replica_metrics(port: int) -> tuple[float, float]:
+    """Daemon metrics: (holders reported lost, shards held there a replica short) of "model"."""
+    samples = _scrape(port)
+    labels = (("model", "model"),)
+    return samples[("ps_replica_lost_holders", labels)], samples[("ps_replica_degraded_shards", labels)]
 
 
 def _offload(model, daemons, **client):
@@ -80,13 +88,19 @@ def test_a_replacement_catches_up_while_training_runs_then_a_second_loss_is_surv
     model, batches = persistence_case()
     batches = batches[:steps]
     reference = _reference(model, batches)
-    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
+    # Daemon 0 serves metrics: what an operator's dashboard reads of the degraded shards.
+    dirs = [tmp_path / f"nvme{i}" for i in range(3)]
+    first, metrics = _daemon_with_metrics(daemon_factory, tmp_path, "--nvme-dir", str(dirs[0]), "--create-nvme-dir")
+    daemons = [first, *(daemon_factory("--nvme-dir", str(d), "--create-nvme-dir") for d in dirs[1:])]
     with _offload(model, daemons) as opt, caplog.at_level(logging.WARNING):
+        assert _replica_metrics(metrics) == (0, 0)
         for step, batch in enumerate(batches):
             if step == 3:
                 _lose_for_good(daemons[1], dirs[1])
             if step == 6:
                 assert set(opt.client.lost) == {1}
+                short_here = [s for s in opt.plan if set(s.holders) == {0, 1}]
+                assert short_here and _replica_metrics(metrics) == (1, len(short_here))
                 report = _replicas(daemons[0].address)  # the operator's view: from the daemons
                 short = {s.shard_id for s in opt.plan if 1 in s.holders}
                 assert report["degraded"] == len(short) > 0 and daemons[1].address in report["unreachable"]
@@ -95,6 +109,7 @@ def test_a_replacement_catches_up_while_training_runs_then_a_second_loss_is_surv
                 opt.replace_daemon(daemons[1].address, replacement.address)
             if step == 7:
                 assert not opt.client.lost  # caught up before step 6's pushes
+                assert _replica_metrics(metrics) == (0, 0)  # step 6's pushes said so
                 report = _replicas(daemons[0].address)  # the replacement's address is in the spec now
                 assert report["degraded"] == 0 and not report["unreachable"], report
             if step == 10:

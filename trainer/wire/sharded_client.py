@@ -299,6 +299,10 @@ class ShardedClient:
             raise ValueError(
                 f"a push for {header.model!r} shard {header.shard_id} sent as shard {shard.shard_id} of {self.model!r}"
             )
+        # The holders left out, told to those that answer: their metrics show the shards a
+        # replica short (ps_offload.daemon.store.replica_reports); empty again once repaired.
+        del header.lost_holders[:]
+        header.lost_holders.extend(sorted(self.lost))
         answers = self._on_holders(
             shard,
             push.describe(),
