@@ -156,11 +156,12 @@ def _nvme_io(r: dict) -> str:
         )
     if "ratio_to_bytes_only" in r:
         what = "header and two fdatasyncs per shard" if r["name"] == "nvme_write" else "header and crc32c check"
+        in_flight = 4 if r["name"] == "nvme_write" else 8  # store.io_threads, io_read_threads
         text += (
             f" What bounds it, measured in the same rounds: the same DirectIO moving the same shards' bytes without "
             f"the {what} (bytes_only) runs at {g['bytes_only']} GB/s, and ours, with them, "
-            f"at {r['ratio_to_bytes_only']}× of that; bytes_only, still a shard at a time (4 blocks of 8 MiB in "
-            f"flight, each shard's last blocks alone), is {r['bytes_only_vs_faster_peer']}× the faster peer, which "
+            f"at {r['ratio_to_bytes_only']}× of that; bytes_only, still a shard at a time ({in_flight} blocks of 8 MiB "
+            f"in flight, each shard's last blocks alone), is {r['bytes_only_vs_faster_peer']}× the faster peer, which "
             "submits every shard at once (DeepSpeed: 32 requests in flight) and syncs once. The engine is not it "
             "(`nvme_engines`: DeepSpeed's handle is no faster than our threads at the same shape). The rest is "
             "the contract: a version is on disk, header and all, before its push is acknowledged, which "

@@ -379,7 +379,7 @@ def _open_nvme(config: DaemonConfig) -> NvmeFiles | None:
     if not store.nvme_dir:
         return None
     try:
-        io = DirectIO(threads=store.io_threads, block_bytes=store.io_block_bytes)
+        io = DirectIO(threads=store.io_threads, block_bytes=store.io_block_bytes, read_threads=store.io_read_threads)
         return NvmeFiles(
             store.nvme_dir,
             io=io,

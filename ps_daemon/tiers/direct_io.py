@@ -8,9 +8,12 @@ import errno
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 PAGE = 4096
+T = TypeVar("T")
 
 
 def round_up(n: int, to: int = PAGE) -> int:
@@ -27,12 +30,13 @@ def aligned_empty(nbytes: int) -> tuple[mmap.mmap, memoryview]:
 class DirectIO:
     """Positional reads and writes with O_DIRECT, split into blocks with several in flight
     (os.preadv/pwritev release the GIL). Reads and writes have queues and threads of their
-    own, `threads` each: a swap-in that a pull waits for never queues behind the write-back
-    of other shards."""
+    own (`threads` writers, `read_threads` readers, as many by default): a swap-in that a
+    pull waits for never queues behind the write-back of other shards."""
 
-    def __init__(self, *, threads: int, block_bytes: int) -> None:
+    def __init__(self, *, threads: int, block_bytes: int, read_threads: int | None = None) -> None:
         self.block_bytes = round_up(block_bytes)
-        self._readers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme-read")
+        readers = threads if read_threads is None else read_threads
+        self._readers = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="nvme-read")
         self._writers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme-write")
         self._fault = _injected_write_fault()
 
@@ -59,19 +63,49 @@ class DirectIO:
                 raise OSError(f"unexpected end of file at offset {offset + done}")
             done += n
 
-    def _run(self, pool: ThreadPoolExecutor, fn, fd: int, view: memoryview, offset: int) -> None:
-        futures = [pool.submit(fn, fd, block, at) for block, at in self._blocks(view, offset)]
-        errors = [f.exception() for f in futures]
-        for error in errors:
-            if error is not None:
-                raise error
+    def _submit(
+        self, pool: ThreadPoolExecutor, fn, fd: int, view: memoryview, offset: int
+    ) -> list[tuple[memoryview, Future]]:
+        return [(block, pool.submit(fn, fd, block, at)) for block, at in self._blocks(view, offset)]
 
-    def write(self, fd: int, view: memoryview, offset: int) -> None:
+    @staticmethod
+    def _wait(futures: list[tuple[memoryview, Future]], on_block: Callable[[memoryview], None] | None = None) -> None:
+        """Waits for every block (the buffer is the caller's again only then), in order, giving
+        each to `on_block` once it is done; raises the first error after all have ended."""
+        first: BaseException | None = None
+        for block, future in futures:
+            error = future.exception()
+            first = first or error
+            if first is None and on_block is not None:
+                try:
+                    on_block(block)
+                except BaseException as exc:  # still wait for the rest
+                    first = exc
+        if first is not None:
+            raise first
+
+    def write(self, fd: int, view: memoryview, offset: int, meanwhile: Callable[[], T] | None = None) -> T | None:
+        """Writes `view` at `offset`; `meanwhile()`, if given, runs in the calling thread while
+        the blocks are written (a commit's checksums), and its answer is returned."""
         self._check_fault()
-        self._run(self._writers, self._write_block, fd, view, offset)
+        futures = self._submit(self._writers, self._write_block, fd, view, offset)
+        result, error = None, None
+        try:
+            result = meanwhile() if meanwhile is not None else None
+        except BaseException as exc:
+            error = exc
+        self._wait(futures)
+        if error is not None:
+            raise error
+        return result
 
-    def read(self, fd: int, view: memoryview, offset: int) -> None:
-        self._run(self._readers, self._read_block, fd, view, offset)
+    def read(
+        self, fd: int, view: memoryview, offset: int, on_block: Callable[[memoryview], None] | None = None
+    ) -> None:
+        """Reads `view` from `offset`; `on_block(block)`, if given, runs in the calling thread on
+        each block in order as soon as it and those before it have landed (a load's crc32c,
+        folded while later blocks are still being read)."""
+        self._wait(self._submit(self._readers, self._read_block, fd, view, offset), on_block)
 
     def close(self) -> None:
         self._readers.shutdown(wait=True)

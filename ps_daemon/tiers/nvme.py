@@ -344,12 +344,13 @@ class NvmeFiles:
         started = time.perf_counter()
         try:
             crash_points.reached("before_data")
-            self.io.write(file.fd, arena, at + PAGE)
+            # The checksums are taken in this thread while the I/O threads write the bytes.
+            sums = self.io.write(file.fd, arena, at + PAGE, meanwhile=lambda: checksums(arena, numel))
+            master_bytes, master_crc, data_crc = sums
             crash_points.reached("data_written")
             if self.fsync:
                 file.flushes.sync()  # shared with the commits running beside it (group_sync)
             crash_points.reached("data_synced")
-            master_bytes, master_crc, data_crc = checksums(arena, numel)
             header = SlotHeader(shard_id, version, initialized, numel, len(arena), data_crc, master_bytes, master_crc)
             packed = header.pack()
             with self._header_lock:
@@ -387,8 +388,9 @@ class NvmeFiles:
         if header.arena_bytes != len(arena):
             raise CorruptShard(f"header says {header.arena_bytes} arena bytes, the shard has {len(arena)}")
         started = time.perf_counter()
-        self.io.read(file.fd, arena, file.offset(slot) + PAGE)
-        if crc32c.crc32c(arena) != header.data_crc:
+        crc = _FoldedCrc()  # over each block as it lands, while the later ones are read
+        self.io.read(file.fd, arena, file.offset(slot) + PAGE, on_block=crc.add)
+        if crc.value != header.data_crc:
             raise CorruptShard(f"checksum mismatch in slot {slot} (version {header.version})")
         with self._header_lock:
             self.bytes_read += len(arena)
@@ -413,8 +415,9 @@ class NvmeFiles:
         file = self.files[model]
         started = time.perf_counter()
         region = buffer[:master_bytes]
-        self.io.read(file.fd, region, file.offset(slot) + PAGE)
-        if crc32c.crc32c(region) != header.master_crc:
+        crc = _FoldedCrc()
+        self.io.read(file.fd, region, file.offset(slot) + PAGE, on_block=crc.add)
+        if crc.value != header.master_crc:
             raise CorruptShard(f"checksum mismatch in the master values of slot {slot} (version {header.version})")
         with self._header_lock:
             self.bytes_read += master_bytes
@@ -511,3 +514,13 @@ def arena_tensor(numel: int, nbytes: int) -> tuple[torch.Tensor, memoryview]:
     region, view = aligned_empty(nbytes)
     tensor = torch.frombuffer(region, dtype=torch.float32, count=numel)
     return tensor, view
+
+
+class _FoldedCrc:
+    """crc32c of blocks given in order: the same value as one crc32c over them joined."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def add(self, block: memoryview) -> None:
+        self.value = crc32c.crc32c(block, self.value)

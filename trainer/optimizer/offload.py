@@ -280,6 +280,7 @@ class OffloadOptimizer(DaemonOptimizer):
         if self.client.lost and not parts and self.config.push_share[1] == 1:
             # Between steps: no push in flight, every shard at step_count (a replicated model's
             # lost daemon, back or replaced, gets its shards copied before this step's pushes).
+            # With pushes in backward this step's parts are out already: see the end of step().
             self.client.repair_lost(self.step_count)
         if self._before_push is not None:
             self._before_push()
@@ -308,6 +309,10 @@ class OffloadOptimizer(DaemonOptimizer):
         self.step_count = step + 1
         self._finish_step()
         self.io.hint_after(list(pulls.values()))
+        if self.client.lost and self._backward_pushes is not None and self.config.push_share[1] == 1:
+            # Every shard acknowledged at step_count and the next parts not yet begun (the
+            # next backward pushes them): the one point between steps in this mode.
+            self.client.repair_lost(self.step_count)
         self.audit.after_step(audit)  # raises AuditMismatch
         return loss
 

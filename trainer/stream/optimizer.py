@@ -407,6 +407,10 @@ class StreamedOptimizer(DaemonOptimizer):
             self.applier.apply(step, groups, parts, multiplier, failures)  # (trainer/stream/apply.py)
         self.grads.norms.clear()
         self.step_count = self.window.version = step + 1
+        if self.client.lost and self.config.push_share[1] == 1:
+            # Between steps (every shard applied at step_count, the next backward's parts not
+            # begun): a replicated model's lost daemon, back or replaced, is caught up here.
+            self.client.repair_lost(self.step_count)
         self.window.pull_resident()
         self.window.prefetch_first()  # the next forward's first blocks, while the caller goes on
         return loss

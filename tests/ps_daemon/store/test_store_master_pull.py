@@ -162,11 +162,11 @@ def test_a_commit_waits_for_the_read_and_other_commits_cannot_take_its_slot(tmp_
     reading, release, pulled = threading.Event(), threading.Event(), []
     real_read = files.io.read
 
-    def read(fd, view, offset):
+    def read(fd, view, offset, **kwargs):
         if threading.current_thread() is puller:
             reading.set()
             assert release.wait(10)
-        real_read(fd, view, offset)
+        real_read(fd, view, offset, **kwargs)
 
     monkeypatch.setattr(files.io, "read", read)
     puller = threading.Thread(target=lambda: pulled.append(_pull(store, 2)))

@@ -1,0 +1,92 @@
+"""A replicated model's lost daemon is repaired between steps in the step modes that push
+during backward too: OffloadConfig(push_in_backward=True), whose next parts go out before
+step(), is caught up at the end of the step before (OffloadOptimizer.step), and a streamed
+model (StreamedOptimizer.step) likewise. Either way training ends bit for bit where the
+in-process reference ends, with every shard on both its holders again."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ps_offload import trainer
+from ps_offload.trainer.debug_models import TinyGPT
+from tests.integration.test_persistence import _assert_equal, _loss, _reference
+from tests.integration.test_persistence import _case as persistence_case
+from tests.integration.test_replication import DEAD_PEER_SECONDS, _lose_for_good, _nvme_daemons, _replicas
+from tests.integration.test_streaming import CONFIG, _copy_init, _no_decay
+from tests.integration.test_streaming import _reference as streamed_reference
+
+LOST_AT, REPLACED_AT, STEPS = 2, 4, 8
+
+
+def _client() -> trainer.ClientConfig:
+    return trainer.ClientConfig(dead_peer_seconds=DEAD_PEER_SECONDS)
+
+
+def test_pushes_in_backward_a_replacement_is_caught_up_at_the_end_of_a_step(daemon_factory, tmp_path, caplog):
+    model, batches = persistence_case()
+    batches = batches[:STEPS]
+    reference = _reference(model, batches)
+    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
+    config = trainer.OffloadConfig(shard_bytes=4096, replicas=2, push_in_backward=True)
+    opt = trainer.offload(
+        model, daemons=[d.address for d in daemons], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
+        config=config, client=_client(),
+    )  # fmt: skip
+    with opt, caplog.at_level(logging.WARNING):
+        for step, batch in enumerate(batches):
+            if step == LOST_AT:
+                _lose_for_good(daemons[1], dirs[1])
+            if step == REPLACED_AT:
+                assert set(opt.client.lost) == {1}
+                replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
+                opt.replace_daemon(daemons[1].address, replacement.address)
+            opt.zero_grad()
+            _loss(model, batch).backward()  # pushes as each gradient is ready
+            opt.step()
+            if step == REPLACED_AT:
+                assert not opt.client.lost  # caught up before the next backward's parts
+        opt.synchronize()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("repaired" in m and replacement.address in m for m in said), said
+    assert _replicas(daemons[0].address)["degraded"] == 0
+    _assert_equal(model, reference)
+
+
+def test_a_streamed_model_gets_its_replacement_caught_up_between_steps(daemon_factory, tmp_path):
+    g = torch.Generator().manual_seed(7)
+    batches = [
+        [(torch.randint(CONFIG.vocab_size, (2, CONFIG.block_size), generator=g),) * 2 for _ in range(2)]
+        for _ in range(STEPS)
+    ]  # two micro-batches a step: parts pushed in backward, applied at step()
+    initial, expected, _ = streamed_reference(torch.float32, batches)
+    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
+    with torch.device("meta"):
+        model = TinyGPT(CONFIG)
+    stream = trainer.Streaming(blocks=list(model.blocks), init=_copy_init(initial, model), device="cpu")
+    opt = trainer.offload(
+        model, daemons=[d.address for d in daemons], optimizer=trainer.AdamW(lr=1e-2, weight_decay=1e-2),
+        no_weight_decay=_no_decay, config=trainer.OffloadConfig(shard_bytes=4096, replicas=2), stream=stream,
+        client=_client(),
+    )  # fmt: skip
+    with opt:
+        for step, micro_batches in enumerate(batches):
+            if step == LOST_AT:
+                _lose_for_good(daemons[1], dirs[1])
+            if step == REPLACED_AT:
+                assert set(opt.client.lost) == {1}
+                replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
+                opt.replace_daemon(daemons[1].address, replacement.address)
+            for idx, targets in micro_batches:
+                _, loss = model(idx, targets)
+                (loss / len(micro_batches)).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == REPLACED_AT:
+                assert not opt.client.lost
+        final = opt.full_state_dict()
+    assert _replicas(daemons[0].address)["degraded"] == 0
+    for key, value in expected.items():
+        assert torch.equal(final[key], value), key
