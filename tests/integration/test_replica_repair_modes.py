@@ -90,3 +90,88 @@ def test_a_streamed_model_gets_its_replacement_caught_up_between_steps(daemon_fa
     assert _replicas(daemons[0].address)["degraded"] == 0
     for key, value in expected.items():
         assert torch.equal(final[key], value), key
+
+
+def test_a_run_resumed_with_a_replacement_in_the_list_catches_it_up(daemon_factory, tmp_path, caplog):
+    """The job restarted after a node was lost for good, its daemon list naming a replacement in
+    the lost one's place: the run resumes from the other replicas (not refused as "state lost")
+    and the replacement is caught up at the first step."""
+    model, batches = persistence_case()
+    batches = batches[:STEPS]
+    reference = _reference(model, batches)
+    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
+    config = trainer.OffloadConfig(shard_bytes=4096, replicas=2)
+
+    def run(addresses):
+        optimizer = trainer.AdamW(lr=1e-2, weight_decay=0.1)
+        return trainer.offload(model, daemons=addresses, optimizer=optimizer, config=config, client=_client())
+
+    opt = run([d.address for d in daemons])
+    with opt:
+        for batch in batches[:LOST_AT]:
+            opt.zero_grad()
+            _loss(model, batch).backward()
+            opt.step()
+        opt.synchronize()
+    _lose_for_good(daemons[1], dirs[1])
+    replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
+    addresses = [daemons[0].address, replacement.address, daemons[2].address]
+    with caplog.at_level(logging.WARNING):
+        opt = run(addresses)
+        with opt:
+            assert opt.step_count == LOST_AT and set(opt.client.lost) == {1}
+            for batch in batches[LOST_AT:]:
+                opt.zero_grad()
+                _loss(model, batch).backward()
+                opt.step()
+                assert not opt.client.lost  # caught up before the first step's pushes
+            opt.synchronize()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("hold none of model" in m and replacement.address in m for m in said), said
+    assert _replicas(daemons[0].address)["degraded"] == 0
+    _assert_equal(model, reference)
+
+
+def test_a_replacement_that_dies_while_it_is_caught_up_stays_out_and_the_next_one_is_taken(
+    daemon_factory, tmp_path, caplog
+):
+    """The replacement is killed at its second commit of the repair's copies (a STATE push):
+    the step still completes on the live replicas, the replacement is left out again, and a
+    second replacement is caught up; nothing is applied twice or lost."""
+    from ps_offload.daemon.local import LocalDaemon
+
+    model, batches = persistence_case()
+    batches = batches[:STEPS]
+    reference = _reference(model, batches)
+    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
+    doomed = LocalDaemon(
+        tmp_path / "doomed", "--nvme-dir", str(tmp_path / "nvme-doomed"), "--create-nvme-dir",
+        env={"PS_OFFLOAD_CRASH_AT": "header_synced@2"},
+    )  # fmt: skip
+    try:
+        opt = trainer.offload(
+            model, daemons=[d.address for d in daemons], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
+            config=trainer.OffloadConfig(shard_bytes=4096, replicas=2), client=_client(),
+        )  # fmt: skip
+        with opt, caplog.at_level(logging.WARNING):
+            for step, batch in enumerate(batches):
+                if step == LOST_AT:
+                    _lose_for_good(daemons[1], dirs[1])
+                if step == LOST_AT + 1:
+                    opt.replace_daemon(daemons[1].address, doomed.address)
+                if step == REPLACED_AT + 1:
+                    assert doomed.process.poll() is not None and set(opt.client.lost) == {1}
+                    replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
+                    opt.replace_daemon(doomed.address, replacement.address)
+                opt.zero_grad()
+                _loss(model, batch).backward()
+                opt.step()
+            assert not opt.client.lost
+            opt.synchronize()
+    finally:
+        doomed.kill()
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"repairing daemon {doomed.address} failed" in m for m in said), said
+    assert any("repaired" in m and replacement.address in m for m in said), said
+    assert _replicas(daemons[0].address)["degraded"] == 0
+    _assert_equal(model, reference)

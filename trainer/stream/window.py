@@ -8,7 +8,9 @@ blocks in, forward after a block's forward and backward after its backward began
 blocks held fit `window_bytes`; the running block is always allowed, so a window smaller than
 a block means no prefetch, not no progress. Within the same budget, the blocks a forward
 ends with stay for the backward that begins with them, and a step ends by fetching the
-blocks the next forward begins with.
+blocks the next forward begins with. In backward, the block just past the window is hinted
+to its daemons (ShardedClient.hint), which load its shards' arenas from NVMe into RAM while
+the blocks before it compute: its pull then reads RAM, not disk, and so does its push.
 
 Each pull asks for the optimizer's current version (`version`) and refuses a newer one: the
 daemons hold only their newest state, so a newer version means another trainer is stepping
@@ -52,6 +54,7 @@ class BlockWindow:
         self._lock = threading.Lock()
         self._pulls: dict[int, list[Future]] = {}  # unit index -> its shards' pulls
         self._versions: dict[int, int] = {}  # unit index -> its version counter before its pulls
+        self._hinted: set[int] = set()  # units whose arenas the daemons were asked to load, this backward
         self.order = [u for u in units if u.streamed]  # refined by the first forward
         self._recording: list[StreamUnit] | None = []
         # Block pulls started ahead of use and when a hook needed them; the most bytes of
@@ -160,8 +163,21 @@ class BlockWindow:
                 here = nxt.index in self._pulls
                 full = self._held_locked() + nxt.nbytes > self.window_bytes
             if not here and full:
+                if not forward:
+                    self._hint(nxt)
                 break
             self.fetch(nxt, ahead=True)
+
+    def _hint(self, unit: StreamUnit) -> None:
+        """In backward, the block after those the window holds: its daemons (those with an NVMe
+        tier) are asked to load its shards' arenas into RAM now, a block before its pull, so
+        that the pull is served from RAM instead of reading the master from disk, and its
+        gradient's push finds the arena there; once per block per backward, off this thread."""
+        with self._lock:
+            if unit.index in self._hinted:
+                return
+            self._hinted.add(unit.index)
+        self.pool.submit(self.client.hint, [s.shard_id for s in unit.shards])
 
     def needed_first_in_backward(self, unit: StreamUnit) -> bool:
         """Whether `unit` is among the last blocks of the forward order that fit the window
@@ -173,6 +189,8 @@ class BlockWindow:
 
     def prefetch_first(self) -> None:
         """After a step: fetches the first blocks of the forward order that fit the window."""
+        with self._lock:
+            self._hinted.clear()  # the next backward hints again
         if not self.prefetch_enabled:
             return
         held = 0

@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
 import grpc
@@ -39,6 +40,7 @@ class ReplicatedClient(Protocol):
     stale_said: set[int]
     digests: list[str]
     replaced: set[int]
+    fresh_holders: set[int]
 
     def use_data_plane(self, index: int, response: ps_pb2.RegisterModelResponse) -> None: ...
     def replace_daemon(self, old: str, new: str) -> None: ...
@@ -88,6 +90,7 @@ def id_ranges(ids: list[int]) -> str:
 
 
 REPAIR_PROBE_SECONDS = 5.0  # how often a lost daemon is asked whether it is back
+COPY_THREADS = 4  # shards a repair copies at once (each: pulls from a live holder, a STATE push)
 
 
 def _follow_cluster_file(client: ReplicatedClient) -> None:
@@ -112,6 +115,29 @@ def _follow_cluster_file(client: ReplicatedClient) -> None:
             client.replace_daemon(client.daemons[index], listed[index])
 
 
+def adopt_fresh_holders(client: ReplicatedClient, fresh: list[int]) -> None:
+    """A replicated model resumed where some daemons did not know it (a replacement in a
+    lost node's place in the daemon list, a node whose disk was wiped): they are left out
+    for now, the model resumes from its other holders, and they are caught up between two
+    steps like a lost daemon back (repair_lost). Raises when a shard has no other holder."""
+    for index in fresh:
+        client.lost[index] = "it held none of the model's values when the run resumed"
+        client.fresh_holders.add(index)
+    bare = [s.shard_id for s in client.plan if all(i in client.lost for i in s.holders)]
+    if bare:
+        names = [client.daemons[i] for i in fresh]
+        raise RuntimeError(
+            f"daemons {names} did not know model {client.model!r} while the others did, and shards "
+            f"{id_ranges(bare)} were on no other daemon: their state is lost. Restore the model from a snapshot "
+            "(ps-admin snapshot restore) or an export, or re-register it under a new name"
+        )
+    log.warning(
+        "daemons %s hold none of model %r (replacements, or nodes that lost their disk): the run resumes from "
+        "the other replicas, and they are caught up from them between two steps",
+        ", ".join(client.daemons[i] for i in fresh), client.model,
+    )  # fmt: skip
+
+
 def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
     """Between steps, with no push in flight and every shard at `version`: each lost daemon
     that answers again holding none of the model's state (a replacement, or the same node
@@ -132,7 +158,7 @@ def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
         except grpc.RpcError:
             continue  # still gone
         address = client.daemons[index]
-        if not response.created:
+        if not response.created and index not in client.fresh_holders:
             if index not in client.stale_said:
                 client.stale_said.add(index)
                 log.warning(
@@ -160,6 +186,7 @@ def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
                         client.clients[other].register(client.spec, other, timeout=5.0)
             client.replaced.discard(index)
         client.stale_said.discard(index)
+        client.fresh_holders.discard(index)
         repaired.append(address)
         log.warning(
             "daemon %s repaired: %d shards of model %r copied from their live replicas at step %d; they have all "
@@ -170,11 +197,13 @@ def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
 
 def _copy_shards(client: ReplicatedClient, index: int, version: int) -> int:
     """Every shard daemon `index` holds, master and optimizer state at `version`, pulled from
-    a live holder and pushed to it as a STATE; returns how many. A failure of the daemon being
-    repaired (it is given up on after dead_peer_seconds) raises DaemonError."""
+    a live holder and pushed to it as a STATE, COPY_THREADS shards at a time; returns how
+    many. A failure of the daemon being repaired (it is given up on after dead_peer_seconds)
+    raises DaemonError."""
     held = [s for s in client.plan if index in s.holders]
     tensors = [ps_pb2.MASTER, *(tensor for _, tensor in state_tensors(client.spec))]
-    for shard in held:
+
+    def copy(shard: ShardSlice) -> None:
         state = torch.empty(len(tensors) * shard.numel, dtype=torch.float32)
         view = memoryview(state.numpy()).cast("B")
         nbytes = shard.numel * 4
@@ -194,4 +223,10 @@ def _copy_shards(client: ReplicatedClient, index: int, version: int) -> int:
             lambda p=push, c=grpc_client, t=seconds: c.push(p, timeout=t),
             give_up_seconds=client.config.dead_peer_seconds,
         )
+
+    with ThreadPoolExecutor(max_workers=max(1, min(COPY_THREADS, len(held))), thread_name_prefix="ps-repair") as pool:
+        futures = [pool.submit(copy, shard) for shard in held]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]
     return len(held)

@@ -42,7 +42,7 @@ from ps_offload.trainer.wire.daemon_client import (
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
 from ps_offload.trainer.wire.host_windows import HostWindows, Prepare
 from ps_offload.trainer.wire.local_client import LocalClient, slot_bytes_for
-from ps_offload.trainer.wire.replicas import check_replicas, id_ranges, repair_lost
+from ps_offload.trainer.wire.replicas import adopt_fresh_holders, check_replicas, id_ranges, repair_lost
 from ps_offload.trainer.wire.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,9 @@ class ShardedClient:
         self.stale_said: set[int] = set()  # lost daemons said to be back with stale state
         self.digests: list[str] = []  # each daemon's kernel digest, from its registration
         self.replaced: set[int] = set()  # lost daemons given a new address (replace_daemon), not yet repaired
+        # Lost daemons this client registered the model on afresh (they hold none of its values):
+        # a repair takes them although their registration now finds the model (adopt_fresh_holders).
+        self.fresh_holders: set[int] = set()
         # A replicated push's copies to the other holders run here, beside the caller's own.
         self._fanout = ThreadPoolExecutor(max_workers=4 * len(daemons), thread_name_prefix="ps-replica-push")
 
@@ -388,6 +391,11 @@ class ShardedClient:
         if not answers:
             self.live_holders(shard)  # raises: every holder is lost now
         return answers
+
+    def adopt_fresh_holders(self, fresh: list[int]) -> None:
+        """Resuming a replicated model that daemons `fresh` did not know: they are left out and
+        caught up between two steps (trainer/wire/replicas.py adopt_fresh_holders)."""
+        adopt_fresh_holders(self, fresh)
 
     def _lose(self, index: int, error: DaemonError) -> None:
         """Leaves a holder out for the rest of the run, saying which shards it leaves short."""

@@ -38,8 +38,14 @@ class ConcurrentWrites:
 class Daemon:
     model = "stand-in"
 
+    def __init__(self) -> None:
+        self.hinted: list[list[int]] = []
+
     def pull(self, shard, *, min_version, out, dtype) -> int:
         return min_version
+
+    def hint(self, shard_ids: list[int]) -> None:
+        self.hinted.append(shard_ids)
 
 
 def _window(shards_per_unit: int, window_bytes: int = 1 << 20):
@@ -48,7 +54,8 @@ def _window(shards_per_unit: int, window_bytes: int = 1 << 20):
     for unit in units:
         size = unit.numel // shards_per_unit
         cuts = [unit.start + i * size for i in range(shards_per_unit)] + [unit.end]
-        unit.shards = [ShardSlice(i, 0, a, b - a) for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
+        first = unit.index * shards_per_unit  # shard ids unique across units
+        unit.shards = [ShardSlice(first + i, 0, a, b - a) for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
     pool = ThreadPoolExecutor(max_workers=shards_per_unit)
     window = BlockWindow(
         units, client=Daemon(), mover=ConcurrentWrites(shards_per_unit), pool=pool, window_bytes=window_bytes,
@@ -90,3 +97,24 @@ def test_prefetch_stays_within_the_window():
 
 def units_bytes() -> int:
     return (8 * 8 + 8) * 4  # one nn.Linear(8, 8) in fp32
+
+
+def test_backward_hints_the_block_past_the_window_once_a_backward():
+    """In backward, the window (one block here) holds the next block; the one past it is
+    hinted to the daemons, so they load its arenas from disk before its pull, once until the
+    step ends."""
+    _, units, window, pool = _window(shards_per_unit=1, window_bytes=2 * units_bytes())
+    for unit in units:
+        window.record(unit)
+    window.fix_order()
+    window.ready(units[2])
+    window.prefetch(units[2], forward=False)  # fetches units[1]; units[0] does not fit: hinted
+    window.prefetch(units[2], forward=False)  # said once
+    window.release(units[1])
+    pool.submit(lambda: None).result()  # the pool (one thread) has run the hint before this
+    assert window.client.hinted == [[s.shard_id for s in units[0].shards]]
+    window.prefetch_first()  # a step ended: the next backward hints again
+    assert not window._hinted
+    for unit in units:
+        window.release(unit)
+    pool.shutdown()
