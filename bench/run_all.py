@@ -287,12 +287,35 @@ def _zero_infinity(r: dict) -> str:
             parts.append(f"{label} {size} parameters ({n} blocks{why})")
         return f"Largest trained, n_embd {r['n_embd']}, one step at batch 1: " + "; ".join(parts) + "."
     ms, rss, disk = r["ms_per_step"], r["peak_rss_bytes"], r["nvme_bytes"]
-    return (
+    text = (
         f"{r['params'] / 1e6:.1f}M parameters, {r['state_bytes'] / 1e9:.2f} GB of AdamW state, our daemon's RAM tier "
         f"{r['ours_ram_tier_bytes'] >> 20} MiB: ms/step ours {ms['ours']}, DeepSpeed {ms['deepspeed']}. Peak RSS ours "
         f"{rss['ours'] / 2**30:.2f} GiB (trainer and daemon), DeepSpeed {rss['deepspeed'] / 2**30:.2f} GiB; on disk "
         f"ours {disk['ours'] / 1e9:.2f} GB, DeepSpeed {disk['deepspeed'] / 1e9:.2f} GB; first-step loss ours "
         f"{r['first_loss']['ours']}, DeepSpeed {r['first_loss']['deepspeed']}."
+    )
+    if "bound_ratio" in r:
+        low, high = r["bound_ratio_spread"]["min"], r["bound_ratio_spread"]["max"]
+        text += (
+            f" What bounds it: the same model's forward and backward alone, in RAM with no optimizer, took "
+            f"{ms['compute']} ms a step in the same rounds, so no offload system could be more than "
+            f"{r['bound_ratio']}× DeepSpeed here (paired {low}–{high}); ours takes {r['ours_over_compute']}× that "
+            "compute. Both share the 2 cores between that compute and their optimizer and disk work."
+        )
+    if "ours_phase_ms" in r:
+        text += _zero_infinity_profile(r)
+    return text
+
+
+def _zero_infinity_profile(r: dict) -> str:
+    phase, daemon = r["ours_phase_ms"], r["ours_daemon_per_step"]
+    state = r["state_bytes"]
+    return (
+        f" Ours per step: forward {phase['forward']} ms, backward {phase['backward']} ms (pushes applied as they "
+        f"arrive), step() {phase['step']} ms; the daemon read {daemon['nvme_bytes_read'] / state:.2f}× and wrote "
+        f"{daemon['nvme_bytes_written'] / state:.2f}× the AdamW state ({daemon['nvme_master_reads']:.0f} pulls read "
+        f"a master from disk), its I/O threads busy {daemon['nvme_read_seconds']} s reading and "
+        f"{daemon['nvme_write_seconds']} s writing, its AdamW {daemon['optimizer_seconds']} s."
     )
 
 

@@ -274,9 +274,13 @@ def main() -> dict:
         root = Path(tmp)
         fio_path = root / "fio.dat"
         fio_seconds(fio_path, "write", io_bytes=p.fio_bytes, file_bytes=p.fio_bytes)  # lay the file out first
+        # The trainer shares its bf16 model (its blocks' memory, freed after each use) with the
+        # node's daemon as one window: the pool must take it, or every block goes through a copy.
+        config = root / "daemon.toml"
+        config.write_text(f"[server]\nlocal_pool_bytes = {2 * p.params + (1 << 30)}\n")
         daemon = LocalDaemon(
             root / "daemon", "--log-level", "WARNING", "--nvme-dir", str(root / "nvme"),
-            "--ram-bytes", str(p.ram_tier_bytes), "--shard-bytes", str(p.shard_bytes),
+            "--ram-bytes", str(p.ram_tier_bytes), "--shard-bytes", str(p.shard_bytes), "--config", str(config),
         )  # fmt: skip
         worker = None
         try:

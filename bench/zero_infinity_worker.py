@@ -1,6 +1,6 @@
 """One trainer of bench/zero_infinity.py in a process of its own, stepping on command:
 
-    python -m bench.zero_infinity_worker {ours,deepspeed} --spec JSON --reply-fd N
+    python -m bench.zero_infinity_worker {ours,deepspeed,compute} --spec JSON --reply-fd N
 
 It builds its GPT (bench/zero_infinity.py's `RunSpec`: the same TinyGPT, initial values, batches,
 AdamW and thread count on both sides), answers {"ready": ...} on the reply descriptor, then
@@ -84,6 +84,9 @@ def _du(path: str) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
+PROFILE_AFTER = 2  # steps: bench/zero_infinity.py's warm-up (Size.warmup)
+
+
 class Ours:
     """The streamed trainer on a local daemon with an NVMe tier."""
 
@@ -122,23 +125,59 @@ class Ours:
         )  # fmt: skip
         self.model = model
 
+        self.phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # seconds, over the profiled steps
+        self.steps = 0
+        self.seen = 0
+        self.daemon_at_start: dict | None = None
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.seen += 1
+        if self.seen <= PROFILE_AFTER:  # the warm-up: not profiled
+            return self._step(x, y)
+        if self.daemon_at_start is None:
+            self.daemon_at_start = self._daemon_stats()
+        return self._step(x, y, profile=True)
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor, profile: bool = False) -> float:
+        started = time.perf_counter()
         _, loss = self.model(x, y)
+        forward = time.perf_counter()
         loss.backward()
+        backward = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad()
+        done = time.perf_counter()
+        if profile:
+            self.phases["forward"] += forward - started
+            self.phases["backward"] += backward - forward
+            self.phases["step"] += done - backward
+            self.steps += 1
         return loss.item()
 
     def settle(self) -> None:
         self.opt.synchronize()  # the resident parameters' pulls that step() started
 
+    def _daemon_stats(self) -> dict:
+        from ps_offload.admin import client
+
+        s = client.stats(self.daemon.address, 10.0)
+        names = ("nvme_bytes_read", "nvme_bytes_written", "nvme_read_seconds", "nvme_write_seconds",
+                 "nvme_master_reads", "optimizer_seconds", "tier_misses")  # fmt: skip
+        return {name: getattr(s, name) for name in names}
+
     def stats(self) -> dict:
+        now, before = self._daemon_stats(), self.daemon_at_start or {}
+        per_step = {k: round((v - before.get(k, 0)) / max(self.steps, 1), 3) for k, v in now.items()}
         return {
             "peak_rss_bytes": _peak_rss() + _peak_rss(self.daemon.process.pid),
             "trainer_peak_rss_bytes": _peak_rss(),
             "daemon_peak_rss_bytes": _peak_rss(self.daemon.process.pid),
             "nvme_bytes": _du(self.nvme_dir),
             "block_pulls": dict(self.opt.stats),
+            # Where a step goes: the trainer's phases, and the daemon's work per step (its I/O
+            # seconds are summed over its I/O threads).
+            "phase_ms": {k: round(1000 * v / max(self.steps, 1), 1) for k, v in self.phases.items()},
+            "daemon_per_step": per_step,
         }
 
     def close(self) -> None:
@@ -222,6 +261,39 @@ class DeepSpeed:
         pass
 
 
+class ComputeOnly:
+    """Not a contender: the same model's forward and backward in RAM, no optimizer and no
+    disk. No offload system's step is shorter here, so DeepSpeed's step over this one is the
+    most any of them could gain on it on this machine (the figure's physical bound)."""
+
+    def __init__(self, spec: dict) -> None:
+        gpt = GPTConfig(**spec["gpt"])
+        self.model = TinyGPT(gpt)
+        modules = {n: m for n, m in self.model.named_modules()}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                owner = modules[name.rpartition(".")[0]]
+                p.copy_(initial_value(name, owner, p.shape, gpt.n_layer))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        _, loss = self.model(x, y)
+        loss.backward()
+        self.model.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def settle(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"peak_rss_bytes": _peak_rss(), "nvme_bytes": 0}
+
+    def close(self) -> None:
+        pass
+
+
+SYSTEMS = {"ours": Ours, "deepspeed": None, "compute": ComputeOnly}  # deepspeed: DeepSpeed, below
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -230,7 +302,7 @@ def _free_port() -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("system", choices=("ours", "deepspeed"))
+    parser.add_argument("system", choices=tuple(SYSTEMS))
     parser.add_argument("--spec", required=True, help="RunSpec as JSON")
     parser.add_argument("--reply-fd", type=int, required=True)
     args = parser.parse_args(argv)
@@ -240,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         started = time.perf_counter()
         torch.manual_seed(0)
-        system = (Ours if args.system == "ours" else DeepSpeed)(spec)
+        system = (SYSTEMS[args.system] or DeepSpeed)(spec)
         _reply(fd, {"ready": True, "init_seconds": round(time.perf_counter() - started, 2)})
         step = 0
         for line in sys.stdin:

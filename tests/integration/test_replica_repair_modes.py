@@ -25,6 +25,27 @@ def _client() -> trainer.ClientConfig:
     return trainer.ClientConfig(dead_peer_seconds=DEAD_PEER_SECONDS)
 
 
+def _fresh_nvme(tmp_path) -> tuple[str, ...]:
+    return ("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
+
+
+class LossThenReplacement:
+    """Daemon 1 lost for good before step LOST_AT; before step REPLACED_AT, a replacement
+    (`start()`) put in its place."""
+
+    def __init__(self, opt, daemons, dirs, start) -> None:
+        self.opt, self.daemons, self.dirs, self.start = opt, daemons, dirs, start
+        self.replacement = None
+
+    def before(self, step: int) -> None:
+        if step == LOST_AT:
+            _lose_for_good(self.daemons[1], self.dirs[1])
+        if step == REPLACED_AT:
+            assert set(self.opt.client.lost) == {1}
+            self.replacement = self.start()
+            self.opt.replace_daemon(self.daemons[1].address, self.replacement.address)
+
+
 def test_pushes_in_backward_a_replacement_is_caught_up_at_the_end_of_a_step(daemon_factory, tmp_path, caplog):
     model, batches = persistence_case()
     batches = batches[:STEPS]
@@ -35,14 +56,10 @@ def test_pushes_in_backward_a_replacement_is_caught_up_at_the_end_of_a_step(daem
         model, daemons=[d.address for d in daemons], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
         config=config, client=_client(),
     )  # fmt: skip
+    events = LossThenReplacement(opt, daemons, dirs, lambda: daemon_factory(*_fresh_nvme(tmp_path)))
     with opt, caplog.at_level(logging.WARNING):
         for step, batch in enumerate(batches):
-            if step == LOST_AT:
-                _lose_for_good(daemons[1], dirs[1])
-            if step == REPLACED_AT:
-                assert set(opt.client.lost) == {1}
-                replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
-                opt.replace_daemon(daemons[1].address, replacement.address)
+            events.before(step)
             opt.zero_grad()
             _loss(model, batch).backward()  # pushes as each gradient is ready
             opt.step()
@@ -50,7 +67,7 @@ def test_pushes_in_backward_a_replacement_is_caught_up_at_the_end_of_a_step(daem
                 assert not opt.client.lost  # caught up before the next backward's parts
         opt.synchronize()
     said = [r.getMessage() for r in caplog.records]
-    assert any("repaired" in m and replacement.address in m for m in said), said
+    assert any("repaired" in m and events.replacement.address in m for m in said), said
     assert _replicas(daemons[0].address)["degraded"] == 0
     _assert_equal(model, reference)
 
@@ -71,14 +88,10 @@ def test_a_streamed_model_gets_its_replacement_caught_up_between_steps(daemon_fa
         no_weight_decay=_no_decay, config=trainer.OffloadConfig(shard_bytes=4096, replicas=2), stream=stream,
         client=_client(),
     )  # fmt: skip
+    events = LossThenReplacement(opt, daemons, dirs, lambda: daemon_factory(*_fresh_nvme(tmp_path)))
     with opt:
         for step, micro_batches in enumerate(batches):
-            if step == LOST_AT:
-                _lose_for_good(daemons[1], dirs[1])
-            if step == REPLACED_AT:
-                assert set(opt.client.lost) == {1}
-                replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
-                opt.replace_daemon(daemons[1].address, replacement.address)
+            events.before(step)
             for idx, targets in micro_batches:
                 _, loss = model(idx, targets)
                 (loss / len(micro_batches)).backward()
@@ -114,7 +127,7 @@ def test_a_run_resumed_with_a_replacement_in_the_list_catches_it_up(daemon_facto
             opt.step()
         opt.synchronize()
     _lose_for_good(daemons[1], dirs[1])
-    replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
+    replacement = daemon_factory(*_fresh_nvme(tmp_path))
     addresses = [daemons[0].address, replacement.address, daemons[2].address]
     with caplog.at_level(logging.WARNING):
         opt = run(addresses)
@@ -161,7 +174,7 @@ def test_a_replacement_that_dies_while_it_is_caught_up_stays_out_and_the_next_on
                     opt.replace_daemon(daemons[1].address, doomed.address)
                 if step == REPLACED_AT + 1:
                     assert doomed.process.poll() is not None and set(opt.client.lost) == {1}
-                    replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
+                    replacement = daemon_factory(*_fresh_nvme(tmp_path))
                     opt.replace_daemon(doomed.address, replacement.address)
                 opt.zero_grad()
                 _loss(model, batch).backward()
