@@ -187,8 +187,6 @@ class Daemon:
             log.info("metrics on http://%s:%d/metrics", self.config.metrics.listen.rpartition(":")[0], metrics_port)
         for name in ["", *SERVICE_NAMES]:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if self.config.server.port_file:
-            _write_atomically(Path(self.config.server.port_file), f"{self.port}\n")
         log.info("ps-daemon listening on %s (port %d)", listen, self.port)
         if self.nvme_lock is not None:
             data = f", data plane port {self.data_plane.port}" if self.data_plane is not None else ""
@@ -198,7 +196,10 @@ class Daemon:
         exposed = exposed_in_plaintext(self.config)
         if exposed:  # only with server.insecure: validate() refuses it otherwise
             log.warning("INSECURE: %s serves plaintext beyond this host (--insecure; no [tls])", exposed)
-        # The same moment as the port file: every shard is back and both ports accept calls.
+        # The port file comes last, with READY=1: every shard is back, both ports accept calls,
+        # and what start-up had to say is in the log (a script that waits for the file reads it).
+        if self.config.server.port_file:
+            _write_atomically(Path(self.config.server.port_file), f"{self.port}\n")
         self._status = self._serving_status()
         systemd.notify("READY=1", f"STATUS={self._status}")
         return self.port
