@@ -291,7 +291,7 @@ class ComputeOnly:
         pass
 
 
-SYSTEMS = {"ours": Ours, "deepspeed": None, "compute": ComputeOnly}  # deepspeed: DeepSpeed, below
+SYSTEMS = {"ours": Ours, "deepspeed": DeepSpeed, "compute": ComputeOnly}
 
 
 def _free_port() -> int:
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         started = time.perf_counter()
         torch.manual_seed(0)
-        system = (SYSTEMS[args.system] or DeepSpeed)(spec)
+        system = SYSTEMS[args.system](spec)
         _reply(fd, {"ready": True, "init_seconds": round(time.perf_counter() - started, 2)})
         step = 0
         for line in sys.stdin:

@@ -94,22 +94,20 @@ def take(model: str, name: str, daemons: list[str], step: int | None, timeout: f
         except AdminError as exc:
             failures[daemon] = str(exc)
     short = uncovered(info, addresses, set(taken))
-    if failures and (not replicated or short):
-        problems = list(failures.values())
-        if replicated:
-            problems.insert(0, f"no holder of shards {short} took the snapshot")
-        for daemon in [*taken, *futures.keys() - taken.keys()]:  # all or none
-            try:
-                client.delete_snapshot(daemon, model, name, timeout)
-            except AdminError as exc:
-                if daemon in taken:
-                    problems.append(f"{exc} (delete it there by hand)")
-        raise AdminError("; ".join(problems))
-    for daemon in futures.keys() - taken.keys():  # a part left behind by one that failed
+    whole = not failures or (replicated and not short)
+    problems = [] if whole else list(failures.values())
+    if short:
+        problems.insert(0, f"no holder of shards {short} took the snapshot")
+    for daemon in asked:  # all or none: a part a failed create left behind, and every part if not whole
+        if daemon in taken and whole:
+            continue
         try:
             client.delete_snapshot(daemon, model, name, timeout)
-        except AdminError:
-            pass
+        except AdminError as exc:
+            if daemon in taken:
+                problems.append(f"{exc} (delete it there by hand)")
+    if not whole:
+        raise AdminError("; ".join(problems))
     return [_row(d, model, taken[d]) if d in taken else _missing(d, model, name, failures[d]) for d in holders]
 
 

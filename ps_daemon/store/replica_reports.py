@@ -51,7 +51,9 @@ class ReplicaReports:
         if own_index in lost:
             raise InvalidArgument(f"{where}: lost_holders names daemon {own_index}, the one it was sent to")
 
-    def note(self, model: str, lost: tuple[int, ...], addresses: list[str], plan: list[ShardSlice], own: int) -> None:
+    def note(
+        self, model: str, lost: tuple[int, ...], addresses: tuple[str, ...], plan: list[ShardSlice], own: int
+    ) -> None:
         """Keeps the trainer's latest list (checked), logging when it changes."""
         lost = tuple(sorted(lost))
         with self._lock:

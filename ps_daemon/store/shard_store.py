@@ -354,7 +354,8 @@ class ShardStore:
             push.lost_holders, replicas=spec.replicas, daemons=len(spec.daemons), own_index=model.daemon_index,
             where=push.where,
         )  # fmt: skip
-        self.replica_reports.note(spec.model, push.lost_holders, list(spec.daemons), model.plan, model.daemon_index)
+        if spec.replicas > 1:  # (an unreplicated model's pushes carry none: checked above)
+            self.replica_reports.note(spec.model, push.lost_holders, spec.daemons, model.plan, model.daemon_index)
         with shard.cond:
             ack = check_step_locked(shard, push)
         if ack is None and push.kind in ("gradient_part", "apply"):
