@@ -25,8 +25,9 @@ class Prefetcher:
         self._lock = threading.Lock()
 
     def hint(self, shards: list[Shard]) -> int:
-        """A trainer's hint: these shards next, in this order. Returns how many were queued."""
-        return self.tier.prefetch(shards)
+        """A trainer's hint: these shards next, in this order, after those already upcoming.
+        Returns how many were queued."""
+        return self.tier.prefetch(shards, after_upcoming=True)
 
     def pushed(self, shard: Shard, step: int, shards_of_model: Callable[[], dict[int, Shard]]) -> None:
         """Records that `shard` is being pushed for `step`; queues what came after it last

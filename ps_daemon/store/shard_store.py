@@ -336,9 +336,9 @@ class ShardStore:
             if pulled is not None:
                 return pulled
         if dtype == "float32":
-            sending.enter_context(self._using(shard))
+            sending.enter_context(self.tier.use(shard, pull=True))
             return shard.tensor(tensor), sending.enter_context(shard.reading(min_version, timeout))
-        with self._using(shard), shard.reading(min_version, timeout) as version:
+        with self.tier.use(shard, pull=True), shard.reading(min_version, timeout) as version:
             # The rounded copy is this pull's own: the next update need not wait for the send.
             return sending.enter_context(rounded(shard.master, dtype, scratch)), version
 

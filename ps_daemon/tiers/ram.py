@@ -10,9 +10,13 @@ count against the budget like resident ones, so resident + pooled never exceeds 
 Prefetch takes an order of upcoming use (a trainer's hint, or the order the daemon saw last
 step) and loads the first shards of it that are not resident, as far as room allows. That
 order also chooses what to evict: first the least recently used shard that is not upcoming
-(already used this step), then the upcoming shard needed last; a prefetch never evicts a
+(already pushed this step), then the upcoming shard needed last; a prefetch never evicts a
 shard needed before the one it loads, nor one an earlier prefetch brought in that nobody
-has used yet. Using a shard takes it out of the order. Hits and misses are counted at `use`.
+has used yet. A push (`use`) takes a shard out of the order; a pull does not, since the order
+is of pushes (the previous step's push order) and a shard pulled in backward is pushed next:
+evicting it between the two would load it twice. A trainer's hint adds its shards after
+those already upcoming; the learned order replaces the whole order at each push. Hits and
+misses are counted at `use`.
 
 `use_if_resident` pins a shard only if it is resident (or being loaded, which it waits for)
 and loads nothing: a pull of the master values of a shard on NVMe reads them from disk
@@ -74,9 +78,10 @@ class RamTier:
     # -- access -----------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def use(self, shard) -> Iterator[None]:
-        """Pins `shard` resident for the block; loads it first if needed."""
-        buffer = self._pin(shard)
+    def use(self, shard, *, pull: bool = False) -> Iterator[None]:
+        """Pins `shard` resident for the block; loads it first if needed. `pull`: a read that
+        leaves the shard in the order of upcoming use (its push is still to come)."""
+        buffer = self._pin(shard, pull=pull)
         if buffer is not None:
             self._fill(shard, buffer)
         try:
@@ -93,7 +98,7 @@ class RamTier:
             self.cond.wait_for(lambda: not shard.loading, self.wait_timeout)
             pinned = shard.resident
             if pinned:
-                self._pin_resident_locked(shard)
+                self._pin_resident_locked(shard, pull=True)
         try:
             yield pinned
         finally:
@@ -105,21 +110,22 @@ class RamTier:
             shard.pins -= 1
             self.cond.notify_all()
 
-    def _pin_resident_locked(self, shard) -> None:
+    def _pin_resident_locked(self, shard, *, pull: bool) -> None:
         """Under cond: a use of a resident shard (a hit)."""
         shard.pins += 1
         self.lru.move_to_end(shard)
         self.stats.hits += 1
         self._protected.discard(shard)
-        self._used(shard)
+        if not pull:
+            self._used(shard)
 
-    def _pin(self, shard) -> object | None:
+    def _pin(self, shard, *, pull: bool) -> object | None:
         """Pins the shard; returns a buffer to load it into when this caller must load it."""
         with self.cond:
             while True:
                 shard.check_not_dropped()
                 if shard.resident:
-                    self._pin_resident_locked(shard)
+                    self._pin_resident_locked(shard, pull=pull)
                     return None
                 if not shard.loading:
                     buffer = self._take_room(shard.arena_bytes, evict_protected=True)
@@ -127,7 +133,8 @@ class RamTier:
                         shard.loading = True
                         shard.pins += 1
                         self.stats.misses += 1
-                        self._used(shard)
+                        if not pull:
+                            self._used(shard)
                         return buffer
                 if not self.cond.wait(self.wait_timeout):
                     raise TierFull(
@@ -256,13 +263,19 @@ class RamTier:
 
     # -- prefetch ---------------------------------------------------------------------
 
-    def prefetch(self, shards: list, *, limit: int | None = None) -> int:
+    def prefetch(self, shards: list, *, limit: int | None = None, after_upcoming: bool = False) -> int:
         """`shards` (of one model) will be used in this order: loads the first `limit` of
         them that are not resident (None: as many as there is room for). Returns how many
-        were queued."""
+        were queued. The order replaces the model's order of upcoming use, or with
+        `after_upcoming` (a trainer's hint) follows the shards already in it."""
         with self.cond:
             if shards:
-                self._upcoming[shards[0].model] = {s: i for i, s in enumerate(shards)}
+                upcoming = self._upcoming.get(shards[0].model, {}) if after_upcoming else {}
+                at = max(upcoming.values(), default=-1) + 1
+                for shard in shards:
+                    if shard not in upcoming:
+                        upcoming[shard], at = at, at + 1
+                self._upcoming[shards[0].model] = upcoming
             queued = [s for s in shards if not s.resident and not s.loading and s not in self._queue]
             queued = queued[:limit] if limit is not None else queued
             self._queue.extend(queued)

@@ -20,7 +20,7 @@ class RamOnlyTier:
     """A ResidencyTier with no budget to manage: a shard is resident from birth
     (ps_offload.daemon.store.shard.Shard), so there is nothing to load, evict or prefetch."""
 
-    def use(self, shard) -> contextlib.AbstractContextManager[None]:
+    def use(self, shard, *, pull: bool = False) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def evict(self, shard) -> bool:
@@ -32,7 +32,7 @@ class RamOnlyTier:
             shard.detach()
         return freed
 
-    def prefetch(self, shards: list, *, limit: int | None = None) -> int:
+    def prefetch(self, shards: list, *, limit: int | None = None, after_upcoming: bool = False) -> int:
         return 0
 
     def resident_bytes(self, shards: list) -> int:

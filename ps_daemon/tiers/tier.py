@@ -41,9 +41,10 @@ class TierStats:
 class ResidencyTier(Protocol):
     """Which shards are in RAM."""
 
-    def use(self, shard: Any) -> contextlib.AbstractContextManager[None]:
+    def use(self, shard: Any, *, pull: bool = False) -> contextlib.AbstractContextManager[None]:
         """Pins the shard resident for the block, loading it first if it is not. Raises
-        TierFull (a ResourceExhausted) when no room is made in time."""
+        TierFull (a ResourceExhausted) when no room is made in time. `pull`: a read, after
+        which the shard's push is still to come."""
         ...
 
     def evict(self, shard: Any) -> bool:
@@ -55,8 +56,10 @@ class ResidencyTier(Protocol):
         one outlasts `timeout`)."""
         ...
 
-    def prefetch(self, shards: list, *, limit: int | None = None) -> int:
-        """Queues loads of the shards not resident, in this order; returns how many."""
+    def prefetch(self, shards: list, *, limit: int | None = None, after_upcoming: bool = False) -> int:
+        """Queues loads of the shards not resident, in this order; returns how many.
+        `after_upcoming`: the order follows the shards already upcoming (a trainer's hint)
+        instead of replacing them."""
         ...
 
     def resident_bytes(self, shards: list) -> int:

@@ -106,6 +106,42 @@ def test_a_shard_not_upcoming_goes_first_even_if_recently_used():
     tier.close()
 
 
+def test_a_shard_pulled_in_backward_stays_until_its_push_while_hints_load_the_next():
+    """A streamed backward: each block's shards are hinted, loaded, pulled, then pushed, while
+    the blocks after it are hinted. A pulled shard's push is still to come: a later hint must
+    evict what was pushed, not it (the scale run loaded every shard twice when it did)."""
+    tier = _tier(3)
+    pushed, pulled, hinted, next_hint = (FakeShard(i) for i in range(4))
+    tier.prefetch([pulled], after_upcoming=True)
+    _settle(tier)
+    with tier.use_if_resident(pulled) as found:  # its backward pull
+        assert found
+    _touch(tier, pushed)  # the block before it is pushed: now the most recently used
+    for shard in (hinted, next_hint):
+        tier.prefetch([shard], after_upcoming=True)
+        _settle(tier)
+    assert _resident(tier) == {1, 2, 3} and tier.stats.evictions == 1
+    _touch(tier, pulled)  # its push: a hit, not a second load
+    assert tier.stats.hits == 2 and tier.stats.misses == 1
+    tier.close()
+
+
+def test_a_pull_through_use_leaves_the_shard_upcoming_and_a_push_takes_it_out():
+    tier = _tier(2)
+    a, b, c = (FakeShard(i) for i in range(3))
+    tier.prefetch([a, b])
+    _settle(tier)
+    with tier.use(a, pull=True):
+        pass
+    assert tier._upcoming["m"] == {a: 0, b: 1}
+    _touch(tier, a)
+    assert tier._upcoming["m"] == {b: 1}
+    tier.prefetch([c], after_upcoming=True)  # no room: a (pushed) goes, not b
+    _settle(tier)
+    assert _resident(tier) == {1, 2} and tier._upcoming["m"] == {b: 1, c: 2}
+    tier.close()
+
+
 def test_prefetch_limit_loads_only_the_first_missing_shards():
     tier = _tier(4)
     shards = [FakeShard(i) for i in range(4)]
@@ -127,7 +163,8 @@ def test_use_if_resident_pins_a_resident_shard_and_leaves_one_on_nvme_where_it_i
     assert tier._upcoming["m"] == {resident: 0, on_nvme: 1}  # the order is left alone
     with tier.use_if_resident(resident) as pinned:
         assert pinned is True and resident.pins == 1 and not tier.evict(resident)  # pinned: it stays
-    assert resident.pins == 0 and tier.stats.hits == 1 and resident not in tier._upcoming["m"]
+    # Still upcoming: the order is of pushes, and a pulled shard's push is to come.
+    assert resident.pins == 0 and tier.stats.hits == 1 and resident in tier._upcoming["m"]
     tier.close()
 
 
