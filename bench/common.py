@@ -14,6 +14,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -154,6 +155,33 @@ def machine() -> str:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+@dataclass(frozen=True)
+class ProcessCpu:
+    """A process's CPU time so far, in seconds, and its minor page faults (/proc/PID/stat);
+    subtract two to get what happened between them."""
+
+    user: float
+    system: float
+    minor_faults: int
+
+    @classmethod
+    def of(cls, pid: int | str = "self") -> ProcessCpu:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces
+        tick = os.sysconf("SC_CLK_TCK")
+        return cls(int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]))
+
+    @property
+    def seconds(self) -> float:
+        return self.user + self.system
+
+    def __sub__(self, other: ProcessCpu) -> ProcessCpu:
+        return ProcessCpu(self.user - other.user, self.system - other.system, self.minor_faults - other.minor_faults)
+
+    def __add__(self, other: ProcessCpu) -> ProcessCpu:
+        return ProcessCpu(self.user + other.user, self.system + other.system, self.minor_faults + other.minor_faults)
 
 
 class BenchDaemon(LocalDaemon):

@@ -271,6 +271,20 @@ def _stream_overhead(r: dict) -> str:
             "`.grad`, gives each block's pages back, and runs while the daemon accumulates the pushed parts on "
             "the same two cores."
         )
+    if cpu := r.get("cpu_per_step"):
+        used = "; ".join(
+            f"{name}: " + ", ".join(
+                f"{who} {c['user_ms']} user + {c['system_ms']} system ms, {c['minor_faults']} minor faults"
+                for who, c in cpu[name].items()
+            )
+            for name in ("unstreamed", "streamed")
+            if name in cpu
+        )  # fmt: skip
+        text += (
+            f" CPU per step (what bounds it, both processes on the same two cores): {used}. The system time and "
+            "the faults are the block pages given back after each use and taken again at the next pull (the "
+            "daemon's write into the window allocates and zeroes them)."
+        )
     return text
 
 

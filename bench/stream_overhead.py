@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from bench.common import BenchDaemon, median, quick, record, spread
+from bench.common import BenchDaemon, ProcessCpu, median, quick, record, spread
 from ps_offload import trainer
 from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
 
@@ -82,8 +82,12 @@ def main() -> dict:
             runs[name] = (model, trainer.offload(model, config=config, stream=stream, **common))
 
         phases: dict[str, dict[str, list[float]]] = {}  # contender -> phase -> seconds per step
+        # contender -> (trainer, daemon) CPU over its timed steps: where a miss's time goes
+        cpu: dict[str, tuple[ProcessCpu, ProcessCpu]] = {}
+        cpu_steps: dict[str, int] = {}
 
         def steps(model, opt, name: str = "") -> float:
+            before = ProcessCpu.of(), ProcessCpu.of(daemon.process.pid)
             started = time.perf_counter()
             split = {"forward": 0.0, "backward": 0.0, "step": 0.0}
             for x, y in batches:
@@ -97,9 +101,16 @@ def main() -> dict:
                 split["forward"] += t1 - t0
                 split["backward"] += t2 - t1
                 split["step"] += time.perf_counter() - t2
+            elapsed = (time.perf_counter() - started) / len(batches)
+            if name:
+                trainer_cpu = ProcessCpu.of() - before[0]
+                daemon_cpu = ProcessCpu.of(daemon.process.pid) - before[1]
+                trainer_total, daemon_total = cpu.get(name, (ProcessCpu(0.0, 0.0, 0),) * 2)
+                cpu[name] = (trainer_total + trainer_cpu, daemon_total + daemon_cpu)
+                cpu_steps[name] = cpu_steps.get(name, 0) + len(batches)
             for phase, seconds in split.items():
                 phases.setdefault(name, {}).setdefault(phase, []).append(seconds / len(batches))
-            return (time.perf_counter() - started) / len(batches)
+            return elapsed
 
         names = list(runs)
         for name in names:  # warm-up (and the first forward's prefetch order)
@@ -128,6 +139,19 @@ def main() -> dict:
             "ratio_no_prefetch": round(median(paired["streamed_no_prefetch"]), 3),
             "ratio_apply_on_push": round(median(paired["streamed_apply_on_push"]), 3),
             "pull_stats": stats,
+            # CPU per step of the trainer and the daemon, user and system, and their minor page
+            # faults: the two share the machine's cores, so this is what a step's time is made of.
+            "cpu_per_step": {
+                name: {
+                    who: {
+                        "user_ms": round(1000 * c.user / cpu_steps[name], 1),
+                        "system_ms": round(1000 * c.system / cpu_steps[name], 1),
+                        "minor_faults": c.minor_faults // cpu_steps[name],
+                    }
+                    for who, c in zip(("trainer", "daemon"), pair, strict=True)
+                }
+                for name, pair in cpu.items()
+            },
             # Where a step's time goes (medians over the rounds): what a miss is made of.
             "phase_ms": {
                 name: {phase: round(1000 * median(v), 1) for phase, v in split.items()}

@@ -13,13 +13,12 @@ the masters cast back into the bf16 parameters each step.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 import torch
 
-from bench.common import REPO, BenchDaemon, median, quick, record, spread, timed
+from bench.common import REPO, BenchDaemon, ProcessCpu, median, quick, record, spread, timed
 
 sys.path.insert(0, str(REPO / "examples"))
 import train_gpt  # noqa: E402
@@ -29,13 +28,6 @@ from ps_offload import trainer  # noqa: E402
 BLOCK_STEPS = 10
 BLOCKS = quick(8, 2)
 PHASES = ("forward", "backward", "clip", "step")
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class MixedPrecisionAdamW:
@@ -99,7 +91,7 @@ def run(dtype: torch.dtype) -> dict:
             times = phases["ours" if opt is remote_opt else "in_process"]
 
             def run() -> None:
-                cpu = _cpu_seconds(daemon.process.pid)
+                cpu = ProcessCpu.of(daemon.process.pid)
                 for x, y in batches:
                     t0 = time.perf_counter()
                     _, loss = model(x, y)
@@ -115,7 +107,7 @@ def run(dtype: torch.dtype) -> dict:
                         times[k].append(1000 * dt)
                 if opt is remote_opt:
                     opt.synchronize()
-                    daemon_cpu.append(1000 * (_cpu_seconds(daemon.process.pid) - cpu) / len(batches))
+                    daemon_cpu.append(1000 * (ProcessCpu.of(daemon.process.pid) - cpu).seconds / len(batches))
 
             return run
 

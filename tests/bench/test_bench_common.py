@@ -1,9 +1,13 @@
-"""The benchmarks' shared machinery: ABC CBA interleaving, and the doc's generated parts."""
+"""The benchmarks' shared machinery: ABC CBA interleaving, the CPU and page-fault counts, and
+the doc's generated parts."""
 
 from __future__ import annotations
 
+import os
+import time
+
 from bench import run_all
-from bench.common import interleaved_many, spread
+from bench.common import ProcessCpu, interleaved_many, spread
 
 
 def test_interleaved_many_alternates_the_order_and_takes_reported_seconds():
@@ -33,3 +37,17 @@ def test_generated_table_and_status_quote_the_result_file():
     assert "| `nvme_read` | 1.0 | 2.0 | GB/s | **0.5** | 0.4–0.6 (3) | ≥ 0.9 | no | 2026-01-01 | 12.3 |" in table
     status = run_all.status({"nvme_read": r})
     assert "not met, 0.5×" in status and "fio 2.0" in status and "deepspeed (not installed)" in status
+
+
+def test_process_cpu_counts_this_processes_work_and_its_page_faults():
+    before = ProcessCpu.of()
+    pages = bytearray(64 << 20)  # fresh zero pages: each first write faults one in
+    for at in range(0, len(pages), 4096):
+        pages[at] = 1
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    used = ProcessCpu.of() - before
+    assert used.minor_faults >= (64 << 20) // 4096 // 2  # the kernel may map a few pages per fault
+    assert used.seconds >= 0.04 and used.user >= 0 and used.system >= 0
+    assert ProcessCpu.of(os.getpid()).seconds >= ProcessCpu.of().seconds - 0.1  # by pid, the same process
