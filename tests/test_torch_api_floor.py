@@ -49,6 +49,7 @@ TORCH_2_11 = {
         current_accelerator current_device_index current_stream device_count is_available
         set_device_index set_stream synchronize
     """,
+    "torch.autograd": "Function",
     "torch.autograd.Variable._execution_engine": "queue_callback",
     "torch.autograd.graph": "get_gradient_edge",
     "torch.cuda": """
@@ -64,7 +65,7 @@ TORCH_2_11 = {
     "torch.distributed.pipelining": "PipelineStage Schedule1F1B ScheduleGPipe",
     "torch.linalg": "vector_norm",
     "torch.nn": "Embedding GELU LayerNorm Linear Module ModuleList Parameter ReLU Sequential",
-    "torch.nn.functional": "cross_entropy scaled_dot_product_attention",
+    "torch.nn.functional": "cross_entropy linear scaled_dot_product_attention",
     "torch.nn.init": "normal_ zeros_",
     "torch.nn.utils": "clip_grad_norm_ get_total_norm",
     "torch.optim": "AdamW Optimizer SGD",
