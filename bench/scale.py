@@ -274,8 +274,8 @@ def main() -> dict:
         root = Path(tmp)
         fio_path = root / "fio.dat"
         fio_seconds(fio_path, "write", io_bytes=p.fio_bytes, file_bytes=p.fio_bytes)  # lay the file out first
-        # The trainer shares its bf16 model (its blocks' memory, freed after each use) with the
-        # node's daemon as one window: the pool must take it, or every block goes through a copy.
+        # Room in the node's pool for the trainer's windows (its blocks' slots, gradient buffers
+        # and staging), with a margin: a window the pool refuses sends its bytes through a copy.
         config = root / "daemon.toml"
         config.write_text(f"[server]\nlocal_pool_bytes = {2 * p.params + (1 << 30)}\n")
         daemon = LocalDaemon(

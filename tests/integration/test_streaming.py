@@ -134,6 +134,9 @@ def _streamed(
         # The node's daemon, through windows of its pool by default: the blocks (a CPU model's)
         # and the staging buffers.
         assert opt.shared_blocks
+        (region,) = {id(u.region): u.region for u in opt.units if u.streamed}.values()
+        # Every fetch found a slot: as many as the window holds blocks, and the running one.
+        assert region.stats["slot_fetches"] > 0 and region.stats["reserve_fetches"] == 0
         if staging == "always":
             assert opt.mover.buffers.shared
     return final, losses

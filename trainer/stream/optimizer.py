@@ -122,7 +122,6 @@ class StreamedOptimizer(DaemonOptimizer):
             named, daemons=daemons, optimizer=optimizer, no_weight_decay=no_weight_decay, config=config,
             client=client, loss_scaling=None, starts_shard={unit.names[0] for unit in self.units[1:]},
         )  # fmt: skip
-        return_freed_blocks()  # a block's freed memory goes back to the kernel (ps_proto/memory.py)
         for unit in self.units:
             unit.shards = [s for s in self.plan if unit.start <= s.offset < unit.end]
             if sum(s.numel for s in unit.shards) != unit.numel:
@@ -131,11 +130,16 @@ class StreamedOptimizer(DaemonOptimizer):
         self.params = [p for _, p in named]
         like = torch.empty(0, dtype=named[0][1].dtype, device=where)
         # In windows of the node's pool, so the node's daemon pulls into and pushes from them in
-        # place: a CPU model's blocks (still freed after each use: their pages are given back),
-        # and the host buffers (a GPU's staging).
+        # place: a CPU model's blocks (at fixed addresses over a few reused slots, as many as the
+        # window holds blocks), and the host buffers (a GPU's staging).
         self.shared_blocks = share_units(
-            self.units, self.client.shared_host_tensor, self.client.host_windows.free_pages
+            self.units, self.client.host_windows.slot_region, window_bytes=stream.window_bytes
         )
+        if not self.shared_blocks:
+            # A block's storage is freed after each use: its memory goes back to the kernel
+            # (ps_proto/memory.py). Blocks in slots are not malloc's, and this setting would send
+            # every activation over 2 MiB through mmap and a fault per page, each step.
+            return_freed_blocks()
         self.mover = ShardMover(
             like,
             max(s.numel for s in self.plan),

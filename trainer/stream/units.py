@@ -13,8 +13,9 @@ of shards and a shard never spans two units.
 A streamed unit's buffer keeps its tensor but not its memory while it is away: `release()`
 resizes the storage to 0 bytes (as FSDP frees an unsharded parameter) and `allocate()` gives it
 back, uninitialised, for a pull to fill. On the node's own daemon (`share_units`) a CPU model's
-streamed units live in one window shared with it instead, so pulls land in them in place, and
-`release()` gives their pages back to the kernel (the mapping stays). The parameters stay the
+streamed units live at fixed addresses over a few slots of a window shared with it instead
+(trainer/wire/slot_region.py): `allocate()` maps a free slot at the unit's address, so pulls
+land in it in place, and `release()` hands the slot on, its pages reused by the next block. The parameters stay the
 same Python objects throughout, so autograd's saved tensors, the optimizer's param_groups and
 the user's references stay valid.
 
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from ps_offload.proto.plan import ShardSlice, layout_params
+from ps_offload.trainer.wire.slot_region import SlotRegion
 
 
 @dataclass(eq=False)
@@ -52,11 +54,11 @@ class StreamUnit:
     shards: list[ShardSlice] = field(default_factory=list)
     from_meta: bool = False
     """Built on the meta device: its values are for initialise() (or the daemons) to set."""
-    free_pages: Callable[[torch.Tensor], object] | None = None
-    """Set by share_units: `values` lie in memory shared with the node's daemon, released by
-    giving their pages back (HostWindows.free_pages) instead of resizing the storage."""
+    region: SlotRegion | None = None
+    """Set by share_units: `values` lie at a fixed address in a SlotRegion, given a slot of
+    memory shared with the node's daemon while allocated, instead of resizing the storage."""
     resident: bool = True
-    """With free_pages: whether the values are here (allocate() was called since release())."""
+    """With a region: whether the values are here (allocate() was called since release())."""
 
     @property
     def numel(self) -> int:
@@ -76,14 +78,16 @@ class StreamUnit:
 
     @property
     def allocated(self) -> bool:
-        if self.free_pages is not None:
+        if self.region is not None:
             return self.resident
         return self.values.untyped_storage().nbytes() > 0
 
     def allocate(self) -> None:
         """Gives the buffer its memory back (uninitialised) if it was released."""
-        if self.free_pages is not None:
-            self.resident = True  # its pages come back as they are written
+        if self.region is not None:
+            if not self.resident:
+                self.region.fetch(self.values)
+                self.resident = True
         elif not self.allocated:
             self.values.untyped_storage().resize_(self.nbytes)
 
@@ -91,9 +95,10 @@ class StreamUnit:
         """Frees the buffer's memory; the parameters keep their shapes, not their values."""
         if not self.streamed:
             return
-        if self.free_pages is not None:
-            self.free_pages(self.values)
-            self.resident = False
+        if self.region is not None:
+            if self.resident:
+                self.region.release(self.values)
+                self.resident = False
         else:
             self.values.untyped_storage().resize_(0)
 
@@ -211,33 +216,38 @@ def _block_of_params(model: nn.Module, blocks: Sequence[nn.Module]) -> dict[int,
 PAGE = 4096
 
 
-def share_units(units: list[StreamUnit], shared: Callable[..., torch.Tensor | None], free_pages) -> bool:
-    """Moves the streamed units of a CPU model into one window shared with the node's daemon
-    (`shared`: ShardedClient.shared_host_tensor), each from a page boundary, so pulls land in
-    the block's own memory and it is still freed after each use (`free_pages`: its pages given
-    back). The parameters are re-pointed (the same objects); a unit's values move with it.
-    False, changing nothing, where there is no such window (no local daemon, or its pool has
-    no room)."""
+def share_units(units: list[StreamUnit], regions: Callable[..., SlotRegion | None], *, window_bytes: int) -> bool:
+    """Moves the streamed units of a CPU model to fixed addresses over a few slots of a window
+    shared with the node's daemon (`regions`: HostWindows.slot_region), each from a page
+    boundary, so pulls land in the block's own memory, and a block's memory is a slot it holds
+    while allocated: as many slots as `window_bytes` holds blocks, and one for the block that
+    runs beyond it (a block fetched past them waits in private memory, pulled through a copy).
+    The parameters are re-pointed (the same objects); a unit's values move with it. False,
+    changing nothing, where there is no such window (no local daemon, its pool has no room, or
+    not Linux)."""
     streamed = [u for u in units if u.streamed and u.values.device.type == "cpu"]
     if not streamed:
         return False
     dtype = streamed[0].values.dtype
     spans = [-(-u.nbytes // PAGE) * PAGE for u in streamed]
-    window = shared(sum(spans) // dtype.itemsize, dtype)
-    if window is None:
+    slot_bytes = max(spans)
+    # BlockWindow holds the blocks that fit `window_bytes` (by their bytes) and the one running.
+    slots = min(len(streamed), window_bytes // min(u.nbytes for u in streamed) + 1)
+    region = regions(sum(spans), slots=slots, slot_bytes=slot_bytes)
+    if region is None:
         return False
+    window = region.bytes.view(dtype)
     start = 0
     with torch.no_grad():
         for unit, span in zip(streamed, spans, strict=True):
             values = window[start // dtype.itemsize : start // dtype.itemsize + unit.numel]
-            if unit.allocated:
+            resident = unit.allocated
+            if resident:
+                region.fetch(values)
                 values.copy_(unit.values)
             for p, offset in zip(unit.params, unit.offsets, strict=True):
                 p.data = values[offset : offset + p.numel()].view(p.shape)
-            resident = unit.allocated
-            unit.values, unit.free_pages, unit.resident = values, free_pages, resident
-            if not resident:
-                free_pages(values)
+            unit.values, unit.region, unit.resident = values, region, resident
             start += span
     return True
 

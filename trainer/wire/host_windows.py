@@ -28,6 +28,7 @@ import torch
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.shared_memory import sealed_memfd
+from ps_offload.trainer.wire.slot_region import SlotRegion
 
 Prepare = Callable[[torch.Tensor], bool]
 """Readies a window's tensor before it is offered to the daemons; False: do not use it."""
@@ -52,8 +53,9 @@ class HostWindows:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._windows: list[HostWindow] = []
-        self._maps: dict[int, mmap.mmap] = {}  # by window number: free_pages works on them
+        self._maps: dict[int, mmap.mmap] = {}  # by window number: the mappings, kept while the windows are
         self._numbers = 0
+        self._regions: list[SlotRegion] = []  # streamed blocks' reserved addresses over slots of a window
         # Each daemon's local client: attach(window) -> whether that daemon took it.
         self._attachers: list[Callable[[HostWindow], bool]] = []
 
@@ -85,36 +87,51 @@ class HostWindows:
             mapped.close()
             os.close(fd)
             return None
-        with self._lock:
-            self._numbers += 1
-            number = self._numbers
-            window = HostWindow(number, fd, base.data_ptr(), nbytes)
-            attachers = list(self._attachers)
-        taken = [attach(window) for attach in attachers]
-        if not any(taken):
+        if self._attach(fd, mapped, base.data_ptr(), nbytes) is None:
             del base, tensor
             mapped.close()
             os.close(fd)
             return None
+        return tensor
+
+    def slot_region(self, nbytes: int, *, slots: int, slot_bytes: int) -> SlotRegion | None:
+        """Reserved addresses for `nbytes` of streamed blocks over `slots` reused slots of
+        `slot_bytes` in a new window (trainer/wire/slot_region.py); None, nothing kept, where
+        addresses cannot be reserved so (not Linux) or no daemon took the window."""
+        reserved = SlotRegion.reserve(nbytes)
+        if reserved is None:
+            return None
+        libc, address = reserved
+        window_bytes = slots * slot_bytes
+        fd = sealed_memfd(window_bytes, "ps-offload-blocks")
+        mapped = mmap.mmap(fd, window_bytes)
+        base = torch.frombuffer(mapped, dtype=torch.uint8)
+        number = self._attach(fd, mapped, base.data_ptr(), window_bytes)
+        del base
+        if number is None:
+            mapped.close()
+            os.close(fd)
+            libc.munmap(address, nbytes)
+            return None
+        region = SlotRegion(libc, address, nbytes, number=number, fd=fd, slots=slots, slot_bytes=slot_bytes)
+        with self._lock:
+            self._regions.append(region)
+        return region
+
+    def _attach(self, fd: int, mapped: mmap.mmap, address: int, nbytes: int) -> int | None:
+        """Offers the memfd to every node daemon; its window number if one took it."""
+        with self._lock:
+            self._numbers += 1
+            number = self._numbers
+            window = HostWindow(number, fd, address, nbytes)
+            attachers = list(self._attachers)
+        taken = [attach(window) for attach in attachers]
+        if not any(taken):
+            return None
         with self._lock:
             self._windows.append(window)
             self._maps[number] = mapped
-        return tensor
-
-    def free_pages(self, tensor: torch.Tensor) -> bool:
-        """Gives the whole pages of `tensor` (in a window) back to the kernel, for this process
-        and the daemons alike (MADV_REMOVE on the shared memory: it reads as zeros after, and
-        takes memory again when written). Whether it lay in a window."""
-        nbytes = tensor.numel() * tensor.element_size()
-        start = tensor.data_ptr()
-        for window in self.windows:
-            if window.address <= start and start + nbytes <= window.address + window.nbytes:
-                first = -(-(start - window.address) // mmap.PAGESIZE) * mmap.PAGESIZE
-                last = (start - window.address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-                if last > first:
-                    self._maps[window.number].madvise(mmap.MADV_REMOVE, first, last - first)
-                return True
-        return False
+        return number
 
     def find(self, view: memoryview) -> ps_pb2.LocalRef | None:
         """Where `view` lies in a window (its window, offset and length), or None."""
@@ -122,6 +139,11 @@ class HostWindows:
         if not nbytes:
             return None
         start = address_of(view)
+        with self._lock:
+            regions = list(self._regions)
+        for region in regions:  # a block's slot, mapped at the block's address
+            if region.address <= start < region.address + region.nbytes:
+                return region.ref(start, nbytes)
         for window in self.windows:
             if window.address <= start and start + nbytes <= window.address + window.nbytes:
                 return ps_pb2.LocalRef(window=window.number, offset=start - window.address, nbytes=nbytes)
