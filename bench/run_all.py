@@ -268,8 +268,7 @@ def _stream_overhead(r: dict) -> str:
         text = text[:-1] + (
             f". Per step, ms: {split}. Both move their bytes in place through the node's daemon (windows); the "
             "streamed backward also pulls every block a second time, gathers each block's gradient out of "
-            "`.grad`, gives each block's pages back, and runs while the daemon accumulates the pushed parts on "
-            "the same two cores."
+            "`.grad`, and runs while the daemon accumulates the pushed parts on the same two cores."
         )
     if cpu := r.get("cpu_per_step"):
         used = "; ".join(
@@ -280,11 +279,7 @@ def _stream_overhead(r: dict) -> str:
             for name in ("unstreamed", "streamed")
             if name in cpu
         )  # fmt: skip
-        text += (
-            f" CPU per step (what bounds it, both processes on the same two cores): {used}. The system time and "
-            "the faults are the block pages given back after each use and taken again at the next pull (the "
-            "daemon's write into the window allocates and zeroes them)."
-        )
+        text += f" CPU per step (what bounds it, both processes on the same two cores): {used}."
     return text
 
 
