@@ -157,6 +157,17 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def peak_rss(pid: int | str = "self") -> int:
+    """A process's peak resident set (VmHWM), in bytes. Not getrusage's ru_maxrss: Linux keeps
+    that across execve, so a worker started by a large process (the bench runner) reports the
+    runner's peak."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"VmHWM is not in /proc/{pid}/status")
+
+
 @dataclass(frozen=True)
 class ProcessCpu:
     """A process's CPU time so far, in seconds, and its minor page faults (/proc/PID/stat);

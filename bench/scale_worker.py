@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ps_offload
-from bench.common import REPO
+from bench.common import REPO, peak_rss
 from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
 
 BATCH = 1
@@ -80,15 +80,6 @@ def multiply_in_fp32(model: nn.Module) -> None:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = Fp32MathLinear
-
-
-def peak_rss() -> int:
-    """This process's peak resident set (VmHWM), in bytes."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM is not in /proc/self/status")
 
 
 def gpt_init(model: TinyGPT):

@@ -73,7 +73,9 @@ def _no_decay(shape: torch.Size) -> bool:
 def _peak_rss(pid: int | str = "self") -> int:
     """The process's peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux keeps that across
     execve, so under `make bench` every worker reported its parent's peak (4.19 GB for ours and
-    DeepSpeed alike, the bench runner's)."""
+    DeepSpeed alike, the bench runner's). bench.common.peak_rss does the same, but importing
+    bench.common (gRPC, the daemon) into the DeepSpeed and compute workers would add to the
+    peak RSS they report."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024

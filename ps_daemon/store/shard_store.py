@@ -336,9 +336,9 @@ class ShardStore:
             if pulled is not None:
                 return pulled
         if dtype == "float32":
-            sending.enter_context(self.tier.use(shard, pull=True))
+            sending.enter_context(self._using(shard, pull=True))
             return shard.tensor(tensor), sending.enter_context(shard.reading(min_version, timeout))
-        with self.tier.use(shard, pull=True), shard.reading(min_version, timeout) as version:
+        with self._using(shard, pull=True), shard.reading(min_version, timeout) as version:
             # The rounded copy is this pull's own: the next update need not wait for the send.
             return sending.enter_context(rounded(shard.master, dtype, scratch)), version
 
@@ -408,10 +408,11 @@ class ShardStore:
 
     # -- tiers ----------------------------------------------------------------------------
 
-    def _using(self, shard: Shard) -> contextlib.AbstractContextManager[None]:
+    def _using(self, shard: Shard, *, pull: bool = False) -> contextlib.AbstractContextManager[None]:
         """Pins the shard in RAM for the block (loading it if it was on NVMe; TierFull, a
-        ResourceExhausted, when the tier has no room for it in time)."""
-        return self.tier.use(shard)
+        ResourceExhausted, when the tier has no room for it in time). `pull`: a read, after
+        which the shard's push is still to come (the tier keeps it upcoming)."""
+        return self.tier.use(shard, pull=pull)
 
     def stats_snapshot(self) -> StatsSnapshot:
         with self._lock:

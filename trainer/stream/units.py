@@ -15,7 +15,8 @@ resizes the storage to 0 bytes (as FSDP frees an unsharded parameter) and `alloc
 back, uninitialised, for a pull to fill. On the node's own daemon (`share_units`) a CPU model's
 streamed units live at fixed addresses over a few slots of a window shared with it instead
 (trainer/wire/slot_region.py): `allocate()` maps a free slot at the unit's address, so pulls
-land in it in place, and `release()` hands the slot on, its pages reused by the next block. The parameters stay the
+land in it in place, and `release()` hands the slot on, its pages reused by the next block.
+The parameters stay the
 same Python objects throughout, so autograd's saved tensors, the optimizer's param_groups and
 the user's references stay valid.
 
