@@ -11,7 +11,7 @@ separate read and write times). An untimed run first measures what a run moves a
 large the arena file is; fio lays its file out once. Then rounds of three runs, interleaved
 ABC CBA: ours with prefetch, fio, ours without prefetch, each of ours on a fresh daemon. The
 figure is the median of the per-round ratios (ours with prefetch over the fio run of the same
-round), target >= 0.8; their spread, and the step times with prefetch, without, and all in
+round), target >= 0.9 (issue 25); their spread, and the step times with prefetch, without, and all in
 RAM, are in the result file.
 """
 
@@ -132,7 +132,7 @@ def main() -> dict:
         peer=median(got["fio"]),
         ratio=median(ratios),
         unit="GB/s moved",
-        target=0.8,
+        target=0.9,
         higher_is_better=True,
         notes=f"{n_params / 1e6:.1f}M params, {state >> 20} MiB AdamW state, RAM tier {RAM_BYTES >> 20} MiB, "
         f"{SHARD_BYTES >> 20} MiB shards; per step {read / 2**20:.0f} MiB read + {written / 2**20:.0f} MiB written; "

@@ -3,7 +3,7 @@
 with torch.optim.AdamW(fused=True) in-process. A step = forward, backward, clip, optimizer
 step (and, offloaded, the pulls the next forward waits for).
 
-Ratio = our step time over the in-process one (lower is better); target <= 1.10.
+Ratio = our step time over the in-process one (lower is better); target <= 1.05 (issue 25).
 
 `run(torch.bfloat16)` is train_step_overhead_bf16 (bench/train_step_overhead_bf16.py): the
 same model in bf16 through the daemon (bf16 gradients pushed, bf16 values pulled) against
@@ -130,7 +130,7 @@ def run(dtype: torch.dtype) -> dict:
         ours=1000 * median(ours_t),
         peer=1000 * median(peer_t),
         unit="ms/step",
-        target=1.10,
+        target=1.05,
         higher_is_better=False,
         # Per block pair (next to each other in time), so the machine's drift cancels.
         ratio=median(paired),

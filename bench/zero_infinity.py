@@ -12,7 +12,7 @@ same torch thread count (every core) and OMP_NUM_THREADS. After warm-up steps, t
 alternating blocks of steps, ABBA (the first of a pair alternates), each block ending with
 what its steps left in flight waited for. Ratio = DeepSpeed's step time over ours in each
 pair of blocks (our step rate over theirs, higher is better), median over the pairs, target
->= 1.0. The first step's losses of the two must agree (the same model, values and batch),
+>= 1.5 (issue 25). The first step's losses of the two must agree (the same model, values and batch),
 and are in the result file with the step times, peak RSS and bytes on disk of each side.
 
     python -m bench.zero_infinity             # both sizes (PS_BENCH_QUICK=1: tiny ones)
@@ -284,7 +284,7 @@ def compare(name: str, size: Size) -> dict:
         ours=1000 / ms["ours"],
         peer=1000 / ms["deepspeed"],
         unit="steps/s",
-        target=1.0,
+        target=1.5,
         higher_is_better=True,
         ratio=median(ratios),
         notes=f"{params / 1e6:.1f}M-param TinyGPT ({g.n_layer} blocks, n_embd {g.n_embd}, vocab {g.vocab_size}), "
