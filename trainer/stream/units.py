@@ -16,9 +16,8 @@ back, uninitialised, for a pull to fill. On the node's own daemon (`share_units`
 streamed units live at fixed addresses over a few slots of a window shared with it instead
 (trainer/wire/slot_region.py): `allocate()` maps a free slot at the unit's address, so pulls
 land in it in place, and `release()` hands the slot on, its pages reused by the next block.
-The parameters stay the
-same Python objects throughout, so autograd's saved tensors, the optimizer's param_groups and
-the user's references stay valid.
+The parameters stay the same Python objects throughout, so autograd's saved tensors, the
+optimizer's param_groups and the user's references stay valid.
 
 A model built on the meta device has no storage at all: each of its parameters becomes a view
 into its unit's buffer (torch.utils.swap_tensors, so its identity stays), and its buffers

@@ -16,7 +16,7 @@ A block fetched when every slot is taken (more blocks held than the window said)
 private reserve at its address: correct, with its pulls through the connection's slot, one copy
 more; release gives those pages back (MADV_DONTNEED).
 
-Linux only (MAP_FIXED over a reserved range); `SlotRegion.create` returns None elsewhere.
+Linux only (MAP_FIXED over a reserved range); `SlotRegion.reserve` returns None elsewhere.
 """
 
 from __future__ import annotations
