@@ -20,6 +20,17 @@ class InvalidArgument(PsError):
     pass
 
 
+class StreamOutOfStep(InvalidArgument):
+    """Refused, and the connection closed after the answer: what follows on it can no longer
+    be told apart from the next request (a data plane payload of another length than its
+    header announced). `unread`: bytes the peer is still sending, read and dropped before the
+    close so that it reads the answer instead of a reset."""
+
+    def __init__(self, message: str, *, unread: int = 0) -> None:
+        super().__init__(message)
+        self.unread = unread
+
+
 class FailedPrecondition(PsError):
     pass
 

@@ -46,8 +46,10 @@ def keepalive_options(dead_peer_seconds: float) -> list[tuple[str, int]]:
 # no data (a pull waiting for its version), instead of answering them with GOAWAY.
 # The protocol this release speaks (RegisterModelResponse.protocol), raised when a trainer
 # comes to need what older daemons lack, and the oldest daemon protocol its trainer accepts.
-PROTOCOL = 1
-MIN_DAEMON_PROTOCOL = 1
+# 2: a data plane push's payload comes with its length, a local push always names its place
+# and length (issue 39: a payload longer than its header was applied); 1 and 2 cannot mix.
+PROTOCOL = 2
+MIN_DAEMON_PROTOCOL = 2
 
 # Trailing metadata of a RESOURCE_EXHAUSTED that only says "busy now" (too many calls from one
 # client at once: ps_daemon/rpc/call_bounds.py): the trainer retries it with backoff, where a

@@ -1,6 +1,9 @@
 """Framing for the TCP data plane (see DataRequest in proto/ps.proto): a 4-byte
-little-endian length, then a serialized message; bulk payloads follow as raw bytes and are
-read with recv_into straight into their destination."""
+little-endian length, then a serialized message; a push's payload follows as its 8-byte
+little-endian length (PAYLOAD_LENGTH, as the sender counts the bytes it sends), then the raw
+bytes, read with recv_into straight into their destination. The daemon refuses a payload whose
+length is not the one its header announced: a longer one's tail would otherwise be read as
+the next request after the push was applied."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from google.protobuf.message import DecodeError, Message
 M = TypeVar("M", bound=Message)
 
 _LENGTH = struct.Struct("<I")
+PAYLOAD_LENGTH = struct.Struct("<Q")
 MAX_FRAME_BYTES = 64 << 10  # headers only; payloads are not framed
 
 
@@ -28,6 +32,12 @@ def frame(message: Message) -> bytes:
 
 def send_message(sock: socket.socket, message: Message) -> None:
     sock.sendall(frame(message))
+
+
+def send_payload(sock: socket.socket, data: memoryview) -> None:
+    """A push's payload: its length, then its bytes."""
+    sock.sendall(PAYLOAD_LENGTH.pack(len(data)))
+    sock.sendall(data)
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:

@@ -11,10 +11,11 @@ them: the bytes are in memory both ends map (ps_offload.proto.shared_memory).
   memfd): its parameter, gradient and staging buffers. They count against the node's pool
   (server.local_pool_bytes; ps_offload.daemon.dataplane.local_pool) and serve every connection
   of that client until its last one closes.
-* A push names where its payload lies (DataRequest.local; unset: the slot). The client wrote
-  it there before sending the header, so it is whole when the header comes; the daemon parses
-  and applies it where it lies (receive_push's `in_place`), with no copy. A push applied
-  before is answered without reading it.
+* A push names where its payload lies and how many bytes were written for it (DataRequest.
+  local: a window, or window 0, the slot), which must be what its header announces. The
+  client wrote it there before sending the header, so it is whole when the header comes; the
+  daemon parses and applies it where it lies (receive_push's `in_place`), with no copy. A
+  push applied before is answered without reading it.
 * A pull names where its bytes go. The daemon writes them there under the shard's read hold
   (one version); a bf16 or fp16 pull is rounded straight into that place, one pass over the
   bytes. The client reads them once the ShardHeader is back.
@@ -316,9 +317,15 @@ class LocalServer:
     def _push(self, session: _Session, request: ps_pb2.DataRequest) -> ps_pb2.PushResponse:
         header = request.push
         what = f"push to shard {header.shard_id}"
-        if request.local.window and request.local.nbytes != header.nbytes:
+        if not request.HasField("local"):
             raise InvalidArgument(
-                f"{what}: its place holds {request.local.nbytes} bytes, its header says {header.nbytes}"
+                f"{what}: names no place (DataRequest.local) for its payload; a trainer of an older release? Upgrade "
+                "the trainers with the daemons"
+            )
+        if request.local.nbytes != header.nbytes:
+            raise InvalidArgument(
+                f"{what}: {request.local.nbytes} bytes were written for it, its header says {header.nbytes}; "
+                "nothing applied"
             )
         place = self._place(session, request, header.nbytes, what)  # before the store: nothing read yet
         padded = -(-header.nbytes // 4) * 4

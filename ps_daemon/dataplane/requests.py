@@ -22,7 +22,7 @@ from typing import Protocol
 
 import grpc
 
-from ps_offload.daemon.errors import InvalidArgument, PsError
+from ps_offload.daemon.errors import InvalidArgument, PsError, StreamOutOfStep
 from ps_offload.daemon.rpc import conversions, data_path
 from ps_offload.daemon.rpc.server_security import TokenCheck
 from ps_offload.daemon.rpc.staging import StagingPool
@@ -32,7 +32,7 @@ from ps_offload.daemon.store.shard import Shard
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.channel import method_path
-from ps_offload.proto.frames import FrameError, send_message
+from ps_offload.proto.frames import PAYLOAD_LENGTH, FrameError, send_message
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,30 @@ class PendingPull:
     shard: Shard  # what it waits on
     unwatch: Callable[[], None] | None = None  # unparks it from the shard
     woken: bool = False  # the commit it waited for has come
+
+
+UNREAD_SLACK = 1 << 20
+"""A refused payload's bytes read and dropped past what its header announced (a client that
+sent no length at all is read as announcing its first 8 bytes)."""
+UNREAD_SECONDS = 5.0
+
+
+def _drop_unread(sock: socket.socket, nbytes: int) -> None:
+    """After refusing a payload: says no more (FIN), then reads and drops up to `nbytes` the
+    peer may still be sending, for at most UNREAD_SECONDS. Closing with them unread would
+    reset the connection, and the peer would see a reset instead of the answer."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + UNREAD_SECONDS
+        scratch = bytearray(1 << 16)
+        while nbytes > 0 and (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            got = sock.recv_into(scratch, min(nbytes, len(scratch)))
+            if not got:
+                return
+            nbytes -= got
+    except OSError:
+        pass
 
 
 class Outcome:
@@ -102,6 +126,9 @@ class RequestServer:
             try:
                 send_message(conn.sock, ps_pb2.DataResponse(code=code.value[0], message=str(exc)))
             except OSError:
+                return Outcome.CLOSE
+            if isinstance(exc, StreamOutOfStep):
+                _drop_unread(conn.sock, exc.unread)
                 return Outcome.CLOSE
             return Outcome.KEEP
         except (FrameError, OSError) as exc:
@@ -163,6 +190,16 @@ class RequestServer:
     def _push(self, conn: Stream, header: ps_pb2.PushHeader) -> str:
         def read_payload(view: memoryview) -> None:  # not called for a push applied before
             send_message(conn.sock, ps_pb2.DataResponse(send_payload=True))
+            length = bytearray(PAYLOAD_LENGTH.size)
+            conn.recv_exact_into(memoryview(length))
+            (sent,) = PAYLOAD_LENGTH.unpack(length)
+            if sent != len(view):  # before a byte of it is read: nothing applied
+                raise StreamOutOfStep(
+                    f"push to shard {header.shard_id} of model {header.model!r}: its header announces {len(view)} "
+                    f"payload bytes and {sent} followed it; nothing applied (a client of another data plane "
+                    "protocol, or a push whose header and payload disagree)",
+                    unread=min(sent, len(view) + UNREAD_SLACK),
+                )
             conn.recv_exact_into(view)
 
         response = data_path.receive_push(self.store, header, self.staging, read_payload)

@@ -15,7 +15,7 @@ import torch
 
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
-from ps_offload.proto.frames import recv_message, send_message
+from ps_offload.proto.frames import PAYLOAD_LENGTH, recv_message, send_message
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
@@ -116,7 +116,7 @@ def test_push_cut_off_mid_payload_applies_nothing(plane):
                                    dtype=ps_pb2.FLOAT32, nbytes=NUMEL * 4)  # fmt: skip
         send_message(sock, ps_pb2.DataRequest(push=header))
         assert recv_message(sock, ps_pb2.DataResponse).send_payload
-        sock.sendall(bytes(NUMEL * 2))  # half the payload, then hang up
+        sock.sendall(PAYLOAD_LENGTH.pack(NUMEL * 4) + bytes(NUMEL * 2))  # half the payload, then hang up
         sock.shutdown(socket.SHUT_WR)
         # The daemon closes its end once it has dropped the push: only then may the
         # fixture's teardown check that shard 0 is still at version 1.
@@ -147,6 +147,7 @@ def test_sigterm_lets_an_in_flight_data_plane_push_finish(daemon_factory, notifi
     send_message(sock, ps_pb2.DataRequest(push=header))
     assert recv_message(sock, ps_pb2.DataResponse).send_payload
     payload = _bytes(torch.ones(numel))
+    sock.sendall(PAYLOAD_LENGTH.pack(len(payload)))
     sock.sendall(payload[: len(payload) // 2])  # the daemon is reading the payload: in flight
     daemon.process.send_signal(signal.SIGTERM)
     notifications.wait_for("STOPPING=1")  # the drain has begun

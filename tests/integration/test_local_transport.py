@@ -331,7 +331,8 @@ def test_a_push_larger_than_the_slot_is_invalid_argument_and_changes_nothing(dae
     with _raw(_endpoint(daemon.address), slot_bytes=SLOT // 2) as (sock, slot):
         assert recv_message(sock, ps_pb2.DataResponse).code == 0  # the slot is taken
         header = Push.build(model, 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT).header
-        send_message(sock, ps_pb2.DataRequest(push=header))
+        in_slot = ps_pb2.LocalRef(window=0, offset=0, nbytes=SLOT)
+        send_message(sock, ps_pb2.DataRequest(push=header, local=in_slot))
         answer = recv_message(sock, ps_pb2.DataResponse)
         assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert f"{SLOT} bytes at offset 0 do not fit the local slot of {SLOT // 2} bytes" in answer.message

@@ -181,7 +181,7 @@ def test_a_bf16_pull_is_rounded_into_place_as_the_data_plane_rounds_it(daemon, o
     [
         (dict(window=1, offset=NUMEL * 4 - 8, nbytes=NUMEL * 4), "do not fit window 1"),
         (dict(window=9, offset=0, nbytes=NUMEL * 4), "window 9 is not attached"),
-        (dict(window=1, offset=0, nbytes=16), "its place holds 16 bytes, its header says"),
+        (dict(window=1, offset=0, nbytes=16), "16 bytes were written for it, its header says"),
     ],
     ids=["past-the-end", "unknown-window", "wrong-length"],
 )

@@ -225,7 +225,7 @@ def test_a_lost_daemon_back_with_its_old_state_stays_out_until_its_copy_is_dropp
                 daemons[1].process.wait(timeout=30)
             if step == 4:  # back from its disk, at step 2's state
                 daemons[1] = daemon_factory("--nvme-dir", str(dirs[1]), "--listen", f"127.0.0.1:{port}")
-                opt.client.next_probe.clear()  # ask it now, not REPAIR_PROBE_SECONDS later
+                opt.client.probe.expect(1)  # up again: asked at the next step, not in the background
             if step == 6:
                 assert 1 in opt.client.lost
                 said = [r.getMessage() for r in caplog.records]
@@ -236,7 +236,7 @@ def test_a_lost_daemon_back_with_its_old_state_stays_out_until_its_copy_is_dropp
                     capture_output=True, text=True, timeout=120,
                 )  # fmt: skip
                 assert dropped.returncode == 0, dropped.stderr
-                opt.client.next_probe.clear()
+                opt.client.probe.expect(1)
             if step == 7:
                 assert not opt.client.lost  # repaired before step 6's pushes
             opt.zero_grad()
@@ -278,7 +278,7 @@ def test_a_partitioned_replica_is_survived_and_kept_out_when_the_network_heals(d
                     opt.step()
                     if step == 8:
                         ns.heal()
-                        opt.client.next_probe.clear()
+                        opt.client.probe.expect(1)
                 opt.synchronize()
                 assert set(opt.client.lost) == {1}
             said = [r.getMessage() for r in caplog.records]
@@ -313,7 +313,6 @@ def test_a_replacement_written_into_the_cluster_file_is_taken_up(daemon_factory,
                 assert set(opt.client.lost) == {1}
                 replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
                 write([daemons[0].address, replacement.address, daemons[2].address])
-                opt.client.next_probe.clear()  # the old address was asked moments ago
             if step == 7:
                 assert not opt.client.lost and opt.client.daemons[1] == replacement.address
             opt.zero_grad()

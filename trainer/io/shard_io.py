@@ -178,7 +178,7 @@ class ShardIO:
                 pushes.append(pushed)
                 task = self.pool.submit(self._push_then_pull, tasks, shard, pushed, parts.get(shard.shard_id))
             else:
-                task = self.pool.submit(self.pull, shard, step + 1, params, tasks.after, tasks.failed)
+                task = self.pool.submit(self.step_pull, shard, step + 1, params, tasks.after, tasks.failed)
             pulls[shard.shard_id] = task
         return pushes, pulls
 
@@ -218,7 +218,7 @@ class ShardIO:
             pushed.set_exception(exc)
             raise
         pushed.set_result(ack)
-        return self.pull(shard, step + 1, tasks.params, tasks.after, tasks.failed)
+        return self.step_pull(shard, step + 1, tasks.params, tasks.after, tasks.failed)
 
     def _push_gradient(self, tasks: _StepTasks, shard: ShardSlice) -> tuple[ps_pb2.PushResponse, int]:
         step, grads, after = tasks.step, tasks.grads, tasks.after
@@ -254,6 +254,21 @@ class ShardIO:
                 grad_multiplier=multiplier,
             )
             return ack, len(data)
+
+    def step_pull(
+        self, shard: ShardSlice, version: int, params: torch.Tensor, after: object, failed: threading.Event
+    ) -> int:
+        """A step's pull: the shard at exactly `version` (its push's step + 1). A newer one
+        means another process stepped the shard meanwhile (a second trainer of the same
+        model): said, not trained on."""
+        got = self.pull(shard, version, params, after, failed)
+        if got != version:
+            failed.set()
+            raise RuntimeError(
+                f"shard {shard.shard_id} of model {self.client.model!r} is at version {got} where this trainer's step "
+                f"made it {version}: another trainer is stepping the same model (two jobs with one model_name?)"
+            )
+        return got
 
     def pull(
         self, shard: ShardSlice, version: int, params: torch.Tensor, after: object, failed: threading.Event | None

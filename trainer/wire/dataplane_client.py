@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import grpc
 
 from ps_offload.proto import ps_pb2
-from ps_offload.proto.frames import FrameError, recv_exact_into, recv_message, send_message
+from ps_offload.proto.frames import FrameError, recv_exact_into, recv_message, send_message, send_payload
 from ps_offload.proto.pull import PullStreamError, check_pull_header
 from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
@@ -167,13 +167,13 @@ class DataPlaneClient:
 
     def push(self, push: Push, *, timeout: float) -> ps_pb2.PushResponse:
         """Sends the header; the daemon asks for the payload unless it applied this
-        (shard, step) before."""
+        (shard, step) before, and takes it with its length (ps_offload.proto.frames)."""
         with _daemon_status(), self._connection(timeout) as sock:
             send_message(sock, ps_pb2.DataRequest(push=push.header, authorization=self._authorization))
             response = self._answer(sock)
             if not response.send_payload:
                 return response.push  # applied before: the daemon needs no payload
-            sock.sendall(push.data)
+            send_payload(sock, push.data)
             return self._answer(sock).push
 
     def close(self) -> None:

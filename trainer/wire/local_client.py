@@ -281,7 +281,10 @@ class LocalClient:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"a push of {len(data)} bytes does not fit the local slot of {self.slot_bytes} bytes",
             )
-        request = ps_pb2.DataRequest(push=push.header, authorization=self._authorization, local=ref)
+        # Where the payload lies and its length as sent: the daemon refuses a header that says
+        # another (its slot holds whatever was there before past the bytes written).
+        place = ref if ref is not None else ps_pb2.LocalRef(window=0, offset=0, nbytes=len(data))
+        request = ps_pb2.DataRequest(push=push.header, authorization=self._authorization, local=place)
         with self._connection(timeout, fence=ref is not None) as conn:
             if ref is None:
                 conn.slot.write(data)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
@@ -22,6 +21,7 @@ from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.push import Push, state_tensors
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.daemon_client import DaemonClient, DaemonError, check_protocol
+from ps_offload.trainer.wire.lost_probe import LostDaemonProbe
 
 T = TypeVar("T")
 
@@ -36,7 +36,7 @@ class ReplicatedClient(Protocol):
     clients: list[DaemonClient]
     config: ClientConfig
     lost: dict[int, str]
-    next_probe: dict[int, float]
+    probe: LostDaemonProbe
     stale_said: set[int]
     digests: list[str]
     replaced: set[int]
@@ -89,7 +89,6 @@ def id_ranges(ids: list[int]) -> str:
     return ", ".join(parts)
 
 
-REPAIR_PROBE_SECONDS = 5.0  # how often a lost daemon is asked whether it is back
 COPY_THREADS = 4  # shards a repair copies at once (each: pulls from a live holder, a STATE push)
 
 
@@ -123,6 +122,7 @@ def adopt_fresh_holders(client: ReplicatedClient, fresh: list[int]) -> None:
     for index in fresh:
         client.lost[index] = "it held none of the model's values when the run resumed"
         client.fresh_holders.add(index)
+        client.probe.watch(index, client.daemons[index], client.spec, expect=True)
     bare = [s.shard_id for s in client.plan if all(i in client.lost for i in s.holders)]
     if bare:
         names = [client.daemons[i] for i in fresh]
@@ -143,19 +143,17 @@ def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
     that answers again holding none of the model's state (a replacement, or the same node
     with its disk wiped) gets every shard it holds copied from a live holder, master and
     optimizer state at `version` (a STATE push), and is a holder again from the next push on.
-    A lost daemon is asked at most every REPAIR_PROBE_SECONDS. One that comes back with state
-    of its own (restarted from its disk: some steps behind) stays out, said once: its copy is
-    stale, and a STATE may only land on a shard with no updates. Returns the daemons repaired."""
+    Whether it answers is asked off this thread (trainer/wire/lost_probe.py): a daemon gone
+    for good costs the step nothing. A replacement just named (replace_daemon, the cluster
+    file) or a daemon the run's registration found empty is asked here, once. One that comes
+    back with state of its own (restarted from its disk: some steps behind) stays out, said
+    once: its copy is stale, and a STATE may only land on a shard with no updates. Returns
+    the daemons repaired."""
     repaired = []
-    now = time.monotonic()
     _follow_cluster_file(client)
     for index in sorted(client.lost):
-        if now < client.next_probe.get(index, 0.0):
-            continue
-        client.next_probe[index] = now + REPAIR_PROBE_SECONDS
-        try:
-            response = client.clients[index].register(client.spec, index, timeout=2.0)
-        except grpc.RpcError:
+        response = client.probe.take(index)
+        if response is None:
             continue  # still gone
         address = client.daemons[index]
         if not response.created and index not in client.fresh_holders:
@@ -179,6 +177,7 @@ def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
             continue
         client.digests[index] = response.kernel_digest
         del client.lost[index]
+        client.probe.forget(index)
         if index in client.replaced:  # the others' copy of the spec learns the new address (ps-admin reads it)
             for other in range(len(client.daemons)):
                 if other not in client.lost and other != index:

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import grpc
@@ -42,6 +42,7 @@ from ps_offload.trainer.wire.daemon_client import (
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
 from ps_offload.trainer.wire.host_windows import HostWindows, Prepare
 from ps_offload.trainer.wire.local_client import LocalClient, slot_bytes_for
+from ps_offload.trainer.wire.lost_probe import LostDaemonProbe
 from ps_offload.trainer.wire.replicas import adopt_fresh_holders, check_replicas, id_ranges, repair_lost
 from ps_offload.trainer.wire.transport import Transport
 
@@ -72,7 +73,8 @@ class ShardedClient:
         # Daemons left out for the rest of the run (a replicated model's holders that stopped
         # answering), and why: index -> the error.
         self.lost: dict[int, str] = {}
-        self.next_probe: dict[int, float] = {}  # when a lost daemon is next asked whether it is back
+        self._losing = threading.Lock()  # one thread leaves a holder out, and says so
+        self.probe = LostDaemonProbe(self.config)  # whether a lost daemon answers again, asked off the step
         self.stale_said: set[int] = set()  # lost daemons said to be back with stale state
         self.digests: list[str] = []  # each daemon's kernel digest, from its registration
         self.replaced: set[int] = set()  # lost daemons given a new address (replace_daemon), not yet repaired
@@ -166,7 +168,7 @@ class ShardedClient:
         self.daemons[index] = new
         del self.spec.daemons[:]
         self.spec.daemons.extend(self.daemons)
-        self.next_probe.pop(index, None)
+        self.probe.watch(index, new, self.spec, expect=True)
         self.replaced.add(index)
         log.warning("daemon %s replaces lost daemon %s (index %d) for model %r", new, old, index, self.model)
 
@@ -348,6 +350,11 @@ class ShardedClient:
             PULL_RETRYABLE,
             every=False,
         )
+        if version < min_version:  # a daemon's promise broken: never trained on silently
+            raise RuntimeError(
+                f"a daemon answered the pull of shard {shard.shard_id} of model {self.model!r} at version {version}, "
+                f"below the {min_version} it asked for: a daemon fault; stop and report it"
+            )
         return version
 
     def live_holders(self, shard: ShardSlice) -> list[int]:
@@ -384,7 +391,14 @@ class ShardedClient:
 
         if every:  # a push: to every holder at once, each on its own thread (the first here)
             others = [self._fanout.submit(one, index) for index in holders[1:]]
-            results = [one(holders[0]), *(future.result() for future in others)]
+            try:
+                first = one(holders[0])
+            finally:
+                # Their pushes read the caller's bytes (a staging buffer it gives back on
+                # return, a gradient the next backward overwrites): never left running past
+                # this call, whatever the first holder answered.
+                wait(others)
+            results = [first, *(future.result() for future in others)]
             answers = [result for result in results if result is not None]
         else:  # a pull: the first holder that answers
             answers = next(([r] for r in map(one, holders) if r is not None), [])
@@ -399,9 +413,11 @@ class ShardedClient:
 
     def _lose(self, index: int, error: DaemonError) -> None:
         """Leaves a holder out for the rest of the run, saying which shards it leaves short."""
-        if index in self.lost:
-            return
-        self.lost[index] = str(error)
+        with self._losing:
+            if index in self.lost:
+                return
+            self.lost[index] = str(error)
+        self.probe.watch(index, self.daemons[index], self.spec)
         short = [s.shard_id for s in self.plan if index in s.holders]
         log.warning(
             "daemon %s is lost (%s): left out for the rest of this run; %d shards of model %r now have one holder "
@@ -436,6 +452,7 @@ class ShardedClient:
                 log.debug("prefetch hint to %s failed: %s", self.daemons[index], error.code().name)
 
     def close(self) -> None:
+        self.probe.close()
         self._fanout.shutdown(wait=True)
         for transport in self.transports:
             if transport not in self.clients:

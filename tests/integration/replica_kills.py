@@ -1,0 +1,289 @@
+"""A replicated model's holder killed at a chosen point inside `opt.step()`: the stress runs of
+tests/integration/test_replica_kills.py (a few in `make test`, hundreds in `make soak`).
+
+Each run starts three fresh NVMe daemons, trains a small GPT with OffloadConfig(replicas=2)
+over them, and SIGKILLs one daemon (its NVMe directory deleted: the node is gone for good) at
+a point named by a `KillPlan`: before the step's pushes, as its nth push leaves, once its nth
+push is acknowledged, as its nth pull leaves, while the step's pulls land (a timer after
+`step()` returned), or while a replacement is caught up (the replacement itself, or the live
+holder a shard is copied from). The kill is made on the thread about to make the call, so it
+lands exactly there, and the call then meets a dead daemon.
+
+A run must end one of two ways: bit for bit where torch.optim.AdamW(fused=True) in process
+ends over the same batches, or with an error naming the shards it cannot go on without. A run
+that ends otherwise (different values, or an error that names no shard) is the silent wrong
+result the runs are here to find.
+
+The calls are observed by wrapping the transports' methods for the run (the daemons, the
+disk and the sockets are real): `Observed` sees every push and pull of every transport, the
+repair's STATE pushes (over gRPC) included, with the daemon index it goes to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import shutil
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ps_offload import trainer
+from ps_offload.daemon.local import LocalDaemon
+from ps_offload.proto import ps_pb2
+from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
+from ps_offload.trainer.wire.daemon_client import DaemonClient
+from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
+from ps_offload.trainer.wire.local_client import LocalClient
+
+STEPS = 10
+KILL_STEP_RANGE = (2, 6)  # the step whose step() the kill lands in
+REPLACE_AFTER = 2  # repair points: the replacement comes this many steps after the loss
+DEAD_PEER_SECONDS = 1.0
+SHARD_BYTES = 4096
+CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
+BATCH = 4
+POINTS = ("before_push", "push_sent", "push_acked", "pull_sent", "pulls_landing", "repair_target", "repair_source")
+"""Where in a step the holder dies (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class KillPlan:
+    transport: str  # "local" (shared memory) or "tcp" (the data plane)
+    point: str  # one of POINTS
+    victim: int  # the daemon killed (for the repair points: the daemon lost first, then replaced)
+    step: int  # the step whose step() the kill lands in
+    nth: int  # which call of the point's kind in that step triggers it (1-based)
+    delay: float  # pulls_landing: seconds after step() returned
+
+    @classmethod
+    def draw(cls, rng: random.Random, transport: str, point: str) -> KillPlan:
+        return cls(
+            transport=transport,
+            point=point,
+            victim=rng.randrange(3),
+            step=rng.randint(*KILL_STEP_RANGE),
+            nth=rng.randint(1, 12),
+            delay=rng.uniform(0.0, 0.03),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.point} on {self.transport}: daemon {self.victim} at step {self.step}, call {self.nth}" + (
+            f", {self.delay * 1000:.1f} ms after step()" if self.point == "pulls_landing" else ""
+        )
+
+
+@dataclass
+class Outcome:
+    exact: bool  # the run ended with every parameter bit for bit torch's
+    error: str  # what the run raised ("" when it trained to the end)
+    killed: list[int]  # daemons killed, in order
+    lost: list[int]  # daemons the trainer had left out at the end
+
+    @property
+    def loud_and_named(self) -> bool:
+        """An error that names the shards the job lost and the way back."""
+        return bool(self.error) and "shard" in self.error and "lost" in self.error
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=g) for _ in range(STEPS)]
+
+
+def initial_model() -> TinyGPT:
+    torch.manual_seed(5)
+    return TinyGPT(CONFIG)
+
+
+def loss_of(model: TinyGPT, batch: torch.Tensor) -> torch.Tensor:
+    _, loss = model(batch[:, :-1], batch[:, 1:])
+    return loss
+
+
+def reference() -> list[torch.Tensor]:
+    """Every parameter after STEPS steps of torch's fused AdamW, in process."""
+    model = copy.deepcopy(initial_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    for batch in batches():
+        opt.zero_grad()
+        loss_of(model, batch).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+class Observed:
+    """For the run's duration, every transport call of the trainer goes through `on_call(kind,
+    daemon, stage)` first (stage "before") and after its answer (stage "after"): kind "push",
+    "pull" or "state" (a repair's STATE push), daemon the index it goes to, found by identity
+    among the client's transports and gRPC clients."""
+
+    def __init__(self, on_call: Callable[[str, int, str], None]) -> None:
+        self.on_call = on_call
+        self.client = None  # the ShardedClient, once built
+
+    def index(self, transport: object) -> int:
+        client = self.client
+        if client is None:
+            return -1
+        for index in range(len(client.daemons)):
+            if client.transports[index] is transport or client.clients[index] is transport:
+                return index
+        return -1
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        saved = []
+        for cls in (DaemonClient, DataPlaneClient, LocalClient):
+            for name in ("push", "pull_into"):
+                original = cls.__dict__[name]
+                saved.append((cls, name, original))
+                setattr(cls, name, self._wrap(original, name))
+        try:
+            yield
+        finally:
+            for cls, name, original in saved:
+                setattr(cls, name, original)
+
+    def _wrap(self, original, name: str):
+        observed = self
+
+        def call(transport, *args, **kwargs):
+            kind = "pull"
+            if name == "push":
+                push = args[0]
+                kind = "state" if push.header.kind == ps_pb2.STATE else "push"
+            index = observed.index(transport)
+            observed.on_call(kind, index, "before")
+            answer = original(transport, *args, **kwargs)
+            observed.on_call(kind, index, "after")
+            return answer
+
+        return call
+
+
+class KillRun:
+    """One run of a KillPlan in `workdir`."""
+
+    def __init__(self, plan: KillPlan, workdir: Path) -> None:
+        self.plan = plan
+        self.workdir = workdir
+        self.daemons: list[LocalDaemon] = []
+        self.dirs: list[Path] = []
+        self.killed: list[int] = []
+        self.step = -1
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._armed = False  # a repair point's trigger counts from the replacement on
+        self.replacement: LocalDaemon | None = None
+
+    def _start(self, name: str) -> tuple[LocalDaemon, Path]:
+        nvme = self.workdir / f"nvme-{name}"
+        return LocalDaemon(self.workdir / name, "--nvme-dir", str(nvme), "--create-nvme-dir"), nvme
+
+    def _kill(self, index: int, daemon: LocalDaemon, nvme: Path) -> None:
+        daemon.process.send_signal(signal.SIGKILL)
+        daemon.process.wait(timeout=30)
+        shutil.rmtree(nvme, ignore_errors=True)
+        self.killed.append(index)
+
+    def _on_call(self, kind: str, index: int, stage: str) -> None:
+        plan = self.plan
+        with self._lock:
+            if self.step != plan.step or (plan.point.startswith("repair") and not self._armed):
+                return
+            wanted = {
+                "push_sent": ("push", "before"),
+                "push_acked": ("push", "after"),
+                "pull_sent": ("pull", "before"),
+                "repair_target": ("state", "before"),
+                "repair_source": ("pull", "before"),
+            }.get(plan.point)
+            if wanted != (kind, stage):
+                return
+            key = f"{kind}-{stage}"
+            self.counts[key] = self.counts.get(key, 0) + 1
+            if self.counts[key] != plan.nth:
+                return
+            self._armed = False
+            self.counts[key] = -(10**9)  # once
+            if plan.point == "repair_target":
+                self._kill(plan.victim, self.replacement, self.workdir / "nvme-replacement")
+            elif plan.point == "repair_source":
+                # The daemon the repair is pulling from: every other shard of the lost one's
+                # now has no holder left, which must fail the step naming them.
+                self._kill(index, self.daemons[index], self.dirs[index])
+            else:
+                self._kill(plan.victim, self.daemons[plan.victim], self.dirs[plan.victim])
+
+    def run(self) -> Outcome:
+        plan = self.plan
+        with ThreadPoolExecutor(3) as pool:  # fresh daemons every run: started side by side
+            started = list(pool.map(self._start, [f"d{i}" for i in range(3)]))
+        self.daemons, self.dirs = [d for d, _ in started], [n for _, n in started]
+        observed = Observed(self._on_call)
+        error = ""
+        model = copy.deepcopy(initial_model())
+        try:
+            with observed.installed():
+                opt = trainer.offload(
+                    model,
+                    daemons=[d.address for d in self.daemons],
+                    optimizer=trainer.AdamW(lr=1e-3, weight_decay=0.01),
+                    config=trainer.OffloadConfig(shard_bytes=SHARD_BYTES, replicas=2),
+                    client=trainer.ClientConfig(transport=plan.transport, dead_peer_seconds=DEAD_PEER_SECONDS),
+                )
+                observed.client = opt.client
+                with opt:
+                    self._train(opt, model)
+        except Exception as exc:  # noqa: BLE001 - the outcome says what it was
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            for daemon in [*self.daemons, *([self.replacement] if self.replacement else [])]:
+                daemon.kill()
+        expected = reference_cache()
+        exact = not error and all(torch.equal(p, q) for p, q in zip(model.parameters(), expected, strict=True))
+        lost = sorted(observed.client.lost) if observed.client is not None else []
+        return Outcome(exact=exact, error=error, killed=list(self.killed), lost=lost)
+
+    def _train(self, opt, model) -> None:
+        plan = self.plan
+        repairing = plan.point.startswith("repair")
+        timer = None
+        for step, batch in enumerate(batches()):
+            if repairing and step == plan.step - REPLACE_AFTER:
+                self._kill(plan.victim, self.daemons[plan.victim], self.dirs[plan.victim])
+            if repairing and step == plan.step:
+                self.replacement, _ = self._start("replacement")
+                opt.replace_daemon(self.daemons[plan.victim].address, self.replacement.address)
+            opt.zero_grad()
+            loss_of(model, batch).backward()
+            with self._lock:
+                self.step = step
+                self._armed = repairing and step == plan.step
+            if plan.point == "before_push" and step == plan.step:
+                self._kill(plan.victim, self.daemons[plan.victim], self.dirs[plan.victim])
+            opt.step()
+            if plan.point == "pulls_landing" and step == plan.step:
+                victim = plan.victim
+                timer = threading.Timer(plan.delay, self._kill, (victim, self.daemons[victim], self.dirs[victim]))
+                timer.start()  # while the pulls land and the next forward waits for them
+        opt.synchronize()
+        if timer is not None:
+            timer.join()
+
+
+_REFERENCE: list[torch.Tensor] | None = None
+
+
+def reference_cache() -> list[torch.Tensor]:
+    global _REFERENCE
+    if _REFERENCE is None:
+        _REFERENCE = reference()
+    return _REFERENCE
