@@ -79,6 +79,7 @@ from ps_offload.trainer.io.shard_io import ShardIO, first_error
 from ps_offload.trainer.optimizer.audit import ParityAudit, check_auditable
 from ps_offload.trainer.optimizer.backward_push import BackwardPushes
 from ps_offload.trainer.optimizer.daemon_optimizer import DaemonOptimizer, check_uniform
+from ps_offload.trainer.optimizer.forward_waits import ForwardWaits
 from ps_offload.trainer.optimizer.loss_scale import found_inf
 from ps_offload.trainer.optimizer.param_binding import ParamBinding, ParameterChanged
 
@@ -182,17 +183,16 @@ class OffloadOptimizer(DaemonOptimizer):
 
     # -- start-up ------------------------------------------------------------------------
 
-    def _install_forward_hooks(self, model: nn.Module) -> list:
-        """A pre-hook on every module that owns parameters: wait for their shards' pulls."""
+    def _install_forward_hooks(self, model: nn.Module) -> ForwardWaits:
+        """Each module's forward waits for the pulls of the shards it reads
+        (trainer/optimizer/forward_waits.py: its own parameters', and those of children it
+        reads without calling them)."""
         position = {id(p): i for i, p in enumerate(self.params)}
-        hooks = []
+        own = {}
         for module in model.modules():
             owned = [position[id(p)] for p in module.parameters(recurse=False) if id(p) in position]
-            if not owned:
-                continue
-            shard_ids = sorted({s.shard_id for i in owned for s in self._shards_of(i)})
-            hooks.append(module.register_forward_pre_hook(lambda _m, _a, ids=shard_ids: self._wait_for(ids)))
-        return hooks
+            own[module] = sorted({s.shard_id for i in owned for s in self._shards_of(i)})
+        return ForwardWaits(model, own, wait=self._wait_for, wait_all=lambda: self._wait_for(list(self._pending_pulls)))
 
     def _shards_of(self, param_index: int) -> list[ShardSlice]:
         start, end = self.flat.param_range(param_index)
@@ -389,8 +389,7 @@ class OffloadOptimizer(DaemonOptimizer):
             if self.staleness:
                 self._next_params = torch.empty_like(flat.values)
                 self._sent_grads = torch.empty_like(flat.grads)
-        for hook in self._hooks:
-            hook.remove()
+        self._hooks.remove()
         self._hooks = self._install_forward_hooks(self._model)
         if self._backward_pushes is not None:
             self._backward_pushes.rebind(flat)
@@ -436,8 +435,7 @@ class OffloadOptimizer(DaemonOptimizer):
         try:
             self.synchronize()
         finally:
-            for hook in self._hooks:
-                hook.remove()
+            self._hooks.remove()
             if self._backward_pushes is not None:
                 self._backward_pushes.close()
             self.io.close()
