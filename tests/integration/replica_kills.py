@@ -1,7 +1,8 @@
 """A replicated model's holder killed at a chosen point inside `opt.step()`: the stress runs of
 tests/integration/test_replica_kills.py (a few in `make test`, hundreds in `make soak`).
 
-Each run starts three fresh NVMe daemons, trains a small GPT with OffloadConfig(replicas=2)
+Each run starts three fresh NVMe daemons, trains a small transformer on torch's own encoder
+layers (the model of issue 39's silent wrong step) with OffloadConfig(replicas=2)
 over them, and SIGKILLs one daemon (its NVMe directory deleted: the node is gone for good) at
 a point named by a `KillPlan`: before the step's pushes, as its nth push leaves, once its nth
 push is acknowledged, as its nth pull leaves, while the step's pulls land (a timer after
@@ -16,7 +17,9 @@ result the runs are here to find.
 
 The calls are observed by wrapping the transports' methods for the run (the daemons, the
 disk and the sockets are real): `Observed` sees every push and pull of every transport, the
-repair's STATE pushes (over gRPC) included, with the daemon index it goes to.
+repair's STATE pushes (over gRPC) included, with the daemon index it goes to. A third of the
+pulls are held back at random by up to JITTER_SECONDS, so that the next forward meets pulls
+still in flight in every order (what a loaded node does to them).
 """
 
 from __future__ import annotations
@@ -27,17 +30,18 @@ import random
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
-from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.local_client import LocalClient
@@ -47,8 +51,8 @@ KILL_STEP_RANGE = (2, 6)  # the step whose step() the kill lands in
 REPLACE_AFTER = 2  # repair points: the replacement comes this many steps after the loss
 DEAD_PEER_SECONDS = 1.0
 SHARD_BYTES = 4096
-CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
-BATCH = 4
+VOCAB, CONTEXT, WIDTH, BATCH = 32, 16, 32, 4
+JITTER_SECONDS = 0.01  # pulls held back at random by up to this: the next forward meets them in flight
 POINTS = ("before_push", "push_sent", "push_acked", "pull_sent", "pulls_landing", "repair_target", "repair_source")
 """Where in a step the holder dies (see the module docstring)."""
 
@@ -61,6 +65,7 @@ class KillPlan:
     step: int  # the step whose step() the kill lands in
     nth: int  # which call of the point's kind in that step triggers it (1-based)
     delay: float  # pulls_landing: seconds after step() returned
+    jitter: int  # seeds the pulls held back at random (up to JITTER_SECONDS, one in three)
 
     @classmethod
     def draw(cls, rng: random.Random, transport: str, point: str) -> KillPlan:
@@ -71,6 +76,7 @@ class KillPlan:
             step=rng.randint(*KILL_STEP_RANGE),
             nth=rng.randint(1, 12),
             delay=rng.uniform(0.0, 0.03),
+            jitter=rng.randrange(1 << 30),
         )
 
     def __str__(self) -> str:
@@ -92,19 +98,36 @@ class Outcome:
         return bool(self.error) and "shard" in self.error and "lost" in self.error
 
 
+class SmallTransformer(nn.Module):
+    """A causal language model on torch's own encoder layers: their attention reads
+    `out_proj`'s parameters without calling it (trainer/optimizer/forward_waits.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Parameter(torch.randn(CONTEXT, WIDTH) * 0.02)
+        layer = nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True)
+        self.layers = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.size(1))
+        return self.head(self.layers(self.emb(x) + self.pos[: x.size(1)], mask=mask, is_causal=True))
+
+
 def batches() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(11)
-    return [torch.randint(CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=g) for _ in range(STEPS)]
+    return [torch.randint(VOCAB, (BATCH, CONTEXT + 1), generator=g) for _ in range(STEPS)]
 
 
-def initial_model() -> TinyGPT:
+def initial_model() -> SmallTransformer:
     torch.manual_seed(5)
-    return TinyGPT(CONFIG)
+    return SmallTransformer()
 
 
-def loss_of(model: TinyGPT, batch: torch.Tensor) -> torch.Tensor:
-    _, loss = model(batch[:, :-1], batch[:, 1:])
-    return loss
+def loss_of(model: SmallTransformer, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
 
 
 def reference() -> list[torch.Tensor]:
@@ -181,6 +204,7 @@ class KillRun:
         self.counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._armed = False  # a repair point's trigger counts from the replacement on
+        self._jitter = random.Random(plan.jitter)
         self.replacement: LocalDaemon | None = None
 
     def _start(self, name: str) -> tuple[LocalDaemon, Path]:
@@ -195,6 +219,10 @@ class KillRun:
 
     def _on_call(self, kind: str, index: int, stage: str) -> None:
         plan = self.plan
+        if (kind, stage) == ("pull", "before"):
+            with self._lock:
+                pause = self._jitter.uniform(0.0, JITTER_SECONDS) if self._jitter.random() < 1 / 3 else 0.0
+            time.sleep(pause)
         with self._lock:
             if self.step != plan.step or (plan.point.startswith("repair") and not self._armed):
                 return

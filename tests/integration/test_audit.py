@@ -177,3 +177,57 @@ def test_a_streamed_model_refuses_the_audit_instead_of_ignoring_it(daemons):
     with pytest.raises(ValueError, match="audit_every is not run for streamed models"):
         trainer.offload(model, daemons=daemons, optimizer=trainer.AdamW(), config=config,
                         stream=trainer.Streaming(blocks=[model]))  # fmt: skip
+
+
+def test_with_replicas_every_holder_is_audited_and_a_diverged_replica_is_caught(tmp_path):
+    """OffloadConfig(replicas=2): each audit reads the shard from every holder. A holder whose
+    update is off (daemon 1, one ulp at step 0, every shard it steps) is named, whichever of
+    a shard's holders it is; honest replicas pass."""
+    honest = [LocalDaemon(tmp_path / f"d{i}", env={"OMP_NUM_THREADS": "1"}) for i in (0, 2)]
+    faulty = LocalDaemon(tmp_path / "d1", env={PERTURB_STEP: "0", "OMP_NUM_THREADS": "1"})
+    daemons = [honest[0], faulty, honest[1]]
+    try:
+        model, batches, loss_fn = _odd_case(STEPS)
+        with trainer.offload(
+            model, daemons=[d.address for d in daemons], optimizer=trainer.AdamW(lr=3e-3),
+            config=trainer.OffloadConfig(model_name="audit-replicas", shard_bytes=SHARD_BYTES, audit_every=1,
+                                         replicas=2),
+        ) as opt:  # fmt: skip
+            audited = opt.audit.shards  # in turn: step k audits audited[k % len]
+            first = next(k for k, s in enumerate(audited) if 1 in s.holders)
+            with pytest.raises(AuditMismatch) as info:
+                _train(opt, model, batches, loss_fn, clip="none", dtype=torch.float32)
+            stats = opt.audit.stats
+    finally:
+        for daemon in daemons:
+            daemon.kill()
+    error, message = info.value, str(info.value)
+    assert error.shard_id == audited[first].shard_id and stats.mismatches == 1, message
+    assert faulty.address in message
+    if first == 0:  # its commit of step 0 is off torch's
+        assert "differs from torch.optim's in-process update" in message and error.step == 0
+    else:  # caught before the step: the replicas' state at version `first` differ
+        assert "the replicas' master before the step differ" in message and error.step == first
+    assert stats.audited == first + (first == 0) and 1 in audited[first].holders
+
+
+def test_parameters_changed_in_place_behind_the_optimizer_are_caught(daemons):
+    """The trainer's compute copy of the audited shard must be the daemons' master rounded to
+    the compute dtype: a value changed in place after offload() (no new tensor, so nothing else
+    sees it) makes the step's gradient one the daemons never had the parameters for."""
+    model, batches, loss_fn = _odd_case(STEPS)
+    with trainer.offload(
+        model, daemons=daemons, optimizer=trainer.AdamW(lr=3e-3),
+        config=trainer.OffloadConfig(model_name="audit-in-place", shard_bytes=SHARD_BYTES, audit_every=1),
+    ) as opt:  # fmt: skip
+        _train(opt, model, batches[:2], loss_fn, clip="none", dtype=torch.float32)
+        shard = opt.audit.shards[opt.audit._turn % len(opt.audit.shards)]  # the next step's
+        with torch.no_grad():
+            opt.flat.values[shard.offset + 3] += 1.0
+        x, y = batches[2]
+        loss_fn(model, (x, y)).backward()
+        with pytest.raises(AuditMismatch, match="the trainer's parameters differ from the daemons' master") as info:
+            opt.step()
+        assert opt.step_count == 2  # refused before the step's pushes
+    assert info.value.shard_id == shard.shard_id and info.value.differing == 1
+    assert "Nothing of this step was pushed" in str(info.value)

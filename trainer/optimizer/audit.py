@@ -43,7 +43,6 @@ import torch
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ParamLayout, ShardSlice, kernel_runs, segments_of
 from ps_offload.trainer.config import SGD, AdamW, CompressionConfig, OffloadConfig, OptimizerConfig
-from ps_offload.trainer.io.device import byte_view
 from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 log = logging.getLogger(__name__)
@@ -66,17 +65,20 @@ class AuditMismatch(RuntimeError):
         differing: int,
         numel: int,
         detail: str,
+        what: str = "",
     ) -> None:
+        """`what`: the two sides compared, when not the daemon's commit and torch.optim's
+        update (a replica against another, the trainer's values against the daemon's)."""
         self.model = model
         self.shard_id = shard_id
         self.step = step
         self.tensor = tensor
         self.max_difference = max_difference
         self.differing = differing
+        what = what or f"the daemon's {tensor} differs from torch.optim's in-process update"
         super().__init__(
-            f"parity audit of model {model!r}, shard {shard_id}, step {step}: the daemon's {tensor} differs from "
-            f"torch.optim's in-process update in {differing} of {numel} elements, max |difference| "
-            f"{max_difference:.6g}; {detail}"
+            f"parity audit of model {model!r}, shard {shard_id}, step {step}: {what} in {differing} of {numel} "
+            f"elements, max |difference| {max_difference:.6g}; {detail}"
         )
 
 
@@ -129,6 +131,7 @@ class ParityAudit:
         self.tolerance = config.audit_tolerance
         self.stats = AuditStats()
         self.client: ShardedClient = opt.client
+        self.values = lambda: opt.flat.values  # the compute copy (replaced when the model moves)
         self.optimizer: OptimizerConfig = opt.optimizer
         self.layouts: list[ParamLayout] = opt.flat.layouts
         position = {id(p): i for i, p in enumerate(opt.flat.params)}
@@ -156,10 +159,12 @@ class ParityAudit:
         started = time.perf_counter()
         shard = self.shards[self._turn % len(self.shards)]
         self._turn += 1
-        before = self._pull(shard, step)
-        if before is None:
+        replicas = self._pull(shard, step)
+        if replicas is None:
             self._skipped(shard, step, "before the push", started)
             return None
+        before = self._agreed(shard, step, replicas)
+        self._check_compute_copy(shard, step, before[0])
         grad = grads[shard.offset : shard.end].to("cpu", torch.float32, copy=True)  # exact widening
         if multiplier is not None:  # as the daemon applies it (ps_offload.daemon.store.push.multiplied)
             torch.mul(grad, torch.tensor(multiplier, dtype=torch.float32), out=grad)
@@ -172,8 +177,8 @@ class ParityAudit:
             return
         started = time.perf_counter() - audit.seconds
         shard, step = audit.shard, audit.step
-        after = self._pull(shard, step + 1)
-        if after is None:
+        replicas = self._pull(shard, step + 1)
+        if replicas is None:
             self._skipped(shard, step, "after the step", started)
             return
         expected = recompute(
@@ -182,39 +187,100 @@ class ParityAudit:
         self.stats.audited += 1
         self.stats.per_shard[shard.shard_id] = self.stats.per_shard.get(shard.shard_id, 0) + 1
         self.stats.seconds += time.perf_counter() - started
-        found = [
-            (name, *difference(got, want, self.tolerance))
-            for name, got, want in zip(self.tensors, after, expected, strict=True)
-        ]
+        for holder, after in replicas.items():  # every replica commits torch's update
+            self._compare(shard, step, after, expected, self.tolerance, holder=holder)
+        log.debug("parity audit of model %r shard %d step %d: equal", self.client.model, shard.shard_id, step)
+
+    def _compare(
+        self,
+        shard: ShardSlice,
+        step: int,
+        got: list[torch.Tensor],
+        want: list[torch.Tensor],
+        tolerance: float,
+        *,
+        holder: int,
+        against: int | None = None,
+    ) -> None:
+        """Raises AuditMismatch where `got` (holder `holder`'s tensors) differs from `want`
+        (torch's update, or holder `against`'s tensors) beyond `tolerance`."""
+        found = [(name, *difference(g, w, tolerance)) for name, g, w in zip(self.tensors, got, want, strict=True)]
         bad = [(name, worst, count, first) for name, worst, count, first in found if count]
         if not bad:
-            log.debug("parity audit of model %r shard %d step %d: equal", self.client.model, shard.shard_id, step)
             return
         self.stats.mismatches += 1
         name, worst, count, first = bad[0]
         index = self.tensors.index(name)
-        detail = (
-            f"first at {self._where(shard, first)}: daemon {after[index][first].item()!r}, torch "
-            f"{expected[index][first].item()!r}; {self.tolerance:g} allowed (OffloadConfig.audit_tolerance)"
-        )
+        address = self.client.daemons[holder]
+        if against is None:
+            what = f"daemon {address}'s {name} differs from torch.optim's in-process update"
+            detail = (
+                f"first at {self._where(shard, first)}: daemon {got[index][first].item()!r}, torch "
+                f"{want[index][first].item()!r}; {tolerance:g} allowed (OffloadConfig.audit_tolerance)"
+            )
+        else:
+            other = self.client.daemons[against]
+            what = f"the replicas' {name} before the step differ (daemon {address} against {other})"
+            detail = (
+                f"first at {self._where(shard, first)}: {got[index][first].item()!r} against "
+                f"{want[index][first].item()!r}; the replicas have diverged: stop, and restore the model from a "
+                "snapshot (ps-admin snapshot restore)"
+            )
         if len(bad) > 1:
             detail += "; also " + ", ".join(f"{n} ({c} elements, max {w:.6g})" for n, w, c, _ in bad[1:])
         raise AuditMismatch(
             model=self.client.model, shard_id=shard.shard_id, step=step, tensor=name, max_difference=worst,
-            differing=count, numel=shard.numel, detail=detail,
+            differing=count, numel=shard.numel, detail=detail, what=what,
         )  # fmt: skip
 
-    def _pull(self, shard: ShardSlice, version: int) -> list[torch.Tensor] | None:
-        """The shard's master and state at exactly `version`, fp32 on the CPU; None if a
-        pull found another version."""
-        out = []
+    def _agreed(self, shard: ShardSlice, step: int, replicas: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The pre-step state every live holder has, bit for bit (a replicated shard's copies
+        must not differ: AuditMismatch naming the two holders)."""
+        (first, state), *others = replicas.items()
+        for holder, theirs in others:
+            self._compare(shard, step, theirs, state, 0.0, holder=holder, against=first)
+        return state
+
+    def _check_compute_copy(self, shard: ShardSlice, step: int, master: torch.Tensor) -> None:
+        """The trainer computed this step on the daemons' version `step`: its values of the
+        shard are the master rounded to the compute dtype (as the daemon rounds a pull,
+        `Tensor.to`); else AuditMismatch (a pull that never landed, or values changed in place
+        behind the optimizer's back)."""
+        values = self.values()[shard.offset : shard.end].to("cpu")
+        expected = master.to(values.dtype)
+        differs = values.view(-1) != expected
+        differs &= ~(values.isnan() & expected.isnan())
+        count = int(differs.sum())
+        if not count:
+            return
+        self.stats.mismatches += 1
+        first = int(differs.nonzero()[0])
+        gap = (values.float()[differs] - expected.float()[differs]).abs()
+        raise AuditMismatch(
+            model=self.client.model, shard_id=shard.shard_id, step=step, tensor="master",
+            max_difference=float(gap.max()), differing=count, numel=shard.numel,
+            what="the trainer's parameters differ from the daemons' master values they were pulled from",
+            detail=(
+                f"first at {self._where(shard, first)}: trainer {values[first].item()!r}, daemon (rounded to "
+                f"{values.dtype}) {expected[first].item()!r}. The trainer computed this step on other values "
+                "than the daemons hold: were the parameters changed in place after offload() (an init, a "
+                "load_state_dict without assign)? Nothing of this step was pushed"
+            ),
+        )  # fmt: skip
+
+    def _pull(self, shard: ShardSlice, version: int) -> dict[int, list[torch.Tensor]] | None:
+        """Each live holder's master and state of the shard at exactly `version`, fp32 on the
+        CPU (one holder unless the model is replicated); None if a pull found another version."""
+        out: dict[int, list[torch.Tensor]] = {}
         for tensor in (ps_pb2.MASTER, ps_pb2.EXP_AVG, ps_pb2.EXP_AVG_SQ)[: len(self.tensors)]:
-            values = torch.empty(shard.numel, dtype=torch.float32)
-            got = self.client.pull(shard, min_version=version, out=byte_view(values), tensor=tensor)
-            if got != version:
-                return None
-            out.append(values)
-        return out
+            for holder, (got, values) in self.client.pull_each(shard, min_version=version, tensor=tensor).items():
+                if got != version:
+                    return None
+                out.setdefault(holder, []).append(values)
+        lengths = {len(tensors) for tensors in out.values()}
+        if lengths != {len(self.tensors)}:  # a holder lost between two of the pulls: audit the others
+            out = {holder: tensors for holder, tensors in out.items() if len(tensors) == len(self.tensors)}
+        return out or None
 
     def _skipped(self, shard: ShardSlice, step: int, when: str, started: float) -> None:
         self.stats.skipped += 1

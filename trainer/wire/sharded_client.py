@@ -357,6 +357,22 @@ class ShardedClient:
             )
         return version
 
+    def pull_each(self, shard: ShardSlice, *, min_version: int, tensor: int) -> dict[int, tuple[int, torch.Tensor]]:
+        """The shard's `tensor` (fp32) from every live holder at once: holder index -> (its
+        version, its values). What compares a shard's replicas (the parity audit) reads; a
+        holder unreachable for dead_peer_seconds is lost, as for a push."""
+
+        def pull(index: int) -> tuple[int, torch.Tensor]:
+            values = torch.empty(shard.numel, dtype=torch.float32)
+            got = self.transports[index].pull_into(
+                self.model, shard.shard_id, min_version=min_version, out=memoryview(values.numpy()).cast("B"),
+                timeout=self.config.rpc_timeout_seconds, tensor=tensor,
+            )  # fmt: skip
+            return got, values
+
+        what = f"pull of shard {shard.shard_id} {ps_pb2.ShardTensor.Name(tensor)} (version >= {min_version})"
+        return dict(self._on_holders(shard, what, pull, PULL_RETRYABLE, every=True))
+
     def live_holders(self, shard: ShardSlice) -> list[int]:
         """The shard's holders not lost, the primary first; raises when none is left."""
         live = [index for index in shard.holders if index not in self.lost]
