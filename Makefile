@@ -59,9 +59,12 @@ fuzz: $(STAMP)
 # 3,000 idle connections, a 10 s partition (root only). bench/soak.py; docs/reliability.md quotes
 # bench/results/reliability/soak.json. Then health under 64 stalled gRPC clients of each kind,
 # with the call bounds and without (bench/stalled_clients.py, a minute: stalled_clients.json).
+# Then 300 runs of a replicated model whose holder is killed inside a step, at every point of
+# it (bench/replica_kills.py, about 25 minutes: replica_kills.json; `make test` runs 7).
 soak: $(STAMP)
 	$(PY) -m bench.soak
 	$(PY) -m bench.stalled_clients
+	$(PY) -m bench.replica_kills
 
 # Regenerates ps_proto/ (installed as ps_offload.proto) from proto/ps.proto; tests/ps_proto
 # checks the committed copy is fresh.

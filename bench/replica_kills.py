@@ -1,5 +1,7 @@
-"""A replicated model's holder killed at a chosen point inside `opt.step()`: the stress runs of
-tests/integration/test_replica_kills.py (a few in `make test`, hundreds in `make soak`).
+"""A replicated model's holder killed at a chosen point inside `opt.step()` (issue 39): a few
+runs in `make test` (tests/integration/test_replica_kills.py), RUNS in `make soak`
+(`python -m bench.replica_kills`: bench/results/reliability/replica_kills.json, which
+docs/reliability.md quotes).
 
 Each run starts three fresh NVMe daemons, trains a small transformer on torch's own encoder
 layers (the model of issue 39's silent wrong step) with OffloadConfig(replicas=2)
@@ -315,3 +317,65 @@ def reference_cache() -> list[torch.Tensor]:
     if _REFERENCE is None:
         _REFERENCE = reference()
     return _REFERENCE
+
+
+def plans(runs: int, seed: int) -> list[KillPlan]:
+    """`runs` plans, the points in turn and the transports alternating, the rest drawn from `seed`."""
+    rng = random.Random(seed)
+    return [KillPlan.draw(rng, ("local", "tcp")[i % 2], POINTS[i % len(POINTS)]) for i in range(runs)]
+
+
+def expected(plan: KillPlan, outcome: Outcome) -> bool:
+    """A holder killed inside a step ends bit for bit with torch; a second holder killed while
+    a repair copies from it leaves the lost daemon's other shards with no holder: loud, naming
+    them."""
+    return outcome.loud_and_named if plan.point == "repair_source" else outcome.exact
+
+
+RUNS = 300
+SEED = 39
+
+
+def main(runs: int = RUNS, seed: int = SEED) -> dict:
+    import json
+    import tempfile
+
+    from bench.common import RESULTS, machine, quick
+
+    runs = quick(runs, len(POINTS))
+    tally: dict[str, dict[str, int]] = {}
+    wrong: list[str] = []
+    started = time.monotonic()
+    for plan in plans(runs, seed):
+        with tempfile.TemporaryDirectory(prefix="ps-soak-kills-") as workdir:
+            outcome = KillRun(plan, Path(workdir)).run()
+        verdict = "exact" if outcome.exact else "loud" if outcome.loud_and_named else "wrong"
+        counts = tally.setdefault(f"{plan.point}/{plan.transport}", {"exact": 0, "loud": 0, "wrong": 0})
+        counts[verdict] += 1
+        if not expected(plan, outcome):
+            wrong.append(f"{plan}: {verdict} {outcome.error[:300]}")
+        print(f"{verdict:5} {plan}", flush=True)
+    result = {
+        "runs": runs,
+        "seed": seed,
+        "seconds": round(time.monotonic() - started, 1),
+        "by_point": tally,
+        "unexpected": wrong,
+        "machine": machine(),
+        "notes": (
+            "three fresh NVMe daemons per run, replicas=2, a small transformer on torch's encoder layers, "
+            f"{STEPS} steps of AdamW; one holder SIGKILLed (its directory deleted) at the point named; a third "
+            f"of the pulls held back by up to {JITTER_SECONDS * 1000:g} ms"
+        ),
+    }
+    out = RESULTS / "reliability"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replica_kills.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2))
+    if wrong:
+        raise SystemExit(f"{len(wrong)} runs did not end as they must: {wrong}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
