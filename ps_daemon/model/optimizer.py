@@ -30,12 +30,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ps_offload.daemon.model import faults
 from ps_offload.daemon.model.encodings import KERNEL_LOCK, OneBitGradient
+from ps_offload.kernels import fused_step
 from ps_offload.kernels.fused_adamw import adam_frozen_variance_, onebit_adam_
-from ps_offload.proto.plan import KernelRun, Segment, kernel_runs
+from ps_offload.proto.plan import KERNEL_ALIGN, KernelRun, Segment, kernel_runs
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,44 @@ class GroupHyperparams:
     eps: float = 0.0
     momentum: float = 0.0
     dampening: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """One kernel call's runs, split by who steps them: the whole KERNEL_ALIGN-blocks of the
+    in-place runs, all in torch's vectorized body (the one-pass kernel's tasks), and the rest
+    (torch's fused kernel): partial blocks in a scratch, and a parameter's last partial block,
+    which holds its scalar tail, in place."""
+
+    in_place: list[KernelRun]
+    tasks: tuple[np.ndarray, np.ndarray]  # kernels.fused_step.tasks of the whole blocks
+    rest: list[KernelRun]
+
+    @classmethod
+    def of(cls, runs: list[KernelRun]) -> _Runs:
+        in_place = [r for r in runs if not r.context]
+        rest = [r for r in runs if r.context]
+        spans = []
+        for run in in_place:  # it starts at a block of its parameter (ps_proto/plan.py, validate_kernel_runs)
+            whole = run.numel - run.numel % KERNEL_ALIGN
+            if whole:
+                spans.append((run.shard_start, run.shard_start + whole))
+            if whole < run.numel:  # the parameter's last block, partial: to torch, at its place
+                rest.append(KernelRun(run.shard_start + whole, run.numel - whole, 0, 0))
+        return cls(in_place, fused_step.tasks(spans), rest)
+
+
+def _widened(grad: torch.Tensor, multiplier: float | None) -> torch.Tensor:
+    """The fp32 gradient times `multiplier` (as torch.amp's unscale_: an fp32 product)."""
+    wide = grad.float()
+    if multiplier is not None:
+        wide = torch.mul(wide, torch.tensor(multiplier, dtype=torch.float32))
+    return wide
+
+
+def _widened_runs(grad: torch.Tensor, runs: list[KernelRun], multiplier: float | None) -> dict[int, torch.Tensor]:
+    """Each run's piece of the gradient, widened and multiplied (small: partial blocks)."""
+    return {r.shard_start: _widened(grad[r.shard_start : r.shard_start + r.numel], multiplier) for r in runs}
 
 
 def validate_optimizer(config: OptimizerConfig) -> None:
@@ -127,8 +167,8 @@ class ShardOptimizer:
         for segment, decay, group in zip(segments, weight_decays, groups, strict=True):
             by_decay[decay].extend(kernel_runs(segment))
             by_group[group].extend(kernel_runs(segment))
-        self._runs_by_decay = dict(by_decay)
-        self._runs_by_group = dict(by_group)
+        self._runs_by_decay = {d: _Runs.of(runs) for d, runs in by_decay.items()}
+        self._runs_by_group = {g: _Runs.of(runs) for g, runs in by_group.items()}
         # The same pieces in shard order, for the 1-bit Adam update: (start, end, decay).
         self._pieces = sorted(
             (s.shard_start, s.shard_start + s.numel, d) for s, d in zip(segments, weight_decays, strict=True)
@@ -170,20 +210,56 @@ class ShardOptimizer:
             adam_frozen_variance_(master, m, v, momentum, **args)
 
     def apply(
-        self, master: torch.Tensor, grad: torch.Tensor, lr: float, groups: Sequence[GroupHyperparams] = ()
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        lr: float,
+        groups: Sequence[GroupHyperparams] = (),
+        *,
+        multiplier: float | None = None,
     ) -> None:
-        """One optimizer step: master -= update(grad). `grad` is fp32 with the shard's numel.
-        `groups` empty: the registered settings with `lr` and each parameter's weight decay;
-        else `groups[g]` for the parameters of group g (all `group_count` of them, checked
-        by the push) and `lr` is not read."""
+        """One optimizer step: master -= update(grad * multiplier). `grad` has the shard's
+        numel, in fp32, bf16 or fp16 (widened exactly in the step); `multiplier` (an fp32
+        product, as torch.mul by an fp32 scalar) None for 1. `groups` empty: the registered
+        settings with `lr` and each parameter's weight decay; else `groups[g]` for the
+        parameters of group g (all `group_count` of them, checked by the push) and `lr` is
+        not read."""
         self.step += 1
         if groups:
             calls = [(runs, groups[group]) for group, runs in self._runs_by_group.items()]
         else:
             calls = [(runs, self._registered(lr, decay)) for decay, runs in self._runs_by_decay.items()]
+        if not fused_step.matches_torch():  # torch's kernels on an fp32 gradient, one pass more
+            grad = _widened(grad, multiplier)
+            multiplier = None
         for runs, settings in calls:
-            self._step_runs(master, grad, runs, settings)
+            if not fused_step.matches_torch():
+                self._step_runs(master, grad, [*runs.in_place, *(r for r in runs.rest if r.context)], settings)
+                continue
+            if runs.tasks[0].size:
+                self._step_in_place(master, grad, runs, settings, multiplier)
+            if runs.rest:
+                self._step_runs(master, _widened_runs(grad, runs.rest, multiplier), runs.rest, settings)
         faults.after_update(master, self.step)  # tests only: PS_OFFLOAD_FAULT_PERTURB_STEP
+
+    def _step_in_place(
+        self, master: torch.Tensor, grad: torch.Tensor, runs: _Runs, settings: GroupHyperparams, multiplier
+    ) -> None:
+        """The whole blocks torch steps in its vectorized body, in one pass (kernels/fused_step.py)."""
+        config, step = self.config, int(self.step.item())
+        if isinstance(config, AdamWConfig):
+            m, v = self.state
+            fused_step.adamw_(
+                runs.tasks, master, grad, m, v, step=step, lr=settings.lr, beta1=settings.beta1,
+                beta2=settings.beta2, eps=settings.eps, weight_decay=settings.weight_decay,
+                grad_multiplier=multiplier,
+            )  # fmt: skip
+        else:
+            fused_step.sgd_(
+                runs.tasks, master, grad, self.state[0] if config.momentum else None, lr=settings.lr,
+                weight_decay=settings.weight_decay, momentum=settings.momentum, dampening=settings.dampening,
+                nesterov=config.nesterov, first_step=step == 1, grad_multiplier=multiplier,
+            )  # fmt: skip
 
     def _registered(self, lr: float, weight_decay: float) -> GroupHyperparams:
         config = self.config
@@ -194,14 +270,16 @@ class ShardOptimizer:
     def _step_runs(
         self, master: torch.Tensor, grad: torch.Tensor, runs: list[KernelRun], settings: GroupHyperparams
     ) -> None:
-        """One fused kernel call over `runs` with one group's settings."""
+        """One call of torch's fused kernel over `runs` with one group's settings; `grad`: fp32,
+        the shard's, or (for scratch runs) a dict of each run's fp32 piece (_widened_runs)."""
         config = self.config
         # Per run, the tensors the kernel gets: master, grad, then each state tensor.
         tensors: list[list[torch.Tensor]] = [[] for _ in range(2 + len(self.state))]
         scratches = []
         for run in runs:
             piece = slice(run.shard_start, run.shard_start + run.numel)
-            sources = [master[piece], grad[piece], *(s[piece] for s in self.state)]
+            run_grad = grad[run.shard_start] if isinstance(grad, dict) else grad[piece]
+            sources = [master[piece], run_grad, *(s[piece] for s in self.state)]
             if run.context:
                 # A partial block: zero padding around it (elementwise kernels, so the
                 # padding only places the elements where the whole parameter has them).

@@ -36,7 +36,7 @@ from typing import Protocol
 import torch
 
 from ps_offload.daemon.errors import FailedPrecondition
-from ps_offload.daemon.store.push import PushRequest, PushResult, Shard, check_step_locked, multiplied
+from ps_offload.daemon.store.push import PushRequest, PushResult, Shard, check_step_locked
 from ps_offload.daemon.tiers.ram_only import RAM_SUMS
 from ps_offload.daemon.tiers.tier import SumStore
 
@@ -101,15 +101,13 @@ class GradientParts:
                 f"of that step{why}"
             )
 
-    def gradient_locked(self, push: PushRequest, borrow: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Under `lock` and the shard's write hold: the fp32 gradient an APPLY steps with, the
-        sum times grad_multiplier (into `borrow()`, as a GRADIENT push's gradient is).
-        The sum itself stays until the update is committed (drop_applied_locked). Raises
-        unless exactly push.parts parts of push.step are held."""
+    def gradient_locked(self, push: PushRequest) -> tuple[torch.Tensor, float | None]:
+        """Under `lock` and the shard's write hold: the fp32 sum an APPLY steps with, and its
+        grad_multiplier (applied in the step, as a GRADIENT push's is). The sum itself stays
+        until the update is committed (drop_applied_locked). Raises unless exactly push.parts
+        parts of push.step are held."""
         self.check_count_locked(push)
-        if push.grad_multiplier is None:
-            return self.values
-        return multiplied(self.values, push.grad_multiplier, borrow()[: self.values.numel()])
+        return self.values, push.grad_multiplier
 
     def drop_applied_locked(self, version: int) -> None:
         """Under `lock`, once an update to `version` is committed: frees an accumulator of a

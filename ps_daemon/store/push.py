@@ -35,7 +35,13 @@ from typing import Protocol
 import torch
 
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument
-from ps_offload.daemon.model.encodings import CompressedGradient, OneBitGradient, TopKGradient, check_size
+from ps_offload.daemon.model.encodings import (
+    CastGradient,
+    CompressedGradient,
+    OneBitGradient,
+    TopKGradient,
+    check_size,
+)
 from ps_offload.daemon.model.optimizer import AdamWConfig, GroupHyperparams, ShardOptimizer
 from ps_offload.daemon.model.spec import MAX_LR, MAX_WEIGHT_DECAY, check_number
 from ps_offload.proto.plan import ShardSlice
@@ -247,6 +253,17 @@ class PushRequest:
         if self.grad_multiplier is not None:
             data = multiplied(data, self.grad_multiplier, out)
         return data
+
+    def gradient(self, borrow: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float | None]:
+        """A GRADIENT's values as the optimizer's one-pass step takes them (after check_shard):
+        RAW fp32 and BF16 / FP16 halves as they came (widened in the step), other encodings
+        decompressed into `borrow()`; and the grad multiplier, applied in the step."""
+        data = self.data
+        if isinstance(data, torch.Tensor):
+            return data, self.grad_multiplier
+        if isinstance(data, CastGradient):
+            return data.values, self.grad_multiplier
+        return data.decompress(borrow()[: data.numel]), self.grad_multiplier
 
     @property
     def payload_bytes(self) -> int:

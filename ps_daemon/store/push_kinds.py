@@ -106,12 +106,16 @@ def restore_state(store: Store, shard: Shard, push: PushRequest, borrow: Borrow)
 
 def step_optimizer(store: Store, shard: Shard, push: PushRequest, borrow: Borrow) -> PushResult:
     """GRADIENT, MOMENTUM or APPLY: one optimizer step, then the parts of the step are spent."""
-    data = None if push.kind == "apply" else push.values(borrow)
+    data = None
+    if push.kind == "gradient":
+        data = push.gradient(borrow)
+    elif push.kind == "momentum":
+        data = push.values(borrow)
     # (.get: the model may have been dropped since; its shards then end NOT_FOUND below)
     store.prefetcher.pushed(shard, push.step, lambda: getattr(store._models.get(shard.model), "shards", {}))
 
     def write() -> None:
-        gradient = shard.parts.gradient_locked(push, borrow) if push.kind == "apply" else data
+        gradient = shard.parts.gradient_locked(push) if push.kind == "apply" else data
         elapsed = _optimizer_step(store, shard, push, gradient)
         commit(store.files, shard)
         shard.parts.drop_applied_locked(shard.version)  # committed: the parts are spent
@@ -149,16 +153,19 @@ def _write_held(store: Store, shard: Shard, push: PushRequest, write: Callable[[
         return PushResult(applied=True, version=shard.version)
 
 
-def _optimizer_step(store: Store, shard: Shard, push: PushRequest, data: torch.Tensor | OneBitGradient) -> float:
+def _optimizer_step(
+    store: Store, shard: Shard, push: PushRequest, data: torch.Tensor | OneBitGradient | tuple
+) -> float:
     """One optimizer step on a shard held for writing (its version advances); returns the
-    seconds it took."""
+    seconds it took. `data`: a MOMENTUM's values, or a gradient and its multiplier."""
     started = time.perf_counter()
     lr = shard.optimizer.config.lr if push.lr is None else push.lr
     try:
         if push.kind == "momentum":
             shard.optimizer.apply_momentum(shard.master, data, lr, push.variance_frozen_at)
         else:
-            shard.optimizer.apply(shard.master, data, lr, push.groups)
+            gradient, multiplier = data
+            shard.optimizer.apply(shard.master, gradient, lr, push.groups, multiplier=multiplier)
     except BaseException:
         roll_back(store.files, shard)  # validation should leave nothing to fail here; a kernel did
         raise

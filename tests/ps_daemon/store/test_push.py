@@ -59,8 +59,8 @@ def _failing_midway(monkeypatch, store: ShardStore) -> None:
     shard = store.shard("m", 0)
     real = shard.optimizer.apply
 
-    def apply(master, grad, lr, groups=()):
-        real(master, grad, lr, groups)  # the step and the state change, then the kernel fails
+    def apply(master, grad, lr, groups=(), *, multiplier=None):
+        real(master, grad, lr, groups, multiplier=multiplier)  # the step and the state change, then the kernel fails
         master.fill_(math.inf)
         raise RuntimeError("injected")
 
