@@ -26,6 +26,7 @@ arrives decompressed to fp32. Compressed GRADIENT pushes reach `apply` decompres
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +38,9 @@ from ps_offload.daemon.model import faults
 from ps_offload.daemon.model.encodings import KERNEL_LOCK, OneBitGradient
 from ps_offload.kernels import fused_step
 from ps_offload.kernels.fused_adamw import adam_frozen_variance_, onebit_adam_
-from ps_offload.proto.plan import KERNEL_ALIGN, KernelRun, Segment, kernel_runs
+from ps_offload.proto.plan import KernelRun, Segment, kernel_runs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,29 +84,17 @@ class GroupHyperparams:
     dampening: float = 0.0
 
 
-@dataclass(frozen=True)
-class _Runs:
-    """One kernel call's runs, split by who steps them: the whole KERNEL_ALIGN-blocks of the
-    in-place runs, all in torch's vectorized body (the one-pass kernel's tasks), and the rest
-    (torch's fused kernel): partial blocks in a scratch, and a parameter's last partial block,
-    which holds its scalar tail, in place."""
-
-    in_place: list[KernelRun]
-    tasks: tuple[np.ndarray, np.ndarray]  # kernels.fused_step.tasks of the whole blocks
-    rest: list[KernelRun]
-
-    @classmethod
-    def of(cls, runs: list[KernelRun]) -> _Runs:
-        in_place = [r for r in runs if not r.context]
-        rest = [r for r in runs if r.context]
-        spans = []
-        for run in in_place:  # it starts at a block of its parameter (ps_proto/plan.py, validate_kernel_runs)
-            whole = run.numel - run.numel % KERNEL_ALIGN
-            if whole:
-                spans.append((run.shard_start, run.shard_start + whole))
-            if whole < run.numel:  # the parameter's last block, partial: to torch, at its place
-                rest.append(KernelRun(run.shard_start + whole, run.numel - whole, 0, 0))
-        return cls(in_place, fused_step.tasks(spans), rest)
+def calibrate_one_pass() -> None:
+    """Compiles the one-pass kernel and calibrates it against this torch (kernels/fused_step.py:
+    about a second, once per process), saying which way the daemon will step."""
+    found = fused_step.calibration()
+    if found is None:
+        log.warning(
+            "the one-pass optimizer kernel does not compute as this torch build's fused AdamW and SGD: the daemon "
+            "steps with torch's kernels (bit for bit as before, with a pass more over each gradient)"
+        )
+    else:
+        log.info("one-pass optimizer kernel calibrated against torch %s: %s", torch.__version__, found)
 
 
 def _widened(grad: torch.Tensor, multiplier: float | None) -> torch.Tensor:
@@ -114,9 +105,14 @@ def _widened(grad: torch.Tensor, multiplier: float | None) -> torch.Tensor:
     return wide
 
 
-def _widened_runs(grad: torch.Tensor, runs: list[KernelRun], multiplier: float | None) -> dict[int, torch.Tensor]:
-    """Each run's piece of the gradient, widened and multiplied (small: partial blocks)."""
-    return {r.shard_start: _widened(grad[r.shard_start : r.shard_start + r.numel], multiplier) for r in runs}
+def _one_pass_tasks(segments: list[Segment], vector: int) -> np.ndarray:
+    """The one-pass kernel's tasks for `segments`: each piece with where its parameter's
+    scalar tail starts for torch's `vector`-wide body (kernels/fused_step.py)."""
+    pieces = []
+    for seg in segments:
+        tail = seg.param_numel - seg.param_numel % vector  # the parameter's first tail element
+        pieces.append((seg.shard_start, seg.shard_start + seg.numel, seg.shard_start + tail - seg.param_start))
+    return fused_step.tasks(pieces)
 
 
 def validate_optimizer(config: OptimizerConfig) -> None:
@@ -162,13 +158,14 @@ class ShardOptimizer:
         groups = [0] * len(segments) if groups is None else groups
         # Kernel runs by weight decay (registered settings) and by param group (a push's
         # settings): the fused kernels take one scalar of each per call.
-        by_decay: dict[float, list[KernelRun]] = defaultdict(list)
-        by_group: dict[int, list[KernelRun]] = defaultdict(list)
+        by_decay: dict[float, list[Segment]] = defaultdict(list)
+        by_group: dict[int, list[Segment]] = defaultdict(list)
         for segment, decay, group in zip(segments, weight_decays, groups, strict=True):
-            by_decay[decay].extend(kernel_runs(segment))
-            by_group[group].extend(kernel_runs(segment))
-        self._runs_by_decay = {d: _Runs.of(runs) for d, runs in by_decay.items()}
-        self._runs_by_group = {g: _Runs.of(runs) for g, runs in by_group.items()}
+            by_decay[decay].append(segment)
+            by_group[group].append(segment)
+        self._segments_by_decay = dict(by_decay)
+        self._segments_by_group = dict(by_group)
+        self._tasks: dict[tuple[str, float], np.ndarray] = {}  # the one-pass kernel's, by call (_call_tasks)
         # The same pieces in shard order, for the 1-bit Adam update: (start, end, decay).
         self._pieces = sorted(
             (s.shard_start, s.shard_start + s.numel, d) for s, d in zip(segments, weight_decays, strict=True)
@@ -226,37 +223,39 @@ class ShardOptimizer:
         not read."""
         self.step += 1
         if groups:
-            calls = [(runs, groups[group]) for group, runs in self._runs_by_group.items()]
+            calls = [(("group", g), segments, groups[g]) for g, segments in self._segments_by_group.items()]
         else:
-            calls = [(runs, self._registered(lr, decay)) for decay, runs in self._runs_by_decay.items()]
-        if not fused_step.matches_torch():  # torch's kernels on an fp32 gradient, one pass more
-            grad = _widened(grad, multiplier)
-            multiplier = None
-        for runs, settings in calls:
-            if not fused_step.matches_torch():
-                self._step_runs(master, grad, [*runs.in_place, *(r for r in runs.rest if r.context)], settings)
-                continue
-            if runs.tasks[0].size:
-                self._step_in_place(master, grad, runs, settings, multiplier)
-            if runs.rest:
-                self._step_runs(master, _widened_runs(grad, runs.rest, multiplier), runs.rest, settings)
+            calls = [
+                (("decay", d), segments, self._registered(lr, d)) for d, segments in self._segments_by_decay.items()
+            ]
+        calibration = fused_step.calibration()
+        if calibration is None:  # torch's kernels on an fp32 gradient, and a pass more
+            wide = _widened(grad, multiplier)
+            for _, segments, settings in calls:
+                self._step_runs(master, wide, [run for s in segments for run in kernel_runs(s)], settings)
+        else:
+            for key, segments, settings in calls:
+                tasks = self._tasks.get(key)
+                if tasks is None:
+                    tasks = self._tasks[key] = _one_pass_tasks(segments, calibration.vector)
+                self._step_in_one_pass(master, grad, tasks, settings, multiplier)
         faults.after_update(master, self.step)  # tests only: PS_OFFLOAD_FAULT_PERTURB_STEP
 
-    def _step_in_place(
-        self, master: torch.Tensor, grad: torch.Tensor, runs: _Runs, settings: GroupHyperparams, multiplier
+    def _step_in_one_pass(
+        self, master: torch.Tensor, grad: torch.Tensor, tasks: np.ndarray, settings: GroupHyperparams, multiplier
     ) -> None:
-        """The whole blocks torch steps in its vectorized body, in one pass (kernels/fused_step.py)."""
+        """One group's step over its pieces of the shard, in one pass (kernels/fused_step.py)."""
         config, step = self.config, int(self.step.item())
         if isinstance(config, AdamWConfig):
             m, v = self.state
             fused_step.adamw_(
-                runs.tasks, master, grad, m, v, step=step, lr=settings.lr, beta1=settings.beta1,
+                tasks, master, grad, m, v, step=step, lr=settings.lr, beta1=settings.beta1,
                 beta2=settings.beta2, eps=settings.eps, weight_decay=settings.weight_decay,
                 grad_multiplier=multiplier,
             )  # fmt: skip
         else:
             fused_step.sgd_(
-                runs.tasks, master, grad, self.state[0] if config.momentum else None, lr=settings.lr,
+                tasks, master, grad, self.state[0] if config.momentum else None, lr=settings.lr,
                 weight_decay=settings.weight_decay, momentum=settings.momentum, dampening=settings.dampening,
                 nesterov=config.nesterov, first_step=step == 1, grad_multiplier=multiplier,
             )  # fmt: skip
@@ -270,16 +269,16 @@ class ShardOptimizer:
     def _step_runs(
         self, master: torch.Tensor, grad: torch.Tensor, runs: list[KernelRun], settings: GroupHyperparams
     ) -> None:
-        """One call of torch's fused kernel over `runs` with one group's settings; `grad`: fp32,
-        the shard's, or (for scratch runs) a dict of each run's fp32 piece (_widened_runs)."""
+        """One call of torch's fused kernel over `runs` (ps_proto/plan.py `kernel_runs`) with one
+        group's settings and the shard's fp32 gradient: where the one-pass kernel does not
+        compute as this torch build does."""
         config = self.config
         # Per run, the tensors the kernel gets: master, grad, then each state tensor.
         tensors: list[list[torch.Tensor]] = [[] for _ in range(2 + len(self.state))]
         scratches = []
         for run in runs:
             piece = slice(run.shard_start, run.shard_start + run.numel)
-            run_grad = grad[run.shard_start] if isinstance(grad, dict) else grad[piece]
-            sources = [master[piece], run_grad, *(s[piece] for s in self.state)]
+            sources = [master[piece], grad[piece], *(s[piece] for s in self.state)]
             if run.context:
                 # A partial block: zero padding around it (elementwise kernels, so the
                 # padding only places the elements where the whole parameter has them).

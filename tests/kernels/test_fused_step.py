@@ -1,0 +1,118 @@
+"""The daemon's one-pass AdamW and SGD (kernels/fused_step.py) against torch's fused kernels, the
+oracle, bit for bit: whole parameters of odd sizes (so that their scalar tails are stepped),
+cut into shard pieces at any offset, every gradient dtype, with and without a grad multiplier,
+over several steps; and its non-finite check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ps_offload.kernels import fused_step
+
+SIZES = (1, 7, 8, 15, 63, 64, 65, 130, 1000, 4097, 2 * fused_step.TASK + 3)
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _values(n: int, scale: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(n, generator=g) - 0.5) * scale * 10.0 ** torch.randint(-4, 1, (n,), generator=g).float()
+
+
+def _cut_tasks(sizes, cuts, vector):
+    """The kernel's tasks for parameters of `sizes` laid end to end, cut at `cuts` (shard
+    boundaries in the flat space): each piece with its parameter's tail start."""
+    pieces, offset = [], 0
+    bounds = sorted(set(cuts))
+    for n in sizes:
+        tail = offset + n - n % vector
+        edges = [offset, *(c for c in bounds if offset < c < offset + n), offset + n]
+        pieces += [(a, b, tail) for a, b in zip(edges, edges[1:], strict=False)]
+        offset += n
+    return fused_step.tasks(pieces)
+
+
+def test_this_machines_torch_is_calibrated():
+    found = fused_step.calibration()
+    assert found is not None, "no form of the one-pass kernel computes as this torch build: the daemon runs torch's"
+    assert found.vector in fused_step.VECTORS
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("multiplier", [None, 0.625])
+@pytest.mark.parametrize(("beta1", "decay"), [(0.9, 0.1), (0.2, 0.0)])
+def test_adamw_equals_torchs_fused_adamw_at_any_cut(dtype, multiplier, beta1, decay):
+    calibration = fused_step.calibration()
+    total = sum(SIZES)
+    split = _cut_tasks(SIZES, [5, 100, 1111, 3000, total - 70], calibration.vector)
+    state = [_values(total, 4.0, 1), _values(total, 0.02, 2), _values(total, 1e-3, 3).abs()]
+    ours = [t.clone() for t in state]
+    for step in range(1, 4):
+        grad = _values(total, 0.5, 10 + step).to(dtype)
+        wide = grad.float() if multiplier is None else grad.float() * torch.tensor(multiplier, dtype=torch.float32)
+        torch._fused_adamw_(
+            *(list(torch.split(t, SIZES)) for t in (state[0], wide, state[1], state[2])), [],
+            [torch.tensor(float(step))] * len(SIZES), lr=3e-3 * step, beta1=beta1, beta2=0.999, weight_decay=decay,
+            eps=1e-8, amsgrad=False, maximize=False,
+        )  # fmt: skip
+        fused_step.adamw_(
+            split, ours[0], grad, ours[1], ours[2], step=step, lr=3e-3 * step, beta1=beta1, beta2=0.999, eps=1e-8,
+            weight_decay=decay, grad_multiplier=multiplier,
+        )  # fmt: skip
+        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, state, strict=True):
+            assert torch.equal(a, b), f"step {step} {name}: {int((a != b).sum())} elements differ"
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("multiplier", [None, 0.625])
+@pytest.mark.parametrize(
+    ("momentum", "dampening", "nesterov", "decay"),
+    [(0.0, 0.0, False, 0.01), (0.9, 0.0, False, 0.0), (0.9, 0.2, False, 0.01), (0.9, 0.0, True, 0.01)],
+)
+def test_sgd_equals_torchs_fused_sgd_at_any_cut(dtype, multiplier, momentum, dampening, nesterov, decay):
+    calibration = fused_step.calibration()
+    total = sum(SIZES)
+    split = _cut_tasks(SIZES, [64, 999, 4000, total - 1], calibration.vector)
+    state = [_values(total, 4.0, 4), torch.zeros(total)]
+    ours = [t.clone() for t in state]
+    for step in range(1, 4):
+        grad = _values(total, 0.5, 20 + step).to(dtype)
+        wide = grad.float() if multiplier is None else grad.float() * torch.tensor(multiplier, dtype=torch.float32)
+        torch._fused_sgd_(
+            list(torch.split(state[0], SIZES)), list(torch.split(wide, SIZES)),
+            list(torch.split(state[1], SIZES)) if momentum else [], weight_decay=decay, momentum=momentum,
+            lr=0.05 / step, dampening=dampening, nesterov=nesterov, maximize=False, is_first_step=step == 1,
+        )  # fmt: skip
+        fused_step.sgd_(
+            split, ours[0], grad, ours[1] if momentum else None, lr=0.05 / step, weight_decay=decay,
+            momentum=momentum, dampening=dampening, nesterov=nesterov, first_step=step == 1,
+            grad_multiplier=multiplier,
+        )  # fmt: skip
+        assert torch.equal(ours[0], state[0]), f"step {step}: {int((ours[0] != state[0]).sum())} params differ"
+        assert torch.equal(ours[1], state[1]), f"step {step}: the momentum buffers differ"
+
+
+def test_another_tail_form_would_differ():
+    """The calibration's tail form matters: another one gives other bits on the probe, so the
+    tests above could tell (a kernel that ignored the tail would fail them)."""
+    calibration = fused_step.calibration()
+    probe = fused_step._Probe()
+    others = [t for t in fused_step.ADAMW_TAILS if t != calibration.adamw_tail]
+    assert probe.adamw_matches(calibration.vector, calibration.adamw_tail)
+    assert others and not any(probe.adamw_matches(calibration.vector, t) for t in others)
+    other_width = [v for v in fused_step.VECTORS if v != calibration.vector]
+    assert not any(probe.adamw_matches(v, calibration.adamw_tail) for v in other_width)
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, 4096, 3 * fused_step.TASK - 1])
+def test_all_finite_finds_a_nan_or_an_infinity_anywhere(dtype, bad, where):
+    values = _values(3 * fused_step.TASK, 1.0, 5).to(dtype)
+    values[7] = torch.finfo(dtype).tiny / 4  # a subnormal is finite
+    values[8] = torch.finfo(dtype).max
+    assert fused_step.all_finite(values)
+    values[where] = bad
+    assert not fused_step.all_finite(values)
