@@ -20,10 +20,10 @@ from bench import (
     compress_cpu,
     compress_gpu,
     compression_convergence,
+    daemon_update,
     deepspeed_ops,
     fused_decompress_adamw,
     gpu_step_vs_torchao,
-    nonfinite_check,
     nvme_io,
     nvme_train_step,
     optimizer_step,
@@ -329,15 +329,26 @@ def _zero_infinity_profile(r: dict) -> str:
 
 
 def _nonfinite_check(r: dict) -> str:
-    ms = r["ms"]
     return (
-        f"Per 64 MiB shard, ms: fused AdamW {ms['adamw']} alone, {ms['adamw_checked']} with the check before it; "
-        f"fused SGD {ms['sgd']} alone, {ms['sgd_checked']} with it ({r['ratio_sgd']}×); the check of a BF16 payload "
-        f"{ms['check_bf16_payload']}. What bounds it: the check is a pass of its own over the payload (4 bytes per "
-        "element, beside AdamW's 16 read and 12 written); under 2% it would have to run inside the optimizer's "
-        "kernel, and the daemon runs torch's own fused kernel to stay bit for bit with torch.optim. The check is "
-        "on by default all the same (a NaN would poison a shared model for every trainer, silently); "
-        "`store.allow_nonfinite_pushes = true` turns it off."
+        "What bounds it: the check reads the payload as it came, on every core, before the step may change "
+        "anything (2 bytes an element for bf16 beside the one-pass step's 26: kernels/fused_step.py), so a refused "
+        "push changes nothing; inside the step's own pass it would be free, but a NaN found there would leave the "
+        "shard half updated, with nothing to restore it from on a RAM-only daemon. On by default all the same (a "
+        "NaN would poison a shared model for every trainer, silently); `store.allow_nonfinite_pushes = true` turns "
+        "it off."
+    )
+
+
+def _daemon_update(r: dict) -> str:
+    cases = r["cases"]
+    text = "; ".join(
+        f"{name}: ours {c['ours_ms']} ms, torch {c['peer_ms']} ms ({c['ratio']}×)" for name, c in cases.items()
+    )
+    return (
+        f"Per step ({r['params'] / 1e6:.1f}M parameters): {text}. The daemon's step itself is one pass "
+        "(kernels/fused_step.py: the gradient read as it came, master, m and v read and written once, bit for bit "
+        "as torch's fused kernels); what bounds the rest is the pull, a second pass that reads the master again to "
+        "round it to the model's dtype, and the non-finite check's read of the gradient."
     )
 
 
@@ -428,6 +439,7 @@ DETAILS: dict[str, Callable[[dict], str]] = {
     "compress_gpu": _compress_gpu,
     "gpu_step_vs_torchao": _gpu_step,
     "nonfinite_check": _nonfinite_check,
+    "daemon_update": _daemon_update,
     "nvme_engines_write": _nvme_engines,
     "nvme_engines_read": _nvme_engines,
     "optimizer_step": _optimizer_step,
@@ -497,7 +509,7 @@ def main() -> None:
     # Compiles DeepSpeed's ops on the first run (minutes), so no benchmark pays for it.
     _timed("deepspeed_ops", deepspeed_ops.main, seconds)
     _timed("optimizer_step", optimizer_step.main, seconds)
-    _timed("nonfinite_check", nonfinite_check.main, seconds)
+    _timed("daemon_update", daemon_update.main, seconds)
     _timed("transport", transport.main, seconds)
     _timed("transport_local", transport_local.main, seconds)
     _timed("train_step_overhead", train_step_overhead.main, seconds)

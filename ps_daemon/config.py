@@ -137,7 +137,7 @@ class StoreConfig:
     TOPK value, a ONEBIT block scale), as torch would in process. Off: it is refused with
     INVALID_ARGUMENT naming the shard and the first such value, and nothing changes: on a
     shared daemon one trainer's NaN would otherwise poison the shard's state for good.
-    Checking costs one read of the payload per push (docs/benchmarks.md, nonfinite_check)."""
+    Checking costs one read of the payload per push, as it came (docs/benchmarks.md, nonfinite_check)."""
     max_models: int = 256
     """Models registered at once; one more is refused with RESOURCE_EXHAUSTED."""
     max_shards_per_model: int = 1 << 18
