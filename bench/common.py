@@ -101,7 +101,7 @@ def record(
     """Writes bench/results/NAME.json and prints one line. `ratio` defaults to ours/peer.
     `scaled_down`: a run smaller than the benchmark's own size (a check that it runs): its
     file goes to bench/results/quick/, as under PS_BENCH_QUICK=1, never over the real one."""
-    ratio = ours / peer if ratio is None else ratio
+    ratio = round(ours / peer if ratio is None else ratio, 3)  # the verdict is on the ratio as recorded
     quick_run = QUICK or scaled_down
     met = ratio >= target if higher_is_better else ratio <= target
     result = {

@@ -30,6 +30,7 @@ import numba
 import torch
 
 from bench.common import interleaved, quick, record, spread
+from ps_offload.daemon.dataplane.local_server import RoundInto
 from ps_offload.daemon.model.optimizer import AdamWConfig, SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc import data_path
@@ -50,7 +51,9 @@ class Daemon:
     """A RAM-only ShardStore holding the model, and each shard's gradient payload where a
     local push would leave it (in the trainer's window: here, this process's memory)."""
 
-    def __init__(self, config, grads: torch.Tensor, init: torch.Tensor, dtype: torch.dtype, *, check: bool) -> None:
+    def __init__(
+        self, config, grads: torch.Tensor, init: torch.Tensor, dtype: torch.dtype, *, check: bool, fused_pull: bool
+    ) -> None:
         self.store = ShardStore(ram_bytes=64 << 30, default_shard_bytes=SHARD_BYTES, allow_nonfinite_pushes=not check)
         spec = ModelSpec("bench", tuple(ParamSpec(f"p{i}", s) for i, s in enumerate(SHAPES)), config, SHARD_BYTES,
                          ("local",))  # fmt: skip
@@ -64,6 +67,7 @@ class Daemon:
         self.payloads = [grads[s.offset : s.end].to(dtype).clone() for s in self.plan]
         self.pulled = [torch.empty(s.numel, dtype=dtype) for s in self.plan]
         self.step = 0
+        self.fused_pull = fused_pull  # the push carries its pull (the local transport's pull_into)
 
     def update(self) -> None:
         for shard, payload, out in zip(self.plan, self.payloads, self.pulled, strict=True):
@@ -73,10 +77,16 @@ class Daemon:
                 encoding=ENCODING[self.dtype], dtype=ps_pb2.FLOAT32, nbytes=raw.numel(),
             )  # fmt: skip
             words = raw.view(torch.float32) if raw.numel() % 4 == 0 else None
-            data_path.receive_push(self.store, header, self.staging, _never, in_place=lambda n, w=words: w)
-            pull = PullRequest("bench", shard.shard_id, min_version=self.step + 1, dtype=WIRE[self.dtype])
-            with data_path.serve_pull(self.store, pull, timeout=5.0, scratch=self.staging.borrow) as (_, data):
-                out.view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))
+            answer = data_path.receive_push(
+                self.store, header, self.staging, _never, in_place=lambda n, w=words: w,
+                pull_into=out if self.fused_pull else None,
+            )  # fmt: skip
+            if not answer.pulled:  # the pull, rounded into its place as the local transport does
+                pull = PullRequest("bench", shard.shard_id, min_version=self.step + 1, dtype=WIRE[self.dtype])
+                into = RoundInto(out.view(torch.uint8), self.staging)
+                with data_path.serve_pull(self.store, pull, timeout=5.0, scratch=into) as (_, data):
+                    if not into.holds(data):
+                        out.view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))
         self.step += 1
 
 
@@ -97,9 +107,9 @@ def _peer(optimizer: str, init: torch.Tensor, grads: torch.Tensor):
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=1e-4, fused=True)
 
 
-def _case(optimizer: str, dtype: torch.dtype, init: torch.Tensor, grads: torch.Tensor) -> dict:
+def _case(optimizer: str, dtype: torch.dtype, init: torch.Tensor, grads: torch.Tensor, *, fused_pull: bool) -> dict:
     config = AdamWConfig(lr=1e-4, weight_decay=0.1) if optimizer == "adamw" else SGDConfig(lr=1e-3, momentum=0.9)
-    daemon = Daemon(config, grads, init, dtype, check=True)
+    daemon = Daemon(config, grads, init, dtype, check=True, fused_pull=fused_pull)
     peer = _peer(optimizer, init, grads)
     ours, theirs = interleaved(daemon.update, peer.step, reps=REPS)
     ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
@@ -115,9 +125,10 @@ def main() -> list[dict]:
     numel = sum(s[0] for s in SHAPES)
     init, grads = torch.randn(numel), torch.randn(numel) * 1e-3
     cases = {
-        "bf16": _case("adamw", torch.bfloat16, init, grads),
-        "fp32": _case("adamw", torch.float32, init, grads),
-        "sgd": _case("sgd", torch.bfloat16, init, grads),
+        "bf16": _case("adamw", torch.bfloat16, init, grads, fused_pull=True),
+        "bf16_pull_apart": _case("adamw", torch.bfloat16, init, grads, fused_pull=False),
+        "fp32": _case("adamw", torch.float32, init, grads, fused_pull=True),
+        "sgd": _case("sgd", torch.bfloat16, init, grads, fused_pull=True),
     }
     main_case = cases["bf16"]
     notes = (
@@ -150,8 +161,8 @@ def main() -> list[dict]:
 
 def _nonfinite(init: torch.Tensor, grads: torch.Tensor, numel: int, threads: int) -> dict:
     config = AdamWConfig(lr=1e-4, weight_decay=0.1)
-    checked = Daemon(config, grads, init, torch.bfloat16, check=True)
-    unchecked = Daemon(config, grads, init, torch.bfloat16, check=False)
+    checked = Daemon(config, grads, init, torch.bfloat16, check=True, fused_pull=True)
+    unchecked = Daemon(config, grads, init, torch.bfloat16, check=False, fused_pull=True)
     with_check, without = interleaved(checked.update, unchecked.update, reps=REPS)
     ratios = [a / b for a, b in zip(with_check, without, strict=True)]
     return record(

@@ -63,6 +63,12 @@ GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _JIT = dict(error_model="numpy", nogil=True, cache=True)
 _bf16_to_f32 = numba.njit(inline="always")(rounding.bf16_to_f32)
 _f16_to_f32 = numba.njit(inline="always")(rounding.f16_to_f32)
+_f32_to_bf16 = numba.njit(inline="always")(rounding.f32_to_bf16)
+_f32_to_f16 = numba.njit(inline="always")(rounding.f32_to_f16)
+OUT_KINDS = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+"""Where the new parameters go as well, in which dtype (the pull a push carries with it): none,
+fp32, or rounded to bf16 / fp16 as `Tensor.to` rounds."""
+_NO_OUT = np.zeros(1, dtype=np.float32)
 # Concurrent parallel launches abort under Numba's fallback threading layer (workqueue); each
 # call already uses every core the daemon gives its optimizer.
 LOCK = threading.Lock()
@@ -89,6 +95,17 @@ def _widen(g, i, kind):
 
 
 @numba.njit(inline="always", **_JIT)
+def _emit(out, i, x, out_kind):
+    """out[i] = x in the out's dtype (OUT_KINDS), rounded to nearest even."""
+    if out_kind == 1:
+        out[i] = x
+    elif out_kind == 2:
+        out[i] = np.uint16(_f32_to_bf16(np.int64(np.float32(x).view(np.uint32))))
+    elif out_kind == 3:
+        out[i] = np.uint16(_f32_to_f16(np.int64(np.float32(x).view(np.uint32))))
+
+
+@numba.njit(inline="always", **_JIT)
 def _adamw_element(pi, gi, mi, vi, tail, tail_v, wd_factor, lerp, lerp_small, b2, c2, bc2_sqrt, eps, neg_step):
     """One element's AdamW step, as torch's vectorized body (tail False) or its scalar tail
     computes it; returns (p, m, v)."""
@@ -107,34 +124,41 @@ def _adamw_element(pi, gi, mi, vi, tail, tail_v, wd_factor, lerp, lerp_small, b2
 
 
 @numba.njit(inline="always", **_JIT)
-def _adamw_body(p, g, m, v, kind, mult, scaled, wd_factor, lerp, lerp_small, b2, c2, bc2_sqrt, eps, neg_step):
+def _adamw_body(p, g, m, v, out, kind, mult, scaled, out_kind, wd_factor, lerp, lerp_small, b2, c2, bc2_sqrt, eps,
+                neg_step):  # fmt: skip
     for i in range(p.shape[0]):
         gi = _widen(g, i, kind)
         if scaled:
             gi = gi * mult
-        p[i], m[i], v[i] = _adamw_element(
+        pi, m[i], v[i] = _adamw_element(
             p[i], gi, m[i], v[i], False, 0, wd_factor, lerp, lerp_small, b2, c2, bc2_sqrt, eps, neg_step
         )
+        p[i] = pi
+        _emit(out, i, pi, out_kind)
 
 
 @numba.njit(parallel=True, **_JIT)
-def _adamw(tasks, p, g, m, v, kind, mult, scaled, tail_v, wd_factor, lerp, lerp_small, b2, c2, bc2_sqrt, eps, neg_step):
+def _adamw(tasks, p, g, m, v, out, kind, mult, scaled, tail_v, out_kind, wd_factor, lerp, lerp_small, b2, c2,
+           bc2_sqrt, eps, neg_step):  # fmt: skip
     for t in prange(tasks.shape[0]):
         s, e, tail_from = tasks[t, 0], tasks[t, 1], tasks[t, 2]
         body_end = min(e, max(s, tail_from))
-        # Task-local views (indices provably in range); the branches on `kind` and `scaled`
-        # are the same for every element, so LLVM unswitches them and vectorizes the loop.
+        o = out[s:e] if out_kind else out  # (no out: a one-element stand-in, never written)
+        # Task-local views (indices provably in range); the branches on `kind`, `scaled` and
+        # `out_kind` are the same for every element, so LLVM unswitches them and vectorizes.
         _adamw_body(
-            p[s:body_end], g[s:body_end], m[s:body_end], v[s:body_end], kind, mult, scaled, wd_factor, lerp,
-            lerp_small, b2, c2, bc2_sqrt, eps, neg_step,
+            p[s:body_end], g[s:body_end], m[s:body_end], v[s:body_end], o, kind, mult, scaled, out_kind, wd_factor,
+            lerp, lerp_small, b2, c2, bc2_sqrt, eps, neg_step,
         )  # fmt: skip
         for i in range(body_end, e):  # a parameter's last elements: torch's scalar tail
             gi = _widen(g, i, kind)
             if scaled:
                 gi = gi * mult
-            p[i], m[i], v[i] = _adamw_element(
+            pi, m[i], v[i] = _adamw_element(
                 p[i], gi, m[i], v[i], True, tail_v, wd_factor, lerp, lerp_small, b2, c2, bc2_sqrt, eps, neg_step
             )
+            p[i] = pi
+            _emit(o, i - s, pi, out_kind)
 
 
 @numba.njit(inline="always", **_JIT)
@@ -162,32 +186,38 @@ def _sgd_element(pi, gi, bi, tail, variant, wd, decay, momentum, damp, first, ne
 
 
 @numba.njit(inline="always", **_JIT)
-def _sgd_body(p, g, buf, kind, mult, scaled, wd, decay, momentum, damp, first, nesterov, neg_lr):
+def _sgd_body(p, g, buf, out, kind, mult, scaled, out_kind, wd, decay, momentum, damp, first, nesterov, neg_lr):
     for i in range(p.shape[0]):
         gi = _widen(g, i, kind)
         if scaled:
             gi = gi * mult
-        p[i], bi = _sgd_element(p[i], gi, buf[i], False, (1, 2, 1, 1), wd, decay, momentum, damp, first, nesterov,
-                                neg_lr)  # fmt: skip
+        pi, bi = _sgd_element(p[i], gi, buf[i], False, (1, 2, 1, 1), wd, decay, momentum, damp, first, nesterov,
+                              neg_lr)  # fmt: skip
+        p[i] = pi
         if momentum != 0:  # (without momentum `buf` is `p` itself: not written)
             buf[i] = bi
+        _emit(out, i, pi, out_kind)
 
 
 @numba.njit(parallel=True, **_JIT)
-def _sgd(tasks, p, g, buf, kind, mult, scaled, variant, wd, decay, momentum, damp, first, nesterov, neg_lr):
+def _sgd(tasks, p, g, buf, out, kind, mult, scaled, variant, out_kind, wd, decay, momentum, damp, first, nesterov,
+         neg_lr):  # fmt: skip
     for t in prange(tasks.shape[0]):
         s, e, tail_from = tasks[t, 0], tasks[t, 1], tasks[t, 2]
         body_end = min(e, max(s, tail_from))
-        _sgd_body(p[s:body_end], g[s:body_end], buf[s:body_end], kind, mult, scaled, wd, decay, momentum, damp,
-                  first, nesterov, neg_lr)  # fmt: skip
+        o = out[s:e] if out_kind else out
+        _sgd_body(p[s:body_end], g[s:body_end], buf[s:body_end], o, kind, mult, scaled, out_kind, wd, decay,
+                  momentum, damp, first, nesterov, neg_lr)  # fmt: skip
         for i in range(body_end, e):
             gi = _widen(g, i, kind)
             if scaled:
                 gi = gi * mult
-            p[i], bi = _sgd_element(p[i], gi, buf[i], True, variant, wd, decay, momentum, damp, first, nesterov,
-                                    neg_lr)  # fmt: skip
+            pi, bi = _sgd_element(p[i], gi, buf[i], True, variant, wd, decay, momentum, damp, first, nesterov,
+                                  neg_lr)  # fmt: skip
+            p[i] = pi
             if momentum != 0:
                 buf[i] = bi
+            _emit(o, i - s, pi, out_kind)
 
 
 @numba.njit(inline="always", **_JIT)
@@ -237,6 +267,10 @@ def _tail(given, field: str):
     return getattr(found, field)
 
 
+def _out(out: torch.Tensor | None) -> np.ndarray:
+    return _NO_OUT if out is None else _np(out)
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.uint16) if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
 
@@ -260,11 +294,13 @@ def adamw_(
     weight_decay: float,
     grad_multiplier: float | None = None,
     tail: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step, as torch._fused_adamw_ with `step` (the count after this update), over
     the tasks `split` (`tasks`) of the flat fp32 `param`, `exp_avg`, `exp_avg_sq` and the flat
     `grad` (fp32, bf16 or fp16) times `grad_multiplier`. `tail`: the tail's form (Calibration;
-    default this machine's)."""
+    default this machine's). `out`: a flat tensor as long as `param` (fp32, bf16 or fp16) that
+    gets the new values too, as `param.to(out.dtype)` would be, in the same pass."""
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     weight = _f32(1 - beta1)
@@ -272,8 +308,9 @@ def adamw_(
     lerp = weight if small else np.float32(weight - np.float32(1))  # torch: lerp_weight - Vec(1), in fp32
     with LOCK:
         _adamw(
-            split, _np(param), _np(grad), _np(exp_avg), _np(exp_avg_sq), GRAD_KINDS[grad.dtype],
-            _f32(grad_multiplier or 1.0), grad_multiplier is not None, _tail(tail, 'adamw_tail'),
+            split, _np(param), _np(grad), _np(exp_avg), _np(exp_avg_sq), _out(out), GRAD_KINDS[grad.dtype],
+            _f32(grad_multiplier or 1.0), grad_multiplier is not None, _tail(tail, "adamw_tail"),
+            OUT_KINDS[None if out is None else out.dtype],
             _f32(1 - lr * weight_decay), lerp, small, _f32(beta2), _f32(1 - beta2),
             _f32(math.sqrt(bias_correction2)), _f32(eps), _f32(-(lr / bias_correction1)),
         )  # fmt: skip
@@ -293,16 +330,18 @@ def sgd_(
     first_step: bool,
     grad_multiplier: float | None = None,
     tail: tuple[int, int, int, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> None:
     """One SGD step, as torch._fused_sgd_ (`first_step`: its is_first_step), over the tasks
     `split` of the flat fp32 `param` and `momentum_buffer` (None without momentum) and the flat
-    `grad` (fp32, bf16 or fp16) times `grad_multiplier`. `tail`: as adamw_'s."""
+    `grad` (fp32, bf16 or fp16) times `grad_multiplier`. `tail`, `out`: as adamw_'s."""
     buf = _np(momentum_buffer) if momentum_buffer is not None else _np(param)  # never written without momentum
     with LOCK:
         _sgd(
-            split, _np(param), _np(grad), buf, GRAD_KINDS[grad.dtype], _f32(grad_multiplier or 1.0),
-            grad_multiplier is not None, _tail(tail, 'sgd_tail'), _f32(weight_decay), weight_decay != 0.0,
-            _f32(momentum), _f32(1 - dampening), first_step, nesterov, _f32(-lr),
+            split, _np(param), _np(grad), buf, _out(out), GRAD_KINDS[grad.dtype], _f32(grad_multiplier or 1.0),
+            grad_multiplier is not None, _tail(tail, "sgd_tail"), OUT_KINDS[None if out is None else out.dtype],
+            _f32(weight_decay), weight_decay != 0.0, _f32(momentum), _f32(1 - dampening), first_step, nesterov,
+            _f32(-lr),
         )  # fmt: skip
 
 

@@ -281,12 +281,14 @@ class PushChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("applied", "version")
+    __slots__ = ("applied", "version", "pulled")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
     applied: bool
     version: int
-    def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+    pulled: bool
+    def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ..., pulled: _Optional[bool] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("model", "shard_ids")
@@ -634,20 +636,24 @@ class VerifyResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[VerifyPlan, _Mapping]] = ..., shard: _Optional[_Union[ShardVerdict, _Mapping]] = ...) -> None: ...
 
 class DataRequest(_message.Message):
-    __slots__ = ("pull", "push", "attach", "timeout_ms", "authorization", "local")
+    __slots__ = ("pull", "push", "attach", "timeout_ms", "authorization", "local", "pull_into", "pull_dtype")
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     ATTACH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
+    PULL_INTO_FIELD_NUMBER: _ClassVar[int]
+    PULL_DTYPE_FIELD_NUMBER: _ClassVar[int]
     pull: PullRequest
     push: PushHeader
     attach: LocalAttach
     timeout_ms: int
     authorization: str
     local: LocalRef
-    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., attach: _Optional[_Union[LocalAttach, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., authorization: _Optional[str] = ..., local: _Optional[_Union[LocalRef, _Mapping]] = ...) -> None: ...
+    pull_into: LocalRef
+    pull_dtype: DType
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., attach: _Optional[_Union[LocalAttach, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., authorization: _Optional[str] = ..., local: _Optional[_Union[LocalRef, _Mapping]] = ..., pull_into: _Optional[_Union[LocalRef, _Mapping]] = ..., pull_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class LocalAttach(_message.Message):
     __slots__ = ("client", "window")
@@ -668,15 +674,17 @@ class LocalRef(_message.Message):
     def __init__(self, window: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class DataResponse(_message.Message):
-    __slots__ = ("code", "message", "shard", "push", "send_payload")
+    __slots__ = ("code", "message", "shard", "push", "send_payload", "closing")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     SEND_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CLOSING_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     shard: ShardHeader
     push: PushResponse
     send_payload: bool
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., shard: _Optional[_Union[ShardHeader, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., send_payload: _Optional[bool] = ...) -> None: ...
+    closing: bool
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., shard: _Optional[_Union[ShardHeader, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., send_payload: _Optional[bool] = ..., closing: _Optional[bool] = ...) -> None: ...

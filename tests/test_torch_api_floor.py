@@ -38,9 +38,9 @@ TORCH_2_11 = {
     "torch": """
         Event Generator Size Stream Tensor __version__ _foreach_norm _fused_adamw_ _fused_sgd_
         aminmax arange autocast bfloat16 bool cat clamp device dtype empty empty_like enable_grad equal finfo
-        float16 float32 float64 from_file frombuffer full full_like get_num_threads histc int32 int64
+        float16 float32 float64 from_file frombuffer full full_like get_num_threads histc int16 int32 int64
         is_grad_enabled isfinite isnan long manual_seed mul multinomial nextafter no_grad ones rand
-        randint randn set_num_threads softmax sort stack tensor uint16 uint8 where zeros
+        randint randn set_num_threads softmax sort split stack tensor uint16 uint8 where zeros
         zeros_like
     """,
     "torch._C": "_will_engine_execute_node",
@@ -64,7 +64,11 @@ TORCH_2_11 = {
     "torch.distributed.device_mesh": "init_device_mesh",
     "torch.distributed.pipelining": "PipelineStage Schedule1F1B ScheduleGPipe",
     "torch.linalg": "vector_norm",
-    "torch.nn": "Embedding GELU LayerNorm Linear Module ModuleList Parameter ReLU Sequential",
+    "torch.nn": """
+        Embedding GELU LayerNorm Linear Module ModuleList Parameter ReLU Sequential TransformerEncoder
+        TransformerEncoderLayer
+    """,
+    "torch.nn.Transformer": "generate_square_subsequent_mask",
     "torch.nn.functional": "cross_entropy linear scaled_dot_product_attention",
     "torch.nn.init": "normal_ zeros_",
     "torch.nn.utils": "clip_grad_norm_ get_total_norm",

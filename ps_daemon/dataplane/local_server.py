@@ -19,6 +19,10 @@ them: the bytes are in memory both ends map (ps_offload.proto.shared_memory).
 * A pull names where its bytes go. The daemon writes them there under the shard's read hold
   (one version); a bf16 or fp16 pull is rounded straight into that place, one pass over the
   bytes. The client reads them once the ShardHeader is back.
+* A GRADIENT or APPLY push may name where the shard's new version goes (DataRequest.pull_into,
+  in a pull's dtype): the optimizer's pass writes it there as it steps (no second pass reading
+  the master back), and the answer says so (PushResponse.pulled); the trainer then has no pull
+  to make. A push applied before answers pulled = false, and the trainer pulls as usual.
 
 Why reading and writing the client's memory in place is safe: a connection carries one
 request at a time, and a client whose request failed midway (its deadline passed, the
@@ -60,6 +64,7 @@ from ps_offload.daemon.rpc import conversions, data_path
 from ps_offload.daemon.rpc.server_security import TokenCheck
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.rpc.status import RateLimitedLog, from_status, status_of
+from ps_offload.daemon.store.pull_rounding import PULL_DTYPES
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import FrameError, send_message, split_frame
@@ -303,7 +308,7 @@ class LocalServer:
         timeout = min(request.timeout_ms / 1000, self.max_pull_wait) if request.timeout_ms else self.max_pull_wait
         room = request.local.nbytes if request.local.window else session.slot.size - request.local.offset
         target = self._place(session, request, room, f"pull of shard {pull.shard_id}")
-        into = _RoundInto(target, self.staging)
+        into = RoundInto(target, self.staging)
         with data_path.serve_pull(self.store, pull, timeout=timeout, scratch=into) as (header, raw):
             if len(raw) > len(target):
                 raise InvalidArgument(
@@ -343,7 +348,33 @@ class LocalServer:
             if len(view):
                 torch.frombuffer(view, dtype=torch.uint8).copy_(place)
 
-        return data_path.receive_push(self.store, header, self.staging, read_into, in_place=in_place)
+        pull_into = self._pull_target(session, request) if request.HasField("pull_into") else None
+        if pull_into is not None and _overlap(pull_into, place):
+            raise InvalidArgument(f"{what}: its pull_into overlaps its payload; name another place")
+        return data_path.receive_push(
+            self.store, header, self.staging, read_into, in_place=in_place, pull_into=pull_into
+        )
+
+    def _pull_target(self, session: _Session, request: ps_pb2.DataRequest) -> torch.Tensor:
+        """Where a push asks its shard's new version to go (DataRequest.pull_into), checked
+        before anything is read: a place in an attached window, exactly the shard's numel in a
+        pull's dtype, aligned for it."""
+        header, ref = request.push, request.pull_into
+        what = f"push to shard {header.shard_id}: its pull_into"
+        if header.kind not in (ps_pb2.GRADIENT, ps_pb2.APPLY):
+            raise InvalidArgument(f"{what} is for GRADIENT and APPLY pushes, not {ps_pb2.PushKind.Name(header.kind)}")
+        dtype = conversions.DTYPE_NAMES.get(request.pull_dtype)
+        if dtype is None:
+            raise InvalidArgument(f"{what} names no pull dtype (pull_dtype FLOAT32, BFLOAT16 or FLOAT16)")
+        torch_dtype = PULL_DTYPES[dtype]
+        numel = self.store.shard(header.model, header.shard_id).slice.numel
+        if not ref.window or ref.nbytes != numel * torch_dtype.itemsize or ref.offset % torch_dtype.itemsize:
+            raise InvalidArgument(
+                f"{what} must be {numel * torch_dtype.itemsize} bytes ({numel} {dtype}) at an offset aligned for "
+                f"{dtype} in an attached window; it names {ref.nbytes} bytes at offset {ref.offset} of window "
+                f"{ref.window}"
+            )
+        return self.pool.view(session.client, ref.window, ref.offset, ref.nbytes, what).view(torch_dtype)
 
 
 class _Session:
@@ -393,7 +424,7 @@ class _Session:
         self.client = first.attach.client or f"connection-{uuid.uuid4().hex}"
 
 
-class _RoundInto:
+class RoundInto:
     """A pull's scratch (ShardStore.pull's `scratch`) that hands out the pull's own target
     once, where it is word-aligned and large enough, so a narrow pull is rounded straight
     into it; any other request borrows from the staging pool."""
@@ -415,6 +446,11 @@ class _RoundInto:
     def holds(self, raw: memoryview) -> bool:
         """Whether `raw` is the target's own first bytes (rounded into it)."""
         return self.given and torch.frombuffer(raw, dtype=torch.uint8).data_ptr() == self.target.data_ptr()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return a_start < b_start + b.numel() * b.element_size() and b_start < a_start + a.numel() * a.element_size()
 
 
 def _close_fds(fds: list[int]) -> None:

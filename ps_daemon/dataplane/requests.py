@@ -123,11 +123,12 @@ class RequestServer:
             return answered
         except PsError as exc:
             code = status_of(exc)
+            closing = isinstance(exc, StreamOutOfStep)
             try:
-                send_message(conn.sock, ps_pb2.DataResponse(code=code.value[0], message=str(exc)))
+                send_message(conn.sock, ps_pb2.DataResponse(code=code.value[0], message=str(exc), closing=closing))
             except OSError:
                 return Outcome.CLOSE
-            if isinstance(exc, StreamOutOfStep):
+            if closing:
                 _drop_unread(conn.sock, exc.unread)
                 return Outcome.CLOSE
             return Outcome.KEEP

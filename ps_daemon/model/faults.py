@@ -30,10 +30,11 @@ def _parse(setting: str | None) -> int | None:
 _step = _parse(os.environ.get(ENV))
 
 
-def after_update(master: torch.Tensor, step: torch.Tensor) -> None:
+def after_update(master: torch.Tensor, step: torch.Tensor) -> bool:
     """Called once an update has been applied to `master`; `step` is the optimizer's count
-    after it (the shard's new version)."""
+    after it (the shard's new version). Whether it moved a value."""
     if _step is None or int(step.item()) != _step + 1:
-        return
+        return False
     first = master[:1]
     first.copy_(torch.nextafter(first, torch.full_like(first, math.inf)))  # the next float32 up
+    return True

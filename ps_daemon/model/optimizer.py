@@ -214,13 +214,15 @@ class ShardOptimizer:
         groups: Sequence[GroupHyperparams] = (),
         *,
         multiplier: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> None:
         """One optimizer step: master -= update(grad * multiplier). `grad` has the shard's
         numel, in fp32, bf16 or fp16 (widened exactly in the step); `multiplier` (an fp32
         product, as torch.mul by an fp32 scalar) None for 1. `groups` empty: the registered
         settings with `lr` and each parameter's weight decay; else `groups[g]` for the
         parameters of group g (all `group_count` of them, checked by the push) and `lr` is
-        not read."""
+        not read. `out` (fp32, bf16 or fp16, the shard's numel): the new values as
+        `master.to(out.dtype)`, written in the same pass."""
         self.step += 1
         if groups:
             calls = [(("group", g), segments, groups[g]) for g, segments in self._segments_by_group.items()]
@@ -233,16 +235,25 @@ class ShardOptimizer:
             wide = _widened(grad, multiplier)
             for _, segments, settings in calls:
                 self._step_runs(master, wide, [run for s in segments for run in kernel_runs(s)], settings)
+            if out is not None:
+                out.copy_(master)  # rounds as Tensor.to
         else:
             for key, segments, settings in calls:
                 tasks = self._tasks.get(key)
                 if tasks is None:
                     tasks = self._tasks[key] = _one_pass_tasks(segments, calibration.vector)
-                self._step_in_one_pass(master, grad, tasks, settings, multiplier)
-        faults.after_update(master, self.step)  # tests only: PS_OFFLOAD_FAULT_PERTURB_STEP
+                self._step_in_one_pass(master, grad, tasks, settings, multiplier, out)
+        if faults.after_update(master, self.step) and out is not None:  # tests only: PS_OFFLOAD_FAULT_PERTURB_STEP
+            out.copy_(master)  # the pull the push carries sees the fault, as any pull would
 
     def _step_in_one_pass(
-        self, master: torch.Tensor, grad: torch.Tensor, tasks: np.ndarray, settings: GroupHyperparams, multiplier
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        tasks: np.ndarray,
+        settings: GroupHyperparams,
+        multiplier: float | None,
+        out: torch.Tensor | None,
     ) -> None:
         """One group's step over its pieces of the shard, in one pass (kernels/fused_step.py)."""
         config, step = self.config, int(self.step.item())
@@ -251,13 +262,13 @@ class ShardOptimizer:
             fused_step.adamw_(
                 tasks, master, grad, m, v, step=step, lr=settings.lr, beta1=settings.beta1,
                 beta2=settings.beta2, eps=settings.eps, weight_decay=settings.weight_decay,
-                grad_multiplier=multiplier,
+                grad_multiplier=multiplier, out=out,
             )  # fmt: skip
         else:
             fused_step.sgd_(
                 tasks, master, grad, self.state[0] if config.momentum else None, lr=settings.lr,
                 weight_decay=settings.weight_decay, momentum=settings.momentum, dampening=settings.dampening,
-                nesterov=config.nesterov, first_step=step == 1, grad_multiplier=multiplier,
+                nesterov=config.nesterov, first_step=step == 1, grad_multiplier=multiplier, out=out,
             )  # fmt: skip
 
     def _registered(self, lr: float, weight_decay: float) -> GroupHyperparams:

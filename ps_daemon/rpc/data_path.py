@@ -44,12 +44,14 @@ def receive_push(
     read_payload: ReadPayload,
     *,
     in_place: InPlace | None = None,
+    pull_into: torch.Tensor | None = None,
 ) -> ps_pb2.PushResponse:
     """The answer to a push whose payload `read_payload` reads, once it is applied. A push
     applied before is acknowledged (counted as a duplicate) without reading the payload.
     `in_place(nbytes)`: the payload where it already lies whole (the local transport's shared
     memory), parsed and applied there with no copy; None from it: read into a staging buffer.
-    A compressed gradient that must be decompressed first gets a buffer from `staging` too."""
+    A compressed gradient that must be decompressed first gets a buffer from `staging` too.
+    `pull_into`: where the new version goes as well (ShardStore.push; the local transport's)."""
     push = conversions.push_request(header)
     ack = store.check_push(push)
     if ack is not None:  # applied before: answered without reading the payload
@@ -67,8 +69,8 @@ def receive_push(
             # once: a check there would be a second pass over a copy for nothing to guard.
             if push.kind in STEPPED and not store.allow_nonfinite_pushes:
                 check_finite(push.data, push.where)
-        result = store.push(push, scratch=staging.borrow)
-    return ps_pb2.PushResponse(applied=result.applied, version=result.version)
+        result = store.push(push, scratch=staging.borrow, pull_into=pull_into)
+    return ps_pb2.PushResponse(applied=result.applied, version=result.version, pulled=result.pulled)
 
 
 @contextlib.contextmanager

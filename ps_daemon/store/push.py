@@ -324,6 +324,7 @@ def _check_groups(groups: tuple[GroupHyperparams, ...], optimizer: ShardOptimize
 class PushResult:
     applied: bool
     version: int
+    pulled: bool = False  # the new version is in the place the push named too (ShardStore.push's pull_into)
 
 
 def check_step_locked(shard: Shard, push: PushRequest) -> PushResult | None:

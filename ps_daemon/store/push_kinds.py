@@ -23,6 +23,7 @@ the push returns.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -104,8 +105,13 @@ def restore_state(store: Store, shard: Shard, push: PushRequest, borrow: Borrow)
     return _write_held(store, shard, push, write)
 
 
-def step_optimizer(store: Store, shard: Shard, push: PushRequest, borrow: Borrow) -> PushResult:
-    """GRADIENT, MOMENTUM or APPLY: one optimizer step, then the parts of the step are spent."""
+def step_optimizer(
+    store: Store, shard: Shard, push: PushRequest, borrow: Borrow, pull_into: torch.Tensor | None = None
+) -> PushResult:
+    """GRADIENT, MOMENTUM or APPLY: one optimizer step, then the parts of the step are spent.
+    `pull_into` (a GRADIENT or APPLY's): a tensor as long as the shard, in a pull's dtype, that
+    gets the new master values in the step's own pass, as a pull would write them; on a failed
+    update, the values the shard is back at."""
     data = None
     if push.kind == "gradient":
         data = push.gradient(borrow)
@@ -116,16 +122,25 @@ def step_optimizer(store: Store, shard: Shard, push: PushRequest, borrow: Borrow
 
     def write() -> None:
         gradient = shard.parts.gradient_locked(push) if push.kind == "apply" else data
-        elapsed = _optimizer_step(store, shard, push, gradient)
-        commit(store.files, shard)
+        try:
+            elapsed = _optimizer_step(store, shard, push, gradient, pull_into)
+            commit(store.files, shard)
+        except BaseException:
+            if pull_into is not None and not shard.corrupt:  # the trainer must not keep values never committed
+                pull_into.copy_(shard.master)
+            raise
         shard.parts.drop_applied_locked(shard.version)  # committed: the parts are spent
         with store._lock:
             store.stats.optimizer_seconds += elapsed
             store.stats.pushes_applied += 1
+            if pull_into is not None:
+                store.stats.pulls += 1
+                store.stats.bytes_pulled += pull_into.numel() * pull_into.element_size()
         if store.on_optimizer_step is not None:
             store.on_optimizer_step(elapsed)
 
-    return _write_held(store, shard, push, write)
+    result = _write_held(store, shard, push, write)
+    return dataclasses.replace(result, pulled=pull_into is not None and result.applied)
 
 
 BY_KIND: dict[str, Callable[[Store, Shard, PushRequest, Borrow], PushResult]] = {
@@ -154,7 +169,11 @@ def _write_held(store: Store, shard: Shard, push: PushRequest, write: Callable[[
 
 
 def _optimizer_step(
-    store: Store, shard: Shard, push: PushRequest, data: torch.Tensor | OneBitGradient | tuple
+    store: Store,
+    shard: Shard,
+    push: PushRequest,
+    data: torch.Tensor | OneBitGradient | tuple,
+    pull_into: torch.Tensor | None = None,
 ) -> float:
     """One optimizer step on a shard held for writing (its version advances); returns the
     seconds it took. `data`: a MOMENTUM's values, or a gradient and its multiplier."""
@@ -165,7 +184,7 @@ def _optimizer_step(
             shard.optimizer.apply_momentum(shard.master, data, lr, push.variance_frozen_at)
         else:
             gradient, multiplier = data
-            shard.optimizer.apply(shard.master, gradient, lr, push.groups, multiplier=multiplier)
+            shard.optimizer.apply(shard.master, gradient, lr, push.groups, multiplier=multiplier, out=pull_into)
     except BaseException:
         roll_back(store.files, shard)  # validation should leave nothing to fail here; a kernel did
         raise

@@ -370,15 +370,18 @@ class ShardStore:
         push: PushRequest,
         *,
         scratch: Scratch | None = None,
+        pull_into: torch.Tensor | None = None,
     ) -> PushResult:
         """Applies a gradient or a momentum (1-bit Adam), or writes initial values, held in
         `push.data`: fp32 with the shard's numel, or compressed (ps_offload.daemon.model.encodings); adds a
         GRADIENT_PART to the step's sum, or applies that sum (APPLY, no data).
         Compressed values that the optimizer does not take as they are (all but a ONEBIT
-        momentum) are first decompressed, and a gradient with a grad_multiplier multiplied,
-        into an fp32 buffer from `scratch(numel)` (a StagingPool's borrow; a fresh tensor if
-        None): PushRequest.values. Everything is checked before the shard changes. Each kind
-        is one function of ps_offload.daemon.store.push_kinds."""
+        momentum, TOPK and ONEBIT gradients) are first decompressed into an fp32 buffer from
+        `scratch(numel)` (a StagingPool's borrow; a fresh tensor if None). Everything is checked
+        before the shard changes. Each kind is one function of ps_offload.daemon.store.push_kinds.
+        `pull_into` (GRADIENT and APPLY; checked by the caller: the shard's numel, fp32, bf16 or
+        fp16): gets the new version as a pull would write it, in the update's own pass
+        (PushResult.pulled); other kinds leave it alone."""
         if push.data is None and push.kind != "apply":
             raise ValueError("push() needs the payload (PushRequest.with_data)")
         shard = self.shard(push.model, push.shard_id)
@@ -389,8 +392,11 @@ class ShardStore:
             def borrow() -> torch.Tensor:
                 return held.enter_context(scratch(numel)) if scratch else torch.empty(numel, dtype=torch.float32)
 
-            apply = push_kinds.check_apply if push.check_only else push_kinds.BY_KIND[push.kind]
-            return apply(self, shard, push, borrow)
+            if push.check_only:
+                return push_kinds.check_apply(self, shard, push, borrow)
+            if pull_into is not None and push.kind in ("gradient", "apply"):
+                return push_kinds.step_optimizer(self, shard, push, borrow, pull_into)
+            return push_kinds.BY_KIND[push.kind](self, shard, push, borrow)
 
     def replica_health(self) -> list[ReplicaHealth]:
         """Each replicated model held, as its trainer last reported its holders (replica_reports)."""

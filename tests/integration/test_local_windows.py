@@ -123,9 +123,11 @@ def test_training_in_windows_is_bit_identical_to_the_data_plane(pool, daemon_fac
                     assert in_window and windows.find(byte_view(opt.flat.grads)) is not None
                     assert local.bytes_in_place > 0 and local.bytes_copied == 0
                     assert used == 2 * opt.flat.numel * 4
+                    # Every step's pulls came with its pushes, written by the updates (pull_into).
+                    assert local.pulls_carried == len(batches) * len(opt.plan)
                 else:
                     assert not in_window and local.bytes_in_place == 0 and local.bytes_copied > 0
-                    assert used == 0
+                    assert used == 0 and local.pulls_carried == 0
         assert not torch.equal(ours[0].weight, model[0].weight)  # trained
         results[transport] = ours
     for (name, local), tcp in zip(results["local"].named_parameters(), results["tcp"].parameters(), strict=True):
@@ -200,6 +202,46 @@ def test_a_bad_reference_is_invalid_argument_and_changes_nothing(daemon, ref, me
     assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and message in answer.message, answer.message
     assert _grpc_pull(daemon.address, model, 0) == before
     assert client.send(shard, byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT).applied  # still serving
+    client.close()
+
+
+@pytest.mark.parametrize(
+    "pull_into, kind, message",
+    [
+        (dict(window=1, offset=0, nbytes=NUMEL * 2), "gradient", f"must be {NUMEL * 4} bytes ({NUMEL} float32)"),
+        (dict(window=1, offset=2, nbytes=NUMEL * 4), "gradient", "at an offset aligned for float32"),
+        (dict(window=0, offset=0, nbytes=NUMEL * 4), "gradient", "in an attached window"),
+        (dict(window=9, offset=0, nbytes=NUMEL * 4), "gradient", "window 9 is not attached"),
+        (dict(window=2, offset=0, nbytes=NUMEL * 4), "gradient", "its pull_into overlaps its payload"),
+        (dict(window=1, offset=0, nbytes=NUMEL * 4), "parameters", "is for GRADIENT and APPLY pushes"),
+    ],
+    ids=["wrong-size", "misaligned", "the-slot", "unknown-window", "overlaps-the-payload", "not-a-step"],
+)
+def test_a_bad_pull_into_is_invalid_argument_and_changes_nothing(daemon, pull_into, kind, message):
+    """A push that asks for its new version somewhere it cannot go is refused before anything
+    is read: the shard keeps its version and values, and the place is not written."""
+    model = f"bad-pull-into-{pull_into['window']}-{pull_into['offset']}-{pull_into['nbytes']}-{kind}"
+    client = _client(daemon.address, model)
+    shard = client.plan[0]
+    client.send(shard, byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.PARAMETERS)
+    target = client.shared_host_tensor(NUMEL, torch.float32)  # window 1
+    grad = client.shared_host_tensor(NUMEL, torch.float32)  # window 2: the payload
+    assert target is not None and grad is not None
+    target.fill_(5.0)
+    grad.copy_(torch.linspace(-1, 1, NUMEL))
+    before = _grpc_pull(daemon.address, model, 0)
+    local = _local(client)
+    kinds = {"gradient": ps_pb2.GRADIENT, "parameters": ps_pb2.PARAMETERS}
+    push = Push.build(model, 0, byte_view(grad), step=0, kind=kinds[kind])
+    request = ps_pb2.DataRequest(push=push.header, local=local._ref(byte_view(grad)), pull_dtype=ps_pb2.FLOAT32)
+    request.pull_into.CopyFrom(ps_pb2.LocalRef(**pull_into))
+    with local._connection(30, fence=False) as conn:
+        send_message(conn.sock, request)
+        answer = recv_message(conn.sock, ps_pb2.DataResponse)
+    assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and message in answer.message, answer.message
+    assert _grpc_pull(daemon.address, model, 0) == before and torch.equal(target, torch.full((NUMEL,), 5.0))
+    ack = client.send(shard, byte_view(grad), step=0, kind=ps_pb2.GRADIENT)  # still serving
+    assert ack.applied and not ack.pulled
     client.close()
 
 

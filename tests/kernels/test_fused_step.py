@@ -116,3 +116,27 @@ def test_all_finite_finds_a_nan_or_an_infinity_anywhere(dtype, bad, where):
     assert fused_step.all_finite(values)
     values[where] = bad
     assert not fused_step.all_finite(values)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_new_values_also_land_in_out_as_to_dtype_rounds_them(out_dtype, optimizer):
+    """`out` (the pull a push carries with it): the stepped values rounded as Tensor.to, in the
+    same pass; the step itself unchanged."""
+    calibration = fused_step.calibration()
+    total = sum(SIZES)
+    split = _cut_tasks(SIZES, [777, 5000], calibration.vector)
+    grad = _values(total, 0.5, 31).to(out_dtype)
+    runs = []
+    for out in (None, torch.full((total,), 7.0).to(out_dtype)):
+        state = [_values(total, 4.0, 32), _values(total, 0.02, 33), _values(total, 1e-3, 34).abs()]
+        if optimizer == "adamw":
+            fused_step.adamw_(split, state[0], grad, state[1], state[2], step=2, lr=1e-3, beta1=0.9, beta2=0.999,
+                              eps=1e-8, weight_decay=0.1, out=out)  # fmt: skip
+        else:
+            fused_step.sgd_(split, state[0], grad, state[1], lr=0.05, weight_decay=0.01, momentum=0.9,
+                            dampening=0.0, nesterov=True, first_step=False, out=out)  # fmt: skip
+        runs.append((state, out))
+    (plain, _), (state, out) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain, state, strict=True))
+    assert torch.equal(out, state[0].to(out_dtype))

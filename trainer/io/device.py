@@ -275,6 +275,12 @@ class ShardMover:
         with self.host_copy(buffer, shard, after) as host:
             yield byte_view(host)
 
+    def in_place_bytes(self, buffer: torch.Tensor, shard: ShardSlice) -> memoryview | None:
+        """The bytes of `buffer`'s slice for `shard` where a pull writes them in place (a CPU
+        model, unstaged), for a push to have its new version written there; None when pulls
+        go through a host buffer."""
+        return None if self.staged else self._in_place_view(buffer[shard.offset : shard.end])
+
     def pull(self, buffer: torch.Tensor, shard: ShardSlice, after: object, fill: Callable[[memoryview], int]) -> int:
         """Lets `fill` write the shard's bytes (in the compute dtype) and puts them into
         `buffer`'s slice; returns what `fill` returned (the version pulled)."""

@@ -20,6 +20,7 @@ from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.io.device import ShardMover, byte_view
 from ps_offload.trainer.io.push_compression import PushCompressor
 from ps_offload.trainer.wire.sharded_client import ShardedClient
+from ps_offload.trainer.wire.transport import PullInto
 
 StepSettings = tuple[list[ps_pb2.GroupHyperparams], "float | None"]
 """What every push of a step carries: each param group's settings and the gradient multiplier."""
@@ -197,6 +198,10 @@ class ShardIO:
 
     def _push_then_pull(self, tasks: _StepTasks, shard: ShardSlice, pushed: Future, part: Future | None) -> int:
         step = tasks.step
+        # On the node's own daemon, a model held in place in shared memory has its new
+        # values written into its buffer by the update itself: no pull (PullInto).
+        target = self.mover.in_place_bytes(tasks.params, shard)
+        pull_into = PullInto(target, self.mover.wire_dtype) if target is not None else None
         try:
             if tasks.failed.is_set():
                 raise StepAbandoned(f"push of shard {shard.shard_id} step {step} not sent: another shard failed")
@@ -210,17 +215,22 @@ class ShardIO:
                     groups=groups,
                     grad_multiplier=multiplier,
                     parts=1,
+                    pull_into=pull_into,
                 )
             else:  # no early part, or it failed: the whole gradient (it replaces any part held)
-                ack = self.counted(*self._push_gradient(tasks, shard))
+                ack = self.counted(*self._push_gradient(tasks, shard, pull_into))
         except BaseException as exc:
             tasks.failed.set()
             pushed.set_exception(exc)
             raise
         pushed.set_result(ack)
+        if ack.pulled:
+            return self._landed(shard, ack.version, step + 1, tasks.failed)
         return self.step_pull(shard, step + 1, tasks.params, tasks.after, tasks.failed)
 
-    def _push_gradient(self, tasks: _StepTasks, shard: ShardSlice) -> tuple[ps_pb2.PushResponse, int]:
+    def _push_gradient(
+        self, tasks: _StepTasks, shard: ShardSlice, pull_into: PullInto | None
+    ) -> tuple[ps_pb2.PushResponse, int]:
         step, grads, after = tasks.step, tasks.grads, tasks.after
         groups, multiplier = tasks.settings
         # Compressed here, in the pool: shard i is compressed while shard i-1 is on the wire.
@@ -241,6 +251,7 @@ class ShardIO:
                 variance_frozen_at=payload.variance_frozen_at,
                 lr=groups[0].lr if momentum else None,
                 groups=() if momentum else groups,
+                pull_into=None if momentum else pull_into,  # (1-bit Adam's step has its own kernel)
             )
             return ack, len(payload.data)
         with self.mover.host_view(grads, shard, after) as data:
@@ -252,6 +263,7 @@ class ShardIO:
                 encoding=self.mover.gradient_encoding,
                 groups=groups,
                 grad_multiplier=multiplier,
+                pull_into=pull_into,
             )
             return ack, len(data)
 
@@ -261,7 +273,10 @@ class ShardIO:
         """A step's pull: the shard at exactly `version` (its push's step + 1). A newer one
         means another process stepped the shard meanwhile (a second trainer of the same
         model): said, not trained on."""
-        got = self.pull(shard, version, params, after, failed)
+        return self._landed(shard, self.pull(shard, version, params, after, failed), version, failed)
+
+    def _landed(self, shard: ShardSlice, got: int, version: int, failed: threading.Event) -> int:
+        """A step's pull (or the push that carried it) landed at `got`: it must be `version`."""
         if got != version:
             failed.set()
             raise RuntimeError(

@@ -149,8 +149,9 @@ class DaemonClient:
         chunks = self._pull(request, timeout=timeout)
         return read_pull_stream(chunks, out, what=f"shard {shard_id} from daemon {self.address}", dtype=dtype)
 
-    def push(self, push: Push, *, timeout: float) -> ps_pb2.PushResponse:
-        """Streams the push's payload in chunks, the header with the first."""
+    def push(self, push: Push, *, timeout: float, pull_into: object = None) -> ps_pb2.PushResponse:
+        """Streams the push's payload in chunks, the header with the first (`pull_into`: not
+        over gRPC; the answer's `pulled` stays false)."""
         return self._push(push.chunks(), timeout=timeout)
 
     def prefetch(self, model: str, shard_ids: list[int], *, timeout: float) -> int:

@@ -93,8 +93,11 @@ class DataPlaneClient:
         sock.settimeout(timeout)
         try:
             yield sock
-        except _StatusFromDaemon:
-            self._release(sock)  # a complete answer: the stream is still in step
+        except _StatusFromDaemon as status:
+            if status.closing:  # the daemon closes it after this answer: never sent on again
+                sock.close()
+            else:
+                self._release(sock)  # a complete answer: the stream is still in step
             raise
         except (FrameError, OSError) as exc:
             sock.close()
@@ -138,7 +141,7 @@ class DataPlaneClient:
     def _answer(sock: socket.socket) -> ps_pb2.DataResponse:
         response = recv_message(sock, ps_pb2.DataResponse)
         if response.code:
-            raise _StatusFromDaemon(response.code, response.message)
+            raise _StatusFromDaemon(response.code, response.message, response.closing)
         return response
 
     def pull_into(
@@ -165,9 +168,10 @@ class DataPlaneClient:
             recv_exact_into(sock, out)
             return header.version
 
-    def push(self, push: Push, *, timeout: float) -> ps_pb2.PushResponse:
+    def push(self, push: Push, *, timeout: float, pull_into: object = None) -> ps_pb2.PushResponse:
         """Sends the header; the daemon asks for the payload unless it applied this
-        (shard, step) before, and takes it with its length (ps_offload.proto.frames)."""
+        (shard, step) before, and takes it with its length (ps_offload.proto.frames).
+        `pull_into`: not over TCP; the answer's `pulled` stays false."""
         with _daemon_status(), self._connection(timeout) as sock:
             send_message(sock, ps_pb2.DataRequest(push=push.header, authorization=self._authorization))
             response = self._answer(sock)
@@ -189,9 +193,10 @@ def pull_request(pull: ps_pb2.PullRequest, timeout: float, authorization: str) -
 class _StatusFromDaemon(Exception):
     """A status the daemon answered with; the connection stays usable."""
 
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, closing: bool = False) -> None:
         self.code = STATUS_CODES.get(code, grpc.StatusCode.UNKNOWN)
         self.message = message
+        self.closing = closing
 
 
 @contextlib.contextmanager

@@ -49,6 +49,7 @@ from ps_offload.proto.security import ClientSecurity
 from ps_offload.proto.shared_memory import SharedMapping, sealed_memfd
 from ps_offload.trainer.wire.dataplane_client import STATUS_CODES, DataPlaneError, pull_request
 from ps_offload.trainer.wire.host_windows import HostWindow, HostWindows
+from ps_offload.trainer.wire.transport import PullInto
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class LocalClient:
         # Bytes moved where they lie in a window, and through the slot (one more copy here).
         self.bytes_in_place = 0
         self.bytes_copied = 0
+        self.pulls_carried = 0  # pushes whose answer said the new version was written where asked (pull_into)
         self._windows = windows or HostWindows()
         # Proven here, not assumed: a daemon on another host or namespace, or of another uid,
         # fails this connect, and the caller uses the data plane instead.
@@ -270,12 +272,15 @@ class LocalClient:
             self._count(ref, len(view))
             return header.version
 
-    def push(self, push: Push, *, timeout: float) -> ps_pb2.PushResponse:
+    def push(self, push: Push, *, timeout: float, pull_into: PullInto | None = None) -> ps_pb2.PushResponse:
         """A payload in a window is read there by the daemon; any other is written into the
         slot first. Either way the header follows it: the daemon reads the payload only once
-        the header has come, and not at all for a (shard, step) it applied before."""
+        the header has come, and not at all for a (shard, step) it applied before.
+        `pull_into` in a window this daemon has: the daemon writes the new version there in
+        the step's own pass (the answer's `pulled`); elsewhere it is not asked."""
         data = memoryview(push.data).cast("B")
         ref = self._ref(data)
+        target = self._ref(memoryview(pull_into.out).cast("B")) if pull_into is not None else None
         if ref is None and len(data) > self.slot_bytes:
             raise DataPlaneError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -285,12 +290,19 @@ class LocalClient:
         # another (its slot holds whatever was there before past the bytes written).
         place = ref if ref is not None else ps_pb2.LocalRef(window=0, offset=0, nbytes=len(data))
         request = ps_pb2.DataRequest(push=push.header, authorization=self._authorization, local=place)
-        with self._connection(timeout, fence=ref is not None) as conn:
+        if target is not None:
+            request.pull_into.CopyFrom(target)
+            request.pull_dtype = pull_into.dtype
+        # Fenced when the daemon may read or write our memory past a failure (_connection).
+        with self._connection(timeout, fence=ref is not None or target is not None) as conn:
             if ref is None:
                 conn.slot.write(data)
             send_message(conn.sock, request)
             answer = _answer(conn.sock).push
         self._count(ref, len(data))
+        if answer.pulled:
+            with self._lock:
+                self.pulls_carried += 1
         return answer
 
     def _count(self, ref: ps_pb2.LocalRef | None, nbytes: int) -> None:

@@ -44,7 +44,7 @@ from ps_offload.trainer.wire.host_windows import HostWindows, Prepare
 from ps_offload.trainer.wire.local_client import LocalClient, slot_bytes_for
 from ps_offload.trainer.wire.lost_probe import LostDaemonProbe
 from ps_offload.trainer.wire.replicas import adopt_fresh_holders, check_replicas, id_ranges, repair_lost
-from ps_offload.trainer.wire.transport import Transport
+from ps_offload.trainer.wire.transport import PullInto, Transport
 
 log = logging.getLogger(__name__)
 
@@ -291,14 +291,18 @@ class ShardedClient:
             time.sleep(max(0.0, min(delay, give_up_at - time.monotonic())))
             delay = min(delay * 2, 2.0)
 
-    def send(self, shard: ShardSlice, data: memoryview, **header) -> ps_pb2.PushResponse:
+    def send(
+        self, shard: ShardSlice, data: memoryview, *, pull_into: PullInto | None = None, **header
+    ) -> ps_pb2.PushResponse:
         """Pushes `data` to this model's `shard`; `header`: the rest of the push's fields, as
-        Push.build takes them (step and kind at least)."""
-        return self.push(shard, Push.build(self.model, shard.shard_id, data, **header))
+        Push.build takes them (step and kind at least); `pull_into`: as push's."""
+        return self.push(shard, Push.build(self.model, shard.shard_id, data, **header), pull_into=pull_into)
 
-    def push(self, shard: ShardSlice, push: Push) -> ps_pb2.PushResponse:
+    def push(self, shard: ShardSlice, push: Push, *, pull_into: PullInto | None = None) -> ps_pb2.PushResponse:
         """Sends one shard's push (retried as a whole, the same bytes each attempt) to each live
-        holder of the shard; they answer alike, or the replicas have diverged (an error)."""
+        holder of the shard; they answer alike, or the replicas have diverged (an error).
+        `pull_into`: where the shard's new version should go too, asked of the first live
+        holder only (the one a pull would read); the answer's `pulled` says it is there."""
         header = push.header
         if (header.model, header.shard_id) != (self.model, shard.shard_id):
             raise ValueError(
@@ -308,10 +312,13 @@ class ShardedClient:
         # replica short (ps_offload.daemon.store.replica_reports); empty again once repaired.
         del header.lost_holders[:]
         header.lost_holders.extend(sorted(self.lost))
+        first = self.live_holders(shard)[0]
         answers = self._on_holders(
             shard,
             push.describe(),
-            lambda index: self.transports[index].push(push, timeout=self.config.rpc_timeout_seconds),
+            lambda index: self.transports[index].push(
+                push, timeout=self.config.rpc_timeout_seconds, pull_into=pull_into if index == first else None
+            ),
             PUSH_RETRYABLE,
             every=True,
         )
@@ -321,7 +328,10 @@ class ShardedClient:
                 f"the replicas of shard {shard.shard_id} of model {self.model!r} answered {push.describe()} at "
                 f"different versions ({versions}): they have diverged; stop, and restore the model from a snapshot"
             )
-        return answers[0][1]
+        index, answer = answers[0]
+        if answer.pulled and index != first:  # (never: only the first was asked)
+            answer.pulled = False
+        return answer
 
     def pull(
         self,

@@ -59,8 +59,8 @@ def _failing_midway(monkeypatch, store: ShardStore) -> None:
     shard = store.shard("m", 0)
     real = shard.optimizer.apply
 
-    def apply(master, grad, lr, groups=(), *, multiplier=None):
-        real(master, grad, lr, groups, multiplier=multiplier)  # the step and the state change, then the kernel fails
+    def apply(master, grad, lr, groups=(), *, multiplier=None, out=None):
+        real(master, grad, lr, groups, multiplier=multiplier, out=out)  # the step, the state, the pull change
         master.fill_(math.inf)
         raise RuntimeError("injected")
 
@@ -78,6 +78,30 @@ def test_a_failed_update_goes_back_to_the_committed_version_on_nvme(monkeypatch,
     assert shard.version == 1 and shard.optimizer.step.item() == 1
     assert all(torch.equal(a, b) for a, b in zip(before, (shard.master, *shard.optimizer.state), strict=True))
     assert store.push(PushRequest("m", 0, step=1, kind="gradient", data=torch.ones(NUMEL))).version == 2
+    store.close()
+    store.files.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_push_carrying_its_pull_writes_the_new_version_there_and_on_failure_the_old(dtype, monkeypatch, tmp_path):
+    """pull_into (the local transport's): the new master values as a pull in that dtype gives
+    them, written in the update's own pass; when the update fails, the values the shard went
+    back to, so the trainer never keeps a version that was not committed."""
+    store = _store(tmp_path)
+    shard = store.shard("m", 0)
+    target = torch.full((NUMEL,), 9.0, dtype=dtype)
+    result = store.push(PushRequest("m", 0, step=1, kind="gradient", data=torch.ones(NUMEL)), pull_into=target)
+    assert result.applied and result.pulled and result.version == 2
+    assert torch.equal(target, shard.master.to(dtype))
+    committed = shard.master.clone()
+    _failing_midway(monkeypatch, store)
+    target.fill_(9.0)
+    with pytest.raises(RuntimeError, match="injected"):
+        store.push(PushRequest("m", 0, step=2, kind="gradient", data=torch.ones(NUMEL)), pull_into=target)
+    monkeypatch.undo()
+    assert torch.equal(shard.master, committed) and torch.equal(target, committed.to(dtype))
+    duplicate = store.push(PushRequest("m", 0, step=1, kind="gradient", data=torch.ones(NUMEL)), pull_into=target)
+    assert not duplicate.applied and not duplicate.pulled  # the trainer pulls as usual
     store.close()
     store.files.close()
 
