@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: soak fuzz demo test bench bench-tools bench-scale proto lint clean gpu-wheels gpu-check
+.PHONY: kernels soak fuzz demo test bench bench-tools bench-scale proto lint clean gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -11,14 +11,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The daemon's one-pass optimizer kernels, compiled into Numba's cache (kernels/__pycache__)
+# once per change of their source (seconds each from cold), so that no daemon compiles them.
+kernels: $(STAMP)
+	$(PY) -m ps_offload.kernels.step_calibration
+
+demo: $(STAMP) kernels
 	$(PY) examples/demo.py
 
 # systemd-analyze checks the unit files (tests/ps_daemon/test_systemd_units.py); installed
 # from Debian when this user may, else those tests skip and say why. The suite runs on one
 # pytest worker per core, at most 4 (pytest-xdist; most tests wait on daemons in other
 # processes), a test file to a worker so that module fixtures are shared.
-test: $(STAMP)
+test: $(STAMP) kernels
 	command -v systemd-analyze >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd) || echo "systemd-analyze not installed"
 	$(PY) -m pytest -q --numprocesses auto --maxprocesses 4 --dist loadfile
 

@@ -29,7 +29,7 @@ import statistics
 import numba
 import torch
 
-from bench.common import interleaved, quick, record, spread
+from bench.common import interleaved, interleaved_many, quick, record, spread
 from ps_offload.daemon.dataplane.local_server import RoundInto
 from ps_offload.daemon.model.optimizer import AdamWConfig, SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
@@ -38,6 +38,7 @@ from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
+from ps_offload.kernels import fused_step, step_calibration
 from ps_offload.proto import ps_pb2
 
 SHAPES = [(quick(2 << 20, 1 << 16),)] * 16 + [(quick(97_531, 3_001) + 17 * i,) for i in range(16)]
@@ -89,6 +90,11 @@ class Daemon:
                         out.view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))
         self.step += 1
 
+    def check(self) -> None:
+        """The non-finite check alone, as the push runs it (a profile of its share of `update`)."""
+        for payload in self.payloads:
+            fused_step.all_finite(payload)
+
 
 def _never(view: memoryview) -> None:
     raise AssertionError("the payload is in place")
@@ -111,13 +117,16 @@ def _case(optimizer: str, dtype: torch.dtype, init: torch.Tensor, grads: torch.T
     config = AdamWConfig(lr=1e-4, weight_decay=0.1) if optimizer == "adamw" else SGDConfig(lr=1e-3, momentum=0.9)
     daemon = Daemon(config, grads, init, dtype, check=True, fused_pull=fused_pull)
     peer = _peer(optimizer, init, grads)
-    ours, theirs = interleaved(daemon.update, peer.step, reps=REPS)
+    times = interleaved_many({"ours": daemon.update, "peer": peer.step, "check": daemon.check}, reps=REPS)
+    ours, theirs = times["ours"], times["peer"]
     ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
     return {"ours_ms": 1e3 * statistics.median(ours), "peer_ms": 1e3 * statistics.median(theirs),
-            "ratio": statistics.median(ratios), "spread": spread(ratios)}  # fmt: skip
+            "ratio": statistics.median(ratios), "spread": spread(ratios),
+            "check_ms": 1e3 * statistics.median(times["check"])}  # fmt: skip
 
 
 def main() -> list[dict]:
+    step_calibration.warm()  # as a daemon is a moment after its start (make kernels fills the cache)
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     numba.set_num_threads(threads)

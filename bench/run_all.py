@@ -331,7 +331,7 @@ def _zero_infinity_profile(r: dict) -> str:
 def _nonfinite_check(r: dict) -> str:
     return (
         "What bounds it: the check reads the payload as it came, on every core, before the step may change "
-        "anything (2 bytes an element for bf16 beside the one-pass step's 26: kernels/fused_step.py), so a refused "
+        "anything (2 bytes an element for bf16 beside the one-pass step's 30: kernels/fused_step.py), so a refused "
         "push changes nothing; inside the step's own pass it would be free, but a NaN found there would leave the "
         "shard half updated, with nothing to restore it from on a RAM-only daemon. On by default all the same (a "
         "NaN would poison a shared model for every trainer, silently); `store.allow_nonfinite_pushes = true` turns "
@@ -342,13 +342,18 @@ def _nonfinite_check(r: dict) -> str:
 def _daemon_update(r: dict) -> str:
     cases = r["cases"]
     text = "; ".join(
-        f"{name}: ours {c['ours_ms']} ms, torch {c['peer_ms']} ms ({c['ratio']}×)" for name, c in cases.items()
+        f"{name}: ours {c['ours_ms']} ms (its non-finite check alone {c['check_ms']} ms), torch {c['peer_ms']} ms "
+        f"({c['ratio']}×)"
+        for name, c in cases.items()
     )
     return (
-        f"Per step ({r['params'] / 1e6:.1f}M parameters): {text}. The daemon's step itself is one pass "
-        "(kernels/fused_step.py: the gradient read as it came, master, m and v read and written once, bit for bit "
-        "as torch's fused kernels); what bounds the rest is the pull, a second pass that reads the master again to "
-        "round it to the model's dtype, and the non-finite check's read of the gradient."
+        f"Per step ({r['params'] / 1e6:.1f}M parameters): {text}. The daemon's step is one pass that also writes "
+        "the pull the push carries (kernels/fused_step.py: the bf16 gradient read as it came, master, m and v read "
+        "and written once, the new values rounded to bf16 into the trainer's buffer, bit for bit as torch's fused "
+        "kernels; `bf16_pull_apart` is the same with the pull as a call of its own). What bounds it is bytes: per "
+        "element torch's step moves 28 (an fp32 gradient, then p, m and v read and written); ours 30 (a bf16 "
+        "gradient, p, m and v, the bf16 pull and the read its write allocates first) and the check's 2, so a "
+        "memory-bound host caps the ratio near 28/32 = 0.875 with the check on."
     )
 
 

@@ -107,6 +107,7 @@ class _StoreCollector(Collector):
         yield _counter("ps_pulled_bytes", "Shard bytes sent to trainers by pulls", s.bytes_pulled)
         yield _counter("ps_pushed_bytes", "Payload bytes of pushes applied (compressed ones as sent)", s.bytes_pushed)
         yield _counter("ps_pulls", "Pulls served", s.pulls)
+        yield _counter("ps_pulls_carried", "Pulls served in the push that made the version", s.pulls_carried)
         pushes = CounterMetricFamily("ps_pushes", "Pushes, by result", labels=["result"])
         pushes.add_metric(["applied"], s.pushes_applied)
         pushes.add_metric(["duplicate"], s.pushes_duplicate)  # a retry of an applied step

@@ -13,7 +13,6 @@ import resource
 import shutil
 import signal
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -29,7 +28,7 @@ from ps_offload.daemon.dataplane.local_pool import LocalPool
 from ps_offload.daemon.dataplane.local_server import LocalServer
 from ps_offload.daemon.dataplane.server import DataPlaneServer
 from ps_offload.daemon.metrics import DaemonMetrics
-from ps_offload.daemon.model.optimizer import calibrate_one_pass
+from ps_offload.daemon.model.optimizer import log_calibration
 from ps_offload.daemon.ownership import DirectoryInUse, DirectoryLock, listener_of, port_in_use
 from ps_offload.daemon.rpc import server_security
 from ps_offload.daemon.rpc.call_bounds import CallBounds
@@ -44,6 +43,7 @@ from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store.limits import StoreLimits
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import DirectIO, NvmeFiles
+from ps_offload.kernels import step_calibration
 from ps_offload.proto.channel import CHUNK_BYTES, SERVER_KEEPALIVE, SERVICE_NAMES, channel_options
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.memory import keep_chunk_buffers_in_heap
@@ -151,7 +151,6 @@ class Daemon:
         self._status = ""
         self._reload_note = ""  # what the last SIGHUP left undone, shown in STATUS
         self._stopping = False  # from here on STATUS stays "Stopping"
-        self._calibration = threading.Thread(target=calibrate_one_pass, name="kernel-calibration", daemon=True)
 
     def start(self) -> int:
         """Recovers, listens, and tells systemd READY=1 when trainers may connect."""
@@ -176,10 +175,10 @@ class Daemon:
             )
         if self.watchdog:
             self._open_probe()
-        # The one-pass optimizer kernel's first use compiles and calibrates it against this
-        # torch (about a second): done meanwhile, so that the first push does not wait for it.
+        # The one-pass optimizer kernel is calibrated against this torch and compiled in the
+        # background (kernels/step_calibration.py); pushes step with torch's kernels until then.
         # (Once the port is ours: a daemon that cannot start exits without Numba's threads.)
-        self._calibration.start()
+        step_calibration.start().add_done_callback(log_calibration)
         self.server.start()
         self.call_bounds.start()
         if self.data_plane is not None:
@@ -341,8 +340,6 @@ class Daemon:
         if self.local is not None:
             self.local.stop(grace)
         stopped.wait()
-        if self._calibration.is_alive():  # Numba's worker threads must not meet the interpreter's exit
-            self._calibration.join()
         self.call_bounds.stop()
         if self.metrics is not None:
             self.metrics.stop()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,7 @@ import torch
 
 from ps_offload.daemon.model import faults
 from ps_offload.daemon.model.encodings import KERNEL_LOCK, OneBitGradient
-from ps_offload.kernels import fused_step
+from ps_offload.kernels import fused_step, step_calibration
 from ps_offload.kernels.fused_adamw import adam_frozen_variance_, onebit_adam_
 from ps_offload.proto.plan import KernelRun, Segment, kernel_runs
 
@@ -84,17 +85,15 @@ class GroupHyperparams:
     dampening: float = 0.0
 
 
-def calibrate_one_pass() -> None:
-    """Compiles the one-pass kernel and calibrates it against this torch (kernels/fused_step.py:
-    about a second, once per process), saying which way the daemon will step."""
-    found = fused_step.calibration()
-    if found is None:
+def log_calibration(found: Future) -> None:
+    """Says which way the daemon steps, once the one-pass kernel's calibration is known."""
+    if found.exception() is None and found.result() is not None:
+        log.info("one-pass optimizer kernel calibrated against torch %s: %s", torch.__version__, found.result())
+    else:
         log.warning(
             "the one-pass optimizer kernel does not compute as this torch build's fused AdamW and SGD: the daemon "
             "steps with torch's kernels (bit for bit as before, with a pass more over each gradient)"
         )
-    else:
-        log.info("one-pass optimizer kernel calibrated against torch %s: %s", torch.__version__, found)
 
 
 def _widened(grad: torch.Tensor, multiplier: float | None) -> torch.Tensor:
@@ -230,8 +229,9 @@ class ShardOptimizer:
             calls = [
                 (("decay", d), segments, self._registered(lr, d)) for d, segments in self._segments_by_decay.items()
             ]
-        calibration = fused_step.calibration()
-        if calibration is None:  # torch's kernels on an fp32 gradient, and a pass more
+        # Torch's kernels on an fp32 gradient (a pass more) until the one-pass kernel is ready.
+        calibration = step_calibration.ready("adamw" if isinstance(self.config, AdamWConfig) else "sgd", grad.dtype)
+        if calibration is None:
             wide = _widened(grad, multiplier)
             for _, segments, settings in calls:
                 self._step_runs(master, wide, [run for s in segments for run in kernel_runs(s)], settings)
@@ -242,7 +242,7 @@ class ShardOptimizer:
                 tasks = self._tasks.get(key)
                 if tasks is None:
                     tasks = self._tasks[key] = _one_pass_tasks(segments, calibration.vector)
-                self._step_in_one_pass(master, grad, tasks, settings, multiplier, out)
+                self._step_in_one_pass(master, grad, tasks, settings, multiplier, out, calibration)
         if faults.after_update(master, self.step) and out is not None:  # tests only: PS_OFFLOAD_FAULT_PERTURB_STEP
             out.copy_(master)  # the pull the push carries sees the fault, as any pull would
 
@@ -254,6 +254,7 @@ class ShardOptimizer:
         settings: GroupHyperparams,
         multiplier: float | None,
         out: torch.Tensor | None,
+        calibration: step_calibration.Calibration,
     ) -> None:
         """One group's step over its pieces of the shard, in one pass (kernels/fused_step.py)."""
         config, step = self.config, int(self.step.item())
@@ -262,13 +263,14 @@ class ShardOptimizer:
             fused_step.adamw_(
                 tasks, master, grad, m, v, step=step, lr=settings.lr, beta1=settings.beta1,
                 beta2=settings.beta2, eps=settings.eps, weight_decay=settings.weight_decay,
-                grad_multiplier=multiplier, out=out,
+                tail=calibration.adamw_tail, grad_multiplier=multiplier, out=out,
             )  # fmt: skip
         else:
             fused_step.sgd_(
                 tasks, master, grad, self.state[0] if config.momentum else None, lr=settings.lr,
                 weight_decay=settings.weight_decay, momentum=settings.momentum, dampening=settings.dampening,
-                nesterov=config.nesterov, first_step=step == 1, grad_multiplier=multiplier, out=out,
+                nesterov=config.nesterov, first_step=step == 1, tail=calibration.sgd_tail, grad_multiplier=multiplier,
+                out=out,
             )  # fmt: skip
 
     def _registered(self, lr: float, weight_decay: float) -> GroupHyperparams:

@@ -135,6 +135,7 @@ def step_optimizer(
             store.stats.pushes_applied += 1
             if pull_into is not None:
                 store.stats.pulls += 1
+                store.stats.pulls_carried += 1
                 store.stats.bytes_pulled += pull_into.numel() * pull_into.element_size()
         if store.on_optimizer_step is not None:
             store.on_optimizer_step(elapsed)

@@ -431,6 +431,7 @@ class ShardStore:
                 bytes_pulled=s.bytes_pulled,
                 bytes_pushed=s.bytes_pushed,
                 pulls=s.pulls,
+                pulls_carried=s.pulls_carried,
                 pushes_applied=s.pushes_applied,
                 pushes_duplicate=s.pushes_duplicate,
                 optimizer_seconds=s.optimizer_seconds,

@@ -15,6 +15,7 @@ class StoreStats:
     bytes_pulled: int = 0
     bytes_pushed: int = 0
     pulls: int = 0
+    pulls_carried: int = 0  # of `pulls`, those a push carried (DataRequest.pull_into)
     pushes_applied: int = 0
     pushes_duplicate: int = 0
     optimizer_seconds: float = 0.0
@@ -30,6 +31,7 @@ class StatsSnapshot:
     bytes_pulled: int
     bytes_pushed: int
     pulls: int
+    pulls_carried: int
     pushes_applied: int
     pushes_duplicate: int
     optimizer_seconds: float

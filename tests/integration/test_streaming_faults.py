@@ -68,8 +68,8 @@ class Acks:
         self.cond = threading.Condition()
         push = opt.client.push
 
-        def recorded(shard, sent):
-            ack = push(shard, sent)
+        def recorded(shard, sent, **carried):
+            ack = push(shard, sent, **carried)
             header = sent.header
             with self.cond:
                 self.seen[header.kind, header.step, header.part, shard.shard_id] = ack
@@ -180,8 +180,8 @@ def _lose_answers(opt: trainer.StreamedOptimizer, chosen: set[tuple[int, int, in
     for transport in opt.client.transports:
         push = transport.push
 
-        def losing(sent, *, timeout, _push=push):
-            ack = _push(sent, timeout=timeout)
+        def losing(sent, *, timeout, pull_into=None, _push=push):
+            ack = _push(sent, timeout=timeout, pull_into=pull_into)
             header = sent.header
             if header.check_only:  # the check before the APPLYs: not one of the chosen
                 return ack

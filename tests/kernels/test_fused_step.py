@@ -6,11 +6,12 @@ over several steps; and its non-finite check."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
 
-from ps_offload.kernels import fused_step
+from ps_offload.kernels import fused_step, step_calibration
 
 SIZES = (1, 7, 8, 15, 63, 64, 65, 130, 1000, 4097, 2 * fused_step.TASK + 3)
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -35,16 +36,16 @@ def _cut_tasks(sizes, cuts, vector):
 
 
 def test_this_machines_torch_is_calibrated():
-    found = fused_step.calibration()
+    found = step_calibration.calibration()
     assert found is not None, "no form of the one-pass kernel computes as this torch build: the daemon runs torch's"
-    assert found.vector in fused_step.VECTORS
+    assert found.vector in step_calibration.VECTORS
 
 
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("multiplier", [None, 0.625])
 @pytest.mark.parametrize(("beta1", "decay"), [(0.9, 0.1), (0.2, 0.0)])
 def test_adamw_equals_torchs_fused_adamw_at_any_cut(dtype, multiplier, beta1, decay):
-    calibration = fused_step.calibration()
+    calibration = step_calibration.calibration()
     total = sum(SIZES)
     split = _cut_tasks(SIZES, [5, 100, 1111, 3000, total - 70], calibration.vector)
     state = [_values(total, 4.0, 1), _values(total, 0.02, 2), _values(total, 1e-3, 3).abs()]
@@ -59,7 +60,7 @@ def test_adamw_equals_torchs_fused_adamw_at_any_cut(dtype, multiplier, beta1, de
         )  # fmt: skip
         fused_step.adamw_(
             split, ours[0], grad, ours[1], ours[2], step=step, lr=3e-3 * step, beta1=beta1, beta2=0.999, eps=1e-8,
-            weight_decay=decay, grad_multiplier=multiplier,
+            weight_decay=decay, tail=calibration.adamw_tail, grad_multiplier=multiplier,
         )  # fmt: skip
         for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, state, strict=True):
             assert torch.equal(a, b), f"step {step} {name}: {int((a != b).sum())} elements differ"
@@ -72,7 +73,7 @@ def test_adamw_equals_torchs_fused_adamw_at_any_cut(dtype, multiplier, beta1, de
     [(0.0, 0.0, False, 0.01), (0.9, 0.0, False, 0.0), (0.9, 0.2, False, 0.01), (0.9, 0.0, True, 0.01)],
 )
 def test_sgd_equals_torchs_fused_sgd_at_any_cut(dtype, multiplier, momentum, dampening, nesterov, decay):
-    calibration = fused_step.calibration()
+    calibration = step_calibration.calibration()
     total = sum(SIZES)
     split = _cut_tasks(SIZES, [64, 999, 4000, total - 1], calibration.vector)
     state = [_values(total, 4.0, 4), torch.zeros(total)]
@@ -88,7 +89,7 @@ def test_sgd_equals_torchs_fused_sgd_at_any_cut(dtype, multiplier, momentum, dam
         fused_step.sgd_(
             split, ours[0], grad, ours[1] if momentum else None, lr=0.05 / step, weight_decay=decay,
             momentum=momentum, dampening=dampening, nesterov=nesterov, first_step=step == 1,
-            grad_multiplier=multiplier,
+            tail=calibration.sgd_tail, grad_multiplier=multiplier,
         )  # fmt: skip
         assert torch.equal(ours[0], state[0]), f"step {step}: {int((ours[0] != state[0]).sum())} params differ"
         assert torch.equal(ours[1], state[1]), f"step {step}: the momentum buffers differ"
@@ -97,12 +98,12 @@ def test_sgd_equals_torchs_fused_sgd_at_any_cut(dtype, multiplier, momentum, dam
 def test_another_tail_form_would_differ():
     """The calibration's tail form matters: another one gives other bits on the probe, so the
     tests above could tell (a kernel that ignored the tail would fail them)."""
-    calibration = fused_step.calibration()
-    probe = fused_step._Probe()
-    others = [t for t in fused_step.ADAMW_TAILS if t != calibration.adamw_tail]
+    calibration = step_calibration.calibration()
+    probe = step_calibration._Probe()
+    others = [t for t in step_calibration.ADAMW_TAILS if t != calibration.adamw_tail]
     assert probe.adamw_matches(calibration.vector, calibration.adamw_tail)
     assert others and not any(probe.adamw_matches(calibration.vector, t) for t in others)
-    other_width = [v for v in fused_step.VECTORS if v != calibration.vector]
+    other_width = [v for v in step_calibration.VECTORS if v != calibration.vector]
     assert not any(probe.adamw_matches(v, calibration.adamw_tail) for v in other_width)
 
 
@@ -118,25 +119,51 @@ def test_all_finite_finds_a_nan_or_an_infinity_anywhere(dtype, bad, where):
     assert not fused_step.all_finite(values)
 
 
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("out_dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_the_new_values_also_land_in_out_as_to_dtype_rounds_them(out_dtype, optimizer):
+def test_the_new_values_also_land_in_out_as_to_dtype_rounds_them(out_dtype, grad_dtype, optimizer):
     """`out` (the pull a push carries with it): the stepped values rounded as Tensor.to, in the
-    same pass; the step itself unchanged."""
-    calibration = fused_step.calibration()
+    same pass when it has the gradient's dtype, after it when not; the step itself unchanged."""
+    calibration = step_calibration.calibration()
     total = sum(SIZES)
     split = _cut_tasks(SIZES, [777, 5000], calibration.vector)
-    grad = _values(total, 0.5, 31).to(out_dtype)
+    grad = _values(total, 0.5, 31).to(grad_dtype)
     runs = []
     for out in (None, torch.full((total,), 7.0).to(out_dtype)):
         state = [_values(total, 4.0, 32), _values(total, 0.02, 33), _values(total, 1e-3, 34).abs()]
         if optimizer == "adamw":
             fused_step.adamw_(split, state[0], grad, state[1], state[2], step=2, lr=1e-3, beta1=0.9, beta2=0.999,
-                              eps=1e-8, weight_decay=0.1, out=out)  # fmt: skip
+                              eps=1e-8, weight_decay=0.1, tail=calibration.adamw_tail, out=out)  # fmt: skip
         else:
             fused_step.sgd_(split, state[0], grad, state[1], lr=0.05, weight_decay=0.01, momentum=0.9,
-                            dampening=0.0, nesterov=True, first_step=False, out=out)  # fmt: skip
+                            dampening=0.0, nesterov=True, first_step=False, tail=calibration.sgd_tail,
+                            out=out)  # fmt: skip
         runs.append((state, out))
     (plain, _), (state, out) = runs
     assert all(torch.equal(a, b) for a, b in zip(plain, state, strict=True))
     assert torch.equal(out, state[0].to(out_dtype))
+
+
+def test_a_kernel_not_yet_compiled_is_compiled_in_the_background_once(monkeypatch):
+    """`ready` never compiles on the caller's thread: None (torch's kernels) until the kernel is
+    compiled, the compile asked for once however often the step asks."""
+    calibration = step_calibration.calibration()
+    compiles = []
+    done = threading.Event()
+
+    def compiled(optimizer, grad_dtype):
+        return (lambda: (compiles.append((optimizer, grad_dtype)), done.wait(30))), False
+
+    monkeypatch.setattr(fused_step, "compiled", compiled)
+    monkeypatch.setattr(step_calibration, "_compiled", set())
+    key = ("compile", "sgd", torch.float16)
+    monkeypatch.delitem(step_calibration._work._futures, key, raising=False)
+    assert step_calibration.ready("sgd", torch.float16) is None
+    assert step_calibration.ready("sgd", torch.float16) is None  # asked again while compiling
+    done.set()
+    step_calibration._work.once(key, None).result(timeout=30)
+    assert compiles == [("sgd", torch.float16)]
+    monkeypatch.setattr(fused_step, "compiled", lambda optimizer, grad_dtype: (None, True))
+    assert step_calibration.ready("sgd", torch.float16) == calibration
+    step_calibration._work._futures.pop(key)

@@ -19,6 +19,7 @@ from ps_offload.proto.memory import keep_chunk_buffers_in_heap
 from ps_offload.proto.pull import read_pull_stream
 from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
+from ps_offload.trainer.wire.transport import PullInto
 from ps_offload.version import release as ps_offload_release
 
 # A push is retried when the daemon was unreachable or the attempt ran out of time: it is
@@ -149,7 +150,7 @@ class DaemonClient:
         chunks = self._pull(request, timeout=timeout)
         return read_pull_stream(chunks, out, what=f"shard {shard_id} from daemon {self.address}", dtype=dtype)
 
-    def push(self, push: Push, *, timeout: float, pull_into: object = None) -> ps_pb2.PushResponse:
+    def push(self, push: Push, *, timeout: float, pull_into: PullInto | None = None) -> ps_pb2.PushResponse:
         """Streams the push's payload in chunks, the header with the first (`pull_into`: not
         over gRPC; the answer's `pulled` stays false)."""
         return self._push(push.chunks(), timeout=timeout)

@@ -23,6 +23,7 @@ from ps_offload.proto.frames import FrameError, recv_exact_into, recv_message, s
 from ps_offload.proto.pull import PullStreamError, check_pull_header
 from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
+from ps_offload.trainer.wire.transport import PullInto
 
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 """DataResponse.code (a grpc.StatusCode's number) back to the status."""
@@ -168,7 +169,7 @@ class DataPlaneClient:
             recv_exact_into(sock, out)
             return header.version
 
-    def push(self, push: Push, *, timeout: float, pull_into: object = None) -> ps_pb2.PushResponse:
+    def push(self, push: Push, *, timeout: float, pull_into: PullInto | None = None) -> ps_pb2.PushResponse:
         """Sends the header; the daemon asks for the payload unless it applied this
         (shard, step) before, and takes it with its length (ps_offload.proto.frames).
         `pull_into`: not over TCP; the answer's `pulled` stays false."""

@@ -17,7 +17,7 @@ from ps_offload.daemon.model.optimizer import AdamWConfig, GroupHyperparams, SGD
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
-from ps_offload.kernels import fused_step
+from ps_offload.kernels import step_calibration
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import layout_params, plan_shards, segments_of
 from tests.ps_daemon.store.test_compressed_push import _payload
@@ -115,8 +115,11 @@ class Reference:
 def test_shard_optimizer_steps_each_group_with_its_settings_as_torch_does(kind, shard_numel, one_pass, monkeypatch):
     """Either way the daemon steps: its one-pass kernel (kernels/fused_step.py), and torch's
     own kernels, which it keeps on a torch build the kernel does not compute as."""
-    if not one_pass:
-        monkeypatch.setattr(fused_step, "calibration", lambda: None)
+    if one_pass:
+        step_calibration.warm()  # (the daemon's pushes step with torch's kernels until it is done)
+        assert step_calibration.ready(kind, torch.float32) is not None
+    else:
+        monkeypatch.setattr(step_calibration, "ready", lambda optimizer, grad_dtype: None)
     initial = initial_values()
     reference = Reference(kind, initial)
     config = REGISTERED[kind]
