@@ -26,7 +26,6 @@ import contextlib
 import os
 import statistics
 
-import numba
 import torch
 
 from bench.common import interleaved, interleaved_many, quick, record, spread
@@ -113,7 +112,11 @@ def _peer(optimizer: str, init: torch.Tensor, grads: torch.Tensor):
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=1e-4, fused=True)
 
 
-def _case(optimizer: str, dtype: torch.dtype, init: torch.Tensor, grads: torch.Tensor, *, fused_pull: bool) -> dict:
+def _case(
+    optimizer: str, dtype: torch.dtype, init: torch.Tensor, grads: torch.Tensor, *, fused_pull: bool, threads: int
+) -> dict:
+    torch.set_num_threads(threads)  # both sides alike, as the daemon's store.optimizer_threads sets them
+    fused_step.set_threads(threads)
     config = AdamWConfig(lr=1e-4, weight_decay=0.1) if optimizer == "adamw" else SGDConfig(lr=1e-3, momentum=0.9)
     daemon = Daemon(config, grads, init, dtype, check=True, fused_pull=fused_pull)
     peer = _peer(optimizer, init, grads)
@@ -128,17 +131,19 @@ def _case(optimizer: str, dtype: torch.dtype, init: torch.Tensor, grads: torch.T
 def main() -> list[dict]:
     step_calibration.warm()  # as a daemon is a moment after its start (make kernels fills the cache)
     threads = os.cpu_count() or 1
-    torch.set_num_threads(threads)
-    numba.set_num_threads(threads)
     torch.manual_seed(0)
     numel = sum(s[0] for s in SHAPES)
     init, grads = torch.randn(numel), torch.randn(numel) * 1e-3
     cases = {
-        "bf16": _case("adamw", torch.bfloat16, init, grads, fused_pull=True),
-        "bf16_pull_apart": _case("adamw", torch.bfloat16, init, grads, fused_pull=False),
-        "fp32": _case("adamw", torch.float32, init, grads, fused_pull=True),
-        "sgd": _case("sgd", torch.bfloat16, init, grads, fused_pull=True),
+        "bf16": _case("adamw", torch.bfloat16, init, grads, fused_pull=True, threads=threads),
+        "bf16_pull_apart": _case("adamw", torch.bfloat16, init, grads, fused_pull=False, threads=threads),
+        "fp32": _case("adamw", torch.float32, init, grads, fused_pull=True, threads=threads),
+        "sgd": _case("sgd", torch.bfloat16, init, grads, fused_pull=True, threads=threads),
     }
+    if threads > 1:  # store.optimizer_threads' effect: half the threads, both sides
+        cases["bf16_half_threads"] = _case("adamw", torch.bfloat16, init, grads, fused_pull=True, threads=threads // 2)
+    torch.set_num_threads(threads)
+    fused_step.set_threads(threads)
     main_case = cases["bf16"]
     notes = (
         f"{numel / 1e6:.1f}M parameters ({len(SHAPES)} tensors), 64 MiB shards, {threads} threads each: per step "

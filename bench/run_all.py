@@ -353,7 +353,18 @@ def _daemon_update(r: dict) -> str:
         "kernels; `bf16_pull_apart` is the same with the pull as a call of its own). What bounds it is bytes: per "
         "element torch's step moves 28 (an fp32 gradient, then p, m and v read and written); ours 30 (a bf16 "
         "gradient, p, m and v, the bf16 pull and the read its write allocates first) and the check's 2, so a "
-        "memory-bound host caps the ratio near 28/32 = 0.875 with the check on."
+        "memory-bound host caps the ratio near 28/32 = 0.875 with the check on." + _half_threads(cases)
+    )
+
+
+def _half_threads(cases: dict) -> str:
+    half, full = cases.get("bf16_half_threads"), cases["bf16"]
+    if half is None:
+        return ""
+    return (
+        f" With half the threads on both sides (store.optimizer_threads, bf16_half_threads) our update takes "
+        f"{half['ours_ms'] / full['ours_ms']:.2f}x its time on all of them: the cores a daemon leaves to its "
+        "trainers cost it that much, its memory bandwidth shared either way."
     )
 
 

@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--optimizer", choices=["offload", "torch"], default="offload",
         help="offload: AdamW on the daemons; torch: torch.optim.AdamW(fused=True) in process, the same groups",
     )  # fmt: skip
+    ps_offload.ClientSecurity.add_arguments(parser)  # --ca-file, --token-file, ...: else $PS_TLS_CA_FILE, ...
     args = parser.parse_args(argv)
 
     model = build_model()
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
             optimizer=ps_offload.AdamW(lr=args.lr, weight_decay=0.01),
             no_weight_decay=no_weight_decay,
             config=ps_offload.OffloadConfig(model_name=args.model_name, shard_bytes=64 << 10),
+            client=ps_offload.ClientConfig(security=ps_offload.ClientSecurity.from_arguments(args)),
         )
     else:
         named = list(model.named_parameters())

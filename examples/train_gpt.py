@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-name", default="char-gpt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample", type=int, default=200, help="characters to generate at the end (0: none)")
+    trainer.ClientSecurity.add_arguments(p)  # --ca-file, --token-file, ...: as ps-admin's, else $PS_TLS_CA_FILE, ...
     g = p.add_argument_group("pipeline x data parallel (under torchrun)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--dp", type=int, default=1, help="data-parallel replicas of each stage")
@@ -117,6 +118,7 @@ def train(args: argparse.Namespace, on_step: Callable[[object], None] | None = N
                 model_name=args.model_name, shard_bytes=args.shard_bytes, staleness=args.staleness
             ),
             compression=trainer.CompressionConfig(method=args.compression, warmup_steps=compression_warmup_steps(args)),
+            client=trainer.ClientConfig(security=trainer.ClientSecurity.from_arguments(args)),
         )
     n_params = sum(p.numel() for p in model.parameters())
     where = "in-process AdamW" if args.local else f"AdamW on {','.join(daemons)}"
@@ -197,6 +199,7 @@ def train_pipeline(args: argparse.Namespace) -> list[float]:
         offload=trainer.OffloadConfig(
             model_name=args.model_name, shard_bytes=args.shard_bytes, staleness=args.staleness
         ),
+        client=None if args.local else trainer.ClientConfig(security=trainer.ClientSecurity.from_arguments(args)),
     )
     reporter = grid.last_stage and grid.replica == 0
     if reporter:

@@ -55,6 +55,10 @@ import math
 
 import torch
 
+from ps_offload.kernels.numba_cache import ensure_numba_cache
+
+ensure_numba_cache()  # before any kernel module compiles: they cache on disk
+
 __all__ = [
     "BLOCK",
     "cast_compress",

@@ -71,6 +71,21 @@ _NO_OUT = {torch.float32: np.zeros(1, dtype=np.float32), torch.bfloat16: np.zero
 # Concurrent parallel launches abort under Numba's fallback threading layer (workqueue); each
 # call already uses every core the daemon gives its optimizer.
 LOCK = threading.Lock()
+_threads = 0  # set_threads; 0: Numba's own count
+
+
+def set_threads(count: int) -> None:
+    """The threads every kernel here runs on from now on (the daemon's store.optimizer_threads),
+    at most Numba's NUMBA_NUM_THREADS."""
+    global _threads
+    _threads = max(1, min(count, numba.config.NUMBA_NUM_THREADS))
+
+
+def _launch(kernel, *args):
+    with LOCK:
+        if _threads:  # (per launching thread in Numba: the pushes' threads vary)
+            numba.set_num_threads(_threads)
+        return kernel(*args)
 
 
 @intrinsic
@@ -294,8 +309,7 @@ def all_finite(values: torch.Tensor) -> bool:
     kind, magnitude, infinity = _INFINITY[values.dtype]
     bits = values.view(kind).numpy()
     peaks = np.zeros(max(1, -(-bits.shape[0] // TASK)), dtype=bits.dtype)
-    with LOCK:
-        _peaks(bits, bits.dtype.type(magnitude), peaks)
+    _launch(_peaks, bits, bits.dtype.type(magnitude), peaks)
     return int(peaks.max()) < infinity
 
 
@@ -389,8 +403,7 @@ def adamw_(
     pass when it has the gradient's dtype."""
     kernel, args, emit = _adamw_call(split, param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
                                      weight_decay, grad_multiplier, tail, out)  # fmt: skip
-    with LOCK:
-        kernel(*args)
+    _launch(kernel, *args)
     _copy_out(out, param, emit)
 
 
@@ -415,8 +428,7 @@ def sgd_(
     `grad` (fp32, bf16 or fp16) times `grad_multiplier`. `tail`, `out`: as adamw_'s."""
     kernel, args, emit = _sgd_call(split, param, grad, momentum_buffer, lr, weight_decay, momentum, dampening,
                                    nesterov, first_step, grad_multiplier, tail, out)  # fmt: skip
-    with LOCK:
-        kernel(*args)
+    _launch(kernel, *args)
     _copy_out(out, param, emit)
 
 

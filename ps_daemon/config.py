@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import grp
 import ipaddress
 import logging
 import re
@@ -81,6 +82,17 @@ class ServerConfig:
     """On SIGTERM, in-flight RPCs get this long to finish before they are cancelled."""
     max_pull_wait_seconds: float = 600.0
     """Longest a Pull waits for `min_version` when the caller set no deadline."""
+    local_group: str = ""
+    """A group whose members may use the local shared-memory transport besides the daemon's own
+    uid: the trainers' users, when the daemon runs as a user of its own (the systemd units'
+    ps-daemon; systemd/README.md creates the group ps-offload). Empty: the daemon's uid only.
+    Its members hand the daemon their memory and read what it writes there: trust them as
+    you trust the daemon's user. A group this host does not know refuses to start."""
+    cpus: str = ""
+    """The CPUs every thread of the daemon runs on, as a list such as "0-7,16" (the format of
+    taskset -c and systemd's CPUAffinity=): on a host shared with trainers, the rest are
+    theirs. Empty: those it was started with (its cgroup's cpuset, CPUAffinity=, taskset). A
+    CPU it may not run on refuses to start."""
     insecure: bool = False
     """Serve plaintext on an address other than loopback anyway (no [tls]: gradients,
     parameters and any token travel in clear). Without it such a daemon refuses to start;
@@ -127,6 +139,10 @@ class StoreConfig:
     queues behind write-back); a shard's read is split over them. Twice the writers: on the
     project's disk 8 MiB x 8 in flight read about 1.1x faster than x 4, writes no faster
     (bench/nvme_engines.py, nvme_io.py)."""
+    optimizer_threads: int = 0
+    """Threads of the optimizer's step (the daemon's AdamW / SGD, its non-finite check). 0: one
+    per CPU the daemon runs on (server.cpus), less one per GPU of the host, so that each
+    co-located GPU trainer rank keeps a core for its launches and copies (at least 1)."""
     io_block_bytes: int = 8 << 20
     """Size of one O_DIRECT read or write; rounded up to 4 KiB."""
     prefetch_depth: int = 2
@@ -283,6 +299,24 @@ def _coerce(f: dataclasses.Field, value: Any, dotted: str) -> Any:
     return float(value) if f.type == "float" else value
 
 
+_CPU_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def parse_cpu_list(text: str, *, key: str = "server.cpus") -> frozenset[int]:
+    """The CPUs of a list such as "0-7,16" (Linux's cpulist format, as taskset -c and
+    systemd's CPUAffinity= write it); ValueError naming `key` for anything else."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        found = _CPU_RANGE.match(part.strip())
+        if found is None:
+            raise ValueError(f'{key}: {part.strip()!r} is not a CPU or a range of CPUs (e.g. "0-7,16")')
+        first, last = int(found[1]), int(found[2] or found[1])
+        if last < first:
+            raise ValueError(f"{key}: the range {part.strip()!r} runs backwards")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
 def validate(config: DaemonConfig) -> DaemonConfig:
     """Checks values that parse but cannot work; returns the config unchanged."""
     if config.store.shard_bytes < 4096:
@@ -300,6 +334,23 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError("store.io_threads must be at least 1")
     if config.store.io_read_threads < 1:
         raise ConfigError("store.io_read_threads must be at least 1")
+    if config.store.optimizer_threads < 0:
+        raise ConfigError(
+            f"store.optimizer_threads must be at least 0 (0: one per CPU), got {config.store.optimizer_threads}"
+        )
+    if config.server.local_group:
+        try:
+            grp.getgrnam(config.server.local_group)
+        except KeyError:
+            raise ConfigError(
+                f"server.local_group: no group named {config.server.local_group!r} on this host (groupadd --system "
+                f"{config.server.local_group}, and add the trainers' users to it)"
+            ) from None
+    if config.server.cpus:
+        try:
+            parse_cpu_list(config.server.cpus)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if config.store.max_models < 1 or config.store.max_shards_per_model < 1:
         raise ConfigError("store.max_models and store.max_shards_per_model must be at least 1")
     if config.server.max_workers < 2:

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ps_offload.daemon import systemd
+from ps_offload.daemon import cpus, systemd
 from ps_offload.daemon.config import ConfigError, DaemonConfig, exposed_in_plaintext
 from ps_offload.daemon.dataplane.local_pool import LocalPool
 from ps_offload.daemon.dataplane.local_server import LocalServer
@@ -494,6 +494,7 @@ def run(config: DaemonConfig, *, reload: Callable[[], DaemonConfig] | None = Non
     # recovering, and a SIGTERM then is served after start() (the drain finds nothing).
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, on_signal)
+    cpus.apply(cpus.plan(config.server.cpus, config.store.optimizer_threads))  # (OSError: a CPU not ours)
     interval = systemd.watchdog_interval()
     daemon = Daemon(config, watchdog=interval is not None)
     daemon.start()

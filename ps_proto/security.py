@@ -9,7 +9,9 @@ each DataRequest.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import ssl
 import stat
 from collections.abc import Callable
@@ -46,6 +48,11 @@ def read_file(path: str, what: str) -> bytes:
 
 # --- the client's side -------------------------------------------------------------------
 
+ENVIRONMENT = {"ca_file": "PS_TLS_CA_FILE", "cert_file": "PS_TLS_CERT_FILE", "key_file": "PS_TLS_KEY_FILE",
+               "token_file": "PS_TOKEN_FILE", "server_name": "PS_TLS_SERVER_NAME"}  # fmt: skip
+"""ClientSecurity's fields, and the environment variables that set them for trainers and
+ps-admin (whose --ca-file, --cert-file, ... options default to them)."""
+
 
 @dataclass(frozen=True)
 class ClientSecurity:
@@ -62,6 +69,32 @@ class ClientSecurity:
     server_name: str = ""
     """Name to check the daemons' certificates against instead of the dialled host (e.g.
     certificates issued for a DNS name while dialling an address)."""
+
+    @classmethod
+    def from_environment(cls) -> ClientSecurity:
+        """The settings ps-admin reads too: $PS_TLS_CA_FILE, $PS_TLS_CERT_FILE,
+        $PS_TLS_KEY_FILE, $PS_TOKEN_FILE and $PS_TLS_SERVER_NAME (unset: plaintext, no
+        token), so that one environment serves a job's trainers and its operator alike."""
+        return cls(**{name: os.environ.get(variable, "") for name, variable in ENVIRONMENT.items()})
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """ps-admin's --ca-file, --cert-file, --key-file, --token-file and --server-name for a
+        training script, each defaulting to its environment variable (`from_arguments`)."""
+        group = parser.add_argument_group("daemons with TLS or a token (as ps-admin; else the environment)")
+        for name, variable in ENVIRONMENT.items():
+            group.add_argument(
+                "--" + name.replace("_", "-"),
+                dest=f"security_{name}",
+                default=os.environ.get(variable, ""),
+                metavar="NAME" if name == "server_name" else "PATH",
+                help=f"(default: ${variable})",
+            )
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> ClientSecurity:
+        """The settings `add_arguments`' flags hold."""
+        return cls(**{name: getattr(args, f"security_{name}") for name in ENVIRONMENT})
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):

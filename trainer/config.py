@@ -366,10 +366,11 @@ class ClientConfig:
     backward passes instead of when the pushes arrive."""
     max_message_bytes: int = 8 << 20
     """Largest gRPC message either side accepts; chunks are far smaller."""
-    security: ClientSecurity = field(default_factory=ClientSecurity)
+    security: ClientSecurity = field(default_factory=ClientSecurity.from_environment)
     """TLS (the CA that signed the daemons' certificates, a client certificate for mutual
     TLS) and the bearer token file, for daemons configured with [tls] and [auth]. The
-    default connects in plaintext without a token."""
+    default reads the environment ps-admin reads ($PS_TLS_CA_FILE, $PS_TOKEN_FILE, ...:
+    ClientSecurity.from_environment); with none of it set, plaintext without a token."""
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "local", "tcp", "grpc"):

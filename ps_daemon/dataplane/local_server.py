@@ -33,8 +33,10 @@ it is applied. The memory is the client's, and the client is the daemon's own ui
 writes its gradient while the daemon reads it trains on what it wrote, as it would with any
 buffer it handed to a library.
 
-Who may connect: a peer of the daemon's own uid (SO_PEERCRED; another uid is logged and
-closed), at most `server.max_data_connections_per_client` at once (the ranks of one host).
+Who may connect: a peer of the daemon's own uid, or a member of `server.local_group` (a
+daemon run as a user of its own, and trainers of their users in that group: SO_PEERCRED;
+another is answered PERMISSION_DENIED naming the setting, and the trainer uses the data
+plane and says why), at most `server.max_data_connections_per_client` at once (the ranks of one host).
 Each connection has a thread (local clients are few), which may wait for a pull's version up
 to the request's timeout and `server.max_pull_wait_seconds`. Errors are answered as the data
 plane answers them (ps_offload.daemon.rpc.status); with auth.require_token = "all" every
@@ -44,6 +46,7 @@ request carries the token.
 from __future__ import annotations
 
 import contextlib
+import grp
 import logging
 import os
 import socket
@@ -52,6 +55,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import torch
@@ -108,6 +112,8 @@ class LocalServer:
         self.pool = pool
         self.max_pull_wait = limits.max_pull_wait_seconds
         self.max_connections = limits.max_data_connections_per_client
+        self.group = limits.local_group
+        self.group_id = grp.getgrnam(self.group).gr_gid if self.group else None  # (checked at load)
         self.token = token
         self.observe = observe
         self.refused = 0  # connections refused since the start
@@ -183,13 +189,16 @@ class LocalServer:
             if self.stopping:
                 sock.close()
                 return
-            pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            if uid != os.geteuid():
+            pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            if not self._admits(pid, uid, gid):
                 self.refused += 1
-                quiet_log.info(
-                    "LocalTransport", "PERMISSION_DENIED", f"refused process {pid} of uid {uid}: not the daemon's uid"
+                message = (
+                    f"the daemon (uid {os.geteuid()}) shares memory with processes of its own uid"
+                    + (f" and of group {self.group!r}" if self.group else "")
+                    + f"; uid {uid} is neither (server.local_group names the trainers' group)"
                 )
-                sock.close()
+                quiet_log.info("LocalTransport", "PERMISSION_DENIED", f"refused process {pid}: {message}")
+                _refuse(sock, Refused(grpc.StatusCode.PERMISSION_DENIED, message))
                 continue
             with self._cond:
                 full = len(self._connections) >= self.max_connections
@@ -205,6 +214,15 @@ class LocalServer:
                 _refuse(sock, Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, message))
                 continue
             threading.Thread(target=self._connection, args=(sock, pid), name=f"local-{pid}", daemon=True).start()
+
+    def _admits(self, pid: int, uid: int, gid: int) -> bool:
+        """The daemon's own uid, or a process in server.local_group: its group or one of its
+        supplementary groups, as the kernel holds them for it now (/proc/PID/status)."""
+        if uid == os.geteuid():
+            return True
+        if self.group_id is None:
+            return False
+        return gid == self.group_id or self.group_id in _process_groups(pid)
 
     def _connection(self, sock: socket.socket, pid: int) -> None:
         session, joined = _Session(sock, pid), False
@@ -456,6 +474,17 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _close_fds(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+def _process_groups(pid: int) -> set[int]:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # gone already
+        return set()
+    for line in status.splitlines():
+        if line.startswith("Groups:"):
+            return {int(g) for g in line.split()[1:]}
+    return set()
 
 
 def _refuse(sock: socket.socket, refusal: Refused) -> None:

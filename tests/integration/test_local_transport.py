@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import grp
 import itertools
 import mmap
 import os
@@ -166,10 +167,12 @@ from ps_offload.trainer.wire.dataplane_client import DataPlaneError
 from ps_offload.trainer.wire.local_client import LocalClient
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.sharded_client import ShardedClient
-address, model, endpoint, spec = sys.argv[1:]
+address, model, endpoint, spec, gid, groups = sys.argv[1:]
 import encodings.idna  # imported lazily by the first connect, from where nobody may read
-os.setgroups([])
-os.setgid(65534)
+import logging
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+os.setgroups([int(g) for g in groups.split(",") if g])
+os.setgid(int(gid))
 os.setuid(65534)
 try:
     LocalClient(endpoint, slot_bytes=4096, max_connections=1)
@@ -185,19 +188,62 @@ client.close()
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another uid needs root")
-def test_another_uid_is_refused_and_uses_the_data_plane(daemon):
-    _register(daemon.address, "other-uid").close()
-    endpoint = _endpoint(daemon.address)
-    done = subprocess.run(
-        [sys.executable, "-c", _OTHER_UID_CLIENT, daemon.address, "other-uid", endpoint,
-         _spec("other-uid").SerializeToString().hex()],
+def _as_nobody(daemon: LocalDaemon, model: str, gid: int, groups: tuple[int, ...] = ()) -> subprocess.CompletedProcess:
+    """_OTHER_UID_CLIENT as uid 65534 with group `gid` and supplementary `groups`."""
+    _register(daemon.address, model).close()
+    return subprocess.run(
+        [sys.executable, "-c", _OTHER_UID_CLIENT, daemon.address, model, _endpoint(daemon.address),
+         _spec(model).SerializeToString().hex(), str(gid), ",".join(map(str, groups))],
         env={**os.environ, "HOME": "/tmp"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another uid needs root")
+def test_another_uid_is_refused_and_uses_the_data_plane_saying_why(daemon):
+    done = _as_nobody(daemon, "other-uid", 65534)
     assert done.returncode == 0, done.stderr
-    assert "local: UNAVAILABLE" in done.stdout
+    assert "local: PERMISSION_DENIED" in done.stdout
     assert f"transport: DataPlaneClient version: 0 sum: {NUMEL}" in done.stdout
-    assert "of uid 65534: not the daemon's uid" in daemon.log()
+    assert "WARNING" in done.stderr and "uid 65534 is neither (server.local_group" in done.stderr
+    assert "uid 65534 is neither" in daemon.log()
+
+
+def _nogroup() -> str:
+    if os.geteuid() != 0:
+        return "running a client as another uid needs root"
+    try:
+        return "" if grp.getgrnam("nogroup").gr_gid == 65534 else "nogroup is not gid 65534 here"
+    except KeyError:
+        return "no group nogroup on this host"
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("grouped")
+    (workdir / "daemon.toml").write_text('[server]\nlocal_group = "nogroup"\n')
+    daemon = LocalDaemon(workdir / "d", "--config", str(workdir / "daemon.toml"))
+    try:
+        yield daemon
+    finally:
+        daemon.kill()
+
+
+@pytest.mark.skipif(bool(_nogroup()), reason=_nogroup() or "-")
+@pytest.mark.parametrize(("gid", "groups"), [(65534, ()), (1, (65534,))], ids=["its-group", "a-supplementary-group"])
+def test_another_uid_in_the_local_group_shares_memory(grouped, gid, groups):
+    done = _as_nobody(grouped, f"grouped-{gid}", gid, groups)
+    assert done.returncode == 0, done.stderr
+    assert "local: accepted" in done.stdout
+    assert f"transport: LocalClient version: 0 sum: {NUMEL}" in done.stdout
+    assert "WARNING" not in done.stderr
+
+
+@pytest.mark.skipif(bool(_nogroup()), reason=_nogroup() or "-")
+def test_another_uid_outside_the_local_group_is_refused(grouped):
+    done = _as_nobody(grouped, "ungrouped", 1)
+    assert done.returncode == 0, done.stderr
+    assert "local: PERMISSION_DENIED" in done.stdout and "transport: DataPlaneClient" in done.stdout
+    assert "shares memory with processes of its own uid and of group 'nogroup'; uid 65534 is neither" in done.stderr
 
 
 def _namespace_unavailable() -> str:

@@ -133,6 +133,8 @@ KNOWN_OPTIONS = [
     "server.max_message_bytes",
     "server.grace_seconds",
     "server.max_pull_wait_seconds",
+    "server.local_group",
+    "server.cpus",
     "server.insecure",
     "store.ram_bytes",
     "store.shard_bytes",
@@ -144,6 +146,7 @@ KNOWN_OPTIONS = [
     "store.fsync",
     "store.io_threads",
     "store.io_read_threads",
+    "store.optimizer_threads",
     "store.io_block_bytes",
     "store.prefetch_depth",
     "store.allow_nonfinite_pushes",
@@ -189,6 +192,8 @@ def test_every_option_can_be_set_from_a_file(write_toml, tmp_path):
         "server.local_pool_bytes": ('"64MiB"', 64 * MiB),
         "server.grace_seconds": ("1.5", 1.5),
         "server.max_pull_wait_seconds": ("4.0", 4.0),
+        "server.local_group": ('"root"', "root"),
+        "server.cpus": ('"0-1,3"', "0-1,3"),
         "server.insecure": ("true", True),
         "store.ram_bytes": ('"2GiB"', 2 * GiB),
         "store.shard_bytes": ("8192", 8192),
@@ -200,6 +205,7 @@ def test_every_option_can_be_set_from_a_file(write_toml, tmp_path):
         "store.fsync": ("false", False),
         "store.io_threads": ("8", 8),
         "store.io_read_threads": ("16", 16),
+        "store.optimizer_threads": ("3", 3),
         "store.io_block_bytes": ('"4MiB"', 4 * MiB),
         "store.prefetch_depth": ("0", 0),
         "store.allow_nonfinite_pushes": ("true", True),
@@ -594,3 +600,10 @@ def test_tls_auth_and_metrics_settings_that_cannot_work_are_refused(write_toml, 
 def test_data_plane_limits_that_cannot_work_are_refused(write_toml, toml, message):
     with pytest.raises(ConfigError, match=message):
         load_config(write_toml(f"[server]\n{toml}\n"))
+
+
+def test_a_local_group_this_host_does_not_know_is_refused(tmp_path):
+    path = tmp_path / "daemon.toml"
+    path.write_text('[server]\nlocal_group = "no-such-group-ps"\n')
+    with pytest.raises(ConfigError, match="server.local_group: no group named 'no-such-group-ps' on this host"):
+        load_config(path)

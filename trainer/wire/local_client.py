@@ -82,8 +82,11 @@ class _Connection:
                 self.sock.settimeout(timeout)
                 self.sock.connect("\0" + endpoint)
                 attach = ps_pb2.LocalAttach(client=client, window=0)
-                socket.send_fds(self.sock, [frame(ps_pb2.DataRequest(attach=attach))], [fd])
-                _answer(self.sock)  # refused (another uid): FrameError, the daemon hung up
+                try:
+                    socket.send_fds(self.sock, [frame(ps_pb2.DataRequest(attach=attach))], [fd])
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # refused at once: its answer is still there to read
+                _answer(self.sock)  # refused: DataPlaneError, with the daemon's reason
             except BaseException:
                 self.close()
                 raise

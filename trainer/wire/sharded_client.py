@@ -219,7 +219,15 @@ class ShardedClient:
                 windows=self.host_windows,
             )
         except DataPlaneError as error:
-            log.info("daemon %s: local transport not usable, using its data plane: %s", self.daemons[index], error)
+            # Another host or network namespace is the normal case; a refusal is a setting.
+            refused = error.code() == grpc.StatusCode.PERMISSION_DENIED
+            log.log(
+                logging.WARNING if refused else logging.INFO,
+                "daemon %s: local shared-memory transport not usable, using its data plane (one more copy each "
+                "way): %s",
+                self.daemons[index],
+                error,
+            )
             return None
 
     def _replace(self, index: int, transport: Transport) -> None:
