@@ -47,11 +47,18 @@ class Namespace:
         """The command prefix that runs a process inside the namespace."""
         return ("ip", "netns", "exec", self.name)
 
-    def partition(self) -> None:
-        """Cuts the link: packets both ways are dropped, no connection is reset."""
-        _ip("link", "set", self.host_if, "down")
+    def partition(self, *, silent: bool = False) -> None:
+        """Cuts the link: packets both ways are dropped, no connection is reset. `silent`:
+        the link stays up and the namespace's replies are discarded (a blackhole route to
+        this side), so a connect's SYN goes unanswered instead of failing at once, as across
+        a switch that stopped forwarding."""
+        if silent:
+            _ip("netns", "exec", self.name, "ip", "route", "add", "blackhole", f"{self.host_ip}/32")
+        else:
+            _ip("link", "set", self.host_if, "down")
 
     def heal(self) -> None:
+        _ip("netns", "exec", self.name, "ip", "route", "del", "blackhole", f"{self.host_ip}/32", check=False)
         _ip("link", "set", self.host_if, "up")
 
     def degrade(self, *, loss: float, delay_ms: int, rate: str) -> str:

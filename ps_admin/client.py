@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.proto import codec, ps_pb2, ps_pb2_grpc
 from ps_offload.proto.channel import method_path
+from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.pull import PullStreamError, read_pull_stream
 from ps_offload.proto.push import Push
@@ -34,7 +35,11 @@ def admin_error(daemon: str, what: str, exc: grpc.RpcError) -> AdminError:
     """The line for a failed RPC: unreachable, too slow, or refused (with the daemon's reason)."""
     code, details = exc.code(), exc.details()  # type: ignore[attr-defined]  # a grpc.Call too
     if code == grpc.StatusCode.UNAVAILABLE:
-        return AdminError(f"daemon {daemon} is unreachable ({code.name}: {details})")
+        hint = ""
+        if not _security.tls and ("Socket closed" in details or "handshake" in details.lower()):
+            # What gRPC says when a plaintext client meets a TLS port: nothing about TLS.
+            hint = "; if it has [tls], give its CA: --ca-file or $PS_TLS_CA_FILE"
+        return AdminError(f"daemon {daemon} is unreachable ({code.name}: {details}){hint}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # a busy daemon and a blackholed address look alike
         return AdminError(f"daemon {daemon} did not answer in time, {what} ({code.name}: {details})")
     return AdminError(f"{what} on daemon {daemon}: {code.name}: {details}")
@@ -53,6 +58,10 @@ def use_security(security: ClientSecurity) -> None:
 @contextlib.contextmanager
 def channel(daemon: str) -> Iterator[grpc.Channel]:
     """A channel to `daemon`: every call of ps-admin goes through here."""
+    try:
+        split_host_port(daemon)
+    except ValueError:  # gRPC would dial port 443 for a bare host
+        raise AdminError(f"--daemon {daemon}: give host:port (its server.listen, e.g. {daemon}:50051)") from None
     # No receive limit: a daemon with many shards answers ListShards with one big message.
     options = [("grpc.max_receive_message_length", -1)]
     with _security.channel(daemon, options) as ch:

@@ -268,8 +268,9 @@ def models_table(rows: list[dict[str, Any]]) -> Table:
 def shards_table(rows: list[dict[str, Any]], daemons: list[str]) -> Table:
     multi = len(daemons) > 1  # a daemon column only where there is a choice of daemon
     table = Table(title=None if multi else f"shards on {daemons[0]}")
-    for name in ["daemon"] * multi + ["shard", "model", "parameters", "numel", "bytes", "tier", "version"]:
-        table.add_column(name, justify="right" if name in ("shard", "numel", "bytes", "version") else "left")
+    # "in RAM": the bytes resident now (0 on NVMe only, as after a restart: nothing is lost).
+    for name in ["daemon"] * multi + ["shard", "model", "parameters", "numel", "in RAM", "tier", "version"]:
+        table.add_column(name, justify="right" if name in ("shard", "numel", "in RAM", "version") else "left")
     table.add_column("initialized")
     for r in rows:
         cells = [str(r["shard_id"]), r["model"], short_params(r["params"]), str(r["numel"])]

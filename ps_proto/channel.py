@@ -32,9 +32,12 @@ def keepalive_options(dead_peer_seconds: float) -> list[tuple[str, int]]:
     """A caller's channel options that fail its calls UNAVAILABLE (so they are retried) within
     about `dead_peer_seconds` when the peer stops answering without a reset (a partition, a
     host gone): HTTP/2 pings every half of it while calls are in flight, each to be answered
-    within the other half. The daemon accepts them (SERVER_KEEPALIVE)."""
+    within the other half, and connect attempts given up after all of it. The daemon accepts
+    the pings (SERVER_KEEPALIVE)."""
     half_ms = max(500, int(dead_peer_seconds * 500))
     return [
+        # A connect attempt unanswered (SYNs dropped) fails after dead_peer_seconds, not 20 s.
+        ("grpc.min_reconnect_backoff_ms", 2 * half_ms),
         ("grpc.keepalive_time_ms", half_ms),
         ("grpc.keepalive_timeout_ms", half_ms),
         ("grpc.keepalive_permit_without_calls", 0),

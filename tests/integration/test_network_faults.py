@@ -78,14 +78,15 @@ def test_delay_loss_and_a_partition_pause_training_which_ends_bit_identical(tmp_
             daemon.kill()
 
 
-def test_a_daemon_partitioned_for_good_fails_the_job_naming_it_within_the_retry_budget(tmp_path):
+@pytest.mark.parametrize("silent", [False, True], ids=["link-down", "syns-unanswered"])
+def test_a_daemon_partitioned_for_good_fails_the_job_naming_it_within_the_retry_budget(tmp_path, silent):
     model, batches = _case()
     with netns.namespace() as ns:
         daemon = _remote_daemon(tmp_path, ns)
         try:
             with _offload(model, daemon.address, retry_seconds=2, dead_peer_seconds=4) as opt:
                 _train(opt, model, batches[:2])
-                ns.partition()
+                ns.partition(silent=silent)
                 started = time.monotonic()
                 with pytest.raises(DaemonError) as info:
                     _train(opt, model, batches[2:])

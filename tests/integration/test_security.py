@@ -259,6 +259,7 @@ def test_ps_admin_takes_tls_and_the_token_from_options_or_the_environment(daemon
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr and "Traceback" not in refused.stderr
     plaintext = admin("shards", "--daemon", daemon.address)
     assert plaintext.returncode == 1 and "Traceback" not in plaintext.stderr
+    assert "if it has [tls], give its CA: --ca-file or $PS_TLS_CA_FILE" in plaintext.stderr
     missing = admin("--token-file", str(tmp_path / "nope"), "shards", "--daemon", daemon.address)
     assert missing.returncode == 1 and "cannot read token file" in missing.stderr and "Traceback" not in missing.stderr
     half = admin("--cert-file", pki["client_cert"], "shards", "--daemon", daemon.address)

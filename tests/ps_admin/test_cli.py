@@ -132,7 +132,7 @@ def test_stats_json_counts_every_applied_push(trained):
 def test_tables_show_headers_and_values(trained):
     shards = run_admin("shards", "--daemon", trained.address)
     assert shards.returncode == 0, shards.stderr
-    for header in ("shard", "model", "parameters", "numel", "bytes", "tier", "version", "initialized"):
+    for header in ("shard", "model", "parameters", "numel", "in RAM", "tier", "version", "initialized"):
         assert header in shards.stdout
     lines = shards.stdout.splitlines()
     for s in trained.plan:
@@ -157,6 +157,13 @@ def test_unreachable_daemon_is_one_line_and_exit_1(command):
     assert result.stderr.startswith(f"ps-admin: daemon {address} is unreachable (UNAVAILABLE: ")
     assert result.stderr.count("\n") == 1
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [["shards"], ["shard", "0"], ["stats"], ["evict", "0"]])
+def test_a_daemon_without_its_port_is_a_usage_error_not_port_443(command):
+    result = run_admin(*command, "--daemon", "localhost")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "--daemon localhost: give host:port (its server.listen, e.g. localhost:50051)" in result.stderr
 
 
 def test_unknown_shard_and_model_are_not_found(trained):

@@ -120,7 +120,9 @@ class DataPlaneClient:
 
     def _connect(self, timeout: float) -> socket.socket:
         try:
-            sock = socket.create_connection(self.address, timeout=timeout)
+            # A SYN unanswered for dead_peer_seconds is a peer gone (retried, then given up on),
+            # not a wait for the call's whole timeout; the TLS handshake is bounded alike.
+            sock = socket.create_connection(self.address, timeout=min(timeout, self._dead_peer_seconds))
         except OSError as exc:
             raise DataPlaneError(
                 grpc.StatusCode.UNAVAILABLE, f"cannot reach data plane {self.address[0]}:{self.address[1]}: {exc}"
