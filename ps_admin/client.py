@@ -35,14 +35,17 @@ def admin_error(daemon: str, what: str, exc: grpc.RpcError) -> AdminError:
     """The line for a failed RPC: unreachable, too slow, or refused (with the daemon's reason)."""
     code, details = exc.code(), exc.details()  # type: ignore[attr-defined]  # a grpc.Call too
     if code == grpc.StatusCode.UNAVAILABLE:
-        hint = ""
-        if not _security.tls and ("Socket closed" in details or "handshake" in details.lower()):
-            # What gRPC says when a plaintext client meets a TLS port: nothing about TLS.
-            hint = "; if it has [tls], give its CA: --ca-file or $PS_TLS_CA_FILE"
-        return AdminError(f"daemon {daemon} is unreachable ({code.name}: {details}){hint}")
+        return AdminError(f"daemon {daemon} is unreachable ({code.name}: {details}){_tls_hint(details or '')}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # a busy daemon and a blackholed address look alike
         return AdminError(f"daemon {daemon} did not answer in time, {what} ({code.name}: {details})")
     return AdminError(f"{what} on daemon {daemon}: {code.name}: {details}")
+
+
+def _tls_hint(details: str) -> str:
+    """What gRPC does not say when a plaintext client meets a TLS port ("Socket closed")."""
+    if not _security.tls and ("Socket closed" in details or "handshake" in details.lower()):
+        return "; if it has [tls], give its CA: --ca-file or $PS_TLS_CA_FILE"
+    return ""
 
 
 # How ps-admin connects (TLS, client certificate, token); set once by the main callback.
@@ -265,6 +268,6 @@ def check_health(address: str, service: str, timeout: float) -> dict[str, Any]:
             grpc.StatusCode.NOT_FOUND: "SERVICE_UNKNOWN",
             grpc.StatusCode.UNIMPLEMENTED: "NO_HEALTH_SERVICE",
         }.get(code, code.name)
-        error = f"{code.name}: {exc.details()}"  # type: ignore[attr-defined]
+        error = f"{code.name}: {exc.details()}{_tls_hint(exc.details() or '')}"  # type: ignore[attr-defined]
     latency = time.perf_counter() - started
     return {"daemon": address, "status": status, "latency_ms": round(latency * 1000, 3), "error": error}

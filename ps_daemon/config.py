@@ -82,6 +82,13 @@ class ServerConfig:
     """On SIGTERM, in-flight RPCs get this long to finish before they are cancelled."""
     max_pull_wait_seconds: float = 600.0
     """Longest a Pull waits for `min_version` when the caller set no deadline."""
+    health_listen: str = ""
+    """host:port of a plaintext port that serves grpc.health.v1 alone, for probes that cannot
+    speak TLS (the kubelet's gRPC probes). It answers what a check through the main server
+    answers, tried every health_check_seconds: a hung server reads NOT_SERVING there too.
+    Empty: none (the main port's Health service, under its TLS, is enough)."""
+    health_check_seconds: float = 10.0
+    """How often the daemon checks itself through its main server for health_listen."""
     local_group: str = ""
     """A group whose members may use the local shared-memory transport besides the daemon's own
     uid: the trainers' users, when the daemon runs as a user of its own (the systemd units'
@@ -338,6 +345,8 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError(
             f"store.optimizer_threads must be at least 0 (0: one per CPU), got {config.store.optimizer_threads}"
         )
+    if config.server.health_check_seconds <= 0:
+        raise ConfigError(f"server.health_check_seconds must be above 0, got {config.server.health_check_seconds}")
     if config.server.local_group:
         try:
             grp.getgrnam(config.server.local_group)
@@ -418,6 +427,8 @@ def _check_addresses(config: DaemonConfig) -> None:
         addresses["server.data_listen"] = _port_of("server.data_listen", server.data_listen, ' "auto", "off" or')
     if config.metrics.listen:
         addresses["metrics.listen"] = _port_of("metrics.listen", config.metrics.listen, " empty (off) or")
+    if server.health_listen:
+        addresses["server.health_listen"] = _port_of("server.health_listen", server.health_listen, " empty (off) or")
     seen: dict[int, str] = {}
     for key, port in addresses.items():
         if port and port in seen:

@@ -27,6 +27,7 @@ from ps_offload.daemon.config import ConfigError, DaemonConfig, exposed_in_plain
 from ps_offload.daemon.dataplane.local_pool import LocalPool
 from ps_offload.daemon.dataplane.local_server import LocalServer
 from ps_offload.daemon.dataplane.server import DataPlaneServer
+from ps_offload.daemon.health_port import HealthPort
 from ps_offload.daemon.metrics import DaemonMetrics
 from ps_offload.daemon.model.optimizer import log_calibration
 from ps_offload.daemon.ownership import DirectoryInUse, DirectoryLock, listener_of, port_in_use
@@ -103,6 +104,7 @@ class Daemon:
         )
         self.local = LocalServer.bind(**local) if self.data_plane else None
         self.health = health.HealthServicer()
+        self.health_port = HealthPort.of(config.server)
         # Outermost first: a call refused for its token is still timed, with its code.
         interceptors = [self.metrics.interceptor()] if self.metrics else []
         interceptors.append(server_security.TokenInterceptor(self.token))
@@ -173,7 +175,7 @@ class Daemon:
             raise OSError(
                 f"cannot listen on {listen} (server.listen): not an address of this host, or the port is taken"
             )
-        if self.watchdog:
+        if self.watchdog or self.health_port is not None:
             self._open_probe()
         # The one-pass optimizer kernel is calibrated against this torch and compiled in the
         # background (kernels/step_calibration.py); pushes step with torch's kernels until then.
@@ -187,12 +189,11 @@ class Daemon:
         if self.local is not None:
             self.local.start()
         if self.metrics is not None:
-            metrics_port = self.metrics.serve(self.config.metrics.listen)
-            if self.config.metrics.port_file:
-                _write_atomically(Path(self.config.metrics.port_file), f"{metrics_port}\n")
-            log.info("metrics on http://%s:%d/metrics", self.config.metrics.listen.rpartition(":")[0], metrics_port)
+            self._serve_metrics()
         for name in ["", *SERVICE_NAMES]:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.health_port is not None:
+            self.health_port.start(self.check)
         log.info("ps-daemon listening on %s (port %d)", listen, self.port)
         if self.nvme_lock is not None:
             data = f", data plane port {self.data_plane.port}" if self.data_plane is not None else ""
@@ -220,6 +221,20 @@ class Daemon:
         took = time.monotonic() - started
         log.info("recovered %d shards from %s in %.1fs", shards, where, took)
         self._set_status(f"Starting: recovered {_count(shards, 'shard')} of {models} from {where} in {took:.1f}s")
+
+    def _serve_metrics(self) -> None:
+        """The metrics endpoint; one that cannot listen (a node agent on its port) is an ERROR
+        and the daemon serves without it: its trainers need the daemon, not its metrics (a
+        scraper sees the target down)."""
+        listen = self.config.metrics.listen
+        try:
+            metrics_port = self.metrics.serve(listen)
+        except OSError as exc:
+            log.error("no metrics: %s; serving without them (set metrics.listen to a free port)", exc)
+            return
+        if self.config.metrics.port_file:
+            _write_atomically(Path(self.config.metrics.port_file), f"{metrics_port}\n")
+        log.info("metrics on http://%s:%d/metrics", listen.rpartition(":")[0], metrics_port)
 
     def _open_probe(self) -> None:
         # The watchdog's health checks come in here: through the same server (poller, RPC
@@ -334,6 +349,8 @@ class Daemon:
         self._stopping = True
         systemd.notify("STOPPING=1", f"STATUS=Stopping: draining in-flight calls for up to {grace:.0f}s")
         self.health.enter_graceful_shutdown()
+        if self.health_port is not None:
+            self.health_port.stop()
         stopped = self.server.stop(grace)
         if self.data_plane is not None:
             self.data_plane.stop(grace)

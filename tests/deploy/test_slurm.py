@@ -1,14 +1,18 @@
 """deploy/slurm/ and `ps-admin cluster-file`: a job's daemon list from real Slurm node lists,
-expanded in Slurm's order, written as the cluster file the trainers read; the scripts parse."""
+expanded in Slurm's order, written as the cluster file the trainers read; the scripts parse;
+the prolog finds a daemon with TLS and a token serving, or drains the node saying why."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import trustme
 
+from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto.cluster import read_cluster_file
 
 SLURM = Path(__file__).resolve().parents[2] / "deploy" / "slurm"
@@ -48,3 +52,59 @@ def test_without_a_node_list_or_with_a_bad_one_it_says_so():
 @pytest.mark.parametrize("script", sorted(SLURM.iterdir()), ids=lambda p: p.name)
 def test_the_scripts_parse(script):
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
+
+
+# -- the prolog against a real daemon with TLS and a token ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    """A daemon with [tls] and [auth] as the recipes run it, and the files its clients need."""
+    out = tmp_path_factory.mktemp("secured")
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "ps-node.example")
+    ca.cert_pem.write_to_path(str(out / "ca.pem"))
+    server.cert_chain_pems[0].write_to_path(str(out / "cert.pem"))
+    server.private_key_pem.write_to_path(str(out / "key.pem"))
+    (out / "token").write_text("prolog-token\n")
+    (out / "token").chmod(0o600)
+    (out / "daemon.toml").write_text(
+        f'[tls]\ncert_file = "{out}/cert.pem"\nkey_file = "{out}/key.pem"\n[auth]\ntoken_file = "{out}/token"\n'
+    )
+    daemon = LocalDaemon(out / "d", "--config", str(out / "daemon.toml"))
+    try:
+        yield daemon, out
+    finally:
+        daemon.kill()
+
+
+def _prolog(tmp_path: Path, port: int, settings: str) -> subprocess.CompletedProcess:
+    """deploy/slurm/prolog.sh with its settings file, ps-admin from this checkout, and a
+    systemctl that reports the unit active (no systemd runs here; the daemon is real)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "ps-admin").write_text(f'#!/bin/sh\nexec {sys.executable} -m ps_offload.admin "$@"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    (tmp_path / "ps-offload").write_text(settings + f"PS_DAEMON_PORT={port}\nPS_DAEMON_WAIT=6\n")
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}
+    environment |= {"PATH": f"{bin_dir}:{environment['PATH']}", "PS_OFFLOAD_SETTINGS": str(tmp_path / "ps-offload"),
+                    "PS_ADMIN": str(bin_dir / "ps-admin")}  # fmt: skip
+    return subprocess.run(["bash", str(SLURM / "prolog.sh")], capture_output=True, text=True, timeout=180,
+                          env=environment)  # fmt: skip
+
+
+def test_the_prolog_finds_a_tls_daemon_serving_with_the_settings_file(secured, tmp_path):
+    daemon, files = secured
+    settings = f"PS_TLS_CA_FILE={files}/ca.pem\nPS_TOKEN_FILE={files}/token\nPS_TLS_SERVER_NAME=ps-node.example\n"
+    done = _prolog(tmp_path, daemon.port, settings)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_prolog_drains_a_node_saying_why(secured, tmp_path):
+    daemon, _ = secured
+    done = _prolog(tmp_path, daemon.port, "")  # no CA: plaintext against the TLS port
+    assert done.returncode == 1
+    assert f"did not answer SERVING on port {daemon.port}" in done.stderr
+    assert "give its CA: --ca-file or $PS_TLS_CA_FILE" in done.stderr

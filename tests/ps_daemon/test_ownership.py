@@ -5,11 +5,14 @@ unless the config asks to create it; bad addresses are config errors naming thei
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.daemon.ownership import LOCK_NAME, DirectoryInUse, DirectoryLock, listener_of
 
@@ -115,3 +118,18 @@ def test_json_logs_are_one_object_per_line(daemon_factory):
     assert not [line for line in lines if " INFO " in line or " WARNING " in line]  # no text records
     assert any(e["message"].startswith("ps-daemon listening on 127.0.0.1:0") for e in entries)
     assert {"time", "level", "logger", "message"} <= entries[0].keys()
+
+
+def test_a_metrics_port_in_use_leaves_the_daemon_serving_without_metrics(daemon_factory, tmp_path):
+    """A node agent on the metrics port (node-exporter's 9100) must not keep the trainers'
+    daemon down: it serves, and says at ERROR why it has no metrics."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = tmp_path / "daemon.toml"
+        config.write_text(f'[metrics]\nlisten = "127.0.0.1:{taken.getsockname()[1]}"\n')
+        daemon = daemon_factory(config=config)
+        assert "no metrics:" in daemon.log() and "metrics.listen" in daemon.log()
+        with grpc.insecure_channel(daemon.address) as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
