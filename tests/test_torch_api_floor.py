@@ -40,7 +40,7 @@ TORCH_2_11 = {
         aminmax arange autocast bfloat16 bool cat clamp device dtype empty empty_like enable_grad equal finfo
         float16 float32 float64 from_file frombuffer full full_like get_num_threads histc int16 int32 int64
         is_grad_enabled isfinite isnan long manual_seed mul multinomial nextafter no_grad ones rand
-        randint randn set_num_threads softmax sort split stack tensor uint16 uint8 where zeros
+        randint randn set_num_threads softmax sort split stack tensor uint16 uint32 uint8 where zeros
         zeros_like
     """,
     "torch._C": "_will_engine_execute_node",

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import trustme
 
 from ps_offload.daemon.local import LocalDaemon
 
@@ -49,3 +50,41 @@ def test_example_without_daemons_says_how_to_give_them(tmp_path):
     assert result.returncode != 0
     assert "no daemons given: pass --daemons" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_train_against_daemons_with_tls_and_a_token_from_the_environment(tmp_path):
+    """The README's multi-node set-up with [tls] and [auth] on: the job is given the cluster
+    file, the CA and the token file through the environment alone (PS_CLUSTER_FILE,
+    PS_TLS_CA_FILE, PS_TOKEN_FILE), as ps-admin is."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    (tmp_path / "token").write_text("job-token\n")
+    (tmp_path / "token").chmod(0o600)
+    (tmp_path / "daemon.toml").write_text(
+        f'[tls]\ncert_file = "{tmp_path}/cert.pem"\nkey_file = "{tmp_path}/key.pem"\n'
+        f'[auth]\ntoken_file = "{tmp_path}/token"\n'
+    )
+    daemons = [LocalDaemon(tmp_path / f"d{i}", "--config", str(tmp_path / "daemon.toml")) for i in range(2)]
+    try:
+        cluster = tmp_path / "cluster.toml"
+        cluster.write_text("daemons = [{}]\n".format(", ".join(f'"{d.address}"' for d in daemons)))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}
+        env |= {"PS_CLUSTER_FILE": str(cluster), "PS_TLS_CA_FILE": str(tmp_path / "ca.pem"),
+                "PS_TOKEN_FILE": str(tmp_path / "token"), "OMP_NUM_THREADS": "1"}  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             "examples/train_gpt.py", "--pp", "1", "--dp", "2", "--steps", "20", "--n-layer", "1", "--warmup", "5"],
+            capture_output=True, text=True, timeout=170, cwd=ROOT, env=env,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-4000:]
+        first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", result.stdout).groups())
+        assert last < first, result.stdout
+        for daemon in daemons:
+            assert "UNAUTHENTICATED" not in daemon.log()
+    finally:
+        for daemon in daemons:
+            daemon.kill()
