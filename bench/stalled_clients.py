@@ -39,6 +39,10 @@ SHARD_BYTES = 64 << 20  # the default shard size: far past HTTP/2's flow-control
 # A connection of its own for each client, as separate processes would have (channels to one
 # target otherwise share one connection).
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 16 << 20)]
+# A client that stops reading takes no more than its stream's window: a fixed 64 KiB one. With
+# BDP probing on, a loaded machine's inflated round trips grew the window until the whole
+# shard fitted, and the "stalled" pull ended at once (seen once in CI).
+STALLED_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 64 << 10)]
 KINDS = ("push", "pull", "request")
 
 
@@ -66,7 +70,7 @@ class Stalled:
     its call ends: `code` and `metadata` (trailing), `ended` set and `ends` released."""
 
     def __init__(self, address: str, kind: str, release: threading.Event, ends: threading.Semaphore) -> None:
-        self.channel = grpc.insecure_channel(address, options=OWN_CONNECTION)
+        self.channel = grpc.insecure_channel(address, options=OWN_CONNECTION + STALLED_WINDOW)
         self.kind, self.release, self._ends = kind, release, ends
         self.code: grpc.StatusCode | None = None
         self.metadata: tuple = ()
