@@ -34,6 +34,7 @@ class LocalDaemon:
         if "--nvme-dir" in extra:  # as an operator would mkdir it: the daemon refuses a missing one
             Path(extra[extra.index("--nvme-dir") + 1]).mkdir(parents=True, exist_ok=True)
         port_file = workdir / "port"
+        port_file.unlink(missing_ok=True)  # a reused workdir's port file is an earlier daemon's
         with open(self.log_path, "w") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(
                 [*launcher, sys.executable, "-m", "ps_offload.daemon.cli", "serve", "--listen", f"{host}:0",

@@ -83,6 +83,21 @@ def test_a_daemon_that_does_not_answer_is_said_at_once(caplog):
     assert said == 0, messages  # before the first attempt's deadline and its retry
 
 
+def test_a_daemon_slow_to_register_a_large_model_is_not_called_unanswering(daemon, caplog, monkeypatch):
+    """A registration that takes seconds (a large model's state allocated and zeroed on the
+    daemon: 6.4 GB in about 2 s here) was reported as "does not answer" (issue 40): a daemon
+    that answers its health check meanwhile is said to be registering, at INFO."""
+    from ps_offload.trainer.wire import sharded_client
+
+    monkeypatch.setattr(sharded_client, "UNREACHABLE_AFTER", 0.01)  # said before the registration ends
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False) for _ in range(4)])  # 67M: 1 GiB of state
+    with caplog.at_level(logging.INFO):
+        opt = trainer.offload(model, daemons=[daemon.address], optimizer=trainer.AdamW(lr=1e-3))
+        opt.close()
+    assert f"daemon {daemon.address} is still registering model" in caplog.text
+    assert "does not answer" not in caplog.text
+
+
 def test_a_daemon_too_old_for_the_trainer_is_refused_naming_both():
     from ps_offload.proto import ps_pb2
     from ps_offload.trainer.wire.daemon_client import check_protocol

@@ -6,6 +6,7 @@ over one of these per daemon."""
 from __future__ import annotations
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from ps_offload.proto import codec, ps_pb2
 from ps_offload.proto.channel import (
@@ -112,6 +113,11 @@ class DaemonClient:
             request_serializer=_identity,
             response_deserializer=ps_pb2.PushResponse.FromString,
         )
+        self._health = self.channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
         self._prefetch = self.channel.unary_unary(
             method_path("ParameterServer", "Prefetch"),
             request_serializer=ps_pb2.PrefetchRequest.SerializeToString,
@@ -149,6 +155,14 @@ class DaemonClient:
         )
         chunks = self._pull(request, timeout=timeout)
         return read_pull_stream(chunks, out, what=f"shard {shard_id} from daemon {self.address}", dtype=dtype)
+
+    def serving(self, *, timeout: float) -> bool:
+        """Whether the daemon answers a health check SERVING within `timeout` (it is up, if busy)."""
+        try:
+            answer = self._health(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return answer.status == health_pb2.HealthCheckResponse.SERVING
 
     def push(self, push: Push, *, timeout: float, pull_into: PullInto | None = None) -> ps_pb2.PushResponse:
         """Streams the push's payload in chunks, the header with the first (`pull_into`: not

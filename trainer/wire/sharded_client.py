@@ -174,6 +174,14 @@ class ShardedClient:
 
     def _say_unanswered(self, index: int) -> None:
         wait = self.config.register_timeout_seconds + self.config.retry_seconds
+        if self.clients[index].serving(timeout=1.0):
+            # It answers: the registration itself takes long (a large model's state is allocated
+            # and zeroed, a few GB a second), which is not a daemon gone.
+            log.info(
+                "daemon %s is still registering model %r (allocating its shards' state); waiting up to %.0f s",
+                self.daemons[index], self.model, wait,
+            )  # fmt: skip
+            return
         log.warning(
             "daemon %s does not answer (is it running, and is %s its server.listen?); waiting up to %.0f s for it "
             "(ClientConfig.register_timeout_seconds + retry_seconds)",
