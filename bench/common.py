@@ -80,6 +80,28 @@ def interleaved_many(fns: dict[str, Callable[[], object]], *, reps: int, warmup:
     return times
 
 
+STEP_PHASES = ("forward", "backward", "clip", "step")
+
+
+def timed_steps(model, opt, batches, times: dict[str, list[float]], clip: Callable[[], object]) -> None:
+    """Training steps of a (x, y) -> (logits, loss) model, one per batch, each phase's ms
+    appended to times[phase] (STEP_PHASES; forward includes waiting for the last step's
+    pulls, step the pushes until acknowledged)."""
+    for x, y in batches:
+        t0 = time.perf_counter()
+        _, loss = model(x, y)
+        t1 = time.perf_counter()
+        opt.zero_grad()
+        loss.backward()
+        t2 = time.perf_counter()
+        clip()
+        t3 = time.perf_counter()
+        opt.step()
+        t4 = time.perf_counter()
+        for phase, seconds in zip(STEP_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            times[phase].append(1000 * seconds)
+
+
 def spread(values: list[float]) -> dict:
     """What a skeptic asks of a median of paired ratios: how far the pairs were apart."""
     return {"min": round(min(values), 3), "max": round(max(values), 3), "n": len(values)}

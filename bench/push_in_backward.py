@@ -15,11 +15,10 @@ each one's time per phase (median ms), which says where the difference goes.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
-from bench.common import REPO, BenchDaemon, interleaved, median, quick, record, spread
+from bench.common import REPO, STEP_PHASES, BenchDaemon, interleaved, median, quick, record, spread, timed_steps
 
 sys.path.insert(0, str(REPO / "examples"))
 import train_gpt  # noqa: E402
@@ -28,7 +27,6 @@ from ps_offload import trainer  # noqa: E402
 
 BLOCK_STEPS = 10
 BLOCKS = quick(8, 2)
-PHASES = ("forward", "backward", "clip", "step")
 
 
 def _offload(address: str, args, name: str, *, push_in_backward: bool):
@@ -53,25 +51,14 @@ def main() -> dict:
             "default": _offload(daemon.address, args, "pib-default", push_in_backward=False),
             "push_in_backward": _offload(daemon.address, args, "pib-backward", push_in_backward=True),
         }
-        phases = {who: {k: [] for k in PHASES} for who in runs}
+        phases = {who: {k: [] for k in STEP_PHASES} for who in runs}
 
         def block(who: str):
             model, opt = runs[who]
 
             def run() -> None:
-                for x, y in batches:
-                    t0 = time.perf_counter()
-                    _, loss = model(x, y)
-                    t1 = time.perf_counter()
-                    opt.zero_grad()
-                    loss.backward()
-                    t2 = time.perf_counter()
-                    opt.clip_grad_norm_(1.0)  # the scaling left to the daemons: early parts stay usable
-                    t3 = time.perf_counter()
-                    opt.step()
-                    t4 = time.perf_counter()
-                    for k, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
-                        phases[who][k].append(1000 * dt)
+                # opt.clip_grad_norm_ leaves the scaling to the daemons: early parts stay usable.
+                timed_steps(model, opt, batches, phases[who], lambda: opt.clip_grad_norm_(1.0))
                 opt.synchronize()
 
             return run

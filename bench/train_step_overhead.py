@@ -14,11 +14,10 @@ the masters cast back into the bf16 parameters each step.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
-from bench.common import REPO, BenchDaemon, ProcessCpu, median, quick, record, spread, timed
+from bench.common import REPO, STEP_PHASES, BenchDaemon, ProcessCpu, median, quick, record, spread, timed, timed_steps
 
 sys.path.insert(0, str(REPO / "examples"))
 import train_gpt  # noqa: E402
@@ -27,7 +26,7 @@ from ps_offload import trainer  # noqa: E402
 
 BLOCK_STEPS = 10
 BLOCKS = quick(8, 2)
-PHASES = ("forward", "backward", "clip", "step")
+PHASES = STEP_PHASES
 
 
 class MixedPrecisionAdamW:
@@ -92,19 +91,7 @@ def run(dtype: torch.dtype) -> dict:
 
             def run() -> None:
                 cpu = ProcessCpu.of(daemon.process.pid)
-                for x, y in batches:
-                    t0 = time.perf_counter()
-                    _, loss = model(x, y)
-                    t1 = time.perf_counter()
-                    opt.zero_grad()
-                    loss.backward()
-                    t2 = time.perf_counter()
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    t3 = time.perf_counter()
-                    opt.step()
-                    t4 = time.perf_counter()
-                    for k, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
-                        times[k].append(1000 * dt)
+                timed_steps(model, opt, batches, times, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
                 if opt is remote_opt:
                     opt.synchronize()
                     daemon_cpu.append(1000 * (ProcessCpu.of(daemon.process.pid) - cpu).seconds / len(batches))

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 
 from ps_offload.daemon.local import LocalDaemon
 
@@ -33,6 +34,31 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., LocalDaemon]]:
 @pytest.fixture
 def daemon(daemon_factory) -> LocalDaemon:
     return daemon_factory()
+
+
+def write_secured_config(directory: Path, *names: str) -> Path:
+    """A daemon config with [tls] (a certificate for `names` from a fresh CA) and [auth] (a
+    token file), the files beside it: ca.pem and token are what its clients need. Returns
+    the config's path."""
+    ca = trustme.CA()
+    cert = ca.issue_cert(*names)
+    ca.cert_pem.write_to_path(str(directory / "ca.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(directory / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(directory / "key.pem"))
+    (directory / "token").write_text("a-test-token\n")
+    (directory / "token").chmod(0o600)
+    config = directory / "daemon.toml"
+    config.write_text(
+        f'[tls]\ncert_file = "{directory}/cert.pem"\nkey_file = "{directory}/key.pem"\n'
+        f'[auth]\ntoken_file = "{directory}/token"\n'
+    )
+    return config
+
+
+@pytest.fixture(scope="session")
+def secured_config() -> Callable[..., Path]:
+    """write_secured_config, for tests in any folder."""
+    return write_secured_config
 
 
 class Notifications:

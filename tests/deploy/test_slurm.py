@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import trustme
 
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto.cluster import read_cluster_file
@@ -58,19 +57,10 @@ def test_the_scripts_parse(script):
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory):
+def secured(tmp_path_factory, secured_config):
     """A daemon with [tls] and [auth] as the recipes run it, and the files its clients need."""
     out = tmp_path_factory.mktemp("secured")
-    ca = trustme.CA()
-    server = ca.issue_cert("127.0.0.1", "ps-node.example")
-    ca.cert_pem.write_to_path(str(out / "ca.pem"))
-    server.cert_chain_pems[0].write_to_path(str(out / "cert.pem"))
-    server.private_key_pem.write_to_path(str(out / "key.pem"))
-    (out / "token").write_text("prolog-token\n")
-    (out / "token").chmod(0o600)
-    (out / "daemon.toml").write_text(
-        f'[tls]\ncert_file = "{out}/cert.pem"\nkey_file = "{out}/key.pem"\n[auth]\ntoken_file = "{out}/token"\n'
-    )
+    secured_config(out, "127.0.0.1", "ps-node.example")
     daemon = LocalDaemon(out / "d", "--config", str(out / "daemon.toml"))
     try:
         yield daemon, out

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import trustme
 
 from ps_offload.daemon.local import LocalDaemon
 
@@ -53,21 +52,11 @@ def test_example_without_daemons_says_how_to_give_them(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_train_against_daemons_with_tls_and_a_token_from_the_environment(tmp_path):
+def test_two_ranks_train_against_daemons_with_tls_and_a_token_from_the_environment(tmp_path, secured_config):
     """The README's multi-node set-up with [tls] and [auth] on: the job is given the cluster
     file, the CA and the token file through the environment alone (PS_CLUSTER_FILE,
     PS_TLS_CA_FILE, PS_TOKEN_FILE), as ps-admin is."""
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
-    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
-    (tmp_path / "token").write_text("job-token\n")
-    (tmp_path / "token").chmod(0o600)
-    (tmp_path / "daemon.toml").write_text(
-        f'[tls]\ncert_file = "{tmp_path}/cert.pem"\nkey_file = "{tmp_path}/key.pem"\n'
-        f'[auth]\ntoken_file = "{tmp_path}/token"\n'
-    )
+    secured_config(tmp_path, "127.0.0.1", "localhost")
     daemons = [LocalDaemon(tmp_path / f"d{i}", "--config", str(tmp_path / "daemon.toml")) for i in range(2)]
     try:
         cluster = tmp_path / "cluster.toml"
