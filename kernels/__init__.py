@@ -47,6 +47,13 @@ kernels/__pycache__), and CPU kernels run one at a time per process (each uses e
 
 Bad input (wrong dtype, non-contiguous, not 1-D, size mismatch, device mismatch, overlapping
 buffers, ratio out of range, top-k indices out of range) raises ValueError saying what to fix.
+
+Beside the compression entry points here, the folder holds the daemon's optimizer kernels:
+fused_step.py (AdamW and SGD in one pass, bit for bit as torch's fused kernels, and the
+non-finite check), step_calibration.py (which of its forms this torch computes as, and its
+compiles off the step's path), fused_adamw.py (1-bit Adam's step); and numba_cache.py (a
+cache directory for all of them wherever the process runs). reference.py is the torch
+oracle, cpu.py and cuda.py the compression backends, rounding.py the bit-level casts.
 """
 
 from __future__ import annotations
