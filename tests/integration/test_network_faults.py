@@ -28,9 +28,9 @@ def _remote_daemon(tmp_path, ns: netns.Namespace) -> LocalDaemon:
     )
 
 
-def _offload(model, address: str, retry_seconds: float, dead_peer_seconds: float = 10.0):
+def _offload(model, address: str, retry_seconds: float, dead_peer_seconds: float = 10.0, transport: str = "auto"):
     client = trainer.ClientConfig(
-        retry_seconds=retry_seconds, backoff_seconds=0.05, dead_peer_seconds=dead_peer_seconds
+        retry_seconds=retry_seconds, backoff_seconds=0.05, dead_peer_seconds=dead_peer_seconds, transport=transport
     )
     return trainer.offload(
         model, daemons=[address], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
@@ -78,13 +78,17 @@ def test_delay_loss_and_a_partition_pause_training_which_ends_bit_identical(tmp_
             daemon.kill()
 
 
-@pytest.mark.parametrize("silent", [False, True], ids=["link-down", "syns-unanswered"])
-def test_a_daemon_partitioned_for_good_fails_the_job_naming_it_within_the_retry_budget(tmp_path, silent):
+@pytest.mark.parametrize(
+    ("silent", "transport"),
+    [(False, "auto"), (True, "auto"), (True, "grpc")],
+    ids=["link-down", "syns-unanswered", "syns-unanswered-grpc"],
+)
+def test_a_daemon_partitioned_for_good_fails_the_job_naming_it_within_the_retry_budget(tmp_path, silent, transport):
     model, batches = _case()
     with netns.namespace() as ns:
         daemon = _remote_daemon(tmp_path, ns)
         try:
-            with _offload(model, daemon.address, retry_seconds=2, dead_peer_seconds=4) as opt:
+            with _offload(model, daemon.address, retry_seconds=2, dead_peer_seconds=4, transport=transport) as opt:
                 _train(opt, model, batches[:2])
                 ns.partition(silent=silent)
                 started = time.monotonic()
