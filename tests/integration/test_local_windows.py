@@ -431,6 +431,9 @@ def test_a_bf16_model_through_staging_windows_is_bit_identical_to_the_data_plane
             _train_offloaded(ours, batches, loss_fn, opt)
             if transport == "local":  # every step's pulls and pushes: in place
                 assert _local(opt.client).bytes_copied == copied and _local(opt.client).bytes_in_place > 0
+                # The pulls came with the pushes, written by the updates into spare host buffers
+                # (one each, when free: with 2 buffers and one I/O worker per buffer, some wait).
+                assert _local(opt.client).pulls_carried > 0
         results[transport] = ours
     for (name, local), tcp in zip(results["local"].named_parameters(), results["tcp"].parameters(), strict=True):
         assert torch.equal(local, tcp), f"{name}: max |diff| {(local - tcp).abs().max().item()}"

@@ -169,6 +169,20 @@ class HostBuffers:
         finally:
             self._free.put(taken)
 
+    @contextlib.contextmanager
+    def spare(self, numel: int) -> Iterator[torch.Tensor | None]:
+        """A buffer if one is free now, else None: never waits (a transfer holding one buffer
+        may ask for a second without a deadlock)."""
+        try:
+            taken = self._free.get_nowait()
+        except queue.Empty:
+            yield None
+            return
+        try:
+            yield taken[:numel]
+        finally:
+            self._free.put(taken)
+
 
 def _register_host(host: torch.Tensor) -> bool:
     from ps_offload.trainer.io.accelerator import register_host  # only a GPU runs it
@@ -196,6 +210,20 @@ class HostCopies:
 
     def to_device(self, host: torch.Tensor, target: torch.Tensor, after: object) -> None:
         target.copy_(host)
+
+
+class PullTarget:
+    """A push's PullInto place (`view`), and, staged, the host buffer behind it and the device
+    slice it goes up to once the push says it was written (`land`)."""
+
+    def __init__(
+        self, view: memoryview, host: torch.Tensor | None, piece: torch.Tensor | None, mover: ShardMover | None
+    ) -> None:
+        self.view, self._host, self._piece, self._mover = view, host, piece, mover
+
+    def land(self, after: object) -> None:
+        if self._host is not None:
+            self._mover.copies.to_device(self._host, self._piece, after)
 
 
 class ShardMover:
@@ -275,11 +303,16 @@ class ShardMover:
         with self.host_copy(buffer, shard, after) as host:
             yield byte_view(host)
 
-    def in_place_bytes(self, buffer: torch.Tensor, shard: ShardSlice) -> memoryview | None:
-        """The bytes of `buffer`'s slice for `shard` where a pull writes them in place (a CPU
-        model, unstaged), for a push to have its new version written there; None when pulls
-        go through a host buffer."""
-        return None if self.staged else self._in_place_view(buffer[shard.offset : shard.end])
+    @contextlib.contextmanager
+    def pull_target(self, buffer: torch.Tensor, shard: ShardSlice) -> Iterator[PullTarget | None]:
+        """Where a push may have its new version written in the compute dtype (PullInto), for
+        as long as the block runs: `buffer`'s slice itself in place, or, staged, a spare host
+        buffer if one is free now (never waited for: None then, and the step pulls)."""
+        if not self.staged:
+            yield PullTarget(self._in_place_view(buffer[shard.offset : shard.end]), None, None, None)
+            return
+        with self.buffers.spare(shard.numel) as host:
+            yield None if host is None else PullTarget(byte_view(host), host, buffer[shard.offset : shard.end], self)
 
     def pull(self, buffer: torch.Tensor, shard: ShardSlice, after: object, fill: Callable[[memoryview], int]) -> int:
         """Lets `fill` write the shard's bytes (in the compute dtype) and puts them into

@@ -8,6 +8,7 @@ bytes from and to the trainer's device in the compute dtype.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -197,11 +198,21 @@ class ShardIO:
             self.client.hint([s.shard_id for s in self.plan])
 
     def _push_then_pull(self, tasks: _StepTasks, shard: ShardSlice, pushed: Future, part: Future | None) -> int:
+        # On the node's own daemon the update itself writes the new values where the trainer
+        # reads them (PullInto): into the model's buffer held in shared memory, or, staged, a
+        # spare host buffer that then goes up to the device. No pull, no second pass.
+        with contextlib.ExitStack() as held:
+            place = _PullPlace(self.mover, tasks.params, shard, held)
+            ack = self._push(tasks, shard, pushed, part, place)
+            if ack.pulled:
+                place.target.land(tasks.after)
+                return self._landed(shard, ack.version, tasks.step + 1, tasks.failed)
+        return self.step_pull(shard, tasks.step + 1, tasks.params, tasks.after, tasks.failed)
+
+    def _push(
+        self, tasks: _StepTasks, shard: ShardSlice, pushed: Future, part: Future | None, place: _PullPlace
+    ) -> ps_pb2.PushResponse:
         step = tasks.step
-        # On the node's own daemon, a model held in place in shared memory has its new
-        # values written into its buffer by the update itself: no pull (PullInto).
-        target = self.mover.in_place_bytes(tasks.params, shard)
-        pull_into = PullInto(target, self.mover.wire_dtype) if target is not None else None
         try:
             if tasks.failed.is_set():
                 raise StepAbandoned(f"push of shard {shard.shard_id} step {step} not sent: another shard failed")
@@ -215,21 +226,19 @@ class ShardIO:
                     groups=groups,
                     grad_multiplier=multiplier,
                     parts=1,
-                    pull_into=pull_into,
+                    pull_into=place.pull_into(),
                 )
             else:  # no early part, or it failed: the whole gradient (it replaces any part held)
-                ack = self.counted(*self._push_gradient(tasks, shard, pull_into))
+                ack = self.counted(*self._push_gradient(tasks, shard, place))
         except BaseException as exc:
             tasks.failed.set()
             pushed.set_exception(exc)
             raise
         pushed.set_result(ack)
-        if ack.pulled:
-            return self._landed(shard, ack.version, step + 1, tasks.failed)
-        return self.step_pull(shard, step + 1, tasks.params, tasks.after, tasks.failed)
+        return ack
 
     def _push_gradient(
-        self, tasks: _StepTasks, shard: ShardSlice, pull_into: PullInto | None
+        self, tasks: _StepTasks, shard: ShardSlice, place: _PullPlace
     ) -> tuple[ps_pb2.PushResponse, int]:
         step, grads, after = tasks.step, tasks.grads, tasks.after
         groups, multiplier = tasks.settings
@@ -251,7 +260,7 @@ class ShardIO:
                 variance_frozen_at=payload.variance_frozen_at,
                 lr=groups[0].lr if momentum else None,
                 groups=() if momentum else groups,
-                pull_into=None if momentum else pull_into,  # (1-bit Adam's step has its own kernel)
+                pull_into=None if momentum else place.pull_into(),  # (1-bit Adam's step has its own kernel)
             )
             return ack, len(payload.data)
         with self.mover.host_view(grads, shard, after) as data:
@@ -263,7 +272,7 @@ class ShardIO:
                 encoding=self.mover.gradient_encoding,
                 groups=groups,
                 grad_multiplier=multiplier,
-                pull_into=pull_into,
+                pull_into=place.pull_into(),  # (asked once the gradient's own buffer is held)
             )
             return ack, len(data)
 
@@ -304,6 +313,21 @@ class ShardIO:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.client.close()
+
+
+class _PullPlace:
+    """A push's PullInto place, asked for only once the push holds what it must wait for (its
+    gradient's host buffer): a spare host buffer is then taken without waiting, so transfers
+    that each hold one never wait on each other for a second. Held until `held` closes."""
+
+    def __init__(self, mover: ShardMover, params: torch.Tensor, shard: ShardSlice, held: contextlib.ExitStack) -> None:
+        self._mover, self._params, self._shard, self._held = mover, params, shard, held
+        self.target = None
+
+    def pull_into(self) -> PullInto | None:
+        if self.target is None:
+            self.target = self._held.enter_context(self._mover.pull_target(self._params, self._shard))
+        return PullInto(self.target.view, self._mover.wire_dtype) if self.target is not None else None
 
 
 def first_error(futures: list[Future]) -> BaseException | None:
