@@ -63,9 +63,8 @@ GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _JIT = dict(error_model="numpy", nogil=True, cache=True)
 _f16_to_f32 = numba.njit(inline="always")(rounding.f16_to_f32)
 _f32_to_f16 = numba.njit(inline="always")(rounding.f32_to_f16)
-OUT_KINDS = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-"""Where the new parameters go as well, in which dtype (the pull a push carries with it): none,
-fp32, or rounded to bf16 / fp16 as `Tensor.to` rounds."""
+# Where the new parameters go as well (the pull a push carries), as `out_kind`: 0 none, 1 fp32,
+# 2 bf16, 3 fp16 (rounded as `Tensor.to` rounds); a kernel emits in its gradient's dtype, kind + 1.
 _NO_OUT = {torch.float32: np.zeros(1, dtype=np.float32), torch.bfloat16: np.zeros(1, dtype=np.uint16),
            torch.float16: np.zeros(1, dtype=np.uint16)}  # fmt: skip
 # Concurrent parallel launches abort under Numba's fallback threading layer (workqueue); each
@@ -120,7 +119,7 @@ def _to_bf16(x):
 
 @numba.njit(inline="always", **_JIT)
 def _emit(out, i, x, out_kind):
-    """out[i] = x in the out's dtype (OUT_KINDS), rounded to nearest even."""
+    """out[i] = x in the dtype `out_kind` names (above), rounded to nearest even."""
     if out_kind == 1:
         out[i] = x
     elif out_kind == 2:

@@ -353,10 +353,11 @@ class ClientConfig:
     retry_seconds)."""
     transport: str = "auto"
     """Per daemon, what carries pulls and pushes. "auto": shared memory when the daemon is on
-    this host and this process can reach its local endpoint (same network namespace and uid:
-    proven by connecting, not assumed), else its TCP data plane when it offers one, else gRPC;
-    "local": the same as "auto" (the name of the last release's opt-in); "tcp": the data plane
-    (else gRPC), never shared memory; "grpc": always gRPC (the Pull and Push RPCs)."""
+    this host and this process can reach its local endpoint (same network namespace, and the
+    daemon's uid or its server.local_group: proven by connecting, not assumed), else its TCP
+    data plane when it offers one, else gRPC; "local": the same as "auto" (the name of the last
+    release's opt-in); "tcp": the data plane (else gRPC), never shared memory; "grpc": always
+    gRPC (the Pull and Push RPCs)."""
     streams_per_daemon: int = 2
     """Concurrent push/pull calls per daemon."""
     prefetch_hints: bool = True

@@ -33,8 +33,11 @@ say() {
 
 port="${PS_DAEMON_PORT:-}"
 if [[ -z "$port" ]]; then
-    # The port the daemon listens on, from its own config (the last field of server.listen).
-    listen=$(sed -n 's/^[[:space:]]*listen[[:space:]]*=[[:space:]]*"\(.*\)".*/\1/p' "$config" 2>/dev/null | head -n 1)
+    # The port the daemon listens on, from its own config: [server] listen's last field (not
+    # [metrics] listen, which has a key of the same name).
+    listen=$(awk '/^[[:space:]]*\[/ { server = ($0 ~ /^[[:space:]]*\[server\]/) }
+                  server && /^[[:space:]]*listen[[:space:]]*=/ { sub(/^[^"]*"/, ""); sub(/".*/, ""); print; exit }' \
+             "$config" 2>/dev/null || true)
     port="${listen##*:}"
     port="${port:-50051}"
 fi

@@ -68,7 +68,7 @@ def secured(tmp_path_factory, secured_config):
         daemon.kill()
 
 
-def _prolog(tmp_path: Path, port: int, settings: str) -> subprocess.CompletedProcess:
+def _prolog(tmp_path: Path, port: int | None, settings: str) -> subprocess.CompletedProcess:
     """deploy/slurm/prolog.sh with its settings file, ps-admin from this checkout, and a
     systemctl that reports the unit active (no systemd runs here; the daemon is real)."""
     bin_dir = tmp_path / "bin"
@@ -77,7 +77,8 @@ def _prolog(tmp_path: Path, port: int, settings: str) -> subprocess.CompletedPro
     (bin_dir / "ps-admin").write_text(f'#!/bin/sh\nexec {sys.executable} -m ps_offload.admin "$@"\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
-    (tmp_path / "ps-offload").write_text(settings + f"PS_DAEMON_PORT={port}\nPS_DAEMON_WAIT=6\n")
+    port_setting = f"PS_DAEMON_PORT={port}\n" if port else ""  # else from PS_DAEMON_CONFIG
+    (tmp_path / "ps-offload").write_text(settings + port_setting + "PS_DAEMON_WAIT=6\n")
     environment = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}
     environment |= {"PATH": f"{bin_dir}:{environment['PATH']}", "PS_OFFLOAD_SETTINGS": str(tmp_path / "ps-offload"),
                     "PS_ADMIN": str(bin_dir / "ps-admin")}  # fmt: skip
@@ -98,3 +99,14 @@ def test_the_prolog_drains_a_node_saying_why(secured, tmp_path):
     assert done.returncode == 1
     assert f"did not answer SERVING on port {daemon.port}" in done.stderr
     assert "give its CA: --ca-file or $PS_TLS_CA_FILE" in done.stderr
+
+
+def test_the_prolog_takes_the_port_from_the_daemons_own_config(secured, tmp_path):
+    """[server] listen's port, not [metrics] listen's (the same key in another section)."""
+    daemon, files = secured
+    config = tmp_path / "ps-daemon.toml"
+    config.write_text(f'[metrics]\nlisten = "127.0.0.1:9477"\n[server]\nlisten = "127.0.0.1:{daemon.port}"\n')
+    settings = (f"PS_TLS_CA_FILE={files}/ca.pem\nPS_TOKEN_FILE={files}/token\nPS_TLS_SERVER_NAME=ps-node.example\n"
+                f"PS_DAEMON_CONFIG={config}\n")  # fmt: skip
+    done = _prolog(tmp_path, None, settings)
+    assert done.returncode == 0, done.stderr

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -133,3 +134,16 @@ def test_a_metrics_port_in_use_leaves_the_daemon_serving_without_metrics(daemon_
         with grpc.insecure_channel(daemon.address) as channel:
             answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_health_port_in_use_refuses_naming_the_key(daemon):
+    """The probes' port is the orchestrator's way to see the daemon: taken, the daemon does
+    not start half-visible; it refuses, naming the key and who holds the port."""
+    result = serve("--listen", "127.0.0.1:0", "--data-listen", "off", "--config", _health_config(daemon.port))
+    refused(result, 1, "server.health_listen", f"port is in use by pid {daemon.process.pid}")
+
+
+def _health_config(port: int) -> str:
+    path = Path(tempfile.mkdtemp()) / "health.toml"
+    path.write_text(f'[server]\nhealth_listen = "127.0.0.1:{port}"\n')
+    return str(path)

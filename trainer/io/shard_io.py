@@ -18,7 +18,7 @@ import torch
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
-from ps_offload.trainer.io.device import ShardMover, byte_view
+from ps_offload.trainer.io.device import PullTarget, ShardMover, byte_view
 from ps_offload.trainer.io.push_compression import PushCompressor
 from ps_offload.trainer.wire.sharded_client import ShardedClient
 from ps_offload.trainer.wire.transport import PullInto
@@ -322,10 +322,12 @@ class _PullPlace:
 
     def __init__(self, mover: ShardMover, params: torch.Tensor, shard: ShardSlice, held: contextlib.ExitStack) -> None:
         self._mover, self._params, self._shard, self._held = mover, params, shard, held
-        self.target = None
+        self.target: PullTarget | None = None  # (None also when no spare buffer was free)
+        self._asked = False
 
     def pull_into(self) -> PullInto | None:
-        if self.target is None:
+        if not self._asked:
+            self._asked = True
             self.target = self._held.enter_context(self._mover.pull_target(self._params, self._shard))
         return PullInto(self.target.view, self._mover.wire_dtype) if self.target is not None else None
 
