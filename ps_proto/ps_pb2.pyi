@@ -123,20 +123,22 @@ class OptimizerSpec(_message.Message):
     def __init__(self, adamw: _Optional[_Union[AdamWSpec, _Mapping]] = ..., sgd: _Optional[_Union[SGDSpec, _Mapping]] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
-    __slots__ = ("model", "params", "optimizer", "shard_bytes", "daemons", "replicas")
+    __slots__ = ("model", "params", "optimizer", "shard_bytes", "daemons", "replicas", "state_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
     DAEMONS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    STATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     params: _containers.RepeatedCompositeFieldContainer[ParamSpec]
     optimizer: OptimizerSpec
     shard_bytes: int
     daemons: _containers.RepeatedScalarFieldContainer[str]
     replicas: int
-    def __init__(self, model: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., shard_bytes: _Optional[int] = ..., daemons: _Optional[_Iterable[str]] = ..., replicas: _Optional[int] = ...) -> None: ...
+    state_dtype: DType
+    def __init__(self, model: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., shard_bytes: _Optional[int] = ..., daemons: _Optional[_Iterable[str]] = ..., replicas: _Optional[int] = ..., state_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class RegisterModelRequest(_message.Message):
     __slots__ = ("spec", "daemon_index")
@@ -161,7 +163,7 @@ class ShardPlacement(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., daemon_index: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., holders: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterModelResponse(_message.Message):
-    __slots__ = ("shards", "created", "shard_bytes", "data_port", "nvme_tier", "local_endpoint", "daemon_version", "protocol", "kernel_digest")
+    __slots__ = ("shards", "created", "shard_bytes", "data_port", "nvme_tier", "local_endpoint", "daemon_version", "protocol", "kernel_digest", "state_dtype")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +173,7 @@ class RegisterModelResponse(_message.Message):
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     KERNEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardPlacement]
     created: bool
     shard_bytes: int
@@ -180,7 +183,8 @@ class RegisterModelResponse(_message.Message):
     daemon_version: str
     protocol: int
     kernel_digest: str
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., created: _Optional[bool] = ..., shard_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., nvme_tier: _Optional[bool] = ..., local_endpoint: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol: _Optional[int] = ..., kernel_digest: _Optional[str] = ...) -> None: ...
+    state_dtype: DType
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardPlacement, _Mapping]]] = ..., created: _Optional[bool] = ..., shard_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., nvme_tier: _Optional[bool] = ..., local_endpoint: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol: _Optional[int] = ..., kernel_digest: _Optional[str] = ..., state_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("model", "shard_id", "min_version", "tensor", "dtype", "snapshot")

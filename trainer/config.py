@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.security import ClientSecurity
 
+STATE_DTYPES = ("float32", "bfloat16")  # OffloadConfig.state_dtype (the daemon's ModelSpec.state_dtype)
 COMPRESSION_METHODS = ("none", "bf16", "fp16", "onebit", "topk")
 SCHEDULES = ("gpipe", "1f1b")
 SPLITS = ("params", "uniform")
@@ -138,7 +139,23 @@ class OffloadConfig:
     the shards it leaves short. Replica j of a shard sits num_daemons / replicas places after
     its primary in the daemon list, so a list written node by node puts them on other nodes."""
 
+    state_dtype: str = "float32"
+    """What the daemons keep master values and optimizer state in. "float32" (the default):
+    fp32 master, m and v (12 bytes a parameter with AdamW) whatever the model's dtype, bit for
+    bit with torch.optim on an fp32 copy of the model. "bfloat16", for a bf16 model: master, m
+    and v in bf16 (6 bytes a parameter, half the bytes every step moves, holds and writes to
+    NVMe), bit for bit with torch.optim.AdamW(fused=True) on the bf16 parameters themselves,
+    what torchao's CPU offload keeps for a bf16 model. AdamW only. What it trades:
+    an update smaller than half a bf16 ulp of a weight rounds away (with lr 1e-4, a weight
+    near 1 stops moving), and m and v carry 8 bits of mantissa, so long runs at small learning
+    rates train worse than with fp32 master weights. Not with 1-bit Adam."""
+
     def __post_init__(self) -> None:
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(
+                f"OffloadConfig.state_dtype must be one of {', '.join(map(repr, STATE_DTYPES))}, "
+                f"got {self.state_dtype!r}"
+            )
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"OffloadConfig.model_name must be a non-empty string, got {self.model_name!r}")
         size = self.shard_bytes

@@ -22,6 +22,14 @@ AdamW's step. In ONEBIT encoding it runs kernels.fused_adamw.onebit_adam_, which
 signs and block scales and updates the master and exp_avg in one pass; any other encoding
 arrives decompressed to fp32. Compressed GRADIENT pushes reach `apply` decompressed
 (ShardStore.push), so they run the same fused torch kernels as RAW ones.
+
+bf16 state (ModelSpec.state_dtype, AdamW only): master, m and v are bf16 tensors, stepped by
+the same fused torch kernel on them as AdamW(fused=True) steps a bf16 model's own parameters
+(it computes in fp32 and rounds each result to bf16). The gradient is what torch would hold in
+`param.grad`: a bf16 gradient as it came; times grad_multiplier in fp32 and rounded back to
+bf16, as GradScaler's unscale_ does in place; an fp32 one (decompressed, or sent wide) rounded
+to bf16. The one-pass kernel is fp32-state only: torch's bf16 kernel already reads each tensor
+once (no widening pass, and the pull copy is the master itself).
 """
 
 from __future__ import annotations
@@ -104,6 +112,13 @@ def _widened(grad: torch.Tensor, multiplier: float | None) -> torch.Tensor:
     return wide
 
 
+def _narrowed(grad: torch.Tensor, multiplier: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient a model of `dtype` parameters holds in `param.grad` (module docstring)."""
+    if multiplier is not None:
+        grad = torch.mul(grad.float(), torch.tensor(multiplier, dtype=torch.float32))
+    return grad.to(dtype)
+
+
 def _one_pass_tasks(segments: list[Segment], vector: int) -> np.ndarray:
     """The one-pass kernel's tasks for `segments`: each piece with where its parameter's
     scalar tail starts for torch's `vector`-wide body (kernels/fused_step.py)."""
@@ -147,11 +162,14 @@ class ShardOptimizer:
         groups: list[int] | None = None,
         *,
         group_count: int = 1,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         """Per segment: its parameter's weight decay (registered) and param group (an index
-        below `group_count`, the model's number of groups; all 0 if None)."""
+        below `group_count`, the model's number of groups; all 0 if None). `state_dtype`: the
+        master's and the state's (fp32 or bf16: ModelSpec.state_dtype)."""
         self.config = config
         self.group_count = group_count
+        self.state_dtype = state_dtype
         self.state: list[torch.Tensor] = []  # bound by the shard to its arena (bind())
         self.step = torch.zeros((), dtype=torch.float32)
         groups = [0] * len(segments) if groups is None else groups
@@ -171,7 +189,7 @@ class ShardOptimizer:
         )
 
     def bind(self, state: list[torch.Tensor]) -> None:
-        """`state`: `config.state_per_param` fp32 tensors of the shard's numel, placed by the
+        """`state`: `config.state_per_param` tensors of the shard's numel in `state_dtype`, placed by the
         shard in its arena (ps_offload.daemon.store.shard_store.Shard); rebound whenever the arena moves."""
         if len(state) != self.config.state_per_param:
             raise ValueError(
@@ -229,12 +247,18 @@ class ShardOptimizer:
             calls = [
                 (("decay", d), segments, self._registered(lr, d)) for d, segments in self._segments_by_decay.items()
             ]
-        # Torch's kernels on an fp32 gradient (a pass more) until the one-pass kernel is ready.
-        calibration = step_calibration.ready("adamw" if isinstance(self.config, AdamWConfig) else "sgd", grad.dtype)
+        # Torch's kernels on an fp32 gradient (a pass more) until the one-pass kernel is ready;
+        # always on a bf16 one for bf16 state (module docstring).
+        if self.state_dtype != torch.float32:
+            calibration = None
+            grad = _narrowed(grad, multiplier, self.state_dtype)
+        else:
+            calibration = step_calibration.ready("adamw" if isinstance(self.config, AdamWConfig) else "sgd", grad.dtype)
+            if calibration is None:
+                grad = _widened(grad, multiplier)
         if calibration is None:
-            wide = _widened(grad, multiplier)
             for _, segments, settings in calls:
-                self._step_runs(master, wide, [run for s in segments for run in kernel_runs(s)], settings)
+                self._step_runs(master, grad, [run for s in segments for run in kernel_runs(s)], settings)
             if out is not None:
                 out.copy_(master)  # rounds as Tensor.to
         else:
@@ -283,8 +307,8 @@ class ShardOptimizer:
         self, master: torch.Tensor, grad: torch.Tensor, runs: list[KernelRun], settings: GroupHyperparams
     ) -> None:
         """One call of torch's fused kernel over `runs` (ps_proto/plan.py `kernel_runs`) with one
-        group's settings and the shard's fp32 gradient: where the one-pass kernel does not
-        compute as this torch build does."""
+        group's settings and the shard's gradient in the state's dtype: where the one-pass
+        kernel does not compute as this torch build does, and for bf16 state."""
         config = self.config
         # Per run, the tensors the kernel gets: master, grad, then each state tensor.
         tensors: list[list[torch.Tensor]] = [[] for _ in range(2 + len(self.state))]
@@ -295,7 +319,7 @@ class ShardOptimizer:
             if run.context:
                 # A partial block: zero padding around it (elementwise kernels, so the
                 # padding only places the elements where the whole parameter has them).
-                scratch = torch.zeros(len(sources), run.context, dtype=torch.float32)
+                scratch = torch.zeros(len(sources), run.context, dtype=self.state_dtype)
                 inner = slice(run.context_start, run.context_start + run.numel)
                 for row, source in zip(scratch, sources, strict=True):
                     row[inner] = source

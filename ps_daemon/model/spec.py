@@ -32,6 +32,15 @@ from ps_offload.proto.plan import PlanError, layout_params, shard_numel_for
 # bf16 or fp16 trainer pushes its gradients in that dtype (widened here exactly) and pulls
 # the master rounded to it (PullRequest.dtype).
 SUPPORTED_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# The dtypes the daemon may keep master values and optimizer state in (ModelSpec.state_dtype).
+# bfloat16 is the state torch.optim keeps for a bf16 model's own parameters (what torchao's CPU
+# offload keeps too): half the bytes moved and held per step, and bit for bit with
+# AdamW(fused=True) on those bf16 parameters, because the master then is the parameter. AdamW
+# only: torch 2.13's fused CPU SGD kernel, for bf16, stores no parameter in its vector loop and
+# loads the bf16 momentum buffer as fp32 words (measured: 64 bf16 weights, 3 steps of lr 0.5,
+# none moved), so bf16 SGD has no torch reference worth matching. Not float16: its 5-bit
+# exponent underflows Adam's second moment (squares of gradients below 2**-12 flush to zero).
+STATE_DTYPES = ("float32", "bfloat16")
 MAX_LR = 1e3
 # A model's files are <quoted name>.json, .arena and .json.tmp: within NAME_MAX (255) with room.
 MAX_MODEL_NAME_QUOTED = 200
@@ -61,9 +70,13 @@ class ModelSpec:
     shard_bytes: int
     daemons: tuple[str, ...]
     replicas: int = 1  # daemons holding each shard (ps_proto/plan.py place_replicas)
+    state_dtype: str = "float32"  # master values and optimizer state (STATE_DTYPES)
 
     def identity(self) -> tuple:
-        return (self.model, self.params, self.optimizer, self.shard_bytes, len(self.daemons), self.replicas)
+        return (
+            self.model, self.params, self.optimizer, self.shard_bytes, len(self.daemons), self.replicas,
+            self.state_dtype,
+        )  # fmt: skip
 
     @property
     def group_count(self) -> int:
@@ -126,6 +139,7 @@ def validate_spec(spec: ModelSpec, daemon_index: int) -> None:
             if problem:
                 raise InvalidArgument(f"parameter {param.name!r}: {problem}")
     _check_groups(spec)
+    _check_state_dtype(spec)
     problem = _optimizer_problem(spec.optimizer)
     if problem:
         raise InvalidArgument(f"model {spec.model!r}: optimizer {problem}")
@@ -148,6 +162,31 @@ def _check_groups(spec: ModelSpec) -> None:
         raise InvalidArgument(
             f"model {spec.model!r}: parameter groups must be numbered 0..N-1, each holding a parameter; "
             f"ParamSpec.group {missing} has none (the parameters use groups {numbers})"
+        )
+
+
+def _check_state_dtype(spec: ModelSpec) -> None:
+    """bf16 state keeps the bf16 parameters themselves as the master (STATE_DTYPES): a
+    parameter in another dtype would be rounded where torch.optim would not round it."""
+    if spec.state_dtype not in STATE_DTYPES:
+        raise InvalidArgument(
+            f"model {spec.model!r}: state_dtype {spec.state_dtype!r} is not supported "
+            f"(one of {', '.join(STATE_DTYPES)})"
+        )
+    if spec.state_dtype == "float32":
+        return
+    if not isinstance(spec.optimizer, AdamWConfig):
+        raise InvalidArgument(
+            f"model {spec.model!r}: state_dtype {spec.state_dtype} is for AdamW; SGD keeps float32 state (torch's "
+            "fused CPU SGD leaves bf16 parameters unchanged in its vector loop, so bf16 SGD has no exact torch "
+            "reference to match)"
+        )
+    other = next((p for p in spec.params if p.dtype != spec.state_dtype), None)
+    if other is not None:
+        raise InvalidArgument(
+            f"model {spec.model!r}: state_dtype {spec.state_dtype} keeps the parameters themselves as master values, "
+            f"so every parameter must be {spec.state_dtype}; {other.name!r} is {other.dtype} (cast the model, or keep "
+            "float32 state)"
         )
 
 
@@ -174,7 +213,7 @@ def spec_difference(old: ModelSpec, new: ModelSpec, old_index: int, new_index: i
         return f"this daemon is index {old_index}, the new request says {new_index}"
     if len(old.daemons) != len(new.daemons):
         return f"{len(old.daemons)} daemons before, {len(new.daemons)} now"
-    for name in ("params", "optimizer", "shard_bytes", "replicas"):
+    for name in ("params", "optimizer", "shard_bytes", "replicas", "state_dtype"):
         if getattr(old, name) != getattr(new, name):
             if name == "params":
                 for a, b in zip(old.params, new.params, strict=False):  # lengths may differ
@@ -207,12 +246,14 @@ def spec_to_dict(spec: ModelSpec) -> dict:
         "shard_bytes": spec.shard_bytes,
         "daemons": list(spec.daemons),
         "replicas": spec.replicas,
+        "state_dtype": spec.state_dtype,
     }
 
 
 def spec_from_dict(data: dict) -> ModelSpec:
     """The inverse of spec_to_dict (files written before param groups: every group 0; before
-    starts_shard: no flag, the plan of equal shards they were written under; before replicas: one)."""
+    starts_shard: no flag, the plan of equal shards they were written under; before replicas: one;
+    before state_dtype: float32)."""
     params = tuple(
         ParamSpec(
             p["name"], tuple(p["shape"]), p["dtype"], p["weight_decay"], p.get("group", 0), p.get("starts_shard", False)
@@ -223,5 +264,6 @@ def spec_from_dict(data: dict) -> ModelSpec:
     kind = optimizer.pop("type")
     config = AdamWConfig(**optimizer) if kind == "adamw" else SGDConfig(**optimizer)
     return ModelSpec(
-        data["model"], params, config, data["shard_bytes"], tuple(data["daemons"]), data.get("replicas", 1)
-    )
+        data["model"], params, config, data["shard_bytes"], tuple(data["daemons"]), data.get("replicas", 1),
+        data.get("state_dtype", "float32"),
+    )  # fmt: skip

@@ -21,6 +21,7 @@ from ps_offload.proto.channel import PROTOCOL
 from ps_offload.version import release
 
 DTYPE_NAMES = {ps_pb2.FLOAT32: "float32", ps_pb2.BFLOAT16: "bfloat16", ps_pb2.FLOAT16: "float16"}
+_DTYPES_BY_NAME = {name: value for value, name in DTYPE_NAMES.items()}
 PUSH_KINDS = {
     ps_pb2.GRADIENT: "gradient",
     ps_pb2.PARAMETERS: "parameters",
@@ -62,7 +63,15 @@ def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
         optimizer = SGDConfig(o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov)
     else:
         raise InvalidArgument(f"model {spec.model!r}: no optimizer given (adamw or sgd)")
-    return ModelSpec(spec.model, tuple(params), optimizer, spec.shard_bytes, tuple(spec.daemons), max(1, spec.replicas))
+    if spec.state_dtype == ps_pb2.DTYPE_UNSPECIFIED:
+        state_dtype = "float32"
+    elif spec.state_dtype in DTYPE_NAMES:
+        state_dtype = DTYPE_NAMES[spec.state_dtype]  # (float16 is refused by validate_spec, saying why)
+    else:  # proto3 enums are open: any int32 arrives
+        raise InvalidArgument(f"model {spec.model!r}: state_dtype {spec.state_dtype} is unknown; FLOAT32 or BFLOAT16")
+    return ModelSpec(
+        spec.model, tuple(params), optimizer, spec.shard_bytes, tuple(spec.daemons), max(1, spec.replicas), state_dtype
+    )
 
 
 def plan_to_proto(
@@ -78,6 +87,7 @@ def plan_to_proto(
         daemon_version=release(),
         protocol=PROTOCOL,
         kernel_digest=kernel_digest(),
+        state_dtype=_DTYPES_BY_NAME[model.spec.state_dtype],
     )
 
 
@@ -180,12 +190,11 @@ VERIFY_STATUS = {"ok": ps_pb2.VERIFY_OK, "bad": ps_pb2.VERIFY_BAD, "not_at_rest"
 
 def spec_to_proto(spec: ModelSpec) -> ps_pb2.ModelSpec:
     """The inverse of spec_from_proto."""
-    dtypes = {name: value for value, name in DTYPE_NAMES.items()}
     params = [
         ps_pb2.ParamSpec(
             name=p.name,
             shape=list(p.shape),
-            dtype=dtypes[p.dtype],
+            dtype=_DTYPES_BY_NAME[p.dtype],
             weight_decay=p.weight_decay,
             group=p.group,
             starts_shard=p.starts_shard,
@@ -205,7 +214,7 @@ def spec_to_proto(spec: ModelSpec) -> ps_pb2.ModelSpec:
         )
     return ps_pb2.ModelSpec(
         model=spec.model, params=params, optimizer=optimizer, shard_bytes=spec.shard_bytes, daemons=list(spec.daemons),
-        replicas=spec.replicas,
+        replicas=spec.replicas, state_dtype=_DTYPES_BY_NAME[spec.state_dtype],
     )  # fmt: skip
 
 

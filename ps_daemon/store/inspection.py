@@ -51,7 +51,7 @@ def value_stats(store: ShardStore, shard: Shard, *, timeout: float = 10.0, bins:
     bins (0: none): the shard brought into RAM for the while, under a read hold (pulls go
     on; an update waits until the statistics are done)."""
     with store.tier.use(shard), shard.reading(0, timeout, require_values=False):
-        values = shard.master
+        values = shard.master.float()  # (norms of bf16 state in fp32)
         finite = values[~torch.isnan(values)]
         return ValueStats(
             norm=float(torch.linalg.vector_norm(values)),

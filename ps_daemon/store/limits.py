@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from ps_offload.daemon.errors import ResourceExhausted
 from ps_offload.daemon.model.spec import ModelSpec
-from ps_offload.daemon.store.shard import arena_numel
-from ps_offload.proto.plan import FP32_BYTES, ShardSlice, layout_params, shard_numel_for
+from ps_offload.daemon.store.shard import arena_nbytes
+from ps_offload.proto.plan import ShardSlice, layout_params, shard_numel_for
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,7 @@ def check_plan_size(limits: StoreLimits, spec: ModelSpec) -> None:
 
 def arena_bytes(plan: list[ShardSlice], daemon_index: int, spec: ModelSpec) -> list[int]:
     """The arena bytes (master and optimizer state) of each of this daemon's shards."""
-    state = spec.optimizer.state_per_param
-    return [arena_numel(s.numel, state) * FP32_BYTES for s in plan if daemon_index in s.holders]
+    return [arena_nbytes(s.numel, spec.optimizer, spec.state_dtype) for s in plan if daemon_index in s.holders]
 
 
 def check_ram(name: str, arenas: list[int], *, ram_bytes: int, used: int | None) -> None:

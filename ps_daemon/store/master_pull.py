@@ -72,7 +72,7 @@ def pull_master(
         with contextlib.ExitStack() as held:
             version = held.enter_context(shard.reading(pull.min_version, timeout))
             if held.enter_context(tier.use_if_resident(shard)):
-                if dtype == "float32":
+                if dtype == shard.state_dtype:
                     sending.enter_context(held.pop_all())  # pinned and held while it is sent
                     return shard.master, version
                 return sending.enter_context(rounded(shard.master, dtype, scratch)), version
@@ -89,8 +89,8 @@ def pull_master(
             region, region_bytes = copy.enter_context(_page_aligned(header.master_bytes, scratch))
             read_master(files, shard, slot, header, region_bytes)
         # The hold has ended: the region is this pull's copy of `version`.
-        values = region[: shard.slice.numel]
-        if dtype == "float32":
+        values = region.view(shard.master_dtype)[: shard.slice.numel]
+        if dtype == shard.state_dtype:
             sending.enter_context(copy.pop_all())
             return values, version
         return sending.enter_context(rounded(values, dtype, scratch)), version

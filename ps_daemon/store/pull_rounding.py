@@ -22,12 +22,14 @@ PULL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": tor
 """The dtypes a pull may travel in, by the store's names (float32: the values as stored)."""
 
 
-def check_pull_dtype(dtype: str, tensor: str, where: str) -> None:
+def check_pull_dtype(dtype: str, tensor: str, where: str, stored: str = "float32") -> None:
     """Raises InvalidArgument unless `tensor` (one of ps_offload.daemon.store.shard.SHARD_TENSORS) may be
-    pulled in `dtype`; `where` names the pull ("pull of shard 3 of model 'm'")."""
+    pulled in `dtype` from a shard whose state is `stored` (ModelSpec.state_dtype); `where`
+    names the pull ("pull of shard 3 of model 'm'"). State travels exactly: as float32 (widened
+    from bf16 state), or as stored."""
     if dtype not in PULL_DTYPES:
         raise InvalidArgument(f"{where}: dtype {dtype!r} is unknown; one of {', '.join(PULL_DTYPES)}")
-    if dtype != "float32" and tensor != "master":
+    if dtype not in ("float32", stored) and tensor != "master":
         raise InvalidArgument(
             f"{where}: dtype {dtype} is for master pulls only; pull {tensor} as float32 (dtype FLOAT32 or unset)"
         )
@@ -44,7 +46,7 @@ def scratch_numel(numel: int, dtype: str) -> int:
 
 
 def round_into(values: torch.Tensor, buffer: torch.Tensor, dtype: str) -> torch.Tensor:
-    """`values` (fp32, 1-d) rounded to `dtype` inside `buffer` (fp32, at least
+    """`values` (fp32 or bf16, 1-d) rounded (or widened) to `dtype` inside `buffer` (fp32, at least
     scratch_numel(values.numel(), dtype) elements); returns the rounded tensor, a view of
     `buffer`."""
     numel = values.numel()

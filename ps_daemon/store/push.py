@@ -197,6 +197,11 @@ class PushRequest:
                     f"{where}: MOMENTUM pushes are 1-bit Adam's compression stage and need an AdamW model; "
                     f"model {shard.model!r} runs {type(shard.optimizer.config).__name__} (push gradients instead)"
                 )
+            if shard.optimizer.state_dtype != torch.float32:
+                raise FailedPrecondition(
+                    f"{where}: MOMENTUM pushes (1-bit Adam) need float32 state; model {shard.model!r} keeps "
+                    f"{shard.optimizer.state_dtype} state (push gradients, or register it with float32 state)"
+                )
             frozen = self.variance_frozen_at
             if frozen is None or not 1 <= frozen <= self.step:
                 raise InvalidArgument(

@@ -31,9 +31,19 @@ def arena_numel(numel: int, state_tensors: int) -> int:
     return numel * (1 + state_tensors) + state_tensors * ARENA_STAGGER
 
 
+STATE_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""ModelSpec.state_dtype's torch dtypes: the arena's elements."""
+
+
+def arena_nbytes(numel: int, optimizer: OptimizerConfig, state_dtype: str = "float32") -> int:
+    """Bytes of one shard's arena: master, optimizer state and the stagger between them, in
+    the model's state dtype."""
+    return arena_numel(numel, optimizer.state_per_param) * STATE_TORCH_DTYPES[state_dtype].itemsize
+
+
 def allocate_arena(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     """A zeroed arena on page-aligned memory, and its whole-page view for O_DIRECT."""
-    return arena_tensor(nbytes // FP32_BYTES, nbytes)
+    return arena_tensor(-(-nbytes // FP32_BYTES), nbytes)  # (a bf16 arena may end mid-word)
 
 
 # The fp32 tensors a pull can stream (proto ShardTensor, in its order): the master values,
@@ -45,7 +55,8 @@ class Shard:
     """One shard's master values, optimizer state and version.
 
     Invariants: `version` == number of gradient updates applied == optimizer.step;
-    `master` and every optimizer state tensor have `slice.numel` fp32 elements; `version`,
+    `master` and every optimizer state tensor have `slice.numel` elements of the model's
+    state dtype (fp32, or bf16: ModelSpec.state_dtype); `version`,
     `initialized`, `readers` and `writing` change only under `cond`. Readers (pulls) share
     the shard; a writer (an update) has it alone, and waiting writers go first so that a
     stream of pulls cannot starve an update.
@@ -61,9 +72,11 @@ class Shard:
         persistent: bool,
         param_groups: tuple[int, ...] = (),
         sums: SumStore = RAM_SUMS,
+        state_dtype: str = "float32",
     ):
         """`param_groups`: each parameter's param group, in layout order (empty: all 0).
-        `sums`: where the sums of steps pushed in parts are made (ps_offload.daemon.store.accumulate)."""
+        `sums`: where the sums of steps pushed in parts are made (ps_offload.daemon.store.accumulate).
+        `state_dtype`: what master and state are kept in (ModelSpec.state_dtype)."""
         segments = segments_of(slice_, layouts)
         self.model = model
         self.slice = slice_
@@ -81,8 +94,10 @@ class Shard:
             decays,
             [param_groups[s.param_index] for s in segments],
             group_count=max(param_groups, default=0) + 1,
+            state_dtype=STATE_TORCH_DTYPES[state_dtype],
         )
-        self.arena_bytes = arena_numel(slice_.numel, optimizer.state_per_param) * FP32_BYTES
+        self.state_dtype = state_dtype
+        self.arena_bytes = arena_nbytes(slice_.numel, optimizer, state_dtype)
         self.arena: torch.Tensor | None = None
         self.io_view: memoryview | None = None
         self.master: torch.Tensor | None = None
@@ -92,7 +107,7 @@ class Shard:
         self.loading = False
         self.pins = 0
         if not persistent:
-            self.attach((torch.zeros(self.arena_bytes // FP32_BYTES, dtype=torch.float32), None))
+            self.attach((torch.zeros(-(-self.arena_bytes // FP32_BYTES), dtype=torch.float32), None))
             self.resident = True
         self.version = 0
         self.initialized = False
@@ -114,7 +129,8 @@ class Shard:
         (ps_offload.daemon.store.master_pull)."""
         self.arena, self.io_view = buffer
         numel, step = self.slice.numel, self.slice.numel + ARENA_STAGGER
-        views = [self.arena[i * step : i * step + numel] for i in range(1 + self.optimizer.config.state_per_param)]
+        typed = self.arena.view(self.master_dtype)  # (a tier may hand any dtype's buffer)
+        views = [typed[i * step : i * step + numel] for i in range(1 + self.optimizer.config.state_per_param)]
         self.master = views[0]
         self.optimizer.bind(views[1:])
 
@@ -129,6 +145,11 @@ class Shard:
                 f"shard {self.slice.shard_id} of model {self.model!r} runs {type(self.optimizer.config).__name__}, "
                 f"which has no {name}"
             )
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The torch dtype of master values and state (the arena's elements)."""
+        return STATE_TORCH_DTYPES[self.state_dtype]
 
     def tensor(self, name: str) -> torch.Tensor:
         """The master values or a state tensor (check_tensor first); resident only."""
@@ -153,10 +174,6 @@ class Shard:
         self.version = version
         self.initialized = initialized
         self.optimizer.step.fill_(version)
-
-    @property
-    def nbytes(self) -> int:
-        return self.slice.numel * FP32_BYTES
 
     @property
     def resident_bytes(self) -> int:
@@ -267,8 +284,3 @@ class Shard:
             with self.cond:
                 self.writing = False
                 self.notify_locked()
-
-
-def shard_resident_bytes(numel: int, optimizer: OptimizerConfig) -> int:
-    """Bytes one shard holds in RAM: master, optimizer state and the stagger between them."""
-    return arena_numel(numel, optimizer.state_per_param) * FP32_BYTES

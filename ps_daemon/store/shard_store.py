@@ -182,6 +182,7 @@ class ShardStore:
                 persistent=self.files.at_rest,
                 param_groups=groups,
                 sums=self.accumulators,
+                state_dtype=spec.state_dtype,
             )  # fmt: skip
             for s in plan
             if daemon_index in s.holders
@@ -307,7 +308,7 @@ class ShardStore:
     def _pullable(self, pull: PullRequest) -> Shard:
         shard = self.shard(pull.model, pull.shard_id)
         shard.check_tensor(pull.tensor)
-        check_pull_dtype(pull.dtype, pull.tensor, pull.where)
+        check_pull_dtype(pull.dtype, pull.tensor, pull.where, shard.state_dtype)
         return shard
 
     def pull_waits_on(self, pull: PullRequest) -> Shard | None:
@@ -335,12 +336,13 @@ class ShardStore:
             pulled = pull_master(sending, self.files, self.tier, shard, pull, timeout=timeout, scratch=scratch)
             if pulled is not None:
                 return pulled
-        if dtype == "float32":
+        if dtype == shard.state_dtype:
             sending.enter_context(self._using(shard, pull=True))
             return shard.tensor(tensor), sending.enter_context(shard.reading(min_version, timeout))
         with self._using(shard, pull=True), shard.reading(min_version, timeout) as version:
-            # The rounded copy is this pull's own: the next update need not wait for the send.
-            return sending.enter_context(rounded(shard.master, dtype, scratch)), version
+            # The rounded (or, from bf16 state, widened) copy is this pull's own: the next
+            # update need not wait for the send.
+            return sending.enter_context(rounded(shard.tensor(tensor), dtype, scratch)), version
 
     def check_push(self, push: PushRequest) -> PushResult | None:
         """Validates a push before its payload is read (`push.data` None: its announced

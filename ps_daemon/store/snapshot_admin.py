@@ -20,7 +20,7 @@ from ps_offload.daemon.errors import (
     NotFound,
     ResourceExhausted,
 )
-from ps_offload.daemon.store.shard import ARENA_STAGGER, SHARD_TENSORS, Shard, arena_numel
+from ps_offload.daemon.store.shard import ARENA_STAGGER, SHARD_TENSORS, Shard
 from ps_offload.daemon.tiers.direct_io import PAGE
 from ps_offload.daemon.tiers.nvme import NoCapacity, NvmeFiles, arena_tensor
 from ps_offload.daemon.tiers.snapshot_pins import NAME, Snapshot, SnapshotRefused
@@ -176,7 +176,8 @@ def read_tensor(files: ShardFiles, shard: Shard, name: str, tensor: str) -> tupl
     index = SHARD_TENSORS.index(tensor)
     if index > states:
         raise FailedPrecondition(f"model {model!r} runs {type(shard.optimizer.config).__name__}, which has no {tensor}")
-    values, view = arena_tensor(arena_numel(numel, states), header.arena_bytes)
+    words, view = arena_tensor(header.arena_bytes // 4, header.arena_bytes)
+    values = words.view(shard.master_dtype)
     files.io.read(file.fd, view, file.offset(slot) + PAGE)
     if crc32c.crc32c(view) != header.data_crc:
         raise DataLoss(
@@ -184,4 +185,4 @@ def read_tensor(files: ShardFiles, shard: Shard, name: str, tensor: str) -> tupl
             "checksum"
         )
     start = index * (numel + ARENA_STAGGER)
-    return values[start : start + numel], snap.step
+    return values[start : start + numel].float(), snap.step  # (snapshots travel in FLOAT32; widened from bf16 state)

@@ -133,6 +133,7 @@ class ParityAudit:
         self.client: ShardedClient = opt.client
         self.values = lambda: opt.flat.values  # the compute copy (replaced when the model moves)
         self.optimizer: OptimizerConfig = opt.optimizer
+        self.state_dtype = torch.bfloat16 if config.state_dtype == "bfloat16" else torch.float32
         self.layouts: list[ParamLayout] = opt.flat.layouts
         position = {id(p): i for i, p in enumerate(opt.flat.params)}
         self.group_of = [0] * len(opt.flat.params)
@@ -182,8 +183,9 @@ class ParityAudit:
             self._skipped(shard, step, "after the step", started)
             return
         expected = recompute(
-            self.optimizer, shard, self.layouts, self.group_of, audit.before, audit.grad, step, audit.groups
-        )
+            self.optimizer, shard, self.layouts, self.group_of, audit.before, audit.grad, step, audit.groups,
+            self.state_dtype,
+        )  # fmt: skip
         self.stats.audited += 1
         self.stats.per_shard[shard.shard_id] = self.stats.per_shard.get(shard.shard_id, 0) + 1
         self.stats.seconds += time.perf_counter() - started
@@ -314,12 +316,15 @@ def recompute(
     grad: torch.Tensor,
     step: int,
     groups: list[ps_pb2.GroupHyperparams],
+    state_dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
     """The shard's master and state after one step of torch.optim.AdamW(fused=True) or
     SGD(fused=True) from `before` (master, then the state tensors; the daemon's step count is
     `step`, its version) with the fp32 gradient `grad` and each param group's `groups[g]`.
     Each kernel run of the shard (see the note on placement above) is one parameter of the
-    torch optimizer, in its parameter's group."""
+    torch optimizer, in its parameter's group. `state_dtype` bfloat16 (OffloadConfig.state_dtype):
+    torch steps bf16 tensors (`before` and the result are their exact fp32 widening, and
+    `grad` is rounded to bf16 first, as the daemon does)."""
     runs_by_group: dict[int, list] = defaultdict(list)
     for segment in segments_of(shard, layouts):
         runs_by_group[group_of[segment.param_index]].extend(kernel_runs(segment))
@@ -333,7 +338,7 @@ def recompute(
             # block has its other elements (the kernels are elementwise).
             inner = slice(run.context_start, run.context_start + run.numel)
             piece = slice(run.shard_start, run.shard_start + run.numel)
-            tensors = [torch.zeros(run.context or run.numel, dtype=torch.float32) for _ in range(1 + len(before))]
+            tensors = [torch.zeros(run.context or run.numel, dtype=state_dtype) for _ in range(1 + len(before))]
             for tensor, source in zip(tensors, [before[0], grad, *before[1:]], strict=True):
                 tensor[inner] = source[piece]
             param, param_grad, *state = tensors
@@ -369,7 +374,7 @@ def recompute(
         if not adam and optimizer.momentum:
             state = [torch_opt.state[param]["momentum_buffer"]]
         for target, source in zip(after, [param, *state], strict=True):
-            target[piece] = source.detach()[inner]
+            target[piece] = source.detach()[inner]  # (widened exactly from bf16 state)
     return after
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.config import (
+    AdamW,
     ClientConfig,
     LossScaling,
     OffloadConfig,
@@ -34,6 +35,28 @@ from ps_offload.trainer.optimizer.param_groups import GroupTracker, defaults_of,
 from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 log = logging.getLogger(__name__)
+
+STATE_WIRE_DTYPES = {"float32": ps_pb2.FLOAT32, "bfloat16": ps_pb2.BFLOAT16}
+"""OffloadConfig.state_dtype as ModelSpec.state_dtype."""
+
+
+def check_state_dtype(state_dtype: str, compute_dtype: torch.dtype, optimizer: OptimizerConfig) -> None:
+    """bf16 state keeps the model's own bf16 parameters as the master values, under AdamW
+    (ps_daemon/model/spec.py says why not SGD): refused otherwise, before anything is
+    registered (the daemons would refuse it too)."""
+    if state_dtype == "float32":
+        return
+    if not isinstance(optimizer, AdamW):
+        raise ValueError(
+            "OffloadConfig.state_dtype='bfloat16' is for AdamW: torch's fused CPU SGD does not step bf16 parameters "
+            "in its vector loop, so bf16 SGD has no exact reference; keep state_dtype='float32' for SGD"
+        )
+    if compute_dtype != torch.bfloat16:
+        raise ValueError(
+            f"OffloadConfig.state_dtype='bfloat16' keeps the model's bf16 parameters themselves as the master "
+            f"values, but the model's parameters are {compute_dtype}: cast the model (model.to(torch.bfloat16)) "
+            "or keep state_dtype='float32'"
+        )
 
 
 class DaemonOptimizer(torch.optim.Optimizer):
@@ -65,6 +88,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
         self.loss_scaler = None
         if loss_scaling is not None:  # expect_config would make a default one of None
             self.loss_scaler = LossScaler(expect_config(loss_scaling, LossScaling, "loss_scaling"))
+        check_state_dtype(self.config.state_dtype, compute_dtype, optimizer)
         groups, group_of = initial_groups(named, no_weight_decay)
         # The groups' own weight decay (no_weight_decay's 0), before torch fills in defaults.
         decay_overrides = [group.get("weight_decay") for group in groups]
@@ -74,7 +98,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
         self.client = ShardedClient(daemons, config=client)
         spec = ps_pb2.ModelSpec(
             model=self.config.model_name, optimizer=optimizer.to_proto(), shard_bytes=self.config.shard_bytes,
-            replicas=self.config.replicas,
+            replicas=self.config.replicas, state_dtype=STATE_WIRE_DTYPES[self.config.state_dtype],
         )  # fmt: skip
         for (name, p), group in zip(named, group_of, strict=True):
             param = spec.params.add(

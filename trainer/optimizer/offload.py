@@ -114,6 +114,11 @@ class OffloadOptimizer(DaemonOptimizer):
         adam = isinstance(optimizer, AdamW)
         check_compression(compression.method, compression.warmup_steps, compression.topk_ratio, adam=adam)
         check_auditable(config, compression)
+        if config.state_dtype != "float32" and adam and compression.method == "onebit":
+            raise ValueError(
+                "1-bit Adam (CompressionConfig(method='onebit') with AdamW) keeps the momentum in fp32 on the daemons: "
+                "not with OffloadConfig.state_dtype='bfloat16'"
+            )
         if config.push_in_backward and compression.method != "none":
             raise ValueError("OffloadConfig.push_in_backward sends gradients as they are: not with compression")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

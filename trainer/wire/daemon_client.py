@@ -51,6 +51,21 @@ def check_protocol(address: str, response: ps_pb2.RegisterModelResponse) -> None
         )
 
 
+def check_state_dtype_echo(address: str, spec: ps_pb2.ModelSpec, response: ps_pb2.RegisterModelResponse) -> None:
+    """Refuses a daemon that keeps the model in another state dtype than the spec asks: one
+    from before ModelSpec.state_dtype ignores the field and would keep fp32 state, training
+    something else than the trainer was told (its response then says DTYPE_UNSPECIFIED)."""
+    wanted = spec.state_dtype or ps_pb2.FLOAT32
+    kept = response.state_dtype or ps_pb2.FLOAT32
+    if wanted != kept:
+        release = response.daemon_version or "a release from before 0.1.0"
+        raise RuntimeError(
+            f"daemon {address} ({release}) keeps model {spec.model!r} in {ps_pb2.DType.Name(kept)} state, the trainer "
+            f"asked for {ps_pb2.DType.Name(wanted)} (OffloadConfig.state_dtype): upgrade the daemons; the model "
+            "was registered there, so drop it (ps-admin drop) before training it again"
+        )
+
+
 def busy(error: grpc.RpcError) -> bool:
     """A refusal that only says the daemon is busy now (too many calls from this host at
     once): retried like an unreachable daemon, where other RESOURCE_EXHAUSTEDs are final."""

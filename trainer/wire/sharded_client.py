@@ -38,6 +38,7 @@ from ps_offload.trainer.wire.daemon_client import (
     DaemonError,
     busy,
     check_protocol,
+    check_state_dtype_echo,
 )
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
 from ps_offload.trainer.wire.host_windows import HostWindows, Prepare
@@ -125,6 +126,7 @@ class ShardedClient:
                 self.plan = expected_plan(spec, response.shard_bytes)
                 self.spec = spec
             check_protocol(self.daemons[index], response)
+            check_state_dtype_echo(self.daemons[index], spec, response)
             got = [
                 ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel, tuple(s.holders[1:])) for s in response.shards
             ]

@@ -7,7 +7,7 @@ import torch
 from ps_offload.daemon.model.optimizer import AdamWConfig, SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc.staging import StagingPool
-from ps_offload.daemon.store.shard import ARENA_STAGGER, shard_resident_bytes
+from ps_offload.daemon.store.shard import ARENA_STAGGER, arena_nbytes
 from ps_offload.daemon.store.shard_store import ShardStore
 
 
@@ -26,7 +26,7 @@ def test_arena_holds_master_and_state_without_overlap_staggered_by_1kib():
     assert all(b - a >= 4096 * 4 for a, b in zip(starts, starts[1:], strict=False))  # no overlap, in order
     assert [s % 4096 for s in starts] == [0, ARENA_STAGGER * 4, 2 * ARENA_STAGGER * 4]
     assert all(t.untyped_storage().data_ptr() == shard.arena.untyped_storage().data_ptr() for t in tensors)
-    assert shard.resident_bytes == shard_resident_bytes(4096, AdamWConfig()) == shard.arena.numel() * 4
+    assert shard.resident_bytes == arena_nbytes(4096, AdamWConfig()) == shard.arena.numel() * 4
 
 
 def test_sgd_without_momentum_has_no_state():

@@ -18,7 +18,7 @@ from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store import tier_admin
 from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.push import PushRequest
-from ps_offload.daemon.store.shard import shard_resident_bytes
+from ps_offload.daemon.store.shard import arena_nbytes
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
 from tests.ps_daemon.tiers.format2 import downgrade_to_format_2
@@ -33,7 +33,7 @@ def _store(directory, *, files: NvmeFiles | None = None, ram_shards: int = 2) ->
     the test moves a shard between the tiers. `directory` None: RAM only."""
     if files is None and directory is not None:
         files = NvmeFiles(directory, io=DirectIO(threads=2, block_bytes=PAGE), fsync=False, spare_slots=1)
-    ram = ram_shards * shard_resident_bytes(NUMEL, AdamWConfig()) if files is not None else 1 << 30
+    ram = ram_shards * arena_nbytes(NUMEL, AdamWConfig()) if files is not None else 1 << 30
     return ShardStore(ram_bytes=ram, default_shard_bytes=NUMEL * 4, files=files, prefetch_depth=0)
 
 
