@@ -197,8 +197,10 @@ def _bf16_state(init: torch.Tensor, grads: torch.Tensor, numel: int, threads: in
                f"(push with the non-finite check, step, the pull it carries; {threads} threads) against "
                "torch.optim.AdamW(fused=True) on the bf16 parameters in place; ratio: peer time over ours, median of "
                "interleaved rounds. By bytes per element, the peer moves 14 and we move 20 (the check reads the "
-               "gradient, 2; the pull copies the master, 4): the target is that bound"),
-        extra={"ratio_spread": spread(ratios), "fp32_state_ms": round(1e3 * statistics.median(wide), 3),
+               "gradient, 2; the pull copies the master, 4): the target is that bound. Also the same update with fp32 "
+               "state, in the same rounds"),
+        extra={"ratio_spread": spread(ratios), "params": numel,
+               "fp32_state_ms": round(1e3 * statistics.median(wide), 3),
                "time_vs_fp32_state": round(statistics.median(against_wide), 3),
                "time_vs_fp32_state_spread": spread(against_wide)},
     )  # fmt: skip
