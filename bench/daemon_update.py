@@ -192,13 +192,13 @@ def _bf16_state(init: torch.Tensor, grads: torch.Tensor, numel: int, threads: in
     against_wide = [o / w for o, w in zip(ours, wide, strict=True)]
     return record(
         "daemon_update_bf16_state", ours=1e3 * statistics.median(ours), peer=1e3 * statistics.median(theirs),
-        unit="ms/step", target=0.7, higher_is_better=True, ratio=statistics.median(ratios),
+        unit="ms/step", target=0.78, higher_is_better=True, ratio=statistics.median(ratios),
         notes=(f"the daemon's whole update of a {numel / 1e6:.1f}M-parameter bf16 model with bf16 master, m and v "
                f"(push with the non-finite check, step, the pull it carries; {threads} threads) against "
                "torch.optim.AdamW(fused=True) on the bf16 parameters in place; ratio: peer time over ours, median of "
-               "interleaved rounds. By bytes per element, the peer moves 14 and we move 20 (the check reads the "
-               "gradient, 2; the pull copies the master, 4): the target is that bound. Also the same update with fp32 "
-               "state, in the same rounds"),
+               "interleaved rounds. By bytes per element, the peer moves 14 and we move 18 (the check reads the "
+               "gradient, 2; the one-pass step writes the pull, 2): the target is that bound, 14/18. Also the same "
+               "update with fp32 state, in the same rounds"),
         extra={"ratio_spread": spread(ratios), "params": numel,
                "fp32_state_ms": round(1e3 * statistics.median(wide), 3),
                "time_vs_fp32_state": round(statistics.median(against_wide), 3),

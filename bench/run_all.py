@@ -341,18 +341,19 @@ def _nonfinite_check(r: dict) -> str:
 
 
 def _daemon_update_bf16_state(r: dict) -> str:
-    n, peer_s, wide_s = r["params"], r["peer"] / 1e3, r["fp32_state_ms"] / 1e3
+    n, ours_s, wide_s, peer_s = r["params"], r["ours"] / 1e3, r["fp32_state_ms"] / 1e3, r["peer"] / 1e3
     low, high = r["time_vs_fp32_state_spread"]["min"], r["time_vs_fp32_state_spread"]["max"]
     return (
-        "What bounds the ratio is bytes: per element torch's bf16 step reads p, g, m and v and writes p, m and v "
-        "(14); ours adds the non-finite check's read of the gradient (2) and the pull the push carries, a copy of "
-        "the master (4): 14/20 = 0.7. Against the same update with fp32 state in the same rounds "
-        f"({r['fp32_state_ms']} ms), bf16 state takes {r['time_vs_fp32_state']}× the time (paired {low}–{high}), "
-        "although it moves fewer bytes: torch's bf16 kernel, which bf16 state runs, moves its 14 bytes an element at "
-        f"{14 * n / peer_s / 1e9:.1f} GB/s here, where the fp32 state's one-pass kernel (kernels/fused_step.py) "
-        f"moves its 32 at {32 * n / wide_s / 1e9:.1f} GB/s: on these 2 cores torch's bf16 kernel is bound by its "
-        "conversions, not by memory. So bf16 state halves what a step holds, writes to NVMe and reads back, but "
-        "does not speed a RAM-resident update on this CPU; a one-pass bf16 kernel of our own is not written yet."
+        "The daemon steps bf16 state in one pass (kernels/bf16_state_step.py: p, m, v and the gradient read as bf16, "
+        "the fp32 update, p, m, v and the pull written as bf16, bit for bit as torch's fused kernel on bf16 tensors). "
+        "By bytes alone the ratio would stop at the target: per element torch's bf16 step reads p, g, m and v and "
+        "writes p, m and v (14); ours adds the non-finite check's read of the gradient (2) and the pull it writes "
+        f"(2): 14/18 = 0.78. Neither side is bound by memory here (torch's moves {14 * n / peer_s / 1e9:.1f} GB/s). "
+        f"Against the same update with fp32 state in the same rounds ({r['fp32_state_ms']} ms), bf16 state takes "
+        f"{r['time_vs_fp32_state']}× the time (paired {low}–{high}) for 18 bytes an element against 32: both passes "
+        f"run at the cores' arithmetic rate, not memory's (ours moves {18 * n / ours_s / 1e9:.1f} GB/s, the "
+        f"fp32 state's {32 * n / wide_s / 1e9:.1f} GB/s), so on these 2 cores bf16 state halves what a step holds, "
+        "writes to NVMe and reads back far more than it shortens a RAM-resident update."
     )
 
 

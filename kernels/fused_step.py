@@ -60,7 +60,7 @@ TASK = 16384
 in L2 while it runs, and a 64 MiB shard is 1024 tasks for the cores to share."""
 
 GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_JIT = dict(error_model="numpy", nogil=True, cache=True)
+JIT = dict(error_model="numpy", nogil=True, cache=True)
 _f16_to_f32 = numba.njit(inline="always")(rounding.f16_to_f32)
 _f32_to_f16 = numba.njit(inline="always")(rounding.f32_to_f16)
 # Where the new parameters go as well (the pull a push carries), as `out_kind`: 0 none, 1 fp32,
@@ -80,7 +80,7 @@ def set_threads(count: int) -> None:
     _threads = max(1, min(count, numba.config.NUMBA_NUM_THREADS))
 
 
-def _launch(kernel, *args):
+def launch(kernel, *args):
     with LOCK:
         if _threads:  # (per launching thread in Numba: the pushes' threads vary)
             numba.set_num_threads(_threads)
@@ -98,7 +98,7 @@ def fma32(typingctx, a, b, c):
     return sig, codegen
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def _widen(g, i, kind):
     if kind == 0:
         return np.float32(g[i])
@@ -107,8 +107,8 @@ def _widen(g, i, kind):
     return np.uint32(_f16_to_f32(np.int64(g[i]))).view(np.float32)
 
 
-@numba.njit(inline="always", **_JIT)
-def _to_bf16(x):
+@numba.njit(inline="always", **JIT)
+def to_bf16(x):
     """bf16 bits of x, round to nearest even (kernels/rounding.py f32_to_bf16, in 32-bit lanes)."""
     u = np.float32(x).view(np.uint32)
     rounded = np.uint32(np.uint32(u + np.uint32(0x7FFF) + (np.uint32(u >> np.uint32(16)) & np.uint32(1))) >> 16)
@@ -117,19 +117,19 @@ def _to_bf16(x):
     return np.uint16(quiet if nan else rounded)
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def _emit(out, i, x, out_kind):
     """out[i] = x in the dtype `out_kind` names (above), rounded to nearest even."""
     if out_kind == 1:
         out[i] = x
     elif out_kind == 2:
-        out[i] = _to_bf16(x)
+        out[i] = to_bf16(x)
     elif out_kind == 3:
         out[i] = np.uint16(_f32_to_f16(np.int64(np.float32(x).view(np.uint32))))
 
 
-@numba.njit(inline="always", **_JIT)
-def _adamw_element(pi, gi, mi, vi, tail, tail_v, wd_factor, lerp, lerp_small, b2, c2, bc2_sqrt, eps, neg_step):
+@numba.njit(inline="always", **JIT)
+def adamw_element(pi, gi, mi, vi, tail, tail_v, wd_factor, lerp, lerp_small, b2, c2, bc2_sqrt, eps, neg_step):
     """One element's AdamW step, as torch's vectorized body (tail False) or its scalar tail
     computes it; returns (p, m, v)."""
     pi = pi * wd_factor
@@ -144,19 +144,19 @@ def _adamw_element(pi, gi, mi, vi, tail, tail_v, wd_factor, lerp, lerp_small, b2
     return pi + neg_step * mi / (np.sqrt(vi) / bc2_sqrt + eps), mi, vi
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def _adamw_loop(p, g, m, v, out, kind, out_kind, mult, a):
     wd_factor, lerp, lerp_small, b2, c2, bc2_sqrt, eps, neg_step = a
     for i in range(p.shape[0]):
         gi = _widen(g, i, kind) * mult  # (times 1 without a multiplier: exact)
-        pi, m[i], v[i] = _adamw_element(
+        pi, m[i], v[i] = adamw_element(
             p[i], gi, m[i], v[i], False, 0, wd_factor, lerp, lerp_small, b2, c2, bc2_sqrt, eps, neg_step
         )
         p[i] = pi
         _emit(out, i, pi, out_kind)
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def _adamw_tasks(tasks, p, g, m, v, out, kind, emit, mult, tail_v, a):
     """The tasks of one step for a gradient of `kind`, the new values also into `out` in the
     gradient's dtype when `emit`. `kind` is a constant in each caller below, and the loop is
@@ -174,7 +174,7 @@ def _adamw_tasks(tasks, p, g, m, v, out, kind, emit, mult, tail_v, a):
             _adamw_loop(p[s:body_end], g[s:body_end], m[s:body_end], v[s:body_end], o, kind, 0, mult, a)
         for i in range(body_end, e):  # a parameter's last elements: torch's scalar tail
             gi = _widen(g, i, kind) * mult
-            pi, m[i], v[i] = _adamw_element(
+            pi, m[i], v[i] = adamw_element(
                 p[i], gi, m[i], v[i], True, tail_v, wd_factor, lerp, lerp_small, b2, c2, bc2_sqrt, eps, neg_step
             )
             p[i] = pi
@@ -183,17 +183,17 @@ def _adamw_tasks(tasks, p, g, m, v, out, kind, emit, mult, tail_v, a):
 
 # One kernel per gradient dtype, each compiled at its first use (and cached on disk): a daemon
 # compiles the one its trainers' model needs.
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **JIT)
 def _adamw_f32(tasks, p, g, m, v, out, emit, mult, tail_v, a):
     _adamw_tasks(tasks, p, g, m, v, out, 0, emit, mult, tail_v, a)
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **JIT)
 def _adamw_bf16(tasks, p, g, m, v, out, emit, mult, tail_v, a):
     _adamw_tasks(tasks, p, g, m, v, out, 1, emit, mult, tail_v, a)
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **JIT)
 def _adamw_f16(tasks, p, g, m, v, out, emit, mult, tail_v, a):
     _adamw_tasks(tasks, p, g, m, v, out, 2, emit, mult, tail_v, a)
 
@@ -201,7 +201,7 @@ def _adamw_f16(tasks, p, g, m, v, out, emit, mult, tail_v, a):
 _ADAMW = (_adamw_f32, _adamw_bf16, _adamw_f16)
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def _sgd_element(pi, gi, bi, tail, variant, wd, decay, momentum, damp, first, nesterov, neg_lr):
     """One element's SGD step, as torch's body (tail False) or its scalar tail (`variant`:
     SGD_TAIL's fields) computes it; returns (p, buf)."""
@@ -225,7 +225,7 @@ def _sgd_element(pi, gi, bi, tail, variant, wd, decay, momentum, damp, first, ne
     return pi - gi * -neg_lr, bi
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def _sgd_loop(p, g, buf, out, kind, out_kind, mult, a):
     wd, decay, momentum, damp, first, nesterov, neg_lr = a
     for i in range(p.shape[0]):
@@ -238,7 +238,7 @@ def _sgd_loop(p, g, buf, out, kind, out_kind, mult, a):
         _emit(out, i, pi, out_kind)
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def _sgd_tasks(tasks, p, g, buf, out, kind, emit, mult, variant, a):
     """As _adamw_tasks."""
     out_kind = kind + 1 if emit else 0
@@ -261,17 +261,17 @@ def _sgd_tasks(tasks, p, g, buf, out, kind, emit, mult, variant, a):
             _emit(o, i - s, pi, out_kind)
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **JIT)
 def _sgd_f32(tasks, p, g, buf, out, emit, mult, variant, a):
     _sgd_tasks(tasks, p, g, buf, out, 0, emit, mult, variant, a)
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **JIT)
 def _sgd_bf16(tasks, p, g, buf, out, emit, mult, variant, a):
     _sgd_tasks(tasks, p, g, buf, out, 1, emit, mult, variant, a)
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **JIT)
 def _sgd_f16(tasks, p, g, buf, out, emit, mult, variant, a):
     _sgd_tasks(tasks, p, g, buf, out, 2, emit, mult, variant, a)
 
@@ -279,7 +279,7 @@ def _sgd_f16(tasks, p, g, buf, out, emit, mult, variant, a):
 _SGD = (_sgd_f32, _sgd_bf16, _sgd_f16)
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **JIT)
 def _peak_magnitude(bits, magnitude):
     # A max of unsigned lanes: one vector instruction per load (a count of matches would
     # widen every lane to 64 bits and run at a third of memory speed).
@@ -289,7 +289,7 @@ def _peak_magnitude(bits, magnitude):
     return peak
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **JIT)
 def _peaks(bits, magnitude, peaks):
     n = bits.shape[0]
     for t in prange(peaks.shape[0]):
@@ -308,7 +308,7 @@ def all_finite(values: torch.Tensor) -> bool:
     kind, magnitude, infinity = _INFINITY[values.dtype]
     bits = values.view(kind).numpy()
     peaks = np.zeros(max(1, -(-bits.shape[0] // TASK)), dtype=bits.dtype)
-    _launch(_peaks, bits, bits.dtype.type(magnitude), peaks)
+    launch(_peaks, bits, bits.dtype.type(magnitude), peaks)
     return int(peaks.max()) < infinity
 
 
@@ -349,16 +349,21 @@ def _copy_out(out: torch.Tensor | None, param: torch.Tensor, emitted: bool) -> N
         out.copy_(param)  # (Tensor.copy_ rounds to nearest even, as _emit does)
 
 
-def _adamw_call(split, param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, multiplier,
-                tail, out):  # fmt: skip
-    """adamw_'s kernel and its arguments."""
+def adamw_constants(step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> tuple:
+    """The fp32 constants adamw_element takes for one step, as torch's kernel rounds them."""
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     weight = _f32(1 - beta1)
     small = bool(abs(float(weight)) < 0.5)
     lerp = weight if small else np.float32(weight - np.float32(1))  # torch: lerp_weight - Vec(1), in fp32
-    constants = (_f32(1 - lr * weight_decay), lerp, small, _f32(beta2), _f32(1 - beta2),
-                 _f32(math.sqrt(bias_correction2)), _f32(eps), _f32(-(lr / bias_correction1)))  # fmt: skip
+    return (_f32(1 - lr * weight_decay), lerp, small, _f32(beta2), _f32(1 - beta2),
+            _f32(math.sqrt(bias_correction2)), _f32(eps), _f32(-(lr / bias_correction1)))  # fmt: skip
+
+
+def _adamw_call(split, param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, multiplier,
+                tail, out):  # fmt: skip
+    """adamw_'s kernel and its arguments."""
+    constants = adamw_constants(step, lr, beta1, beta2, eps, weight_decay)
     emit = _emits(out, grad)
     args = (split, _np(param), _np(grad), _np(exp_avg), _np(exp_avg_sq), _out(out, grad, emit), emit,
             _multiplier(multiplier), int(tail), constants)  # fmt: skip
@@ -402,7 +407,7 @@ def adamw_(
     pass when it has the gradient's dtype."""
     kernel, args, emit = _adamw_call(split, param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
                                      weight_decay, grad_multiplier, tail, out)  # fmt: skip
-    _launch(kernel, *args)
+    launch(kernel, *args)
     _copy_out(out, param, emit)
 
 
@@ -427,7 +432,7 @@ def sgd_(
     `grad` (fp32, bf16 or fp16) times `grad_multiplier`. `tail`, `out`: as adamw_'s."""
     kernel, args, emit = _sgd_call(split, param, grad, momentum_buffer, lr, weight_decay, momentum, dampening,
                                    nesterov, first_step, grad_multiplier, tail, out)  # fmt: skip
-    _launch(kernel, *args)
+    launch(kernel, *args)
     _copy_out(out, param, emit)
 
 

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ps_offload.kernels import fused_step
+from ps_offload.kernels import bf16_state_step, fused_step
 
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("adamw", "sgd")
+BF16_STATE = "adamw_bf16_state"  # `ready`'s name for kernels/bf16_state_step.py (bf16 gradients only)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Calibration:
     vector: int
     adamw_tail: int
     sgd_tail: tuple[int, int, int, int]
+    bf16_state: bool = False  # kernels/bf16_state_step.py computes as torch on bf16 tensors too
 
 
 ADAMW_TAILS = (0, 1, 2)
@@ -66,15 +68,16 @@ def calibration(*, wait: bool = True) -> Calibration | None:
 
 
 def ready(optimizer: str, grad_dtype: torch.dtype) -> Calibration | None:
-    """The calibration, once it is known and `optimizer`'s ("adamw", "sgd") kernel for
-    gradients of `grad_dtype` is compiled in this process; else None, having set whichever is
-    missing going in the background (the caller steps with torch's kernels meanwhile)."""
+    """The calibration, once it is known and `optimizer`'s ("adamw", "sgd", or BF16_STATE)
+    kernel for gradients of `grad_dtype` is compiled in this process; else None, having set
+    whichever is missing going in the background (the caller steps with torch's kernels
+    meanwhile). None for BF16_STATE on a build where that kernel does not compute as torch."""
     found = calibration(wait=False)
-    if found is None:
+    if found is None or (optimizer == BF16_STATE and not found.bf16_state):
         return None
     if (optimizer, grad_dtype) in _compiled:
         return found
-    compile_kernel, compiled = fused_step.compiled(optimizer, grad_dtype)
+    compile_kernel, compiled = _compiler(optimizer, grad_dtype)
     if compiled:
         _compiled.add((optimizer, grad_dtype))  # (a kernel stays compiled: not asked again)
         return found
@@ -91,11 +94,18 @@ def warm() -> Calibration | None:
     """Calibrates and compiles every kernel, waiting (the set-up's cache filling); raises what
     went wrong."""
     found = start().result()
-    for optimizer, dtype in itertools.product(OPTIMIZERS, fused_step.GRAD_KINDS):
-        compile_kernel, compiled = fused_step.compiled(optimizer, dtype)
+    kernels = [*itertools.product(OPTIMIZERS, fused_step.GRAD_KINDS), (BF16_STATE, torch.bfloat16)]
+    for optimizer, dtype in kernels:
+        compile_kernel, compiled = _compiler(optimizer, dtype)
         if not compiled:
             _work.once(("compile", optimizer, dtype), compile_kernel).result()
     return found
+
+
+def _compiler(optimizer: str, grad_dtype: torch.dtype):
+    if optimizer == BF16_STATE:
+        return bf16_state_step.compiled()
+    return fused_step.compiled(optimizer, grad_dtype)
 
 
 def _calibrate() -> Calibration | None:
@@ -106,7 +116,8 @@ def _calibrate() -> Calibration | None:
         fused_step.all_finite(torch.zeros(1, dtype=dtype))
     if adamw is None or sgd is None or adamw[0] != sgd[0]:
         return None
-    return Calibration(vector=adamw[0], adamw_tail=adamw[1], sgd_tail=sgd[1])
+    bf16_state = probe.bf16_state_matches(*adamw)
+    return Calibration(vector=adamw[0], adamw_tail=adamw[1], sgd_tail=sgd[1], bf16_state=bf16_state)
 
 
 class _Background:
@@ -214,6 +225,31 @@ class _Probe:
                 grad_multiplier=settings["multiplier"], tail=tail,
             )  # fmt: skip
             if not all(torch.equal(a, b) for a, b in zip(ours, expected, strict=True)):
+                return False
+        return True
+
+    def bf16_state_matches(self, vector: int, tail: int) -> bool:
+        """kernels/bf16_state_step.py with the fp32 kernel's forms against torch's fused AdamW
+        on the probe's values rounded to bf16 (tests/kernels/test_bf16_state_step.py also places
+        elements the forms tell apart at every position)."""
+        split = self._tasks(bf16_state_step.VECTOR_FACTOR * vector)
+        start = [t.bfloat16() for t in (self.params, self.moments, self.squares)]
+        grad = self.grads[torch.float32].bfloat16()
+        for beta1, decay, multiplier in ((0.9, 0.01, None), (0.3, 0.0, 0.375)):
+            torchs = [t.clone() for t in start]
+            scaled = grad if multiplier is None else (grad.float() * torch.tensor(multiplier)).bfloat16()
+            views = [self._split(t) for t in torchs]
+            torch._fused_adamw_(
+                views[0], self._split(scaled.clone()), views[1], views[2], [], [torch.tensor(3.0)] * len(self.lengths),
+                lr=2e-3, beta1=beta1, beta2=0.999, weight_decay=decay, eps=1e-8, amsgrad=False, maximize=False,
+            )  # fmt: skip
+            ours = [t.clone() for t in start]
+            bf16_state_step.adamw_(
+                split, ours[0], grad, ours[1], ours[2], step=3, lr=2e-3, beta1=beta1, beta2=0.999, eps=1e-8,
+                weight_decay=decay, tail=tail, grad_multiplier=multiplier,
+            )  # fmt: skip
+            pairs = zip(ours, torchs, strict=True)
+            if not all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in pairs):
                 return False
         return True
 

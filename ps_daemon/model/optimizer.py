@@ -28,8 +28,8 @@ the same fused torch kernel on them as AdamW(fused=True) steps a bf16 model's ow
 (it computes in fp32 and rounds each result to bf16). The gradient is what torch would hold in
 `param.grad`: a bf16 gradient as it came; times grad_multiplier in fp32 and rounded back to
 bf16, as GradScaler's unscale_ does in place; an fp32 one (decompressed, or sent wide) rounded
-to bf16. The one-pass kernel is fp32-state only: torch's bf16 kernel already reads each tensor
-once (no widening pass, and the pull copy is the master itself).
+to bf16. Once calibrated, kernels/bf16_state_step.py steps it in one pass that also writes the
+pull a push carries (torch's bf16 kernel is bound by its conversions on the daemon's cores).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch
 
 from ps_offload.daemon.model import faults
 from ps_offload.daemon.model.encodings import KERNEL_LOCK, OneBitGradient
-from ps_offload.kernels import fused_step, step_calibration
+from ps_offload.kernels import bf16_state_step, fused_step, step_calibration
 from ps_offload.kernels.fused_adamw import adam_frozen_variance_, onebit_adam_
 from ps_offload.proto.plan import KernelRun, Segment, kernel_runs
 
@@ -247,13 +247,18 @@ class ShardOptimizer:
             calls = [
                 (("decay", d), segments, self._registered(lr, d)) for d, segments in self._segments_by_decay.items()
             ]
-        # Torch's kernels on an fp32 gradient (a pass more) until the one-pass kernel is ready;
-        # always on a bf16 one for bf16 state (module docstring).
+        # Torch's kernels on a gradient in the state's dtype (a pass more for fp32 state) until
+        # the one-pass kernel is ready (module docstring).
         if self.state_dtype != torch.float32:
-            calibration = None
-            grad = _narrowed(grad, multiplier, self.state_dtype)
+            if grad.dtype != self.state_dtype:  # (a decompressed one, or fp32 sent wide)
+                grad, multiplier = _narrowed(grad, multiplier, self.state_dtype), None
+            calibration = step_calibration.ready(step_calibration.BF16_STATE, grad.dtype)
+            vector = bf16_state_step.VECTOR_FACTOR * calibration.vector if calibration else 0
+            if calibration is None:
+                grad = _narrowed(grad, multiplier, self.state_dtype)
         else:
             calibration = step_calibration.ready("adamw" if isinstance(self.config, AdamWConfig) else "sgd", grad.dtype)
+            vector = calibration.vector if calibration else 0
             if calibration is None:
                 grad = _widened(grad, multiplier)
         if calibration is None:
@@ -265,7 +270,7 @@ class ShardOptimizer:
             for key, segments, settings in calls:
                 tasks = self._tasks.get(key)
                 if tasks is None:
-                    tasks = self._tasks[key] = _one_pass_tasks(segments, calibration.vector)
+                    tasks = self._tasks[key] = _one_pass_tasks(segments, vector)
                 self._step_in_one_pass(master, grad, tasks, settings, multiplier, out, calibration)
         if faults.after_update(master, self.step) and out is not None:  # tests only: PS_OFFLOAD_FAULT_PERTURB_STEP
             out.copy_(master)  # the pull the push carries sees the fault, as any pull would
@@ -284,7 +289,8 @@ class ShardOptimizer:
         config, step = self.config, int(self.step.item())
         if isinstance(config, AdamWConfig):
             m, v = self.state
-            fused_step.adamw_(
+            step_ = bf16_state_step.adamw_ if self.state_dtype == torch.bfloat16 else fused_step.adamw_
+            step_(
                 tasks, master, grad, m, v, step=step, lr=settings.lr, beta1=settings.beta1,
                 beta2=settings.beta2, eps=settings.eps, weight_decay=settings.weight_decay,
                 tail=calibration.adamw_tail, grad_multiplier=multiplier, out=out,

@@ -81,9 +81,9 @@ def gradients(step: int, shapes=SHAPES) -> list[torch.Tensor]:
 class Reference:
     """torch.optim.AdamW / SGD (fused=True) on fp32 copies, one param group per group index."""
 
-    def __init__(self, kind: str, initial: list[torch.Tensor], group_of=GROUP_OF) -> None:
+    def __init__(self, kind: str, initial: list[torch.Tensor], group_of=GROUP_OF, dtype=torch.float32) -> None:
         self.kind, self.group_of = kind, group_of
-        self.params = [t.clone().requires_grad_() for t in initial]
+        self.params = [t.to(dtype, copy=True).requires_grad_() for t in initial]
         count = max(group_of) + 1
         groups = [
             {
@@ -100,7 +100,7 @@ class Reference:
         for index, group in enumerate(self.optimizer.param_groups):
             group.update(settings(self.kind, step, index))  # as a scheduler does between steps
         for p, grad in zip(self.params, grads, strict=True):
-            p.grad = grad.clone()
+            p.grad = grad.to(p.dtype, copy=True)
         self.optimizer.step()
 
     def flat(self, state: str = "") -> torch.Tensor:
@@ -141,6 +141,49 @@ def test_shard_optimizer_steps_each_group_with_its_settings_as_torch_does(kind, 
             optimizer.apply(flat[piece], flat_grad[piece].clone(), config.lr, daemon_groups(kind, step))
     expected = reference.flat()
     assert torch.equal(flat, expected), f"max |diff| {(flat - expected).abs().max().item()}"
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "torch-kernels"])
+@pytest.mark.parametrize("shard_numel", [37, 1000, 3072, NUMEL])
+def test_bf16_state_steps_each_group_as_torch_does_on_bf16_parameters(shard_numel, one_pass, monkeypatch):
+    """bf16 master, m and v (ModelSpec.state_dtype): ShardOptimizer against torch.optim.AdamW
+    (fused=True) on the bf16 parameters, either way the daemon steps them
+    (kernels/bf16_state_step.py, or torch's kernel), with a grad multiplier on odd steps."""
+    if one_pass:
+        step_calibration.warm()
+        assert step_calibration.ready(step_calibration.BF16_STATE, torch.bfloat16) is not None
+    else:
+        monkeypatch.setattr(step_calibration, "ready", lambda optimizer, grad_dtype: None)
+    initial = initial_values()
+    reference = Reference("adamw", initial, dtype=torch.bfloat16)
+    config = REGISTERED["adamw"]
+    layouts = layout_params([(f"p{i}", shape, None) for i, shape in enumerate(SHAPES)])
+    flat = torch.cat([t.reshape(-1) for t in initial]).bfloat16()
+    shards = []
+    for shard in plan_shards(NUMEL, shard_numel, 1):
+        segments = segments_of(shard, layouts)
+        groups = [GROUP_OF[s.param_index] for s in segments]
+        optimizer = ShardOptimizer(
+            config, segments, [config.weight_decay] * len(segments), groups, group_count=3, state_dtype=torch.bfloat16
+        )
+        optimizer.bind([torch.zeros(shard.numel, dtype=torch.bfloat16) for _ in range(2)])
+        shards.append((shard, optimizer))
+    for step in range(6):
+        multiplier = 0.375 if step % 2 else None
+        grads = [g.bfloat16() for g in gradients(step)]
+        scaled = grads if multiplier is None else [(g.float() * torch.tensor(multiplier)).bfloat16() for g in grads]
+        reference.step(step, scaled)  # GradScaler's unscale_ writes the bf16 gradient so
+        flat_grad = torch.cat([g.reshape(-1) for g in grads])
+        for shard, optimizer in shards:
+            piece = slice(shard.offset, shard.end)
+            out = torch.empty(shard.numel, dtype=torch.bfloat16)
+            optimizer.apply(flat[piece], flat_grad[piece].clone(), config.lr, daemon_groups("adamw", step),
+                            multiplier=multiplier, out=out)  # fmt: skip
+            assert torch.equal(out.view(torch.int16), flat[piece].view(torch.int16))
+    assert torch.equal(flat.view(torch.int16), reference.flat().view(torch.int16))
+    for index, name in enumerate(["exp_avg", "exp_avg_sq"]):
+        ours = torch.cat([optimizer.state[index] for _, optimizer in shards])
+        assert torch.equal(ours.view(torch.int16), reference.flat(name).view(torch.int16)), name
 
 
 def test_without_groups_the_registered_settings_still_apply():
