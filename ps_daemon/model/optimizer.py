@@ -250,12 +250,10 @@ class ShardOptimizer:
         # Torch's kernels on a gradient in the state's dtype (a pass more for fp32 state) until
         # the one-pass kernel is ready (module docstring).
         if self.state_dtype != torch.float32:
-            if grad.dtype != self.state_dtype:  # (a decompressed one, or fp32 sent wide)
-                grad, multiplier = _narrowed(grad, multiplier, self.state_dtype), None
-            calibration = step_calibration.ready(step_calibration.BF16_STATE, grad.dtype)
+            calibration = step_calibration.ready(step_calibration.BF16_STATE, self.state_dtype)
             vector = bf16_state_step.VECTOR_FACTOR * calibration.vector if calibration else 0
-            if calibration is None:
-                grad = _narrowed(grad, multiplier, self.state_dtype)
+            if calibration is None or grad.dtype != self.state_dtype:  # (or decompressed, or fp32 sent wide)
+                grad, multiplier = _narrowed(grad, multiplier, self.state_dtype), None
         else:
             calibration = step_calibration.ready("adamw" if isinstance(self.config, AdamWConfig) else "sgd", grad.dtype)
             vector = calibration.vector if calibration else 0

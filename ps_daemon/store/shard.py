@@ -13,6 +13,7 @@ import torch
 from ps_offload.daemon.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from ps_offload.daemon.model.optimizer import OptimizerConfig, ShardOptimizer
 from ps_offload.daemon.store.accumulate import GradientParts
+from ps_offload.daemon.store.pull_rounding import PULL_DTYPES
 from ps_offload.daemon.store.pull_wait import PullWait
 from ps_offload.daemon.tiers.nvme import arena_tensor
 from ps_offload.daemon.tiers.ram_only import RAM_SUMS
@@ -31,14 +32,10 @@ def arena_numel(numel: int, state_tensors: int) -> int:
     return numel * (1 + state_tensors) + state_tensors * ARENA_STAGGER
 
 
-STATE_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""ModelSpec.state_dtype's torch dtypes: the arena's elements."""
-
-
 def arena_nbytes(numel: int, optimizer: OptimizerConfig, state_dtype: str = "float32") -> int:
     """Bytes of one shard's arena: master, optimizer state and the stagger between them, in
     the model's state dtype."""
-    return arena_numel(numel, optimizer.state_per_param) * STATE_TORCH_DTYPES[state_dtype].itemsize
+    return arena_numel(numel, optimizer.state_per_param) * PULL_DTYPES[state_dtype].itemsize
 
 
 def allocate_arena(nbytes: int) -> tuple[torch.Tensor, memoryview]:
@@ -46,7 +43,7 @@ def allocate_arena(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     return arena_tensor(-(-nbytes // FP32_BYTES), nbytes)  # (a bf16 arena may end mid-word)
 
 
-# The fp32 tensors a pull can stream (proto ShardTensor, in its order): the master values,
+# The tensors a pull can stream (proto ShardTensor, in its order): the master values,
 # then the optimizer state in the order the arena holds it (SGD's momentum buffer as exp_avg).
 SHARD_TENSORS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -94,7 +91,7 @@ class Shard:
             decays,
             [param_groups[s.param_index] for s in segments],
             group_count=max(param_groups, default=0) + 1,
-            state_dtype=STATE_TORCH_DTYPES[state_dtype],
+            state_dtype=PULL_DTYPES[state_dtype],
         )
         self.state_dtype = state_dtype
         self.arena_bytes = arena_nbytes(slice_.numel, optimizer, state_dtype)
@@ -149,7 +146,7 @@ class Shard:
     @property
     def master_dtype(self) -> torch.dtype:
         """The torch dtype of master values and state (the arena's elements)."""
-        return STATE_TORCH_DTYPES[self.state_dtype]
+        return PULL_DTYPES[self.state_dtype]
 
     def tensor(self, name: str) -> torch.Tensor:
         """The master values or a state tensor (check_tensor first); resident only."""

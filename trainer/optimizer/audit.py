@@ -133,7 +133,7 @@ class ParityAudit:
         self.client: ShardedClient = opt.client
         self.values = lambda: opt.flat.values  # the compute copy (replaced when the model moves)
         self.optimizer: OptimizerConfig = opt.optimizer
-        self.state_dtype = torch.bfloat16 if config.state_dtype == "bfloat16" else torch.float32
+        self.state_dtype: torch.dtype = getattr(torch, config.state_dtype)  # (float32 or bfloat16)
         self.layouts: list[ParamLayout] = opt.flat.layouts
         position = {id(p): i for i, p in enumerate(opt.flat.params)}
         self.group_of = [0] * len(opt.flat.params)
