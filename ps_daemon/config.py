@@ -161,6 +161,13 @@ class StoreConfig:
     INVALID_ARGUMENT naming the shard and the first such value, and nothing changes: on a
     shared daemon one trainer's NaN would otherwise poison the shard's state for good.
     Checking costs one read of the payload per push, as it came (docs/benchmarks.md, nonfinite_check)."""
+    speculation_bytes: int = 2 << 30
+    """Spare copies of shard state for steps computed while a trainer's backward still runs
+    (OffloadConfig(push_in_backward=True)): each such shard holds a second copy of its master
+    and optimizer state from its gradient's arrival until its APPLY, which adopts it, or
+    discards it when a clip fired or the settings changed. Past this budget a shard's step waits
+    for its APPLY, as with 0. To compute every shard during backward, set it to the state this
+    daemon holds for the model (ps-admin stats: ram_bytes_used)."""
     max_models: int = 256
     """Models registered at once; one more is refused with RESOURCE_EXHAUSTED."""
     max_shards_per_model: int = 1 << 18
@@ -234,7 +241,15 @@ REMOVED_KEYS: dict[str, str] = {
     ),
 }
 
-_SIZE_FIELDS = {"max_message_bytes", "ram_bytes", "shard_bytes", "io_block_bytes", "nvme_bytes", "local_pool_bytes"}
+_SIZE_FIELDS = {
+    "max_message_bytes",
+    "ram_bytes",
+    "shard_bytes",
+    "io_block_bytes",
+    "nvme_bytes",
+    "local_pool_bytes",
+    "speculation_bytes",
+}
 _SECTIONS = {
     "server": ServerConfig,
     "store": StoreConfig,

@@ -126,6 +126,15 @@ class _StoreCollector(Collector):
             "ps_nvme_master_reads", "Pulls of a shard on NVMe that read its master values only", s.nvme_master_reads
         )
         yield _counter("ps_nvme_master_read_bytes", "Bytes those master-only reads took", s.nvme_master_bytes_read)
+        speculative = CounterMetricFamily(
+            "ps_speculative_steps", "Steps computed during backward (push_in_backward), by outcome", labels=["result"]
+        )
+        speculative.add_metric(["adopted"], s.speculative_steps)
+        speculative.add_metric(["redone"], s.speculative_redone)  # the APPLY named other settings
+        yield speculative
+        yield GaugeMetricFamily(
+            "ps_speculation_bytes", "Spare shard state held for steps computed ahead", value=s.speculation_bytes
+        )
         shards = GaugeMetricFamily("ps_shards", "Shards held, by tier", labels=["tier"])
         for tier, count in (("ram", s.shards_in_ram), ("nvme", s.shards_on_nvme), ("corrupt", s.shards_corrupt)):
             shards.add_metric([tier], count)

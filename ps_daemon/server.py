@@ -78,6 +78,7 @@ class Daemon:
                 max_models=config.store.max_models, max_shards_per_model=config.store.max_shards_per_model
             ),
             allow_nonfinite_pushes=config.store.allow_nonfinite_pushes,
+            speculation_bytes=config.store.speculation_bytes,
         )
         # Idle staging kept for about as many concurrent pushes as usually arrive; more are
         # allocated on demand and dropped.

@@ -243,7 +243,7 @@ class GroupHyperparams(_message.Message):
     def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "shard_id", "step", "kind", "encoding", "dtype", "nbytes", "lr", "variance_frozen_at", "groups", "grad_multiplier", "part", "parts", "check_only", "lost_holders")
+    __slots__ = ("model", "shard_id", "step", "kind", "encoding", "dtype", "nbytes", "lr", "variance_frozen_at", "groups", "grad_multiplier", "part", "parts", "check_only", "lost_holders", "speculate")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class PushHeader(_message.Message):
     PARTS_FIELD_NUMBER: _ClassVar[int]
     CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
     LOST_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     shard_id: int
     step: int
@@ -274,7 +275,8 @@ class PushHeader(_message.Message):
     parts: int
     check_only: bool
     lost_holders: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., lr: _Optional[float] = ..., variance_frozen_at: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparams, _Mapping]]] = ..., grad_multiplier: _Optional[float] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., check_only: _Optional[bool] = ..., lost_holders: _Optional[_Iterable[int]] = ...) -> None: ...
+    speculate: bool
+    def __init__(self, model: _Optional[str] = ..., shard_id: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., lr: _Optional[float] = ..., variance_frozen_at: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparams, _Mapping]]] = ..., grad_multiplier: _Optional[float] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., check_only: _Optional[bool] = ..., lost_holders: _Optional[_Iterable[int]] = ..., speculate: _Optional[bool] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -377,7 +379,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read", "nvme_bytes_written", "ram_bytes_budget", "nvme_bytes_allocated", "nvme_bytes_capacity", "shards_in_ram", "shards_on_nvme", "shards_corrupt", "nvme_write_seconds", "nvme_read_seconds", "nvme_master_reads", "nvme_master_bytes_read", "pulls_waiting", "pulls_refused_waiting", "data_connections", "data_pulls_waiting", "data_connections_refused", "local_connections", "local_connections_refused", "local_pool_bytes", "local_pool_bytes_used", "clients", "daemon_version", "pulls_carried")
+    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read", "nvme_bytes_written", "ram_bytes_budget", "nvme_bytes_allocated", "nvme_bytes_capacity", "shards_in_ram", "shards_on_nvme", "shards_corrupt", "nvme_write_seconds", "nvme_read_seconds", "nvme_master_reads", "nvme_master_bytes_read", "pulls_waiting", "pulls_refused_waiting", "data_connections", "data_pulls_waiting", "data_connections_refused", "local_connections", "local_connections_refused", "local_pool_bytes", "local_pool_bytes_used", "clients", "daemon_version", "pulls_carried", "speculative_steps", "speculative_redone", "speculation_bytes")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     RAM_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -417,6 +419,9 @@ class StatsResponse(_message.Message):
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     PULLS_CARRIED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_REDONE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     models: int
     shards: int
     ram_bytes_used: int
@@ -456,7 +461,10 @@ class StatsResponse(_message.Message):
     clients: _containers.RepeatedCompositeFieldContainer[ClientPath]
     daemon_version: str
     pulls_carried: int
-    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., ram_bytes_budget: _Optional[int] = ..., nvme_bytes_allocated: _Optional[int] = ..., nvme_bytes_capacity: _Optional[int] = ..., shards_in_ram: _Optional[int] = ..., shards_on_nvme: _Optional[int] = ..., shards_corrupt: _Optional[int] = ..., nvme_write_seconds: _Optional[float] = ..., nvme_read_seconds: _Optional[float] = ..., nvme_master_reads: _Optional[int] = ..., nvme_master_bytes_read: _Optional[int] = ..., pulls_waiting: _Optional[int] = ..., pulls_refused_waiting: _Optional[int] = ..., data_connections: _Optional[int] = ..., data_pulls_waiting: _Optional[int] = ..., data_connections_refused: _Optional[int] = ..., local_connections: _Optional[int] = ..., local_connections_refused: _Optional[int] = ..., local_pool_bytes: _Optional[int] = ..., local_pool_bytes_used: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientPath, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., pulls_carried: _Optional[int] = ...) -> None: ...
+    speculative_steps: int
+    speculative_redone: int
+    speculation_bytes: int
+    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., ram_bytes_budget: _Optional[int] = ..., nvme_bytes_allocated: _Optional[int] = ..., nvme_bytes_capacity: _Optional[int] = ..., shards_in_ram: _Optional[int] = ..., shards_on_nvme: _Optional[int] = ..., shards_corrupt: _Optional[int] = ..., nvme_write_seconds: _Optional[float] = ..., nvme_read_seconds: _Optional[float] = ..., nvme_master_reads: _Optional[int] = ..., nvme_master_bytes_read: _Optional[int] = ..., pulls_waiting: _Optional[int] = ..., pulls_refused_waiting: _Optional[int] = ..., data_connections: _Optional[int] = ..., data_pulls_waiting: _Optional[int] = ..., data_connections_refused: _Optional[int] = ..., local_connections: _Optional[int] = ..., local_connections_refused: _Optional[int] = ..., local_pool_bytes: _Optional[int] = ..., local_pool_bytes_used: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientPath, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., pulls_carried: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., speculative_redone: _Optional[int] = ..., speculation_bytes: _Optional[int] = ...) -> None: ...
 
 class ClientPath(_message.Message):
     __slots__ = ("client", "transport", "connections", "shared_bytes")

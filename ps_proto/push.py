@@ -40,17 +40,21 @@ class Push:
         part: int = 0,
         parts: int = 0,
         check_only: bool = False,
+        speculate: bool = False,
     ) -> Push:
         """A push of `data` (bytes laid out as `encoding`: RAW fp32 values, or compressed or
         half precision, see proto/ps.proto and ps_offload.proto.payloads). `lr` None leaves the
         optional field unset (the daemon then uses the registered learning rate);
         `variance_frozen_at` is for MOMENTUM pushes; `groups` (every param group's settings for
         this step) and `grad_multiplier` (1/loss scale) for GRADIENT and APPLY pushes; `part`
-        for GRADIENT_PART and `parts` (and `check_only`) for APPLY pushes."""
+        for GRADIENT_PART and `parts` (and `check_only`) for APPLY pushes; `speculate` (with
+        the groups and grad_multiplier the APPLY is expected to name) for a GRADIENT_PART part 0
+        the daemon may apply at once (proto/ps.proto, PushHeader.speculate)."""
         header = ps_pb2.PushHeader(
             model=model, shard_id=shard_id, step=step, kind=kind, encoding=encoding, dtype=ps_pb2.FLOAT32,
             nbytes=len(data), lr=lr, variance_frozen_at=variance_frozen_at, groups=list(groups),
             grad_multiplier=grad_multiplier, part=part, parts=parts, check_only=check_only,
+            speculate=speculate,
         )  # fmt: skip
         return cls(header, data)
 

@@ -126,6 +126,7 @@ def push_request(header: ps_pb2.PushHeader) -> PushRequest:
         part=header.part,
         parts=header.parts,
         check_only=header.check_only,
+        speculate=header.speculate,
         lost_holders=tuple(header.lost_holders),
     )
 

@@ -22,6 +22,10 @@ way it is kept while the shard is evicted to NVMe (a part needs neither the shar
 its residency), and lost on a restart (APPLY then answers that no parts are held, and the
 trainer sends them again).
 
+A part 0 sent with `speculate` may also have been stepped ahead into a spare arena
+(`speculation`, ps_offload.daemon.store.speculation): it is for the sum as it is, so anything
+that changes or drops the sum discards it first.
+
 Locks: `lock` is taken inside the shard's write hold (an update) and never while holding
 shard.cond. A part takes only `lock`; APPLY holds it from the count check to the commit, so no
 part slips in between, and a failed update or commit keeps the parts for a retry.
@@ -37,6 +41,7 @@ import torch
 
 from ps_offload.daemon.errors import FailedPrecondition
 from ps_offload.daemon.store.push import PushRequest, PushResult, Shard, check_step_locked
+from ps_offload.daemon.store.speculation import Speculation
 from ps_offload.daemon.tiers.ram_only import RAM_SUMS
 from ps_offload.daemon.tiers.tier import SumStore
 
@@ -50,6 +55,7 @@ class GradientParts:
         self.step = 0
         self.held = 0
         self.values: torch.Tensor | None = None
+        self.speculation: Speculation | None = None  # the step computed ahead from `values`
         self._sums = sums
 
     @property
@@ -111,9 +117,28 @@ class GradientParts:
 
     def drop_applied_locked(self, version: int) -> None:
         """Under `lock`, once an update to `version` is committed: frees an accumulator of a
-        step now applied."""
+        step now applied, and a speculation of one."""
+        if self.speculation is not None and self.speculation.step < version:
+            self.discard_speculation_locked()
         if self.values is not None and self.step < version:
             self.values, self.held = None, 0
+
+    def discard_speculation_locked(self) -> None:
+        """Under `lock`: the step computed ahead is not to be used (its spare goes back)."""
+        if self.speculation is not None:
+            self.speculation.discard()
+            self.speculation = None
+
+    def claim_speculation_locked(self, push: PushRequest) -> Speculation | None:
+        """Under `lock` and the shard's write hold, for an APPLY about to step: the step
+        computed ahead if it is what this APPLY would compute (ps_offload.daemon.store.
+        speculation); else None, and one computed with other settings is discarded."""
+        speculation, self.speculation = self.speculation, None
+        if speculation is not None and speculation.matches(push) and self.held_for(push.step) == 1:
+            return speculation
+        if speculation is not None:
+            speculation.discard()
+        return None
 
 
 class PartsShard(Shard, Protocol):
@@ -135,6 +160,7 @@ def add_part(shard: PartsShard, push: PushRequest, borrow: Callable[[], torch.Te
         ack = check_step_locked(shard, push) or parts.check_place_locked(push, shard.version)
         if ack is not None:
             return ack
+        parts.discard_speculation_locked()  # computed from the sum this part replaces or adds to
         if push.part == 0:  # starts the step's sum, or starts over on another step's
             parts.step, parts.held, parts.values = push.step, 1, values
         else:

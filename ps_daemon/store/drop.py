@@ -52,10 +52,12 @@ def stop_using(shards: list[Shard], timeout: float) -> bool:
 
 
 def release_sums(shards: list[Shard]) -> int:
-    """Frees the gradient sums of steps pushed in parts; returns their bytes."""
+    """Frees the gradient sums of steps pushed in parts (and their steps computed ahead);
+    returns the sums' bytes."""
     freed = 0
     for shard in shards:
         with shard.parts.lock:
+            shard.parts.discard_speculation_locked()
             freed += shard.parts.nbytes
             shard.parts.values, shard.parts.held = None, 0
     return freed

@@ -87,6 +87,7 @@ class PushRequest:
     part: int = 0  # GRADIENT_PART only: which part of the step's gradient, from 0
     parts: int = 0  # APPLY only: how many parts the step's gradient has (>= 1)
     check_only: bool = False  # APPLY only: check the parts held, apply nothing
+    speculate: bool = False  # GRADIENT_PART part 0 only: may be applied at once (ps_offload.daemon.store.speculation)
     lost_holders: tuple[int, ...] = ()  # a replicated model's daemons its trainer left out (replica_reports)
     data: torch.Tensor | CompressedGradient | None = None
 
@@ -135,8 +136,17 @@ class PushRequest:
                     f"{where}: a GRADIENT_PART must be RAW, BF16 or FP16 (it is added to an fp32 sum), got encoding "
                     f"{self.encoding.upper()}; compressed encodings are for whole GRADIENT pushes"
                 )
-            if self.lr is not None:
-                raise InvalidArgument(f"{where}: lr is for the APPLY of a step pushed in parts, not its GRADIENT_PART")
+            if self.speculate and self.part:
+                raise InvalidArgument(
+                    f"{where}: speculate is for part 0 of a step (the whole gradient), got part {self.part}"
+                )
+            if self.lr is not None and not self.speculate:
+                raise InvalidArgument(
+                    f"{where}: lr is for the APPLY of a step pushed in parts, not its GRADIENT_PART "
+                    "(unless the part is sent with speculate)"
+                )
+        elif self.speculate:
+            raise InvalidArgument(f"{where}: speculate is for GRADIENT_PART pushes only, this is {kind}")
         if self.kind == "apply":
             if self.parts < 1:
                 raise InvalidArgument(
@@ -149,12 +159,14 @@ class PushRequest:
                 )
 
     def _check_gradient_fields(self) -> None:
-        """groups and grad_multiplier: on a GRADIENT or an APPLY only, and what they say on their own."""
+        """groups and grad_multiplier: on a GRADIENT or an APPLY only (or a speculative part, the
+        settings its APPLY is expected to name), and what they say on their own."""
         where = self.where
         for name in ("groups", "grad_multiplier"):
-            if self.kind not in STEPPING_GRADIENT and getattr(self, name) not in ((), None):
+            if self.kind not in STEPPING_GRADIENT and not self.speculate and getattr(self, name) not in ((), None):
+                also = " not sent with speculate (its APPLY carries the step's settings)" if self.part_kind else ""
                 raise InvalidArgument(
-                    f"{where}: {name} is for GRADIENT and APPLY pushes only, this is {self.kind.upper()}"
+                    f"{where}: {name} is for GRADIENT and APPLY pushes only, this is {self.kind.upper()}{also}"
                 )
         if self.groups and self.lr is not None:
             raise InvalidArgument(
@@ -174,6 +186,10 @@ class PushRequest:
                     f"{where}: grad_multiplier must be finite and > 0 as a float32 (it multiplies the fp32 "
                     f"gradient; fp16 loss scaling sends 1/scale), got {multiplier:g}"
                 )
+
+    @property
+    def part_kind(self) -> bool:
+        return self.kind == "gradient_part"
 
     @property
     def where(self) -> str:

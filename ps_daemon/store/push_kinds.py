@@ -3,7 +3,9 @@
 
 * check_apply: an APPLY's check (check_only): its parts are all held; nothing changes.
 * add_gradient_part: a GRADIENT_PART added to its step's sum (ps_offload.daemon.store.accumulate);
-  neither the shard's values nor its version change.
+  neither the shard's values nor its version change. A part 0 sent with `speculate` is then
+  stepped ahead into a spare arena (ps_offload.daemon.store.speculation), which its APPLY adopts
+  when it names the same settings.
 * write_parameters: initial values (PARAMETERS), before the first update.
 * restore_state: master and optimizer state (STATE), into a shard that has had no update.
 * step_optimizer: one optimizer step from a GRADIENT, a MOMENTUM (1-bit Adam) or the sum of the
@@ -37,6 +39,7 @@ from ps_offload.daemon.store.persistence import commit, roll_back
 from ps_offload.daemon.store.prefetch import Prefetcher
 from ps_offload.daemon.store.push import PushRequest, PushResult, check_step_locked
 from ps_offload.daemon.store.shard import Shard
+from ps_offload.daemon.store.speculation import SpareArenas, adopt, speculate
 from ps_offload.daemon.store.stats import StoreStats
 from ps_offload.daemon.tiers.tier import ShardFiles
 
@@ -48,6 +51,7 @@ class Store(Protocol):
 
     files: ShardFiles  # where a write is committed
     stats: StoreStats  # counted under _lock
+    spares: SpareArenas  # what speculative steps write into
     prefetcher: Prefetcher
     on_optimizer_step: Callable[[float], None] | None
     _lock: threading.Lock
@@ -74,6 +78,10 @@ def add_gradient_part(store: Store, shard: Shard, push: PushRequest, borrow: Bor
             store.stats.bytes_pushed += push.payload_bytes
         else:
             store.stats.pushes_duplicate += 1
+    if result.applied and push.speculate and store.spares.budget >= shard.arena_bytes:
+        with store._using(shard), shard.writing_lock(), shard.parts.lock:
+            if shard.parts.speculation is None:
+                shard.parts.speculation = speculate(shard, push, store.spares)
     return result
 
 
@@ -82,6 +90,7 @@ def write_parameters(store: Store, shard: Shard, push: PushRequest, borrow: Borr
     data = push.values(borrow)
 
     def write() -> None:
+        shard.parts.discard_speculation_locked()
         shard.master.copy_(data)
         shard.initialized = True
         commit(store.files, shard)
@@ -96,6 +105,7 @@ def restore_state(store: Store, shard: Shard, push: PushRequest, borrow: Borrow)
     push.check_state(shard)
 
     def write() -> None:
+        shard.parts.discard_speculation_locked()
         numel = shard.slice.numel
         for index, tensor in enumerate([shard.master, *shard.optimizer.state]):
             tensor.copy_(data[index * numel : (index + 1) * numel])
@@ -122,8 +132,12 @@ def step_optimizer(
 
     def write() -> None:
         gradient = shard.parts.gradient_locked(push) if push.kind == "apply" else data
+        ahead = shard.parts.claim_speculation_locked(push) if push.kind == "apply" else None
         try:
-            elapsed = _optimizer_step(store, shard, push, gradient, pull_into)
+            if ahead is not None:  # computed during backward, with what this APPLY names
+                elapsed = adopt(shard, ahead, pull_into)
+            else:
+                elapsed = _optimizer_step(store, shard, push, gradient, pull_into)
             commit(store.files, shard)
         except BaseException:
             if pull_into is not None and not shard.corrupt:  # the trainer must not keep values never committed

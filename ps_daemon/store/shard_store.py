@@ -52,6 +52,7 @@ from ps_offload.daemon.store.pull_wait import PullWait
 from ps_offload.daemon.store.push import PushRequest, PushResult, check_step_locked
 from ps_offload.daemon.store.replica_reports import ReplicaHealth, ReplicaReports
 from ps_offload.daemon.store.shard import Shard, allocate_arena
+from ps_offload.daemon.store.speculation import SpareArenas
 from ps_offload.daemon.store.stats import StatsSnapshot, StoreStats, tier_counts
 from ps_offload.daemon.tiers.accumulator_files import AccumulatorFiles
 from ps_offload.daemon.tiers.nvme import NvmeFiles
@@ -92,7 +93,10 @@ class ShardStore:
         prefetch_depth: int = 2,
         limits: StoreLimits | None = None,
         allow_nonfinite_pushes: bool = False,
+        speculation_bytes: int = 0,
     ) -> None:
+        """`speculation_bytes`: spare arenas for steps computed while backward runs
+        (ps_offload.daemon.store.speculation); 0: none, every part waits for its APPLY."""
         self.ram_bytes = ram_bytes
         # Read by the fronts before a push is applied (ps_offload.daemon.rpc.data_path).
         self.allow_nonfinite_pushes = allow_nonfinite_pushes
@@ -111,6 +115,7 @@ class ShardStore:
             self.tier = RamTier(budget=ram_bytes, allocate=allocate_arena, load=functools.partial(load_into, files))
             self.accumulators = AccumulatorFiles(files.dir)  # the page cache over unlinked files on NVMe
         self.prefetcher = Prefetcher(self.tier, depth=prefetch_depth)
+        self.spares = SpareArenas(speculation_bytes, allocate_arena)
         self.default_shard_bytes = default_shard_bytes
         self.stats = StoreStats()
         self.replica_reports = ReplicaReports()  # trainers' word on lost holders (metrics)
@@ -338,7 +343,10 @@ class ShardStore:
                 return pulled
         if dtype == shard.state_dtype:
             sending.enter_context(self._using(shard, pull=True))
-            return shard.tensor(tensor), sending.enter_context(shard.reading(min_version, timeout))
+            # The tensor is taken under the hold: a step computed ahead swaps the shard's arena
+            # under the write hold (ps_offload.daemon.store.speculation).
+            version = sending.enter_context(shard.reading(min_version, timeout))
+            return shard.tensor(tensor), version
         with self._using(shard, pull=True), shard.reading(min_version, timeout) as version:
             # The rounded (or, from bf16 state, widened) copy is this pull's own: the next
             # update need not wait for the send.
@@ -439,6 +447,9 @@ class ShardStore:
                 optimizer_seconds=s.optimizer_seconds,
                 prefetch_hints=s.prefetch_hints,
                 uptime_seconds=time.monotonic() - s.started,
+                speculative_steps=self.spares.committed,
+                speculative_redone=self.spares.discarded,
+                speculation_bytes=self.spares.bytes,
                 **tier_counts(self.files, self.tier, self.ram_bytes, shards),
             )
 
@@ -466,6 +477,7 @@ class ShardStore:
                     "dropped. Stop its trainers and try again"
                 )
             ram = release_sums(shards)
+            self.spares.trim()
             try:
                 ram += self.tier.forget(shards, timeout)
             except TimeoutError as exc:

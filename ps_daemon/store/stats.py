@@ -53,6 +53,9 @@ class StatsSnapshot:
     shards_in_ram: int
     shards_on_nvme: int
     shards_corrupt: int
+    speculative_steps: int = 0  # steps computed during backward and adopted by their APPLY
+    speculative_redone: int = 0  # of those computed, the ones discarded (the APPLY named other settings)
+    speculation_bytes: int = 0  # spare arenas held (store.speculation_bytes bounds them)
 
 
 def tier_counts(files: ShardFiles, tier: ResidencyTier, ram_bytes: int, shards: list[Shard]) -> dict:

@@ -129,17 +129,25 @@ class ShardIO:
 
     # -- a step --------------------------------------------------------------------------
 
-    def push_part(self, shard: ShardSlice, step: int, grads: torch.Tensor) -> Future:
+    def push_part(
+        self, shard: ShardSlice, step: int, grads: torch.Tensor, expected: StepSettings | None = None
+    ) -> Future:
         """Starts pushing the shard's gradient as part 0 of `step` (GRADIENT_PART: the daemon
-        holds it until an APPLY); the future gives the acknowledgement."""
+        holds it until an APPLY); the future gives the acknowledgement. `expected`: the
+        settings step() is expected to send; the daemon may compute the step with them now
+        (speculate) and adopt it when the APPLY names the same (ps_offload.daemon.store.speculation)."""
         after = self.mover.mark_compute()  # the copy follows the backward that wrote it
-        return self.pool.submit(self._push_part, shard, step, grads, after)
+        return self.pool.submit(self._push_part, shard, step, grads, after, expected)
 
-    def _push_part(self, shard: ShardSlice, step: int, grads: torch.Tensor, after: object) -> ps_pb2.PushResponse:
+    def _push_part(
+        self, shard: ShardSlice, step: int, grads: torch.Tensor, after: object, expected: StepSettings | None
+    ) -> ps_pb2.PushResponse:
+        groups, multiplier = expected if expected is not None else ((), None)
         with self.mover.host_view(grads, shard, after) as data:
             ack = self.client.send(
-                shard, data, step=step, kind=ps_pb2.GRADIENT_PART, encoding=self.mover.gradient_encoding, part=0
-            )
+                shard, data, step=step, kind=ps_pb2.GRADIENT_PART, encoding=self.mover.gradient_encoding, part=0,
+                speculate=expected is not None, groups=groups, grad_multiplier=multiplier,
+            )  # fmt: skip
             return self.counted(ack, len(data))
 
     def counted(self, ack: ps_pb2.PushResponse, nbytes: int) -> ps_pb2.PushResponse:

@@ -75,7 +75,7 @@ from ps_offload.trainer.config import (
 from ps_offload.trainer.io.device import WIRE_DTYPES, ShardMover
 from ps_offload.trainer.io.flat import FlatParams
 from ps_offload.trainer.io.push_compression import PushCompressor, check_compression
-from ps_offload.trainer.io.shard_io import ShardIO, first_error
+from ps_offload.trainer.io.shard_io import ShardIO, StepSettings, first_error
 from ps_offload.trainer.optimizer.audit import ParityAudit, check_auditable
 from ps_offload.trainer.optimizer.backward_push import BackwardPushes
 from ps_offload.trainer.optimizer.daemon_optimizer import DaemonOptimizer, check_uniform
@@ -182,7 +182,7 @@ class OffloadOptimizer(DaemonOptimizer):
                 self.flat,
                 [s for s in self.plan if s.shard_id in self.io.pushes],
                 self._shards_of,
-                lambda shard: self.io.push_part(shard, self.step_count, self.flat.grads),
+                lambda shard: self.io.push_part(shard, self.step_count, self.flat.grads, self._expected_settings()),
             )
         self.say_if_resumed()
 
@@ -202,6 +202,19 @@ class OffloadOptimizer(DaemonOptimizer):
     def _shards_of(self, param_index: int) -> list[ShardSlice]:
         start, end = self.flat.param_range(param_index)
         return [s for s in self.plan if s.offset < end and start < s.end] if end > start else []
+
+    def _expected_settings(self) -> StepSettings | None:
+        """During backward: what step() will most likely send, so that the daemons can compute
+        the step now (ps_offload.daemon.store.speculation): the param groups as they are (a
+        scheduler steps after step()), the loss scale's multiplier, and no clip. If step()
+        sends others (a clip that fires, an overflow, a changed lr), the daemons compute it
+        again from the part they hold: the result is the same either way. None (the daemons
+        wait for step()) where the groups are not what the daemons can follow."""
+        try:
+            groups = self._groups.hyperparams(self.param_groups)
+        except ValueError:
+            return None  # step() raises it
+        return groups, self.loss_scaler.grad_multiplier if self.loss_scaler is not None else None
 
     # -- the torch.optim.Optimizer face ----------------------------------------------------
 

@@ -99,6 +99,11 @@ def _assert_same(a: list, b: list) -> None:
             "groups is for GRADIENT and APPLY pushes only, this is GRADIENT_PART",
         ),
         (dict(kind="gradient_part", grad_multiplier=0.5), "grad_multiplier is for GRADIENT and APPLY pushes only"),
+        (dict(kind="gradient_part", part=1, speculate=True), "speculate is for part 0 of a step"),
+        (dict(kind="gradient", speculate=True), "speculate is for GRADIENT_PART pushes only, this is GRADIENT"),
+        (dict(kind="apply", nbytes=0, parts=1, speculate=True), "speculate is for GRADIENT_PART pushes only"),
+        (dict(kind="gradient_part", speculate=True, lr=0.1, groups=GROUPS), "lr must be unset when groups are given"),
+        (dict(kind="gradient_part", speculate=True, grad_multiplier=0.0), "grad_multiplier must be finite and > 0"),
         (dict(kind="apply", nbytes=0, parts=0), "APPLY needs parts >= 1"),
         (dict(kind="apply", nbytes=4, parts=1), "APPLY carries no payload (the parts held are its gradient), got 4"),
         (dict(kind="apply", nbytes=None, parts=1, data=torch.ones(4)), "APPLY carries no payload"),
@@ -117,6 +122,9 @@ def test_what_parts_and_applies_may_carry_is_accepted():
     apply = PushRequest("m", 0, step=2, kind="apply", nbytes=0, parts=3, groups=GROUPS, grad_multiplier=2.0**-16)
     assert apply.parts == 3 and apply.payload_bytes == 0
     assert PushRequest("m", 0, step=2, kind="apply", parts=1, lr=0.5).lr == 0.5
+    ahead = PushRequest("m", 0, step=2, kind="gradient_part", speculate=True, groups=GROUPS, grad_multiplier=0.5)
+    assert ahead.speculate and ahead.groups == GROUPS
+    assert PushRequest("m", 0, step=2, kind="gradient_part", speculate=True, lr=0.5).lr == 0.5
 
 
 def test_the_header_fields_reach_the_request():
@@ -124,6 +132,9 @@ def test_the_header_fields_reach_the_request():
                                dtype=ps_pb2.FLOAT32, nbytes=6, part=2)  # fmt: skip
     push = conversions.push_request(header)
     assert (push.kind, push.part, push.parts, push.encoding) == ("gradient_part", 2, 0, "bf16")
+    assert not push.speculate
+    header.part, header.speculate = 0, True
+    assert conversions.push_request(header).speculate
     header = ps_pb2.PushHeader(model="m", shard_id=1, step=4, kind=ps_pb2.APPLY, encoding=ps_pb2.RAW,
                                dtype=ps_pb2.FLOAT32, parts=3, grad_multiplier=0.25)  # fmt: skip
     push = conversions.push_request(header)
