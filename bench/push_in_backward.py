@@ -9,7 +9,9 @@ costs no more than the default, <= 1.0.
 Both optimizers train models of their own on the same daemon, in blocks of steps, ABBA; a
 block's time covers forward, backward, clip, step and, at its end, the wait for the last
 pulls. Ratio = push_in_backward's block time over the default's, median of the pairs. Also
-each one's time per phase (median ms), which says where the difference goes.
+each one's time per phase (median ms), which says where the difference goes, and how the
+daemon took the parts (PushHeader.speculate: steps computed during backward and adopted by
+their APPLY, or redone when the clip fired).
 """
 
 from __future__ import annotations
@@ -18,7 +20,18 @@ import sys
 
 import torch
 
-from bench.common import REPO, STEP_PHASES, BenchDaemon, interleaved, median, quick, record, spread, timed_steps
+from bench.common import (
+    REPO,
+    STEP_PHASES,
+    BenchDaemon,
+    daemon_stats,
+    interleaved,
+    median,
+    quick,
+    record,
+    spread,
+    timed_steps,
+)
 
 sys.path.insert(0, str(REPO / "examples"))
 import train_gpt  # noqa: E402
@@ -68,6 +81,7 @@ def main() -> dict:
             for times in phases[who].values():
                 times.clear()
         backward, default = interleaved(block("push_in_backward"), block("default"), reps=BLOCKS, warmup=0)
+        stats = daemon_stats(daemon.address)  # how the daemon took the parts: computed ahead, adopted or redone
         for _, opt in runs.values():
             opt.close()
     paired = [b / d for b, d in zip(backward, default, strict=True)]
@@ -82,6 +96,7 @@ def main() -> dict:
         extra={
             "ratio_spread": spread(paired),
             "phase_ms": {who: {k: round(median(v), 2) for k, v in t.items()} for who, t in phases.items()},
+            "speculative_steps": {"adopted": stats.speculative_steps, "redone": stats.speculative_redone},
         },
         notes=f"demo char GPT (fp32, clip_grad_norm_ 1.0), shards of {args.shard_bytes} B, one local daemon; "
         f"OffloadConfig(push_in_backward=True) against the default; {BLOCKS} ABBA blocks of {BLOCK_STEPS} steps",

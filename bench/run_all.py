@@ -468,14 +468,17 @@ def _replication(r: dict) -> str:
 
 def _push_in_backward(r: dict) -> str:
     ours, default = r["phase_ms"]["push_in_backward"], r["phase_ms"]["default"]
+    speculative = r.get("speculative_steps", {})
     return (
         f"Per phase, ms (push_in_backward / default): forward {ours['forward']} / {default['forward']}, backward "
         f"{ours['backward']} / {default['backward']}, clip {ours['clip']} / {default['clip']}, step {ours['step']} / "
-        f"{default['step']}. The parts sent during backward take what they save at the step and more from "
-        "backward itself: here the trainer's backward and the daemon's taking of the parts share the same 2 cores "
-        "(torch's threads are both busy in backward), and a part is copied into the daemon's accumulator where a "
-        "whole push is read in place. The overlap pays where backward leaves the host's cores idle (a GPU's "
-        "backward); it is not measured there yet."
+        f"{default['step']}. The daemon computed each shard's step during backward (PushHeader.speculate): "
+        f"{speculative.get('adopted', 0)} were adopted by their APPLY and {speculative.get('redone', 0)} computed "
+        "again (the clip at 1.0 fired). So the step shrinks, and backward grows by more than the step saves: here "
+        "the trainer's backward and the daemon's work on the parts (the part's copy into its accumulator, a copy of "
+        "the shard's state into a spare, the update) share the same 2 cores, which torch's threads keep busy in "
+        "backward. The overlap pays where backward leaves the host's cores idle (a GPU's backward); it is not "
+        "measured there yet."
     )
 
 
