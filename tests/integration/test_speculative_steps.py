@@ -53,6 +53,20 @@ def _speculative(daemons) -> tuple[int, int]:
     return adopted, redone
 
 
+def _train_unclipped(model, reference, batches, masters, daemons) -> int:
+    """Trains with opt.clip_grad_norm_ at a norm never reached, checks the result is the
+    reference's, and returns the number of shards."""
+    with _offload(model, daemons) as opt:
+        for batch in batches:
+            opt.zero_grad()
+            mixed._loss(model, batch).backward()
+            opt.clip_grad_norm_(1e9)
+            opt.step()
+        opt.synchronize()
+        mixed._assert_same(model, reference, opt, masters)
+        return len(opt.plan)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     ("max_norm", "lr_moves", "outcome"),
@@ -93,14 +107,7 @@ def test_a_daemon_without_room_for_spares_applies_at_the_apply_with_the_same_res
     reference = copy.deepcopy(model)
     masters = _reference(reference, batches, 1e9, {})
     daemons = [daemon_factory(config=config)]
-    with _offload(model, daemons) as opt:
-        for batch in batches:
-            opt.zero_grad()
-            mixed._loss(model, batch).backward()
-            opt.clip_grad_norm_(1e9)
-            opt.step()
-        opt.synchronize()
-        mixed._assert_same(model, reference, opt, masters)
+    _train_unclipped(model, reference, batches, masters, daemons)
     assert _speculative(daemons) == (0, 0)
 
 
@@ -112,16 +119,8 @@ def test_on_nvme_a_shard_evicted_between_its_speculation_and_its_apply_adopts_it
     reference = copy.deepcopy(model)
     masters = _reference(reference, batches, 1e9, {})
     daemons = [daemon_factory("--nvme-dir", str(tmp_path / "nvme"), "--create-nvme-dir", "--ram-bytes", "16KiB")]
-    with _offload(model, daemons) as opt:
-        for batch in batches:
-            opt.zero_grad()
-            mixed._loss(model, batch).backward()
-            opt.clip_grad_norm_(1e9)
-            opt.step()
-        opt.synchronize()
-        mixed._assert_same(model, reference, opt, masters)
-        steps = len(batches) * len(opt.plan)
-    assert _speculative(daemons) == (steps, 0)
+    shards = _train_unclipped(model, reference, batches, masters, daemons)
+    assert _speculative(daemons) == (len(batches) * shards, 0)
 
 
 def test_a_loss_scale_overflow_redoes_nothing_and_skips_the_step(daemon_factory):
