@@ -164,7 +164,8 @@ class PushRequest:
         where = self.where
         for name in ("groups", "grad_multiplier"):
             if self.kind not in STEPPING_GRADIENT and not self.speculate and getattr(self, name) not in ((), None):
-                also = " not sent with speculate (its APPLY carries the step's settings)" if self.part_kind else ""
+                part = self.kind == "gradient_part"
+                also = " not sent with speculate (its APPLY carries the step's settings)" if part else ""
                 raise InvalidArgument(
                     f"{where}: {name} is for GRADIENT and APPLY pushes only, this is {self.kind.upper()}{also}"
                 )
@@ -186,10 +187,6 @@ class PushRequest:
                     f"{where}: grad_multiplier must be finite and > 0 as a float32 (it multiplies the fp32 "
                     f"gradient; fp16 loss scaling sends 1/scale), got {multiplier:g}"
                 )
-
-    @property
-    def part_kind(self) -> bool:
-        return self.kind == "gradient_part"
 
     @property
     def where(self) -> str:

@@ -73,9 +73,15 @@ class SpareArenas:
             self.bytes += nbytes
         return self._allocate(nbytes)
 
-    def give(self, arena: Arena, nbytes: int) -> None:
+    def give(self, arena: Arena, nbytes: int, *, outcome: str = "") -> None:
+        """Takes a spare back; `outcome` "adopted" or "discarded" counts the speculation it
+        ends (none: a step that failed before it was one)."""
         with self._lock:
             self._free.setdefault(nbytes, []).append(arena)
+            if outcome == "adopted":
+                self.committed += 1
+            elif outcome == "discarded":
+                self.discarded += 1
 
     def trim(self) -> None:
         """Frees the spares no speculation holds (a model was dropped)."""
@@ -101,9 +107,7 @@ class Speculation:
         return push.step == self.step and push.parts == 1 and settings_of(push) == self.settings
 
     def discard(self) -> None:
-        self.spares.give(self.arena, self.nbytes)
-        with self.spares._lock:
-            self.spares.discarded += 1
+        self.spares.give(self.arena, self.nbytes, outcome="discarded")
 
 
 def speculate(shard, push: PushRequest, spares: SpareArenas) -> Speculation | None:
@@ -117,7 +121,7 @@ def speculate(shard, push: PushRequest, spares: SpareArenas) -> Speculation | No
     if spare is None:
         return None
     started = time.perf_counter()
-    arena = shard.detach()
+    arena = (shard.arena, shard.io_view)
     try:
         spare[0].copy_(arena[0])
         shard.attach(spare)
@@ -126,13 +130,10 @@ def speculate(shard, push: PushRequest, spares: SpareArenas) -> Speculation | No
     except Exception:  # the same step runs again at the APPLY, and fails there with its error
         log.warning("speculative step of shard %d step %d failed; left to its APPLY", push.shard_id, push.step,
                     exc_info=True)  # fmt: skip
-        shard.detach()
         spares.give(spare, shard.arena_bytes)
         return None
-    finally:
-        if shard.arena is not arena[0]:
-            shard.detach()
-            shard.attach(arena)
+    finally:  # the shard as it was: its own arena, its step count
+        shard.attach(arena)
         shard.optimizer.step.fill_(shard.version)
     return Speculation(push.step, settings_of(push), spare, shard.arena_bytes, time.perf_counter() - started, spares)
 
@@ -142,13 +143,11 @@ def adopt(shard, speculation: Speculation, pull_into: torch.Tensor | None) -> fl
     version (the caller commits it); the old arena becomes a spare. `pull_into` gets the new
     master values as a pull would round them. Returns the seconds of optimizer work."""
     started = time.perf_counter()
-    old = shard.detach()
+    old = (shard.arena, shard.io_view)
     shard.attach(speculation.arena)
     shard.version += 1
     shard.optimizer.step.fill_(shard.version)
     if pull_into is not None:
         pull_into.copy_(shard.master)  # rounds as Tensor.to, as the step's own `out` does
-    speculation.spares.give(old, speculation.nbytes)
-    with speculation.spares._lock:
-        speculation.spares.committed += 1
+    speculation.spares.give(old, speculation.nbytes, outcome="adopted")
     return speculation.seconds + time.perf_counter() - started
