@@ -32,7 +32,6 @@ import torch
 
 from bench.common import interleaved, interleaved_many, quick, record, spread
 from ps_offload.daemon.dataplane.local_server import RoundInto
-from ps_offload.daemon.model.optimizer import AdamWConfig, SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc import data_path
 from ps_offload.daemon.rpc.staging import StagingPool
@@ -40,6 +39,7 @@ from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.kernels import fused_step, step_calibration
+from ps_offload.optimizers import SGD, AdamW
 from ps_offload.proto import ps_pb2
 
 SHAPES = [(quick(2 << 20, 1 << 16),)] * 16 + [(quick(97_531, 3_001) + 17 * i,) for i in range(16)]
@@ -120,7 +120,7 @@ def _case(
 ) -> dict:
     torch.set_num_threads(threads)  # both sides alike, as the daemon's store.optimizer_threads sets them
     fused_step.set_threads(threads)
-    config = AdamWConfig(lr=1e-4, weight_decay=0.1) if optimizer == "adamw" else SGDConfig(lr=1e-3, momentum=0.9)
+    config = AdamW(lr=1e-4, weight_decay=0.1) if optimizer == "adamw" else SGD(lr=1e-3, momentum=0.9)
     daemon = Daemon(config, grads, init, dtype, check=True, fused_pull=fused_pull)
     peer = _peer(optimizer, init, grads)
     times = interleaved_many({"ours": daemon.update, "peer": peer.step, "check": daemon.check}, reps=REPS)
@@ -182,7 +182,7 @@ def _bf16_state(init: torch.Tensor, grads: torch.Tensor, numel: int, threads: in
     keeps bf16 master, m and v (the same push and pull as daemon_update's bf16 case) against
     torch.optim.AdamW(fused=True) stepping the bf16 parameters in place (the state torchao's
     CPU offload keeps); and, in the same rounds, the same update with fp32 state."""
-    config = AdamWConfig(lr=1e-4, weight_decay=0.1)
+    config = AdamW(lr=1e-4, weight_decay=0.1)
     half = Daemon(config, grads, init, torch.bfloat16, check=True, fused_pull=True, state_dtype="bfloat16")
     full = Daemon(config, grads, init, torch.bfloat16, check=True, fused_pull=True)
     peer = _peer("adamw", init, grads, torch.bfloat16)
@@ -207,7 +207,7 @@ def _bf16_state(init: torch.Tensor, grads: torch.Tensor, numel: int, threads: in
 
 
 def _nonfinite(init: torch.Tensor, grads: torch.Tensor, numel: int, threads: int) -> dict:
-    config = AdamWConfig(lr=1e-4, weight_decay=0.1)
+    config = AdamW(lr=1e-4, weight_decay=0.1)
     checked = Daemon(config, grads, init, torch.bfloat16, check=True, fused_pull=True)
     unchecked = Daemon(config, grads, init, torch.bfloat16, check=False, fused_pull=True)
     with_check, without = interleaved(checked.update, unchecked.update, reps=REPS)

@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from bench.common import REPO, interleaved_many, median, quick, record, spread
-from ps_offload.daemon.model.optimizer import AdamWConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec, spec_to_dict
 from ps_offload.daemon.store.shard import allocate_arena, arena_numel
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
+from ps_offload.optimizers import AdamW
 
 SHARDS = quick(16, 4)
 SHARD_NUMEL = 5 << 20  # AdamW: arena of 3 x 20 MiB + stagger = 60 MiB; 16 shards = 960 MiB
@@ -143,7 +143,7 @@ def main() -> list[dict]:
         io = DirectIO(threads=IO_THREADS, block_bytes=IO_BLOCK, read_threads=IO_READ_THREADS)
         files = NvmeFiles(directory / "nvme", io=io, fsync=True)
         nbytes = arena_numel(SHARD_NUMEL, 2) * 4
-        spec = ModelSpec("bench", (ParamSpec("w", (SHARDS * SHARD_NUMEL,)),), AdamWConfig(), SHARD_NUMEL * 4, ("d",))
+        spec = ModelSpec("bench", (ParamSpec("w", (SHARDS * SHARD_NUMEL,)),), AdamW(), SHARD_NUMEL * 4, ("d",))
         layout = files.create_model(spec_to_dict(spec), 0, {i: nbytes for i in range(SHARDS)})
         arenas = [allocate_arena(nbytes) for _ in range(SHARDS)]
         for tensor, _ in arenas:

@@ -18,11 +18,11 @@ import contextlib
 import torch
 
 from bench.common import interleaved_many, median, quick, record, spread
-from ps_offload.daemon.model.optimizer import AdamWConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
+from ps_offload.optimizers import AdamW
 
 N_PARAMS = 16  # 16 tensors of 4M elements = 64M parameters
 NUMEL = quick(4 << 20, 1 << 20)
@@ -45,7 +45,7 @@ def deepspeed_cpu_adam(params: list[torch.Tensor]):
 
 def main() -> dict:
     torch.manual_seed(0)
-    config = AdamWConfig(lr=1e-4, weight_decay=0.1)
+    config = AdamW(lr=1e-4, weight_decay=0.1)
     store = ShardStore(ram_bytes=64 << 30, default_shard_bytes=64 << 20)
     spec = ModelSpec(
         "bench", tuple(ParamSpec(f"p{i}", (NUMEL,)) for i in range(N_PARAMS)), config, 64 << 20, ("local",)

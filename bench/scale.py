@@ -50,9 +50,9 @@ from bench.nvme_io import fio_seconds
 from bench.scale_worker import WINDOW_BLOCKS, gpt_config
 from ps_offload.daemon.config import StoreConfig
 from ps_offload.daemon.local import LocalDaemon
-from ps_offload.daemon.model.optimizer import AdamWConfig
 from ps_offload.daemon.store.shard import arena_nbytes
 from ps_offload.daemon.tiers.nvme import FileLayout
+from ps_offload.optimizers import AdamW
 from ps_offload.proto.plan import (
     FP32_BYTES,
     SHARD_ALIGN_BYTES,
@@ -157,7 +157,7 @@ def plan(ram_multiple: float, *, n_embd: int = N_EMBD, mem_total: int | None = N
     while params * STATE_PER_PARAM < ram_multiple * mem_total:  # the embeddings did not make up a block
         n_layer += 1
         params, shard_bytes, shards, largest = _shard_plan(n_layer, n_embd)
-    arenas = dict.fromkeys(range(shards), arena_nbytes(largest, AdamWConfig()))  # slots: the largest's
+    arenas = dict.fromkeys(range(shards), arena_nbytes(largest, AdamW()))  # slots: the largest's
     layout = FileLayout.for_shards(arenas, spare_slots=StoreConfig().nvme_spare_slots)
     state = params * STATE_PER_PARAM
     full = ram_multiple >= FULL_RAM_MULTIPLE and n_embd == N_EMBD and not QUICK

@@ -48,12 +48,20 @@ kernels/__pycache__), and CPU kernels run one at a time per process (each uses e
 Bad input (wrong dtype, non-contiguous, not 1-D, size mismatch, device mismatch, overlapping
 buffers, ratio out of range, top-k indices out of range) raises ValueError saying what to fix.
 
-Beside the compression entry points here, the folder holds the daemon's optimizer kernels:
-fused_step.py (AdamW and SGD in one pass, bit for bit as torch's fused kernels, and the
-non-finite check), step_calibration.py (which of its forms this torch computes as, and its
-compiles off the step's path), fused_adamw.py (1-bit Adam's step); and numba_cache.py (a
-cache directory for all of them wherever the process runs). reference.py is the torch
-oracle, cpu.py and cuda.py the compression backends, rounding.py the bit-level casts.
+Beside the compression entry points here, the folder holds their backends and the daemon's
+optimizer kernels:
+
+    reference          the plain torch oracle of every compression kernel (backend="torch")
+    cpu                the compression backend on the CPU: Numba kernels, parallel over blocks, one pass
+    cuda               the compression backend on CUDA: Numba CUDA kernels, one launch on torch's stream
+    rounding           the bit-level casts: fp32 <-> bf16 / fp16 on bit patterns, shared by both backends
+    fused_step         the daemon's AdamW and SGD in one pass, bit for bit as torch's fused kernels;
+                       all_finite, the non-finite check
+    bf16_state_step    the daemon's AdamW over bf16 master, m and v in one pass (state_dtype="bfloat16")
+    step_calibration   which of fused_step's forms this torch computes as, and its compiles off the
+                       step's path
+    fused_adamw        the daemon's fused 1-bit Adam step
+    numba_cache        a Numba cache directory for all of them wherever the process runs
 """
 
 from __future__ import annotations

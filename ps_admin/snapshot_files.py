@@ -38,8 +38,8 @@ from rich.progress import Progress
 
 from ps_offload.admin import snapshots
 from ps_offload.admin.client import AdminError, owners
+from ps_offload.optimizers import state_tensors
 from ps_offload.proto import ps_pb2
-from ps_offload.proto.push import state_tensors
 
 FORMAT = "ps-offload-snapshot/1"
 MANIFEST = "manifest.json"

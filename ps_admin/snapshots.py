@@ -28,9 +28,9 @@ from rich.progress import Progress
 
 from ps_offload.admin import client
 from ps_offload.admin.client import AdminError, owners
+from ps_offload.optimizers import state_tensors
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
-from ps_offload.proto.push import state_tensors
 
 
 def plan_of(shards) -> list[ShardSlice]:

@@ -7,9 +7,10 @@ daemons (RAM and NVMe tiers), not on the trainer.
 Every import name this project installs lives under ``ps_offload``:
 ``ps_offload.trainer`` (the library a training script imports), ``ps_offload.daemon``
 (the node daemon), ``ps_offload.admin`` (the ps-admin CLI), ``ps_offload.kernels``
-(compression and fused optimizer kernels) and ``ps_offload.proto`` (the contract, the only
-package the others share). The repository keeps them in the folders the design names
-(trainer/, ps_daemon/, ps_admin/, kernels/, ps_proto/); pyproject.toml maps them here.
+(compression and fused optimizer kernels), ``ps_offload.optimizers`` (the optimizer plug-ins
+the daemon and the trainer both run) and ``ps_offload.proto`` (the contract, which every
+other package shares). The repository keeps them in the folders the design names
+(trainer/, ps_daemon/, ps_admin/, kernels/, optimizers/, ps_proto/); pyproject.toml maps them here.
 
 The trainer's public names are re-exported lazily, so importing the daemon or the admin CLI
 (which share this namespace) does not load the trainer.
@@ -25,6 +26,7 @@ from ps_offload.version import release
 # Kept equal to ps_offload.trainer.__all__ (tests/trainer/test_config.py checks it).
 _TRAINER_EXPORTS = frozenset(
     {
+        "LAMB",
         "SGD",
         "AdamW",
         "AuditMismatch",

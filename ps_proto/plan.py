@@ -174,6 +174,82 @@ def plan_shards(total_numel: int, shard_numel: int, num_daemons: int, starts: Se
     return shards
 
 
+def whole_param_plan(
+    layouts: Sequence[ParamLayout], shard_numel: int, num_daemons: int, starts: Sequence[int] = ()
+) -> list[ShardSlice]:
+    """The plan of an optimizer that reads whole parameters (a norm per parameter: LAMB): no
+    parameter is cut. Parameters are packed in order, a new shard starting where the next one
+    would overflow `shard_numel` or at a start (`shard_starts`); a parameter larger than
+    `shard_numel` is a shard of its own, as long as itself. Daemons are assigned as in
+    plan_shards (the fewest elements so far)."""
+    if num_daemons < 1:
+        raise PlanError("the daemon list is empty")
+    if shard_numel < 1:
+        raise PlanError(f"shard_numel must be positive, got {shard_numel}")
+    total = sum(layout.numel for layout in layouts)
+    cuts, forced, fill = [], set(_cuts(starts, total)), 0
+    for layout in layouts:
+        if layout.offset and ((fill and fill + layout.numel > shard_numel) or layout.offset in forced):
+            if layout.offset < total and (not cuts or cuts[-1] != layout.offset):
+                cuts.append(layout.offset)
+            fill = 0
+        fill += layout.numel
+    load = [0] * num_daemons
+    shards: list[ShardSlice] = []
+    for begin, stop in zip([0, *cuts], [*cuts, total], strict=True):
+        daemon = min(range(num_daemons), key=lambda d: (load[d], d))
+        load[daemon] += stop - begin
+        shards.append(ShardSlice(len(shards), daemon, begin, stop - begin))
+    validate_whole_param_plan(shards, layouts, shard_numel=shard_numel, num_daemons=num_daemons)
+    return shards
+
+
+def validate_whole_param_plan(
+    shards: list[ShardSlice], layouts: Sequence[ParamLayout], *, shard_numel: int, num_daemons: int
+) -> None:
+    """Invariants of a whole-parameter plan: ids 0..n-1 in order; the slices tile the model;
+    every cut falls where a parameter begins; a shard longer than `shard_numel` holds one
+    parameter; every daemon index is in range."""
+    total = sum(layout.numel for layout in layouts)
+    begins = {layout.offset for layout in layouts}
+    expected = 0
+    for position, shard in enumerate(shards):
+        where = f"shard {shard.shard_id} (position {position})"
+        if shard.shard_id != position or shard.offset != expected or shard.numel < 1:
+            raise PlanError(f"{where}: shards must tile the model in order, ids 0..n-1")
+        if shard.offset not in begins:
+            raise PlanError(f"{where}: starts at {shard.offset}, inside a parameter")
+        held = [p for p in layouts if shard.offset <= p.offset < shard.end and p.numel]
+        if shard.numel > shard_numel and len(held) > 1:
+            raise PlanError(f"{where}: has {shard.numel} elements, more than {shard_numel}, and several parameters")
+        if not 0 <= shard.daemon_index < num_daemons:
+            raise PlanError(f"{where}: daemon index {shard.daemon_index} not in [0, {num_daemons})")
+        expected = shard.end
+    if expected != total:
+        raise PlanError(f"shards cover {expected} elements, the model has {total}")
+
+
+def plan_model(
+    layouts: Sequence[ParamLayout],
+    starts_shard: Sequence[bool],
+    shard_bytes: int,
+    num_daemons: int,
+    replicas: int,
+    *,
+    whole_params: bool,
+) -> list[ShardSlice]:
+    """A model's plan as every trainer and daemon computes it: shards cut at the flagged starts
+    (`shard_starts`), never inside a parameter when its optimizer reads whole parameters
+    (`whole_param_plan`), each on its primary and `replicas` - 1 more daemons."""
+    starts = shard_starts(layouts, starts_shard)
+    shard_numel = shard_numel_for(shard_bytes)
+    if whole_params:
+        plan = whole_param_plan(layouts, shard_numel, num_daemons, starts)
+    else:
+        plan = plan_shards(sum(layout.numel for layout in layouts), shard_numel, num_daemons, starts)
+    return place_replicas(plan, num_daemons, replicas)
+
+
 def place_replicas(shards: list[ShardSlice], num_daemons: int, replicas: int) -> list[ShardSlice]:
     """The plan with each shard on `replicas` daemons: replica j of a shard whose primary is p
     is daemon (p + j * (num_daemons // replicas)) mod num_daemons, as far apart in the list as

@@ -114,13 +114,30 @@ class SGDSpec(_message.Message):
     nesterov: bool
     def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., weight_decay: _Optional[float] = ..., nesterov: _Optional[bool] = ...) -> None: ...
 
+class PluginOptimizerSpec(_message.Message):
+    __slots__ = ("name", "settings")
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    settings: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., settings: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
 class OptimizerSpec(_message.Message):
-    __slots__ = ("adamw", "sgd")
+    __slots__ = ("adamw", "sgd", "plugin")
     ADAMW_FIELD_NUMBER: _ClassVar[int]
     SGD_FIELD_NUMBER: _ClassVar[int]
+    PLUGIN_FIELD_NUMBER: _ClassVar[int]
     adamw: AdamWSpec
     sgd: SGDSpec
-    def __init__(self, adamw: _Optional[_Union[AdamWSpec, _Mapping]] = ..., sgd: _Optional[_Union[SGDSpec, _Mapping]] = ...) -> None: ...
+    plugin: PluginOptimizerSpec
+    def __init__(self, adamw: _Optional[_Union[AdamWSpec, _Mapping]] = ..., sgd: _Optional[_Union[SGDSpec, _Mapping]] = ..., plugin: _Optional[_Union[PluginOptimizerSpec, _Mapping]] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
     __slots__ = ("model", "params", "optimizer", "shard_bytes", "daemons", "replicas", "state_dtype")

@@ -68,15 +68,3 @@ class Push:
         yield codec.push_chunks.encode(self.header, self.data[:chunk_bytes])
         for start in range(chunk_bytes, len(self.data), chunk_bytes):
             yield codec.push_chunks.encode(None, self.data[start : start + chunk_bytes])
-
-
-def state_tensors(spec: ps_pb2.ModelSpec) -> list[tuple[str, int]]:
-    """The optimizer state a shard holds besides its master values: (its name in an export,
-    the ShardTensor a pull asks for), in the order a STATE push lays them out after the
-    master (a snapshot restore, a replica repaired)."""
-    kind = spec.optimizer.WhichOneof("kind")
-    if kind == "adamw":
-        return [("exp_avg", ps_pb2.EXP_AVG), ("exp_avg_sq", ps_pb2.EXP_AVG_SQ)]
-    if kind == "sgd" and spec.optimizer.sgd.momentum:
-        return [("momentum_buffer", ps_pb2.EXP_AVG)]  # served as EXP_AVG (ps.proto, ShardTensor)
-    return []

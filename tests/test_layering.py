@@ -1,7 +1,9 @@
 """Who may import whom, frozen (issue 24's layout).
 
 * The contract package (ps_offload.proto) imports nothing else of ours; the kernels import
-  nothing of ours but themselves; ps-admin and the trainer never load the daemon.
+  nothing of ours but themselves; the optimizer plug-ins (ps_offload.optimizers) only those two,
+  and the daemon, the trainer and ps-admin reach an optimizer only through them; ps-admin and
+  the trainer never load the daemon.
 * Inside the daemon, folders are layers, each importing only the ones below it:
 
       app (server, cli, metrics, systemd, local)
@@ -48,6 +50,7 @@ PACKAGES = {
     "ps_admin": "ps_offload.admin",
     "trainer": "ps_offload.trainer",
     "kernels": "ps_offload.kernels",
+    "optimizers": "ps_offload.optimizers",
 }
 
 # -- the layers --------------------------------------------------------------------------
@@ -61,24 +64,26 @@ TRAINER_BASE = ("config", "debug_models")
 ALLOWED: dict[str, set[str]] = {
     "proto": set(),
     "kernels": set(),
+    "optimizers": {"proto", "kernels"},  # the plug-ins: below the daemon and the trainer, which both run them
     "root": {"trainer.root"},  # ps_offload/__init__.py re-exports the trainer lazily
-    "admin": {"proto"},
+    "admin": {"proto", "optimizers"},
     "daemon.base": {"proto"},
     "daemon.tiers": {"daemon.base", "proto"},
-    "daemon.model": {"daemon.base", "proto", "kernels"},
-    "daemon.store": {"daemon.model", "daemon.tiers", "daemon.base", "proto", "kernels"},
-    "daemon.rpc": {"daemon.store", "daemon.model", "daemon.base", "proto"},
+    "daemon.model": {"daemon.base", "proto", "kernels", "optimizers"},
+    "daemon.store": {"daemon.model", "daemon.tiers", "daemon.base", "proto", "kernels", "optimizers"},
+    "daemon.rpc": {"daemon.store", "daemon.model", "daemon.base", "proto", "optimizers"},
     "daemon.dataplane": {"daemon.rpc", "daemon.store", "daemon.model", "daemon.base", "proto"},
     "daemon.app": {f"daemon.{f}" for f in (*DAEMON_FOLDERS, "base")} | {"proto", "kernels"},
-    "trainer.base": {"proto"},
-    "trainer.wire": {"trainer.base", "proto"},
+    "trainer.base": {"proto", "optimizers"},
+    "trainer.wire": {"trainer.base", "proto", "optimizers"},
     "trainer.io": {"trainer.wire", "trainer.base", "proto", "kernels"},
-    "trainer.optimizer": {"trainer.io", "trainer.wire", "trainer.base", "proto", "kernels"},
+    "trainer.optimizer": {"trainer.io", "trainer.wire", "trainer.base", "proto", "kernels", "optimizers"},
     "trainer.stream": {"trainer.optimizer", "trainer.io", "trainer.wire", "trainer.base", "proto"},
     "trainer.pipeline": {
-        "trainer.stream", "trainer.optimizer", "trainer.io", "trainer.wire", "trainer.base", "proto", "kernels"
+        "trainer.stream", "trainer.optimizer", "trainer.io", "trainer.wire", "trainer.base", "proto", "kernels",
+        "optimizers",
     },
-    "trainer.api": {"trainer.optimizer", "trainer.stream", "trainer.base"},
+    "trainer.api": {"trainer.optimizer", "trainer.stream", "trainer.base", "optimizers"},
     "trainer.root": {f"trainer.{f}" for f in (*TRAINER_FOLDERS, "base", "api")} | {"proto"},
 }  # fmt: skip
 
@@ -91,7 +96,7 @@ def unit_of(module: str) -> str | None:
     if len(parts) == 1:
         return "root"
     top = parts[1]
-    if top in ("proto", "kernels", "admin"):
+    if top in ("proto", "kernels", "admin", "optimizers"):
         return top
     if top == "daemon":
         if len(parts) == 2:

@@ -24,12 +24,26 @@ The same names are in `ps_offload.trainer` (`from ps_offload import trainer`): w
 script needs. The plumbing stays importable from its module (the clients from
 ps_offload.trainer.wire.sharded_client and .daemon_client, StepOptimizer from
 ps_offload.trainer.pipeline.local_optimizer).
+
+The package, its folders layered api -> pipeline -> stream -> optimizer -> io -> wire -> base
+(config, debug_models):
+
+    api            offload(): registers the model, returns an OffloadOptimizer or a StreamedOptimizer
+    config         what a training script configures, one dataclass per concern (AdamW, SGD, LAMB,
+                   OffloadConfig, DeviceConfig, LossScaling, CompressionConfig, ParallelConfig, ClientConfig)
+    debug_models   TinyGPT, gpt_layers, mlp, CharDataset: small models that run in seconds on a CPU
+    wire/          the trainer's side of the wire: the daemons' clients, transports, replicas
+    io/            shards between the trainer's device and the wire: flat buffers, copies, compression
+    optimizer/     OffloadOptimizer: the torch.optim.Optimizer whose state lives on the daemons
+    stream/        StreamedOptimizer: a model larger than the trainer, a window of blocks at a time
+    pipeline/      PipelineTrainer: pipeline stages x data-parallel replicas under torchrun
 """
 
 from ps_offload.proto.cluster import daemon_addresses
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.api import offload
 from ps_offload.trainer.config import (
+    LAMB,
     SGD,
     AdamW,
     ClientConfig,
@@ -50,6 +64,7 @@ from ps_offload.trainer.stream.settings import StepLost, StepTorn, Streaming
 from ps_offload.trainer.wire.daemon_client import DaemonError
 
 __all__ = [
+    "LAMB",
     "SGD",
     "AdamW",
     "AuditMismatch",

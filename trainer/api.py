@@ -9,9 +9,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from ps_offload.optimizers import config_names
 from ps_offload.trainer.config import (
-    SGD,
-    AdamW,
     ClientConfig,
     CompressionConfig,
     DeviceConfig,
@@ -25,15 +24,14 @@ from ps_offload.trainer.stream.settings import Streaming
 
 
 def check_optimizer(optimizer: object) -> None:
-    """A TypeError that says what to write when `optimizer` is not an AdamW(...) or SGD(...)
-    of ours (torch's own optimizer classes are the usual mistake)."""
-    if isinstance(optimizer, (AdamW, SGD)):
+    """A TypeError that says what to write when `optimizer` is not one of our optimizers'
+    configs (torch's own optimizer classes are the usual mistake)."""
+    if isinstance(optimizer, OptimizerConfig) and type(optimizer).__name__ in config_names():
         return
     name = getattr(optimizer, "__name__", None) or type(optimizer).__name__
     hint = " (torch.optim's: the daemons run ours, with the same arguments)" if "torch" in repr(optimizer) else ""
-    raise TypeError(
-        f"optimizer= takes ps_offload.AdamW(lr=...) or ps_offload.SGD(lr=...), an instance, got {name}{hint}"
-    )
+    choices = " or ".join(f"ps_offload.{n}(lr=...)" for n in config_names())
+    raise TypeError(f"optimizer= takes {choices}, an instance, got {name}{hint}")
 
 
 def offload(

@@ -1,6 +1,7 @@
 """What a training script configures, one dataclass per concern; every field says what it is.
 
-    AdamW, SGD           the optimizer (run by the daemons, or in-process without them)
+    AdamW, SGD, LAMB     the optimizer (ps_offload.optimizers: run by the daemons, AdamW and SGD
+                         also in-process without them)
     OffloadConfig        how a model is registered with the daemons and stepped through them
     DeviceConfig         how shards move between the trainer's device and the wire
     LossScaling          dynamic loss scaling for float16 parameters
@@ -19,76 +20,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ps_offload.proto import ps_pb2
+# The optimizers' configs live with their plug-ins; re-exported as the trainer's config.
+from ps_offload.optimizers import LAMB as LAMB
+from ps_offload.optimizers import SGD as SGD
+from ps_offload.optimizers import AdamW as AdamW
+from ps_offload.optimizers import OptimizerConfig as OptimizerConfig
 from ps_offload.proto.security import ClientSecurity
 
 STATE_DTYPES = ("float32", "bfloat16")  # OffloadConfig.state_dtype (the daemon's ModelSpec.state_dtype)
 COMPRESSION_METHODS = ("none", "bf16", "fp16", "onebit", "topk")
 SCHEDULES = ("gpipe", "1f1b")
 SPLITS = ("params", "uniform")
-
-
-@dataclass(frozen=True)
-class AdamW:
-    """AdamW as torch.optim.AdamW defines it, run on the daemons."""
-
-    lr: float = 1e-3
-    """Learning rate of the first step; `opt.lr = value` between steps follows a schedule."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Decay rates of the first and second moment estimates."""
-    eps: float = 1e-8
-    """Added to the square root of the second moment, for numerical stability."""
-    weight_decay: float = 1e-2
-    """Decoupled weight decay; parameters that `no_weight_decay` picks get none."""
-
-    def __post_init__(self) -> None:
-        if not self.lr >= 0 or not self.eps >= 0 or not self.weight_decay >= 0:
-            raise ValueError(f"AdamW lr, eps and weight_decay must be >= 0, got {self}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"AdamW.betas must be two numbers in [0, 1), got {self.betas!r}")
-
-    def to_proto(self) -> ps_pb2.OptimizerSpec:
-        return ps_pb2.OptimizerSpec(
-            adamw=ps_pb2.AdamWSpec(
-                lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay
-            )
-        )
-
-
-@dataclass(frozen=True)
-class SGD:
-    """SGD with momentum as torch.optim.SGD defines it, run on the daemons."""
-
-    lr: float = 1e-3
-    """Learning rate of the first step; `opt.lr = value` between steps follows a schedule."""
-    momentum: float = 0.0
-    """Momentum factor; 0 keeps no momentum buffer."""
-    dampening: float = 0.0
-    """Dampening of the momentum's gradient term."""
-    weight_decay: float = 0.0
-    """L2 penalty added to the gradient; parameters that `no_weight_decay` picks get none."""
-    nesterov: bool = False
-    """Nesterov momentum (needs momentum > 0 and dampening 0, as torch requires)."""
-
-    def __post_init__(self) -> None:
-        if not self.lr >= 0 or not self.momentum >= 0 or not self.weight_decay >= 0:
-            raise ValueError(f"SGD lr, momentum and weight_decay must be >= 0, got {self}")
-        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ValueError("SGD(nesterov=True) needs momentum > 0 and dampening = 0")
-
-    def to_proto(self) -> ps_pb2.OptimizerSpec:
-        return ps_pb2.OptimizerSpec(
-            sgd=ps_pb2.SGDSpec(
-                lr=self.lr,
-                momentum=self.momentum,
-                dampening=self.dampening,
-                weight_decay=self.weight_decay,
-                nesterov=self.nesterov,
-            )
-        )
-
-
-OptimizerConfig = AdamW | SGD
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,13 @@
-"""The TCP data plane: Pull and Push without gRPC's copies. The server's event loop
-(server), who may hold a connection (connections) and one request served by a worker
-(requests), through the same store calls, conversions and status codes as the gRPC
-servicer (ps_offload.daemon.rpc). Beside it, the local transport for clients on this host:
-the same requests, the bytes through shared memory (local_server).
+"""The TCP data plane: Pull and Push without gRPC's copies, through the same store calls,
+conversions and status codes as the gRPC servicer (ps_offload.daemon.rpc). Beside it, the
+local transport for clients on this host: the same requests, the bytes through shared memory.
+
+    server          the server's event loop: one selector thread, a worker pool, pulls parked
+                    without a thread
+    connections     who may hold a connection: the limits checked at accept, the parked pulls'
+                    deadlines, the selector's waker
+    requests        one request served by a worker: token, pull (or park), push
+    local_server    LocalServer: the local transport (abstract Unix socket, peer uid checked, each
+                    connection's memfd slot mapped; pulls written and pushes read in place)
+    local_pool      LocalPool: the node's shared pool (server.local_pool_bytes): each client's windows
 """

@@ -20,12 +20,12 @@ parameter left out of the spec), refused at registration rather than found at th
 
 from __future__ import annotations
 
-import math
 import urllib.parse
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ps_offload.daemon.errors import InvalidArgument
-from ps_offload.daemon.model.optimizer import AdamWConfig, OptimizerConfig, SGDConfig, validate_optimizer
+from ps_offload.optimizers import OptimizerConfig, plugin_named, plugin_of
+from ps_offload.optimizers.base import check_number
 from ps_offload.proto.plan import PlanError, layout_params, shard_numel_for
 
 # The trainer's compute dtypes: whichever, the daemon keeps fp32 master values and state; a
@@ -84,15 +84,6 @@ class ModelSpec:
         return max(p.group for p in self.params) + 1
 
 
-def check_number(value: float, name: str, *, low: float, high: float = math.inf) -> str:
-    """'' if `value` is finite and within [low, high], else why not (for a message)."""
-    if not math.isfinite(value):
-        return f"{name} must be finite, got {value}"
-    if not low <= value <= high:
-        return f"{name} must be in [{low:g}, {high:g}], got {value:g}"
-    return ""
-
-
 def check_model_name(name: str) -> None:
     """A model name names the daemon's files for it (percent-quoted, plus a suffix): it must
     fit a file name (255 bytes) on every daemon, and print as itself in logs and ps-admin."""
@@ -144,7 +135,6 @@ def validate_spec(spec: ModelSpec, daemon_index: int) -> None:
     if problem:
         raise InvalidArgument(f"model {spec.model!r}: optimizer {problem}")
     try:
-        validate_optimizer(spec.optimizer)
         shard_numel_for(spec.shard_bytes)
         layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
     except (ValueError, PlanError) as exc:
@@ -175,11 +165,11 @@ def _check_state_dtype(spec: ModelSpec) -> None:
         )
     if spec.state_dtype == "float32":
         return
-    if not isinstance(spec.optimizer, AdamWConfig):
+    plugin = plugin_of(spec.optimizer)
+    if spec.state_dtype not in plugin.state_dtypes:
         raise InvalidArgument(
-            f"model {spec.model!r}: state_dtype {spec.state_dtype} is for AdamW; SGD keeps float32 state (torch's "
-            "fused CPU SGD leaves bf16 parameters unchanged in its vector loop, so bf16 SGD has no exact torch "
-            "reference to match)"
+            f"model {spec.model!r}: state_dtype {spec.state_dtype} is not one {plugin.name} keeps "
+            f"({', '.join(plugin.state_dtypes)}){plugin.state_dtype_note}"
         )
     other = next((p for p in spec.params if p.dtype != spec.state_dtype), None)
     if other is not None:
@@ -191,15 +181,9 @@ def _check_state_dtype(spec: ModelSpec) -> None:
 
 
 def _optimizer_problem(config: OptimizerConfig) -> str:
-    """The bounds of the module docstring, on the numbers validate_optimizer leaves open
-    (it refuses what torch.optim refuses; NaN and inf pass some of its comparisons)."""
-    if not config.lr >= 0 or not config.weight_decay >= 0:
-        return ""  # validate_optimizer says it in torch's words
-    bounds = [("lr", 0.0, MAX_LR), ("weight_decay", 0.0, MAX_WEIGHT_DECAY)]
-    if isinstance(config, AdamWConfig):
-        bounds += [("eps", 0.0, math.inf)]
-    else:
-        bounds += [("momentum", 0.0, math.inf), ("dampening", -math.inf, math.inf)]
+    """The bounds of the module docstring, and the plug-in's own (its config refuses what torch.optim
+    refuses; NaN and inf pass some of those comparisons)."""
+    bounds = [("lr", 0.0, MAX_LR), ("weight_decay", 0.0, MAX_WEIGHT_DECAY), *plugin_of(config).bounds(config)]
     for name, low, high in bounds:
         problem = check_number(getattr(config, name), name, low=low, high=high)
         if problem:
@@ -242,7 +226,7 @@ def spec_to_dict(spec: ModelSpec) -> dict:
             }
             for p in spec.params
         ],
-        "optimizer": {"type": "adamw" if isinstance(spec.optimizer, AdamWConfig) else "sgd", **asdict(spec.optimizer)},
+        "optimizer": {"type": plugin_of(spec.optimizer).name, **plugin_of(spec.optimizer).to_dict(spec.optimizer)},
         "shard_bytes": spec.shard_bytes,
         "daemons": list(spec.daemons),
         "replicas": spec.replicas,
@@ -262,7 +246,7 @@ def spec_from_dict(data: dict) -> ModelSpec:
     )
     optimizer = dict(data["optimizer"])
     kind = optimizer.pop("type")
-    config = AdamWConfig(**optimizer) if kind == "adamw" else SGDConfig(**optimizer)
+    config = plugin_named(kind).from_dict(optimizer)
     return ModelSpec(
         data["model"], params, config, data["shard_bytes"], tuple(data["daemons"]), data.get("replicas", 1),
         data.get("state_dtype", "float32"),

@@ -8,7 +8,6 @@ import torch
 
 from ps_offload.daemon.errors import InvalidArgument
 from ps_offload.daemon.model.kernel_digest import kernel_digest
-from ps_offload.daemon.model.optimizer import AdamWConfig, GroupHyperparams, SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.store.inspection import Verdict
 from ps_offload.daemon.store.pull import PullRequest
@@ -16,6 +15,7 @@ from ps_offload.daemon.store.pull_rounding import PULL_DTYPES
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard import SHARD_TENSORS
 from ps_offload.daemon.store.shard_store import RegisteredModel
+from ps_offload.optimizers import GroupSettings, plugin_for_spec, plugin_of
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.channel import PROTOCOL
 from ps_offload.version import release
@@ -39,6 +39,19 @@ ENCODING_NAMES = {
 }
 
 
+def _optimizer_from_proto(spec: ps_pb2.ModelSpec):
+    """The optimizer's config, through the table (ps_offload.optimizers): AdamW and SGD by their
+    own messages, any other by PluginOptimizerSpec.name; its own checks' ValueError as INVALID_ARGUMENT."""
+    try:
+        plugin = plugin_for_spec(spec.optimizer)
+    except KeyError as exc:
+        raise InvalidArgument(f"model {spec.model!r}: {exc.args[0]}") from exc
+    try:
+        return plugin.from_proto(spec.optimizer)
+    except (ValueError, TypeError) as exc:
+        raise InvalidArgument(f"model {spec.model!r}: optimizer {exc}") from exc
+
+
 def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
     params = []
     for p in spec.params:
@@ -54,15 +67,7 @@ def spec_from_proto(spec: ps_pb2.ModelSpec) -> ModelSpec:
                 starts_shard=p.starts_shard,
             )
         )
-    which = spec.optimizer.WhichOneof("kind")
-    if which == "adamw":
-        o = spec.optimizer.adamw
-        optimizer = AdamWConfig(o.lr, o.beta1, o.beta2, o.eps, o.weight_decay)
-    elif which == "sgd":
-        o = spec.optimizer.sgd
-        optimizer = SGDConfig(o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov)
-    else:
-        raise InvalidArgument(f"model {spec.model!r}: no optimizer given (adamw or sgd)")
+    optimizer = _optimizer_from_proto(spec)
     if spec.state_dtype == ps_pb2.DTYPE_UNSPECIFIED:
         state_dtype = "float32"
     elif spec.state_dtype in DTYPE_NAMES:
@@ -119,8 +124,7 @@ def push_request(header: ps_pb2.PushHeader) -> PushRequest:
         lr=header.lr if header.HasField("lr") else None,
         variance_frozen_at=header.variance_frozen_at if header.HasField("variance_frozen_at") else None,
         groups=tuple(
-            GroupHyperparams(g.lr, g.weight_decay, g.beta1, g.beta2, g.eps, g.momentum, g.dampening)
-            for g in header.groups
+            GroupSettings(g.lr, g.weight_decay, g.beta1, g.beta2, g.eps, g.momentum, g.dampening) for g in header.groups
         ),
         grad_multiplier=header.grad_multiplier if header.HasField("grad_multiplier") else None,
         part=header.part,
@@ -202,17 +206,7 @@ def spec_to_proto(spec: ModelSpec) -> ps_pb2.ModelSpec:
         )
         for p in spec.params
     ]
-    o = spec.optimizer
-    if isinstance(o, AdamWConfig):
-        optimizer = ps_pb2.OptimizerSpec(
-            adamw=ps_pb2.AdamWSpec(lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay)
-        )
-    else:
-        optimizer = ps_pb2.OptimizerSpec(
-            sgd=ps_pb2.SGDSpec(
-                lr=o.lr, momentum=o.momentum, dampening=o.dampening, weight_decay=o.weight_decay, nesterov=o.nesterov
-            )
-        )
+    optimizer = plugin_of(spec.optimizer).to_proto(spec.optimizer)
     return ps_pb2.ModelSpec(
         model=spec.model, params=params, optimizer=optimizer, shard_bytes=spec.shard_bytes, daemons=list(spec.daemons),
         replicas=spec.replicas, state_dtype=_DTYPES_BY_NAME[spec.state_dtype],

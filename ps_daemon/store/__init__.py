@@ -1,8 +1,26 @@
-"""The shards this daemon holds and every operation on them: ShardStore (registration,
-recovery, lookup, the data path: shard_store), one shard and its hold (shard), one push
-and its validation (push, accumulate), the pull paths (pull_rounding, master_pull,
-pull_wait), what the RAM tier loads ahead (prefetch), the committed copy on NVMe
-(persistence), and the admin services (snapshot_admin, inspection, drop, limits).
-Knows no gRPC: imports the model, the tiers and the contract, never ps_offload.daemon.rpc
-or ps_offload.daemon.dataplane.
+"""The shards this daemon holds and every operation on them: ShardStore and what it composes,
+then the admin services (the last five below). Knows no gRPC: imports the model, the tiers
+and the contract, never ps_offload.daemon.rpc or ps_offload.daemon.dataplane.
+
+    shard_store       ShardStore: registration, recovery, lookup, the data path (pull, push with
+                      (shard, step) dedup, commit)
+    shard             one shard: its arena (master, optimizer state), its version and its reader/writer hold
+    push              PushRequest: one push from the wire to the optimizer, validated before anything changes
+    push_kinds        what ShardStore.push runs for each kind of push, one function per kind
+    accumulate        GradientParts: a shard's fp32 sum of a step's GRADIENT_PART pushes, until its APPLY
+    speculation       a step computed ahead from a speculative part 0 into a spare arena, adopted or
+                      discarded by its APPLY
+    pull              PullRequest: one pull (tensor, shard, version, dtype), built once from the wire
+    pull_rounding     bf16/fp16 pulls: master values rounded as torch's Tensor.to does
+    master_pull       master pulls with NVMe: from RAM if resident, else the committed master region on disk
+    pull_wait         PullWaits: pulls waiting for a version, bounded; a wait ends when its call does
+    prefetch          Prefetcher: what the RAM tier loads ahead (trainer hints, the learned push order)
+    persistence       the committed copy on NVMe: create, load, commit, roll back a failed update
+    limits            StoreLimits: a registration's model count, plan size and RAM need, checked first
+    replica_reports   what trainers of replicated models report of their lost holders (degraded shards)
+    snapshot_admin    the store's snapshots: take, list, delete, read a snapshot's tensor
+    inspection        value statistics, which shards to verify, verify
+    stats             the store's counters and its tiers', as `ps-admin stats` shows them
+    tier_admin        a shard moved between RAM and NVMe by hand (`ps-admin evict`, `prefetch`)
+    drop              dropping a model: every wait on its shards ended, its sums released
 """

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ps_offload.daemon.errors import ResourceExhausted
 from ps_offload.daemon.model.spec import ModelSpec
 from ps_offload.daemon.store.shard import arena_nbytes
+from ps_offload.optimizers import plugin_of
 from ps_offload.proto.plan import ShardSlice, layout_params, shard_numel_for
 
 
@@ -42,6 +43,8 @@ def check_plan_size(limits: StoreLimits, spec: ModelSpec) -> None:
     total = sum(p.numel for p in layouts)
     per_shard = shard_numel_for(spec.shard_bytes)
     most = -(-total // per_shard) + sum(1 for p in spec.params if p.starts_shard)
+    if plugin_of(spec.optimizer).whole_params:  # packed whole: two neighbours overfill a shard, or one is alone
+        most = min(len(spec.params), 2 * most + 1)
     if most > limits.max_shards_per_model:
         raise ResourceExhausted(
             f"model {spec.model!r}: {total} values in shards of {per_shard} make up to {most} shards, more than "

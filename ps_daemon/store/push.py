@@ -42,7 +42,7 @@ from ps_offload.daemon.model.encodings import (
     TopKGradient,
     check_size,
 )
-from ps_offload.daemon.model.optimizer import AdamWConfig, GroupHyperparams, ShardOptimizer
+from ps_offload.daemon.model.optimizer import GroupHyperparams, ShardOptimizer, state_tensors
 from ps_offload.daemon.model.spec import MAX_LR, MAX_WEIGHT_DECAY, check_number
 from ps_offload.proto.plan import ShardSlice
 
@@ -205,10 +205,10 @@ class PushRequest:
         and for a MOMENTUM push an AdamW shard and a variance frozen after 1..step updates."""
         where, numel, data = self.where, shard.slice.numel, self.data
         if self.kind == "momentum":
-            if not isinstance(shard.optimizer.config, AdamWConfig):
+            if not shard.optimizer.plugin.takes_momentum:
                 raise FailedPrecondition(
                     f"{where}: MOMENTUM pushes are 1-bit Adam's compression stage and need an AdamW model; "
-                    f"model {shard.model!r} runs {type(shard.optimizer.config).__name__} (push gradients instead)"
+                    f"model {shard.model!r} runs {shard.optimizer.plugin.name} (push gradients instead)"
                 )
             if shard.optimizer.state_dtype != torch.float32:
                 raise FailedPrecondition(
@@ -240,15 +240,16 @@ class PushRequest:
         """fp32 values the payload holds: the shard's numel, times 1 + its optimizer's state
         tensors for a STATE push."""
         numel = shard.slice.numel
-        return numel * (1 + shard.optimizer.config.state_per_param) if self.kind == "state" else numel
+        return numel * (1 + state_tensors(shard.optimizer.config)) if self.kind == "state" else numel
 
     def check_state(self, shard: Shard) -> None:
-        """A STATE push's values (after check_shard): AdamW's second moment must be >= 0 (its
-        square root is taken), or the restored shard's next step would be NaN."""
-        if self.kind != "state" or not isinstance(shard.optimizer.config, AdamWConfig):
+        """A STATE push's values (after check_shard): a second moment (exp_avg_sq: AdamW's, LAMB's)
+        must be >= 0 (its square root is taken), or the restored shard's next step would be NaN."""
+        names = shard.optimizer.plugin.state_names(shard.optimizer.config)
+        if self.kind != "state" or "exp_avg_sq" not in names:
             return
-        numel = shard.slice.numel
-        exp_avg_sq = self.data[2 * numel : 3 * numel]
+        numel, index = shard.slice.numel, 1 + names.index("exp_avg_sq")
+        exp_avg_sq = self.data[index * numel : (index + 1) * numel]
         if not bool((exp_avg_sq >= 0).all()):
             raise InvalidArgument(
                 f"{self.where}: the STATE's exp_avg_sq (its third {numel} values) has negative or NaN values; "
@@ -314,28 +315,9 @@ def _check_groups(groups: tuple[GroupHyperparams, ...], optimizer: ShardOptimize
             f"(ParamSpec.group 0..{count - 1}); send every group's settings"
         )
     for index, group in enumerate(groups):
-        name = f"groups[{index}]"
-        if isinstance(config, AdamWConfig):
-            for beta in ("beta1", "beta2"):
-                if not 0.0 <= getattr(group, beta) < 1.0:
-                    raise InvalidArgument(f"{where}: {name}.{beta} must be in [0, 1), got {getattr(group, beta)}")
-            if not (math.isfinite(group.eps) and group.eps > 0):
-                raise InvalidArgument(f"{where}: {name}.eps must be finite and > 0, got {group.eps}")
-            continue
-        for field, low in (("momentum", 0.0), ("dampening", -math.inf)):
-            problem = check_number(getattr(group, field), f"{name}.{field}", low=low)
-            if problem:
-                raise InvalidArgument(f"{where}: {problem}")
-        if (group.momentum > 0) != (config.momentum > 0):
-            raise InvalidArgument(
-                f"{where}: {name}.momentum must be {'> 0' if config.momentum else '0'} (the model was registered "
-                f"with momentum {config.momentum:g}, which decides whether the daemon keeps a momentum buffer), "
-                f"got {group.momentum:g}"
-            )
-        if config.nesterov and group.dampening != 0:
-            raise InvalidArgument(
-                f"{where}: {name}.dampening must be 0 with nesterov momentum, got {group.dampening:g}"
-            )
+        problem = optimizer.plugin.check_group(config, group, f"groups[{index}]")
+        if problem:
+            raise InvalidArgument(f"{where}: {problem}")
 
 
 @dataclass(frozen=True)

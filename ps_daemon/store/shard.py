@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ps_offload.daemon.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
-from ps_offload.daemon.model.optimizer import OptimizerConfig, ShardOptimizer
+from ps_offload.daemon.model.optimizer import OptimizerConfig, ShardOptimizer, state_tensors
 from ps_offload.daemon.store.accumulate import GradientParts
 from ps_offload.daemon.store.pull_rounding import PULL_DTYPES
 from ps_offload.daemon.store.pull_wait import PullWait
@@ -35,7 +35,7 @@ def arena_numel(numel: int, state_tensors: int) -> int:
 def arena_nbytes(numel: int, optimizer: OptimizerConfig, state_dtype: str = "float32") -> int:
     """Bytes of one shard's arena: master, optimizer state and the stagger between them, in
     the model's state dtype."""
-    return arena_numel(numel, optimizer.state_per_param) * PULL_DTYPES[state_dtype].itemsize
+    return arena_numel(numel, state_tensors(optimizer)) * PULL_DTYPES[state_dtype].itemsize
 
 
 def allocate_arena(nbytes: int) -> tuple[torch.Tensor, memoryview]:
@@ -127,7 +127,7 @@ class Shard:
         self.arena, self.io_view = buffer
         numel, step = self.slice.numel, self.slice.numel + ARENA_STAGGER
         typed = self.arena.view(self.master_dtype)  # (a tier may hand any dtype's buffer)
-        views = [typed[i * step : i * step + numel] for i in range(1 + self.optimizer.config.state_per_param)]
+        views = [typed[i * step : i * step + numel] for i in range(1 + state_tensors(self.optimizer.config))]
         self.master = views[0]
         self.optimizer.bind(views[1:])
 
@@ -135,11 +135,11 @@ class Shard:
         """Raises unless `name` (one of SHARD_TENSORS) is a tensor this shard holds."""
         if name not in SHARD_TENSORS:
             raise InvalidArgument(f"unknown shard tensor {name!r}; one of {', '.join(SHARD_TENSORS)}")
-        # The state tensors in arena order: AdamW's exp_avg and exp_avg_sq; SGD's momentum
-        # buffer, served as exp_avg (SGD without momentum has none).
-        if SHARD_TENSORS.index(name) > self.optimizer.config.state_per_param:
+        # The state tensors in arena order, served by position: AdamW's (and LAMB's) exp_avg and
+        # exp_avg_sq; SGD's momentum buffer, served as exp_avg (SGD without momentum has none).
+        if SHARD_TENSORS.index(name) > state_tensors(self.optimizer.config):
             raise FailedPrecondition(
-                f"shard {self.slice.shard_id} of model {self.model!r} runs {type(self.optimizer.config).__name__}, "
+                f"shard {self.slice.shard_id} of model {self.model!r} runs {self.optimizer.plugin.name}, "
                 f"which has no {name}"
             )
 

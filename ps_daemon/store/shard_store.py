@@ -59,14 +59,12 @@ from ps_offload.daemon.tiers.nvme import NvmeFiles
 from ps_offload.daemon.tiers.ram import RamTier
 from ps_offload.daemon.tiers.ram_only import NoShardFiles, RamOnlyTier, RamSums
 from ps_offload.daemon.tiers.tier import ResidencyTier, ShardFiles, SumStore
+from ps_offload.optimizers import plugin_of
 from ps_offload.proto.plan import (
     ParamLayout,
     ShardSlice,
     layout_params,
-    place_replicas,
-    plan_shards,
-    shard_numel_for,
-    shard_starts,
+    plan_model,
 )
 
 log = logging.getLogger(__name__)
@@ -169,10 +167,10 @@ class ShardStore:
     @staticmethod
     def _plan(spec: ModelSpec) -> list[ShardSlice]:
         layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
-        total = sum(p.numel for p in layouts)
-        starts = shard_starts(layouts, [p.starts_shard for p in spec.params])
-        plan = plan_shards(total, shard_numel_for(spec.shard_bytes), len(spec.daemons), starts)
-        return place_replicas(plan, len(spec.daemons), spec.replicas)
+        return plan_model(
+            layouts, [p.starts_shard for p in spec.params], spec.shard_bytes, len(spec.daemons), spec.replicas,
+            whole_params=plugin_of(spec.optimizer).whole_params,
+        )  # fmt: skip
 
     def _build(self, spec: ModelSpec, daemon_index: int, plan: list[ShardSlice] | None = None) -> RegisteredModel:
         layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])

@@ -20,6 +20,7 @@ from ps_offload.daemon.errors import (
     NotFound,
     ResourceExhausted,
 )
+from ps_offload.daemon.model.optimizer import state_tensors
 from ps_offload.daemon.store.shard import ARENA_STAGGER, SHARD_TENSORS, Shard
 from ps_offload.daemon.tiers.direct_io import PAGE
 from ps_offload.daemon.tiers.nvme import NoCapacity, NvmeFiles, arena_tensor
@@ -172,10 +173,10 @@ def read_tensor(files: ShardFiles, shard: Shard, name: str, tensor: str) -> tupl
         if snap.damaged:
             raise DataLoss(f"snapshot {name!r} of model {model!r} is damaged: {snap.damaged}")
         slot, header = snap.pinned[shard.slice.shard_id]
-    numel, states = shard.slice.numel, shard.optimizer.config.state_per_param
+    numel, states = shard.slice.numel, state_tensors(shard.optimizer.config)
     index = SHARD_TENSORS.index(tensor)
     if index > states:
-        raise FailedPrecondition(f"model {model!r} runs {type(shard.optimizer.config).__name__}, which has no {tensor}")
+        raise FailedPrecondition(f"model {model!r} runs {shard.optimizer.plugin.name}, which has no {tensor}")
     words, view = arena_tensor(header.arena_bytes // 4, header.arena_bytes)
     values = words.view(shard.master_dtype)
     files.io.read(file.fd, view, file.offset(slot) + PAGE)

@@ -210,11 +210,11 @@ def test_momentum_push_and_state_pulls_to_an_sgd_model_are_failed_precondition(d
             timeout=10,
         )
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "need an AdamW model; model 'sgd' runs SGDConfig (push gradients instead)" in info.value.details()
+    assert "need an AdamW model; model 'sgd' runs sgd (push gradients instead)" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         client.pull_into("sgd", 0, min_version=0, out=_view(torch.empty(2048)), timeout=10, tensor=ps_pb2.EXP_AVG_SQ)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "runs SGDConfig, which has no exp_avg_sq" in info.value.details()
+    assert "runs sgd, which has no exp_avg_sq" in info.value.details()
     # EXP_AVG is SGD's momentum buffer (zeros before the first update).
     momentum = torch.ones(2048)
     client.pull_into("sgd", 0, min_version=0, out=_view(momentum), timeout=10, tensor=ps_pb2.EXP_AVG)

@@ -201,7 +201,7 @@ def test_bf16_state_of_an_fp32_model_is_refused_before_registering():
         )  # fmt: skip
     with pytest.raises(ValueError, match="state_dtype must be one of 'float32', 'bfloat16', got 'float16'"):
         trainer.OffloadConfig(state_dtype="float16")
-    with pytest.raises(ValueError, match="state_dtype='bfloat16' is for AdamW"):
+    with pytest.raises(ValueError, match="state_dtype='bfloat16' is not one sgd keeps"):
         trainer.offload(
             mlp((8, 8, 4)).to(torch.bfloat16), daemons=["127.0.0.1:1"], optimizer=trainer.SGD(momentum=0.9),
             config=trainer.OffloadConfig(state_dtype="bfloat16"),
@@ -240,7 +240,10 @@ def test_the_daemon_refuses_a_state_dtype_it_cannot_keep_exactly(daemon):
         (_spec(daemon.address, param_dtype=ps_pb2.FLOAT32), "every parameter must be bfloat16; 'w' is float32"),
         (_spec(daemon.address, state_dtype=ps_pb2.FLOAT16), "state_dtype 'float16' is not supported"),
         (_spec(daemon.address, state_dtype=77), "state_dtype 77 is unknown"),
-        (_spec(daemon.address, sgd=True), "state_dtype bfloat16 is for AdamW"),
+        (
+            _spec(daemon.address, sgd=True),
+            "state_dtype bfloat16 is not one sgd keeps (float32): torch's fused CPU SGD leaves bf16",
+        ),
     ]:
         with pytest.raises(grpc.RpcError) as caught:
             _register(daemon.address, spec)

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from ps_offload import trainer
-from ps_offload.daemon.model.optimizer import AdamWConfig, SGDConfig, ShardOptimizer
+from ps_offload.daemon.model.optimizer import ShardOptimizer, state_tensors
+from ps_offload.optimizers import SGD, AdamW
 from ps_offload.proto.plan import layout_params, plan_shards, segments_of, shard_numel_for
 from tests.integration.test_train_equivalence import _train_offloaded, _train_reference
 
@@ -152,10 +153,10 @@ def _shard_optimizer_run(kind: str, shard_numel: int, steps: int = STEPS) -> tup
     groups = [{"params": [r], "weight_decay": d} for r, d in zip(reference, decays, strict=True)]
     if kind == "adamw":
         torch_opt = torch.optim.AdamW(groups, lr=3e-3, fused=True)
-        config = AdamWConfig(lr=3e-3)
+        config = AdamW(lr=3e-3)
     else:
         torch_opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9, fused=True)
-        config = SGDConfig(lr=0.05, momentum=0.9)
+        config = SGD(lr=0.05, momentum=0.9)
 
     layouts = layout_params([(n, tuple(p.shape), d) for (n, p), d in zip(named, decays, strict=True)])
     flat = torch.cat([p.detach().reshape(-1) for _, p in named])
@@ -163,7 +164,7 @@ def _shard_optimizer_run(kind: str, shard_numel: int, steps: int = STEPS) -> tup
     for shard in plan_shards(flat.numel(), shard_numel, 1):
         segments = segments_of(shard, layouts)
         optimizer = ShardOptimizer(config, segments, [layouts[s.param_index].weight_decay for s in segments])
-        optimizer.bind([torch.zeros(shard.numel) for _ in range(config.state_per_param)])
+        optimizer.bind([torch.zeros(shard.numel) for _ in range(state_tensors(config))])
         shards.append((shard, optimizer))
 
     g = torch.Generator().manual_seed(2)

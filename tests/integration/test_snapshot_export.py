@@ -2,7 +2,7 @@
 daemons' disks into a directory (safetensors a torch user can read, and a manifest), and
 `snapshot restore --from DIR` brings it back onto any daemons. A daemon SIGKILLed with its
 disk deleted, and training resumes from the export bit for bit as if never interrupted, for
-AdamW and for SGD with momentum (which could not be restored before). An interrupted export
+AdamW, for SGD with momentum (which could not be restored before) and for LAMB. An interrupted export
 resumes keeping what it wrote; a damaged file is found before anything is restored."""
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from tests.ps_admin.test_cli import admin_json, run_admin
 OPTIMIZERS = {
     "adamw": (lambda: trainer.AdamW(lr=1e-2, weight_decay=0.1), ["master", "exp_avg", "exp_avg_sq"]),
     "sgd-momentum": (lambda: trainer.SGD(lr=0.05, momentum=0.9, weight_decay=0.01), ["master", "momentum_buffer"]),
+    # Whole parameters: restored onto another shard size, the plan packs them anew.
+    "lamb": (lambda: trainer.LAMB(lr=1e-2, weight_decay=0.1), ["master", "exp_avg", "exp_avg_sq"]),
 }
 
 

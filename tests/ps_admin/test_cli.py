@@ -18,8 +18,8 @@ import torch
 import ps_offload
 from ps_offload import trainer
 from ps_offload.admin import views
-from ps_offload.daemon.model.optimizer import AdamWConfig
 from ps_offload.daemon.store.shard import arena_nbytes
+from ps_offload.optimizers import AdamW
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.channel import PROTOCOL
 from ps_offload.proto.plan import ShardSlice
@@ -102,7 +102,7 @@ def test_shards_json_lists_every_shard_of_the_plan(trained):
         assert row["initialized"] is True
         assert row["tier"] == "ram"
         # fp32 master + AdamW's m and v, plus the arena's stagger between them
-        assert row["bytes"] == arena_nbytes(s.numel, AdamWConfig()) > s.numel * 4 * 3
+        assert row["bytes"] == arena_nbytes(s.numel, AdamW()) > s.numel * 4 * 3
     assert [r["params"] for r in rows] == [["weight"], ["weight"], ["weight", "bias"]]
 
 
@@ -125,7 +125,7 @@ def test_stats_json_counts_every_applied_push(trained):
     assert stats["shards"] == n
     assert stats["pushes_applied"] == STEPS * n
     assert stats["pushes_duplicate"] == 0
-    assert stats["ram_bytes_used"] == sum(arena_nbytes(s.numel, AdamWConfig()) for s in trained.plan)
+    assert stats["ram_bytes_used"] == sum(arena_nbytes(s.numel, AdamW()) for s in trained.plan)
     assert stats["uptime_seconds"] > 0
 
 

@@ -11,12 +11,14 @@ import pytest
 
 import ps_offload
 from ps_offload import trainer
+from ps_offload.optimizers import TABLE
 from ps_offload.trainer import config
 
 # Adding, renaming or removing an option is a change users see: make it here on purpose.
 FIELDS = {
     "AdamW": ["lr", "betas", "eps", "weight_decay"],
     "SGD": ["lr", "momentum", "dampening", "weight_decay", "nesterov"],
+    "LAMB": ["lr", "betas", "eps", "weight_decay"],
     "OffloadConfig": [
         "model_name",
         "shard_bytes",
@@ -60,6 +62,9 @@ def test_the_set_of_options_is_frozen():
         name: [f.name for f in dataclasses.fields(cls)]
         for name, cls in vars(config).items()
         if dataclasses.is_dataclass(cls) and cls.__module__ == config.__name__
+    } | {
+        plugin.config_type.__name__: [f.name for f in dataclasses.fields(plugin.config_type)]
+        for plugin in TABLE.values()
     }
     assert found == FIELDS
 

@@ -35,14 +35,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
+from ps_offload.optimizers import plugin_of
 from ps_offload.proto import ps_pb2
-from ps_offload.proto.plan import ParamLayout, ShardSlice, kernel_runs, segments_of
-from ps_offload.trainer.config import SGD, AdamW, CompressionConfig, OffloadConfig, OptimizerConfig
+from ps_offload.proto.plan import ParamLayout, ShardSlice
+from ps_offload.trainer.config import CompressionConfig, OffloadConfig, OptimizerConfig
 from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 log = logging.getLogger(__name__)
@@ -301,10 +301,8 @@ class ParityAudit:
 
 
 def _tensors(optimizer: OptimizerConfig) -> tuple[str, ...]:
-    """The shard tensors an audit compares, in pull order (proto ShardTensor)."""
-    if isinstance(optimizer, AdamW):
-        return ("master", "exp_avg", "exp_avg_sq")
-    return ("master", "momentum_buffer") if optimizer.momentum else ("master",)
+    """The shard tensors an audit compares, in pull order (proto ShardTensor: the state by position)."""
+    return ("master", *plugin_of(optimizer).state_names(optimizer))
 
 
 def recompute(
@@ -318,64 +316,14 @@ def recompute(
     groups: list[ps_pb2.GroupHyperparams],
     state_dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
-    """The shard's master and state after one step of torch.optim.AdamW(fused=True) or
-    SGD(fused=True) from `before` (master, then the state tensors; the daemon's step count is
-    `step`, its version) with the fp32 gradient `grad` and each param group's `groups[g]`.
-    Each kernel run of the shard (see the note on placement above) is one parameter of the
-    torch optimizer, in its parameter's group. `state_dtype` bfloat16 (OffloadConfig.state_dtype):
-    torch steps bf16 tensors (`before` and the result are their exact fp32 widening, and
-    `grad` is rounded to bf16 first, as the daemon does)."""
-    runs_by_group: dict[int, list] = defaultdict(list)
-    for segment in segments_of(shard, layouts):
-        runs_by_group[group_of[segment.param_index]].extend(kernel_runs(segment))
-    adam = isinstance(optimizer, AdamW)
-    placed = []  # (torch parameter, its state tensors, the run's elements in it, in the shard)
-    param_groups = []
-    for group, runs in sorted(runs_by_group.items()):
-        params = []
-        for run in runs:
-            # A scratch run: zero padding around the elements, where the whole parameter's
-            # block has its other elements (the kernels are elementwise).
-            inner = slice(run.context_start, run.context_start + run.numel)
-            piece = slice(run.shard_start, run.shard_start + run.numel)
-            tensors = [torch.zeros(run.context or run.numel, dtype=state_dtype) for _ in range(1 + len(before))]
-            for tensor, source in zip(tensors, [before[0], grad, *before[1:]], strict=True):
-                tensor[inner] = source[piece]
-            param, param_grad, *state = tensors
-            param.grad = param_grad
-            params.append(param)
-            placed.append((param, state, inner, piece))
-        settings = groups[group]
-        if adam:
-            hyper = dict(lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps)
-        else:
-            hyper = dict(lr=settings.lr, momentum=settings.momentum, dampening=settings.dampening)
-        param_groups.append({"params": params, "weight_decay": settings.weight_decay, **hyper})
-    if adam:
-        torch_opt = torch.optim.AdamW(param_groups, fused=True)
-        for param, state, _, _ in placed:
-            exp_avg, exp_avg_sq = state
-            # The step count before this step: torch adds 1, as the daemon does, before the kernel.
-            torch_opt.state[param] = {
-                "step": torch.tensor(float(step), dtype=torch.float32), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
-            }  # fmt: skip
-    else:
-        assert isinstance(optimizer, SGD)
-        first = groups[0]  # the defaults torch checks nesterov against; every group sets its own
-        torch_opt = torch.optim.SGD(
-            param_groups, momentum=first.momentum, dampening=first.dampening, nesterov=optimizer.nesterov, fused=True
-        )
-        if optimizer.momentum and step:  # at step 0 torch makes the buffer (its "first step"), as the daemon
-            for param, state, _, _ in placed:
-                torch_opt.state[param] = {"momentum_buffer": state[0]}
-    torch_opt.step()
-    after = [t.clone() for t in before]
-    for param, state, inner, piece in placed:
-        if not adam and optimizer.momentum:
-            state = [torch_opt.state[param]["momentum_buffer"]]
-        for target, source in zip(after, [param, *state], strict=True):
-            target[piece] = source.detach()[inner]  # (widened exactly from bf16 state)
-    return after
+    """The shard's master and state after one step of the optimizer's reference from `before`
+    (master, then the state tensors; the daemon's step count is `step`, its version) with the
+    fp32 gradient `grad` and each param group's `groups[g]` (OptimizerPlugin.recompute: for
+    AdamW and SGD torch.optim itself over the shard's kernel runs, the note on placement above).
+    `state_dtype` bfloat16 (OffloadConfig.state_dtype): torch steps bf16 tensors (`before` and
+    the result are their exact fp32 widening, and `grad` is rounded to bf16 first, as the
+    daemon does)."""
+    return plugin_of(optimizer).recompute(optimizer, shard, layouts, group_of, before, grad, step, groups, state_dtype)
 
 
 def difference(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> tuple[float, int, int]:

@@ -19,10 +19,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ps_offload.optimizers import plugin_of
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.config import (
-    AdamW,
     ClientConfig,
     LossScaling,
     OffloadConfig,
@@ -41,15 +41,16 @@ STATE_WIRE_DTYPES = {"float32": ps_pb2.FLOAT32, "bfloat16": ps_pb2.BFLOAT16}
 
 
 def check_state_dtype(state_dtype: str, compute_dtype: torch.dtype, optimizer: OptimizerConfig) -> None:
-    """bf16 state keeps the model's own bf16 parameters as the master values, under AdamW
-    (ps_daemon/model/spec.py says why not SGD): refused otherwise, before anything is
-    registered (the daemons would refuse it too)."""
+    """bf16 state keeps the model's own bf16 parameters as the master values, for an optimizer
+    that steps bf16 state exactly (OptimizerPlugin.state_dtypes: AdamW): refused otherwise,
+    before anything is registered (the daemons would refuse it too)."""
     if state_dtype == "float32":
         return
-    if not isinstance(optimizer, AdamW):
+    plugin = plugin_of(optimizer)
+    if state_dtype not in plugin.state_dtypes:
         raise ValueError(
-            "OffloadConfig.state_dtype='bfloat16' is for AdamW: torch's fused CPU SGD does not step bf16 parameters "
-            "in its vector loop, so bf16 SGD has no exact reference; keep state_dtype='float32' for SGD"
+            f"OffloadConfig.state_dtype={state_dtype!r} is not one {plugin.name} keeps "
+            f"({', '.join(plugin.state_dtypes)}){plugin.state_dtype_note}; keep state_dtype='float32'"
         )
     if compute_dtype != torch.bfloat16:
         raise ValueError(

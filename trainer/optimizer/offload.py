@@ -61,9 +61,9 @@ from concurrent.futures import Future, wait
 import torch
 from torch import nn
 
+from ps_offload.optimizers import plugin_of
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.config import (
-    AdamW,
     ClientConfig,
     CompressionConfig,
     DeviceConfig,
@@ -111,7 +111,7 @@ class OffloadOptimizer(DaemonOptimizer):
         config = expect_config(config, OffloadConfig, "config")
         compression = expect_config(compression, CompressionConfig, "compression")
         device = expect_config(device, DeviceConfig, "device")
-        adam = isinstance(optimizer, AdamW)
+        adam = plugin_of(optimizer).takes_momentum  # (1-bit Adam's momentum pushes: AdamW)
         check_compression(compression.method, compression.warmup_steps, compression.topk_ratio, adam=adam)
         check_auditable(config, compression)
         if config.state_dtype != "float32" and adam and compression.method == "onebit":

@@ -16,14 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
+from ps_offload.optimizers import plugin_of
 from ps_offload.proto import ps_pb2
-from ps_offload.trainer.config import AdamW, OptimizerConfig
+from ps_offload.trainer.config import OptimizerConfig
 
-ADAMW_SETTINGS = ("lr", "betas", "eps", "weight_decay")
-SGD_SETTINGS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
 # Settings of torch's own optimizers that a user may copy over; the daemons run only the
 # default. (name, the value the daemons run)
 UNSUPPORTED = (("amsgrad", False), ("maximize", False))
@@ -31,11 +29,7 @@ UNSUPPORTED = (("amsgrad", False), ("maximize", False))
 
 def defaults_of(optimizer: OptimizerConfig) -> dict:
     """torch.optim's `defaults` for the optimizer the daemons run."""
-    if isinstance(optimizer, AdamW):
-        return {"lr": optimizer.lr, "betas": tuple(optimizer.betas), "eps": optimizer.eps,
-                "weight_decay": optimizer.weight_decay}  # fmt: skip
-    return {"lr": optimizer.lr, "momentum": optimizer.momentum, "dampening": optimizer.dampening,
-            "weight_decay": optimizer.weight_decay, "nesterov": optimizer.nesterov}  # fmt: skip
+    return plugin_of(optimizer).torch_defaults(optimizer)
 
 
 def initial_groups(
@@ -58,9 +52,10 @@ class GroupTracker:
     the PushHeader.groups of a step."""
 
     def __init__(self, param_groups: list[dict], optimizer: OptimizerConfig) -> None:
-        self.adam = isinstance(optimizer, AdamW)
+        self.plugin = plugin_of(optimizer)
         self.members = [[id(p) for p in group["params"]] for group in param_groups]
-        self.nesterov = None if self.adam else [group["nesterov"] for group in param_groups]
+        # Settings fixed at registration (SGD's nesterov), per group.
+        self.fixed = [{name: group[name] for name in self.plugin.fixed_settings} for group in param_groups]
 
     def follow(self, param_groups: list[dict]) -> None:
         """Takes the groups' parameters as they are now: the optimizer adopted the model's new
@@ -81,24 +76,15 @@ class GroupTracker:
             for name, supported in UNSUPPORTED:
                 if group.get(name, supported) != supported:
                     raise ValueError(f"param group {index}: {name}={group[name]!r} is not run by the daemons")
-            if not self.adam and group["nesterov"] != self.nesterov[index]:
-                raise ValueError(f"param group {index}: nesterov cannot change after registration")
+            for name, value in self.fixed[index].items():
+                if group[name] != value:
+                    raise ValueError(f"param group {index}: {name} cannot change after registration")
             out.append(self._one(index, group))
         return out
 
     def _one(self, index: int, group: dict) -> ps_pb2.GroupHyperparams:
-        values = {"lr": _number(group["lr"]), "weight_decay": _number(group["weight_decay"])}
-        if self.adam:
-            beta1, beta2 = group["betas"]
-            values.update(beta1=_number(beta1), beta2=_number(beta2), eps=_number(group["eps"]))
-        else:
-            values.update(momentum=_number(group["momentum"]), dampening=_number(group["dampening"]))
+        values = self.plugin.group_settings(group)
         for name, value in values.items():
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"param group {index}: {name} must be finite and >= 0, got {value!r}")
         return ps_pb2.GroupHyperparams(**values)
-
-
-def _number(value: float | torch.Tensor) -> float:
-    """torch.optim allows a tensor lr (and betas); the wire takes a double."""
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)

@@ -1,5 +1,10 @@
-"""Pipeline stages x data-parallel replicas under torchrun: PipelineTrainer, the rank grid
-and the gradient reducer (trainer), schedules as data and their check (schedule_check),
-the in-process optimizer behind the same interface (local_optimizer) and the compressed
-all-reduce (compressed_allreduce).
+"""Pipeline stages x data-parallel replicas under torchrun.
+
+trainer                PipelineTrainer: GPipe/1F1B stages over the grid, its optimizer, clipping
+grid                   RankGrid (a rank's stage and replica), init_distributed, split_layers
+reducer                GradReducer: a stage's dp all-reduce in buckets started during backward
+schedule_check         schedules as data (per-stage F/B orders) and their check
+local_optimizer        StepOptimizer (the interface PipelineTrainer runs over) and LocalOptimizer,
+                       the in-process optimizer behind it
+compressed_allreduce   CompressedAllReduce: the dp all-reduce, compressed both ways with error feedback
 """

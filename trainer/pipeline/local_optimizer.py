@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-import torch
 from torch import nn
 
-from ps_offload.trainer.config import AdamW, OptimizerConfig
+from ps_offload.optimizers import plugin_of
+from ps_offload.trainer.config import OptimizerConfig
 from ps_offload.trainer.io.flat import FlatParams
 
 
@@ -63,15 +63,7 @@ class LocalOptimizer:
                    "weight_decay": optimizer.weight_decay}]  # fmt: skip
         if any(skip):
             groups.append({"params": [p for (_, p), s in zip(named, skip, strict=True) if s], "weight_decay": 0.0})
-        if isinstance(optimizer, AdamW):
-            self.torch_optimizer = torch.optim.AdamW(
-                groups, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps, fused=True
-            )
-        else:
-            self.torch_optimizer = torch.optim.SGD(
-                groups, lr=optimizer.lr, momentum=optimizer.momentum, dampening=optimizer.dampening,
-                nesterov=optimizer.nesterov, fused=True,
-            )  # fmt: skip
+        self.torch_optimizer = plugin_of(optimizer).torch_optimizer(optimizer, groups)
 
     @property
     def lr(self) -> float:

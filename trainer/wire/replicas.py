@@ -14,11 +14,12 @@ from typing import Protocol, TypeVar
 import grpc
 import torch
 
+from ps_offload.optimizers import state_tensors
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.cluster import ENV_CLUSTER_FILE, ENV_DAEMONS, read_cluster_file
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.plan import ShardSlice
-from ps_offload.proto.push import Push, state_tensors
+from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.daemon_client import DaemonClient, DaemonError, check_protocol
 from ps_offload.trainer.wire.lost_probe import LostDaemonProbe

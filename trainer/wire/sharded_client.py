@@ -17,17 +17,11 @@ from typing import TypeVar
 import grpc
 import torch
 
+from ps_offload.optimizers import plugin_for_spec
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.cluster import check_daemon_list
 from ps_offload.proto.frames import split_host_port
-from ps_offload.proto.plan import (
-    ShardSlice,
-    layout_params,
-    place_replicas,
-    plan_shards,
-    shard_numel_for,
-    shard_starts,
-)
+from ps_offload.proto.plan import ShardSlice, layout_params, plan_model
 from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.daemon_client import (
@@ -508,10 +502,10 @@ class ShardedClient:
 def expected_plan(spec: ps_pb2.ModelSpec, shard_bytes: int) -> list[ShardSlice]:
     """The plan every daemon must answer with (ps_daemon/store/shard_store.py computes the same)."""
     layouts = layout_params([(p.name, tuple(p.shape), None) for p in spec.params])
-    total = sum(layout.numel for layout in layouts)
-    starts = shard_starts(layouts, [p.starts_shard for p in spec.params])
-    plan = plan_shards(total, shard_numel_for(shard_bytes), len(spec.daemons), starts)
-    return place_replicas(plan, len(spec.daemons), spec.replicas)
+    return plan_model(
+        layouts, [p.starts_shard for p in spec.params], shard_bytes, len(spec.daemons), spec.replicas,
+        whole_params=plugin_for_spec(spec.optimizer).whole_params,
+    )  # fmt: skip
 
 
 def _copy(spec: ps_pb2.ModelSpec) -> ps_pb2.ModelSpec:

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from ps_offload.daemon.model.encodings import parse
-from ps_offload.daemon.model.optimizer import AdamWConfig, GroupHyperparams, SGDConfig, ShardOptimizer
+from ps_offload.daemon.model.optimizer import GroupHyperparams, ShardOptimizer, state_tensors
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.kernels import step_calibration
+from ps_offload.optimizers import SGD, AdamW
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import layout_params, plan_shards, segments_of
 from tests.ps_daemon.store.test_compressed_push import _payload
@@ -28,7 +29,7 @@ SHAPES = ((13, 7), (13,), (1,), (333, 13), (333,), (7, 333), (7,))
 GROUP_OF = (0, 1, 2, 0, 1, 0, 2)
 NUMEL = 7105
 # What the model is registered with: no push below uses it (every push carries groups).
-REGISTERED = {"adamw": AdamWConfig(lr=1e-3, weight_decay=0.5), "sgd": SGDConfig(lr=0.5, momentum=0.5)}
+REGISTERED = {"adamw": AdamW(lr=1e-3, weight_decay=0.5), "sgd": SGD(lr=0.5, momentum=0.5)}
 
 
 def settings(kind: str, step: int, group: int) -> dict:
@@ -130,7 +131,7 @@ def test_shard_optimizer_steps_each_group_with_its_settings_as_torch_does(kind, 
         segments = segments_of(shard, layouts)
         groups = [GROUP_OF[s.param_index] for s in segments]
         optimizer = ShardOptimizer(config, segments, [config.weight_decay] * len(segments), groups, group_count=3)
-        optimizer.bind([torch.zeros(shard.numel) for _ in range(config.state_per_param)])
+        optimizer.bind([torch.zeros(shard.numel) for _ in range(state_tensors(config))])
         shards.append((shard, optimizer))
     for step in range(6):
         grads = gradients(step)
@@ -208,7 +209,7 @@ MULTIPLIER_NUMEL = 3000  # one parameter: shards of 2048 and 952
 
 def _multiplier_store(name: str) -> ShardStore:
     store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=8192)
-    store.register(ModelSpec(name, (ParamSpec("w", (MULTIPLIER_NUMEL,)),), AdamWConfig(lr=0.1), 8192, ("d",)), 0)
+    store.register(ModelSpec(name, (ParamSpec("w", (MULTIPLIER_NUMEL,)),), AdamW(lr=0.1), 8192, ("d",)), 0)
     for shard_id, n in enumerate((2048, 952)):
         store.push(PushRequest(name, shard_id, step=0, kind="parameters", data=torch.linspace(-1, 1, n)))
     return store

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from ps_offload.daemon.errors import InvalidArgument, NotFound
-from ps_offload.daemon.model.optimizer import AdamWConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc import conversions, data_path
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store.shard_store import ShardStore
+from ps_offload.optimizers import AdamW
 from ps_offload.proto import ps_pb2
 
 NUMEL = 1024
@@ -18,7 +18,7 @@ NUMEL = 1024
 
 def _store() -> ShardStore:
     store = ShardStore(ram_bytes=1 << 26, default_shard_bytes=NUMEL * 4)
-    store.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamWConfig(lr=0.1), NUMEL * 4, ("d",)), 0)
+    store.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamW(lr=0.1), NUMEL * 4, ("d",)), 0)
     return store
 
 

@@ -14,13 +14,14 @@ import torch
 
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, StorageError
 from ps_offload.daemon.model.encodings import parse
-from ps_offload.daemon.model.optimizer import AdamWConfig, GroupHyperparams, SGDConfig
+from ps_offload.daemon.model.optimizer import GroupHyperparams
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc import conversions
 from ps_offload.daemon.store import tier_admin
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
+from ps_offload.optimizers import SGD, AdamW
 from ps_offload.proto import ps_pb2
 from tests.ps_daemon.store.test_compressed_push import _payload
 
@@ -42,7 +43,7 @@ def _store(optimizer=None, files: NvmeFiles | None = None) -> ShardStore:
     store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
     if not store.recover():
         params = (ParamSpec("w", (2000,), group=0), ParamSpec("b", (1072,), group=1))
-        store.register(ModelSpec("m", params, optimizer or AdamWConfig(lr=0.1), NUMEL * 4, ("d",)), 0)
+        store.register(ModelSpec("m", params, optimizer or AdamW(lr=0.1), NUMEL * 4, ("d",)), 0)
         store.push(PushRequest("m", 0, step=0, kind="parameters", data=torch.linspace(-1, 1, NUMEL)))
         store.push(PushRequest("m", 0, step=0, kind="gradient", data=_grad(0)))
     return store
@@ -193,7 +194,7 @@ def test_one_part_and_its_apply_equal_one_gradient_push(encoding, settings):
     assert parts.stats_snapshot().pushes_applied == whole.stats_snapshot().pushes_applied == 3
 
 
-@pytest.mark.parametrize("optimizer", [AdamWConfig(lr=0.1), SGDConfig(lr=0.1, momentum=0.9)])
+@pytest.mark.parametrize("optimizer", [AdamW(lr=0.1), SGD(lr=0.1, momentum=0.9)])
 @pytest.mark.parametrize("encoding", ["raw", "bf16"])
 def test_parts_are_summed_in_fp32_in_part_order(optimizer, encoding):
     parts, whole = _store(optimizer), _store(optimizer)
@@ -261,7 +262,7 @@ def test_out_of_order_parts_and_wrong_counts_are_refused_and_change_nothing():
 
 def test_parts_need_initial_values():
     store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4)
-    store.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamWConfig(), NUMEL * 4, ("d",)), 0)
+    store.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamW(), NUMEL * 4, ("d",)), 0)
     with pytest.raises(FailedPrecondition, match="push its initial parameters before gradients"):
         _part(store, 0, 0, _grad(1))
     assert store.shard("m", 0).parts.values is None

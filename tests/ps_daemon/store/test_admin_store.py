@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from ps_offload.daemon.errors import NotFound
-from ps_offload.daemon.model.optimizer import SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.store import inspection, tier_admin
 from ps_offload.daemon.store.inspection import VERIFY_ATTEMPTS
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
+from ps_offload.optimizers import SGD
 
 NUMEL = 1024  # one 4 KiB shard of fp32 per 1024 elements
 
@@ -27,7 +27,7 @@ def _store(tmp_path=None, *, shards: int = 2) -> ShardStore:
         # One spare slot: the slot a commit frees is the very next commit's.
         files = NvmeFiles(tmp_path, io=DirectIO(threads=2, block_bytes=PAGE), fsync=False, spare_slots=1)
     store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
-    spec = ModelSpec("m", (ParamSpec("w", (shards * NUMEL,)),), SGDConfig(lr=0.1), NUMEL * 4, ("d",))
+    spec = ModelSpec("m", (ParamSpec("w", (shards * NUMEL,)),), SGD(lr=0.1), NUMEL * 4, ("d",))
     store.register(spec, 0)
     for shard_id in range(shards):
         store.push(
@@ -111,7 +111,7 @@ def test_a_shard_committed_during_every_read_is_held_still_for_the_last(tmp_path
 def test_verify_names_a_shard_that_was_never_committed(tmp_path):
     store = _store(tmp_path)
     try:
-        spec = ModelSpec("fresh", (ParamSpec("w", (NUMEL,)),), SGDConfig(lr=0.1), NUMEL * 4, ("d",))
+        spec = ModelSpec("fresh", (ParamSpec("w", (NUMEL,)),), SGD(lr=0.1), NUMEL * 4, ("d",))
         store.register(spec, 0)
         (verdict,) = inspection.verify(store.files, inspection.shards_to_verify(store, "fresh"))
         assert verdict.status == "not_at_rest" and "never pushed" in verdict.detail

@@ -10,10 +10,10 @@ import torch
 from ps_offload import kernels
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument
 from ps_offload.daemon.model.encodings import check_size, parse
-from ps_offload.daemon.model.optimizer import AdamWConfig, SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
+from ps_offload.optimizers import SGD, AdamW
 from ps_offload.proto.payloads import onebit_nbytes
 
 # Two parameters with different weight decay in one 12 KiB shard (3072 elements), and a
@@ -76,7 +76,7 @@ def _state(store, name="m"):
 def test_compressed_gradients_apply_exactly_what_raw_would(encoding):
     """A compressed GRADIENT is decompressed to fp32 and goes through the RAW path, so it
     must equal a RAW push of the decompressed gradient bit for bit."""
-    optimizer = SGDConfig(lr=0.01, momentum=0.9) if encoding == "onebit-sgd" else AdamWConfig(weight_decay=0.1)
+    optimizer = SGD(lr=0.01, momentum=0.9) if encoding == "onebit-sgd" else AdamW(weight_decay=0.1)
     encoding = encoding.removesuffix("-sgd")
     ours, raw = _store(optimizer), _store(optimizer)
     for step in range(3):
@@ -100,7 +100,7 @@ def test_onebit_momentum_is_fused_and_matches_the_decompressed_momentum():
     """After 3 plain steps, 1-bit Adam: exp_avg becomes the pushed momentum, exp_avg_sq stays
     as the warm-up left it, and the master moves as a RAW momentum push of the decompressed
     values moves it (the fused kernel against plain torch; tests/kernels/test_fused_adamw.py)."""
-    ours, raw = _store(AdamWConfig(weight_decay=0.1)), _store(AdamWConfig(weight_decay=0.1))
+    ours, raw = _store(AdamW(weight_decay=0.1)), _store(AdamW(weight_decay=0.1))
     _warm_up(ours, 3)
     _warm_up(raw, 3)
     frozen = [s.optimizer.state[1].clone() for s in ours.model("m").shards.values()]
@@ -121,7 +121,7 @@ def test_onebit_momentum_is_fused_and_matches_the_decompressed_momentum():
         assert torch.equal(shard.optimizer.state[1], v)
     for a, b in zip(_state(ours), _state(raw), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert not torch.equal(_state(ours)[0], _state(_store(AdamWConfig()))[0])
+    assert not torch.equal(_state(ours)[0], _state(_store(AdamW()))[0])
     onebit_steps, raw_steps = 3, 3
     expected = raw_steps * 4 * sum(NUMELS) + onebit_steps * sum(onebit_nbytes(n) for n in NUMELS) + 4 * sum(NUMELS)
     assert ours.stats_snapshot().bytes_pushed == expected  # parameters, 3 raw steps, 3 compressed
@@ -132,7 +132,7 @@ def test_onebit_momentum_is_fused_and_matches_the_decompressed_momentum():
     [(None, 2, r"needs variance_frozen_at in \[1, 2\].*got None"), (0, 2, "got 0"), (3, 2, r"in \[1, 2\].*got 3")],
 )
 def test_momentum_pushes_need_a_variance_frozen_within_the_steps_taken(frozen, step, message):
-    store = _store(AdamWConfig())
+    store = _store(AdamW())
     _warm_up(store, step)
     with pytest.raises(InvalidArgument, match=message):
         store.check_push(PushRequest("m", 0, step=step, kind="momentum", nbytes=onebit_nbytes(3072),
@@ -146,9 +146,9 @@ def test_momentum_pushes_need_a_variance_frozen_within_the_steps_taken(frozen, s
 
 
 def test_momentum_pushes_are_refused_for_sgd_and_the_frozen_step_for_gradients():
-    store = _store(SGDConfig(lr=0.1, momentum=0.9))
+    store = _store(SGD(lr=0.1, momentum=0.9))
     _warm_up(store, 1)
-    with pytest.raises(FailedPrecondition, match="need an AdamW model; model 'm' runs SGDConfig"):
+    with pytest.raises(FailedPrecondition, match="need an AdamW model; model 'm' runs sgd"):
         store.check_push(
             PushRequest("m", 0, step=1, kind="momentum", nbytes=4 * 3072, dtype="float32", variance_frozen_at=1)
         )
@@ -159,7 +159,7 @@ def test_momentum_pushes_are_refused_for_sgd_and_the_frozen_step_for_gradients()
 
 
 def test_compressed_retry_of_an_applied_step_changes_nothing():
-    store = _store(AdamWConfig())
+    store = _store(AdamW())
     assert _apply(store, "onebit", 0, 0, _grad(3072, 0)).version == 1
     before = _state(store)
     staging, nbytes = _payload("onebit", _grad(3072, 7))  # a retry carrying other bytes
@@ -191,7 +191,7 @@ def test_compressed_retry_of_an_applied_step_changes_nothing():
     ],
 )
 def test_wrong_sizes_are_refused_naming_the_shard_and_what_it_needs(encoding, nbytes, message):
-    store = _store(AdamWConfig())
+    store = _store(AdamW())
     with pytest.raises(InvalidArgument, match="push to shard 0") as info:
         store.check_push(
             PushRequest("m", 0, step=0, kind="gradient", nbytes=nbytes, dtype="float32", encoding=encoding)
@@ -201,7 +201,7 @@ def test_wrong_sizes_are_refused_naming_the_shard_and_what_it_needs(encoding, nb
 
 def test_compressed_parameters_are_refused():
     store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=SHARD_BYTES)
-    store.register(ModelSpec("m", PARAMS, AdamWConfig(), SHARD_BYTES, ("d",)), 0)
+    store.register(ModelSpec("m", PARAMS, AdamW(), SHARD_BYTES, ("d",)), 0)
     with pytest.raises(InvalidArgument, match="PARAMETERS must be RAW float32.*ONEBIT"):
         store.check_push(PushRequest("m", 0, step=0, kind="parameters", nbytes=onebit_nbytes(3072), encoding="onebit"))
 

@@ -11,22 +11,23 @@ import pytest
 import torch
 
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument
-from ps_offload.daemon.model.optimizer import AdamWConfig, GroupHyperparams, SGDConfig
+from ps_offload.daemon.model.optimizer import GroupHyperparams
 from ps_offload.daemon.model.spec import MAX_LR, MAX_WEIGHT_DECAY, ModelSpec, ParamSpec, spec_from_dict, spec_to_dict
 from ps_offload.daemon.rpc import conversions
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
+from ps_offload.optimizers import SGD, AdamW
 from ps_offload.proto import ps_pb2
 
 NUMEL = 3072  # 'w' (2000, group 0) and 'b' (1072, group 1) in one 12 KiB shard
 ADAMW = GroupHyperparams(lr=0.01, weight_decay=0.1, beta1=0.9, beta2=0.999, eps=1e-8)
-SGD = GroupHyperparams(lr=0.01, weight_decay=0.1, momentum=0.9, dampening=0.0)
+SGD_GROUP = GroupHyperparams(lr=0.01, weight_decay=0.1, momentum=0.9, dampening=0.0)
 
 
 def _spec(groups=(0, 1), optimizer=None, name="m") -> ModelSpec:
     sizes = (2000, 1072, 8)[: len(groups)]
     params = tuple(ParamSpec(f"p{i}", (n,), group=g) for i, (n, g) in enumerate(zip(sizes, groups, strict=True)))
-    return ModelSpec(name, params, optimizer or AdamWConfig(lr=0.1), NUMEL * 4, ("d",))
+    return ModelSpec(name, params, optimizer or AdamW(lr=0.1), NUMEL * 4, ("d",))
 
 
 # -- registration ---------------------------------------------------------------------------
@@ -118,7 +119,7 @@ def test_the_bounds_themselves_are_accepted():
     edge = GroupHyperparams(lr=MAX_LR, weight_decay=MAX_WEIGHT_DECAY, beta1=0.0, beta2=0.0, eps=1e-300)
     zero = GroupHyperparams(lr=0.0, weight_decay=0.0, beta1=math.nextafter(1, 0), beta2=0.5, eps=1.0)
     push = PushRequest("m", 0, step=0, kind="gradient", nbytes=4 * NUMEL, groups=(edge, zero), grad_multiplier=1e-30)
-    assert _store(AdamWConfig(lr=0.1)).check_push(push) is None
+    assert _store(AdamW(lr=0.1)).check_push(push) is None
 
 
 # -- a push on its shard: the store refuses it before anything changes ---------------------
@@ -142,21 +143,24 @@ ADAMW_CASES = [
     (_bad_group(eps=math.inf), "groups[1].eps must be finite and > 0, got inf"),
 ]
 SGD_CASES = [
-    ((SGD, dataclasses.replace(SGD, momentum=0.0)), "groups[1].momentum must be > 0 (the model was registered"),
-    ((SGD, dataclasses.replace(SGD, momentum=math.nan)), "groups[1].momentum must be finite"),
-    ((dataclasses.replace(SGD, dampening=-math.inf), SGD), "groups[0].dampening must be finite"),
+    (
+        (SGD_GROUP, dataclasses.replace(SGD_GROUP, momentum=0.0)),
+        "groups[1].momentum must be > 0 (the model was registered",
+    ),
+    ((SGD_GROUP, dataclasses.replace(SGD_GROUP, momentum=math.nan)), "groups[1].momentum must be finite"),
+    ((dataclasses.replace(SGD_GROUP, dampening=-math.inf), SGD_GROUP), "groups[0].dampening must be finite"),
 ]
 
 
 @pytest.mark.parametrize(
     ("optimizer", "groups", "message"),
-    [(AdamWConfig(lr=0.1), g, m) for g, m in ADAMW_CASES]
-    + [(SGDConfig(lr=0.1, momentum=0.5), g, m) for g, m in SGD_CASES]
+    [(AdamW(lr=0.1), g, m) for g, m in ADAMW_CASES]
+    + [(SGD(lr=0.1, momentum=0.5), g, m) for g, m in SGD_CASES]
     + [
-        (SGDConfig(lr=0.1), (SGD, SGD), "groups[0].momentum must be 0 (the model was registered with momentum 0"),
+        (SGD(lr=0.1), (SGD_GROUP, SGD_GROUP), "groups[0].momentum must be 0 (the model was registered with momentum 0"),
         (
-            SGDConfig(lr=0.1, momentum=0.5, nesterov=True),
-            (SGD, dataclasses.replace(SGD, dampening=0.1)),
+            SGD(lr=0.1, momentum=0.5, nesterov=True),
+            (SGD_GROUP, dataclasses.replace(SGD_GROUP, dampening=0.1)),
             "groups[1].dampening must be 0 with nesterov momentum",
         ),
     ],  # fmt: skip
@@ -173,9 +177,9 @@ def test_groups_that_do_not_fit_the_model_are_refused_and_change_nothing(optimiz
         store.push(announced.with_data(torch.ones(NUMEL)))
     assert shard.version == 0 and shard.optimizer.step.item() == 0
     assert all(torch.equal(a, b) for a, b in zip(before, (shard.master, *shard.optimizer.state), strict=True))
-    fitting = (ADAMW, ADAMW) if isinstance(optimizer, AdamWConfig) else (SGD, SGD)
-    if isinstance(optimizer, SGDConfig) and not optimizer.momentum:
-        fitting = (dataclasses.replace(SGD, momentum=0.0),) * 2
+    fitting = (ADAMW, ADAMW) if isinstance(optimizer, AdamW) else (SGD_GROUP, SGD_GROUP)
+    if isinstance(optimizer, SGD) and not optimizer.momentum:
+        fitting = (dataclasses.replace(SGD_GROUP, momentum=0.0),) * 2
     assert store.push(_push(fitting)).version == 1
 
 

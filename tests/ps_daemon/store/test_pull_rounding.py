@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from ps_offload.daemon.errors import InvalidArgument
-from ps_offload.daemon.model.optimizer import AdamWConfig, SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc import conversions, data_path
 from ps_offload.daemon.rpc.staging import StagingPool
@@ -21,6 +20,7 @@ from ps_offload.daemon.store.pull_rounding import check_pull_dtype, round_into, 
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
+from ps_offload.optimizers import SGD, AdamW
 from ps_offload.proto import ps_pb2
 
 NARROW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,7 +113,7 @@ def test_only_master_pulls_may_travel_narrow():
 
 def _store(optimizer=None, files=None, values: torch.Tensor | None = None) -> ShardStore:
     store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
-    spec = ModelSpec("m", (ParamSpec("w", (NUMEL,)),), optimizer or SGDConfig(lr=0.1), NUMEL * 4, ("d",))
+    spec = ModelSpec("m", (ParamSpec("w", (NUMEL,)),), optimizer or SGD(lr=0.1), NUMEL * 4, ("d",))
     store.register(spec, 0)
     values = _values() if values is None else values
     store.push(PushRequest("m", 0, step=0, kind="parameters", data=values, lr=None))
@@ -189,7 +189,7 @@ def test_a_narrow_pull_of_an_evicted_shard_loads_it_first(tmp_path):
     ],
 )
 def test_a_refused_pull_holds_and_counts_nothing(tensor, dtype, message):
-    store = _store(AdamWConfig(lr=0.1))
+    store = _store(AdamW(lr=0.1))
     with pytest.raises(InvalidArgument, match="pull of shard 0 of model 'm'") as info:
         with store.pull(PullRequest("m", 0, tensor=tensor, dtype=dtype), timeout=1):
             pass

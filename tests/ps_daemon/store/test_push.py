@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from ps_offload.daemon.errors import DataLoss, InvalidArgument
-from ps_offload.daemon.model.optimizer import AdamWConfig
 from ps_offload.daemon.model.spec import MAX_LR, ModelSpec, ParamSpec
 from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
+from ps_offload.optimizers import AdamW
 
 NUMEL = 1024
 
@@ -49,7 +49,7 @@ def _store(tmp_path=None) -> ShardStore:
     if tmp_path is not None:
         files = NvmeFiles(tmp_path, io=DirectIO(threads=2, block_bytes=PAGE), fsync=False, spare_slots=1)
     store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
-    store.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamWConfig(lr=0.1), NUMEL * 4, ("d",)), 0)
+    store.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamW(lr=0.1), NUMEL * 4, ("d",)), 0)
     store.push(PushRequest("m", 0, step=0, kind="parameters", data=torch.ones(NUMEL)))
     store.push(PushRequest("m", 0, step=0, kind="gradient", data=torch.linspace(-1, 1, NUMEL)))
     return store

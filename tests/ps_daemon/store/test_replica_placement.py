@@ -10,16 +10,16 @@ import pytest
 
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument
 from ps_offload.daemon.model.kernel_digest import kernel_digest
-from ps_offload.daemon.model.optimizer import AdamWConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec, spec_from_dict, spec_to_dict
 from ps_offload.daemon.store.shard_store import ShardStore
+from ps_offload.optimizers import AdamW
 
 SHARD_NUMEL = 1024
 
 
 def _spec(replicas: int, daemons: int = 3) -> ModelSpec:
     params = (ParamSpec("w", (SHARD_NUMEL * 6,)),)
-    return ModelSpec("m", params, AdamWConfig(), SHARD_NUMEL * 4, tuple(f"d{i}:1" for i in range(daemons)), replicas)
+    return ModelSpec("m", params, AdamW(), SHARD_NUMEL * 4, tuple(f"d{i}:1" for i in range(daemons)), replicas)
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from ps_offload.daemon.errors import DataLoss, DeadlineExceeded, FailedPrecondition
-from ps_offload.daemon.model.optimizer import AdamWConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store import tier_admin
@@ -21,6 +20,7 @@ from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard import arena_nbytes
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
+from ps_offload.optimizers import AdamW
 from tests.ps_daemon.tiers.format2 import downgrade_to_format_2
 
 NUMEL = 1024  # one 4 KiB page of master values per shard; AdamW's arena is 14 KiB
@@ -33,12 +33,12 @@ def _store(directory, *, files: NvmeFiles | None = None, ram_shards: int = 2) ->
     the test moves a shard between the tiers. `directory` None: RAM only."""
     if files is None and directory is not None:
         files = NvmeFiles(directory, io=DirectIO(threads=2, block_bytes=PAGE), fsync=False, spare_slots=1)
-    ram = ram_shards * arena_nbytes(NUMEL, AdamWConfig()) if files is not None else 1 << 30
+    ram = ram_shards * arena_nbytes(NUMEL, AdamW()) if files is not None else 1 << 30
     return ShardStore(ram_bytes=ram, default_shard_bytes=NUMEL * 4, files=files, prefetch_depth=0)
 
 
 def _register(store: ShardStore) -> None:
-    spec = ModelSpec("m", (ParamSpec("w", (SHARDS * NUMEL,)),), AdamWConfig(lr=0.01), NUMEL * 4, ("d",))
+    spec = ModelSpec("m", (ParamSpec("w", (SHARDS * NUMEL,)),), AdamW(lr=0.01), NUMEL * 4, ("d",))
     store.register(spec, 0)
     values = torch.randn(SHARDS * NUMEL, generator=torch.Generator().manual_seed(0))
     for shard_id in range(SHARDS):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from ps_offload.daemon.model.optimizer import SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec, spec_from_dict, spec_to_dict
 from ps_offload.daemon.tiers.nvme import (
     FORMAT_VERSION,
@@ -22,6 +21,7 @@ from ps_offload.daemon.tiers.nvme import (
     SlotHeader,
     aligned_empty,
 )
+from ps_offload.optimizers import SGD
 
 SHARDS = 4
 ARENA = 3 * PAGE
@@ -32,7 +32,7 @@ def _files(directory, **kwargs) -> NvmeFiles:
 
 
 def _spec(name: str = "m") -> ModelSpec:
-    return ModelSpec(name, (ParamSpec("w", (SHARDS * 1024,)),), SGDConfig(lr=0.1), 4096, ("d",))
+    return ModelSpec(name, (ParamSpec("w", (SHARDS * 1024,)),), SGD(lr=0.1), 4096, ("d",))
 
 
 def _arena(fill: int) -> memoryview:

@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from ps_offload.daemon.model.optimizer import SGDConfig
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec, spec_from_dict, spec_to_dict
 from ps_offload.daemon.tiers.nvme import (
     FORMAT_VERSION,
@@ -20,6 +19,7 @@ from ps_offload.daemon.tiers.nvme import (
     SlotHeader,
     aligned_empty,
 )
+from ps_offload.optimizers import SGD
 from tests.ps_daemon.tiers.format2 import downgrade_to_format_2, format_2_header
 
 SHARDS = 2
@@ -33,7 +33,7 @@ def _files(directory) -> NvmeFiles:
 
 def _model(directory) -> NvmeFiles:
     files = _files(directory)
-    spec = ModelSpec("m", (ParamSpec("w", (SHARDS * NUMEL,)),), SGDConfig(lr=0.1), NUMEL * 4, ("d",))
+    spec = ModelSpec("m", (ParamSpec("w", (SHARDS * NUMEL,)),), SGD(lr=0.1), NUMEL * 4, ("d",))
     files.create_model(spec_to_dict(spec), 0, {i: ARENA for i in range(SHARDS)})
     return files
 

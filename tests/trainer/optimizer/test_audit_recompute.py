@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from ps_offload.daemon.model.optimizer import AdamWConfig, GroupHyperparams, SGDConfig, ShardOptimizer
+from ps_offload.daemon.model.optimizer import GroupHyperparams, ShardOptimizer, state_tensors
+from ps_offload.optimizers import fused as fused_module
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import KernelRun, layout_params, plan_shards, segments_of
 from ps_offload.trainer import SGD, AdamW
-from ps_offload.trainer.optimizer import audit as audit_module
 from ps_offload.trainer.optimizer.audit import difference, recompute
 
 # Odd sizes (1, 7, 13, 91, 333, 4329, 2331 elements), so every shard size below cuts
@@ -47,10 +47,10 @@ def _run(kind: str, shard_numel: int, *, naive: bool = False) -> list[tuple[int,
     layouts = layout_params([(name, shape, None) for name, shape in SHAPES])
     total = sum(layout.numel for layout in layouts)
     if kind == "adamw":
-        config, optimizer = AdamWConfig(), AdamW()
+        config, optimizer = AdamW(), AdamW()
     else:
         momentum = 0.9 if kind == "sgd-momentum" else 0.0
-        config = SGDConfig(momentum=momentum, nesterov=bool(momentum))
+        config = SGD(momentum=momentum, nesterov=bool(momentum))
         optimizer = SGD(momentum=momentum, nesterov=bool(momentum))
     g = torch.Generator().manual_seed(3)
     master = torch.randn(total, generator=g)
@@ -60,7 +60,7 @@ def _run(kind: str, shard_numel: int, *, naive: bool = False) -> list[tuple[int,
         daemon = ShardOptimizer(
             config, segments, [0.0] * len(segments), [GROUP_OF[s.param_index] for s in segments], group_count=2
         )
-        daemon.bind([torch.zeros(shard.numel) for _ in range(config.state_per_param)])
+        daemon.bind([torch.zeros(shard.numel) for _ in range(state_tensors(config))])
         daemons.append((shard, daemon))
     differences = []
     for step in range(STEPS):
@@ -89,7 +89,7 @@ def test_recompute_equals_the_daemons_optimizer_at_any_cut(kind, shard_numel):
 
 def test_a_recompute_that_ignores_the_kernel_runs_differs(monkeypatch):
     """What the audit would report if it stepped each parameter piece as its own tensor."""
-    monkeypatch.setattr(audit_module, "kernel_runs", lambda segment: [KernelRun(segment.shard_start, segment.numel)])
+    monkeypatch.setattr(fused_module, "kernel_runs", lambda segment: [KernelRun(segment.shard_start, segment.numel)])
     assert _run("adamw", 1000) != []
 
 
