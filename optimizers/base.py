@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.plan import Segment
 
 if TYPE_CHECKING:
-    from ps_offload.proto.plan import ParamLayout, Segment, ShardSlice
+    from ps_offload.proto.plan import ParamLayout, ShardSlice
 
 
 class OptimizerConfig:
@@ -61,20 +62,29 @@ class GroupSettings:
     eps: float = 0.0
     momentum: float = 0.0
     dampening: float = 0.0
+    extra: tuple[tuple[str, float], ...] = ()  # GroupHyperparams.settings, sorted by name
+
+    def setting(self, name: str, default: float | None = None) -> float | None:
+        """One of `extra` by name; `default` when absent."""
+        return dict(self.extra).get(name, default)
 
 
 @dataclass(eq=False)
 class ShardState:
     """What a plug-in's step reads and writes of one shard, besides master and gradient (the
-    daemon's ShardOptimizer is one): `state` the tensors `state_names` names, each of the
-    shard's numel in `state_dtype`; `step` the count of applied updates (fp32 scalar, already
-    moved to this step's number when `apply` runs); `cache` a plug-in's per-shard memo."""
+    daemon's ShardOptimizer is one): `state` the tensors `state_names` names, of the sizes
+    `state_numels` gives, in `state_dtype`; `step` the count of applied updates (fp32 scalar,
+    already moved to this step's number when `apply` runs); `segments` the shard's parameter
+    pieces in shard order and `shapes` each one's parameter shape (by param_index); `cache` a
+    plug-in's per-shard memo."""
 
     config: OptimizerConfig
     state: list[torch.Tensor]
     step: torch.Tensor
     state_dtype: torch.dtype
     cache: dict
+    segments: list[Segment] = dataclasses.field(default_factory=list)
+    shapes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 # (key, the segments of the shard one kernel call steps, their settings): a shard's step is
@@ -94,7 +104,12 @@ class OptimizerPlugin(ABC):
     fixed_settings: ClassVar[tuple[str, ...]] = ()  # torch param_group keys that may not change after registration
     state_dtypes: ClassVar[tuple[str, ...]] = ("float32",)  # ModelSpec.state_dtype values it steps exactly
     state_dtype_note: ClassVar[str] = ""  # why not another state dtype, for the refusal's message
-    takes_momentum: ClassVar[bool] = False  # MOMENTUM pushes (1-bit Adam)
+    takes_momentum: ClassVar[bool] = False
+    extra_fields: ClassVar[tuple[str, ...]] = ()  # GroupHyperparams.settings names it reads
+    # Its state has one value per element (each state tensor as long as the shard): what STATE
+    # pushes, EXP_AVG pulls, snapshot exports, replica repair and the parity audit lay out.
+    # False (factored state): those are refused, saying why.
+    per_element_state: ClassVar[bool] = True  # MOMENTUM pushes (1-bit Adam)
     torch_class: ClassVar[str] = ""  # the torch.optim class it equals, for messages ("" for none)
 
     # -- the config ----------------------------------------------------------------------
@@ -103,6 +118,11 @@ class OptimizerPlugin(ABC):
     def state_names(self, config: OptimizerConfig) -> tuple[str, ...]:
         """Its state tensors, each of a shard's numel, in arena order (proto ShardTensor names
         after "master")."""
+
+    def state_numels(self, config: OptimizerConfig, shapes: Sequence[tuple[int, ...]], numel: int) -> tuple[int, ...]:
+        """Elements of each state tensor of a shard of `numel` elements holding pieces of the
+        parameters of `shapes` (whole ones when `whole_params`): by default the shard's numel."""
+        return (numel,) * len(self.state_names(config))
 
     def bounds(self, config: OptimizerConfig) -> list[tuple[str, float, float]]:
         """(field, low, high) the daemon checks beyond lr and weight_decay: finite and in range."""
@@ -206,6 +226,11 @@ class AdamMoments(OptimizerPlugin):
 
     def state_names(self, config: OptimizerConfig) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
+
+    def state_numels(self, config: OptimizerConfig, shapes: Sequence[tuple[int, ...]], numel: int) -> tuple[int, ...]:
+        """Elements of each state tensor of a shard of `numel` elements holding pieces of the
+        parameters of `shapes` (whole ones when `whole_params`): by default the shard's numel."""
+        return (numel,) * len(self.state_names(config))
 
     def bounds(self, config: OptimizerConfig) -> list[tuple[str, float, float]]:
         return [("eps", 0.0, math.inf)]

@@ -242,7 +242,14 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[ShardHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GroupHyperparams(_message.Message):
-    __slots__ = ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "dampening")
+    __slots__ = ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "dampening", "settings")
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     LR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +257,7 @@ class GroupHyperparams(_message.Message):
     EPS_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     DAMPENING_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     lr: float
     weight_decay: float
     beta1: float
@@ -257,7 +265,8 @@ class GroupHyperparams(_message.Message):
     eps: float
     momentum: float
     dampening: float
-    def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ...) -> None: ...
+    settings: _containers.ScalarMap[str, float]
+    def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., settings: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("model", "shard_id", "step", "kind", "encoding", "dtype", "nbytes", "lr", "variance_frozen_at", "groups", "grad_multiplier", "part", "parts", "check_only", "lost_holders", "speculate")

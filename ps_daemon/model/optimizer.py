@@ -61,11 +61,16 @@ class ShardOptimizer(ShardState):
         *,
         group_count: int = 1,
         state_dtype: torch.dtype = torch.float32,
+        shapes: dict[int, tuple[int, ...]] | None = None,
     ) -> None:
         """Per segment: its parameter's weight decay (registered) and param group (an index
         below `group_count`, the model's number of groups; all 0 if None). `state_dtype`: the
-        master's and the state's (fp32 or bf16: ModelSpec.state_dtype)."""
-        super().__init__(config, [], torch.zeros((), dtype=torch.float32), state_dtype, {})
+        master's and the state's (fp32 or bf16: ModelSpec.state_dtype). `shapes`: each
+        segment's parameter shape by param_index (what a plug-in of whole parameters reads)."""
+        super().__init__(
+            config, [], torch.zeros((), dtype=torch.float32), state_dtype, {},
+            sorted(segments, key=lambda s: s.shard_start), dict(shapes or {}),
+        )  # fmt: skip
         self.plugin = plugin_of(config)
         self.group_count = group_count
         groups = [0] * len(segments) if groups is None else groups
@@ -83,11 +88,16 @@ class ShardOptimizer(ShardState):
             (s.shard_start, s.shard_start + s.numel, d) for s, d in zip(segments, weight_decays, strict=True)
         )
 
+    def state_numels(self) -> tuple[int, ...]:
+        """Elements of each state tensor (OptimizerPlugin.state_numels)."""
+        shapes = [self.shapes.get(s.param_index, (s.numel,)) for s in self.segments]
+        return self.plugin.state_numels(self.config, shapes, sum(s.numel for s in self.segments))
+
     def bind(self, state: list[torch.Tensor]) -> None:
-        """`state`: the plug-in's state tensors of the shard's numel in `state_dtype`, placed by the
+        """`state`: the plug-in's state tensors (`state_numels`) in `state_dtype`, placed by the
         shard in its arena (ps_offload.daemon.store.shard.Shard); rebound whenever the arena moves."""
-        if len(state) != state_tensors(self.config):
-            raise ValueError(f"{self.plugin.name} needs {state_tensors(self.config)} state tensors, got {len(state)}")
+        if [t.numel() for t in state] != list(self.state_numels()):
+            raise ValueError(f"{self.plugin.name} needs state tensors of {self.state_numels()} elements")
         self.state = state
 
     def apply_momentum(

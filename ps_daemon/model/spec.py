@@ -117,6 +117,12 @@ def validate_spec(spec: ModelSpec, daemon_index: int) -> None:
             f"model {spec.model!r}: {spec.replicas} replicas of each shard need as many daemons; the list has "
             f"{len(spec.daemons)}"
         )
+    plugin = plugin_of(spec.optimizer)
+    if spec.replicas > 1 and not plugin.per_element_state:
+        raise InvalidArgument(
+            f"model {spec.model!r}: {plugin.name} keeps factored state (not one value per element), which a lost "
+            "replica cannot be repaired from (repair copies state element by element); register it with replicas 1"
+        )
     for param in spec.params:
         if param.dtype not in SUPPORTED_COMPUTE_DTYPES:
             raise InvalidArgument(

@@ -124,7 +124,17 @@ def push_request(header: ps_pb2.PushHeader) -> PushRequest:
         lr=header.lr if header.HasField("lr") else None,
         variance_frozen_at=header.variance_frozen_at if header.HasField("variance_frozen_at") else None,
         groups=tuple(
-            GroupSettings(g.lr, g.weight_decay, g.beta1, g.beta2, g.eps, g.momentum, g.dampening) for g in header.groups
+            GroupSettings(
+                g.lr,
+                g.weight_decay,
+                g.beta1,
+                g.beta2,
+                g.eps,
+                g.momentum,
+                g.dampening,
+                tuple(sorted(g.settings.items())),
+            )
+            for g in header.groups
         ),
         grad_multiplier=header.grad_multiplier if header.HasField("grad_multiplier") else None,
         part=header.part,

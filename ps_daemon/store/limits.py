@@ -20,7 +20,7 @@ from ps_offload.daemon.errors import ResourceExhausted
 from ps_offload.daemon.model.spec import ModelSpec
 from ps_offload.daemon.store.shard import arena_nbytes
 from ps_offload.optimizers import plugin_of
-from ps_offload.proto.plan import ShardSlice, layout_params, shard_numel_for
+from ps_offload.proto.plan import ShardSlice, layout_params, segments_of, shard_numel_for
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,15 @@ def check_plan_size(limits: StoreLimits, spec: ModelSpec) -> None:
 
 def arena_bytes(plan: list[ShardSlice], daemon_index: int, spec: ModelSpec) -> list[int]:
     """The arena bytes (master and optimizer state) of each of this daemon's shards."""
-    return [arena_nbytes(s.numel, spec.optimizer, spec.state_dtype) for s in plan if daemon_index in s.holders]
+    plugin = plugin_of(spec.optimizer)
+    layouts = layout_params([(p.name, p.shape, p.weight_decay) for p in spec.params])
+    out = []
+    for s in plan:
+        if daemon_index in s.holders:
+            shapes = [layouts[seg.param_index].shape for seg in segments_of(s, layouts)]
+            sizes = plugin.state_numels(spec.optimizer, shapes, s.numel)
+            out.append(arena_nbytes(s.numel, spec.optimizer, spec.state_dtype, sizes))
+    return out
 
 
 def check_ram(name: str, arenas: list[int], *, ram_bytes: int, used: int | None) -> None:

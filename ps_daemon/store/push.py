@@ -225,6 +225,11 @@ class PushRequest:
             _check_groups(self.groups, shard.optimizer, f"{where} of model {shard.model!r}")
         if self.kind == "apply":  # no payload (checked on building)
             return
+        if self.kind == "state" and not shard.optimizer.plugin.per_element_state:
+            raise FailedPrecondition(
+                f"{where}: model {shard.model!r} runs {shard.optimizer.plugin.name}, whose state is factored (not one "
+                "value per element): a STATE push cannot lay it out (restore a snapshot on the daemons that took it)"
+            )
         numel = self.payload_numel(shard)
         if self.kind == "state":
             where += f" (a STATE: the master and {numel // shard.slice.numel - 1} optimizer state tensors)"
@@ -315,6 +320,13 @@ def _check_groups(groups: tuple[GroupHyperparams, ...], optimizer: ShardOptimize
             f"(ParamSpec.group 0..{count - 1}); send every group's settings"
         )
     for index, group in enumerate(groups):
+        unknown = sorted(set(dict(group.extra)) - set(optimizer.plugin.extra_fields))
+        if unknown:
+            known = ", ".join(optimizer.plugin.extra_fields) or "none"
+            raise InvalidArgument(
+                f"{where}: groups[{index}].settings has {unknown[0]!r}, which {optimizer.plugin.name} does not read "
+                f"(it reads {known})"
+            )
         problem = optimizer.plugin.check_group(config, group, f"groups[{index}]")
         if problem:
             raise InvalidArgument(f"{where}: {problem}")

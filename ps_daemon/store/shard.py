@@ -28,14 +28,23 @@ from ps_offload.proto.plan import FP32_BYTES, ParamLayout, ShardSlice, segments_
 ARENA_STAGGER = 256
 
 
-def arena_numel(numel: int, state_tensors: int) -> int:
-    return numel * (1 + state_tensors) + state_tensors * ARENA_STAGGER
+def arena_offsets(numel: int, state_numels: tuple[int, ...]) -> list[int]:
+    """Where master (first) and each state tensor start in the arena, and where it ends."""
+    offsets = [0]
+    for size in (numel, *state_numels):
+        offsets.append(offsets[-1] + size + ARENA_STAGGER)
+    offsets[-1] -= ARENA_STAGGER  # (no stagger after the last)
+    return offsets
 
 
-def arena_nbytes(numel: int, optimizer: OptimizerConfig, state_dtype: str = "float32") -> int:
+def arena_nbytes(
+    numel: int, optimizer: OptimizerConfig, state_dtype: str = "float32", state_numels: tuple[int, ...] | None = None
+) -> int:
     """Bytes of one shard's arena: master, optimizer state and the stagger between them, in
-    the model's state dtype."""
-    return arena_numel(numel, state_tensors(optimizer)) * PULL_DTYPES[state_dtype].itemsize
+    the model's state dtype. `state_numels`: the state tensors' sizes (default: one value per
+    element each, ShardOptimizer.state_numels says otherwise for factored state)."""
+    sizes = (numel,) * state_tensors(optimizer) if state_numels is None else state_numels
+    return arena_offsets(numel, sizes)[-1] * PULL_DTYPES[state_dtype].itemsize
 
 
 def allocate_arena(nbytes: int) -> tuple[torch.Tensor, memoryview]:
@@ -92,9 +101,10 @@ class Shard:
             [param_groups[s.param_index] for s in segments],
             group_count=max(param_groups, default=0) + 1,
             state_dtype=PULL_DTYPES[state_dtype],
+            shapes={s.param_index: layouts[s.param_index].shape for s in segments},
         )
         self.state_dtype = state_dtype
-        self.arena_bytes = arena_nbytes(slice_.numel, optimizer, state_dtype)
+        self.arena_bytes = arena_nbytes(slice_.numel, optimizer, state_dtype, self.optimizer.state_numels())
         self.arena: torch.Tensor | None = None
         self.io_view: memoryview | None = None
         self.master: torch.Tensor | None = None
@@ -125,9 +135,10 @@ class Shard:
         master values come first: a pull of a shard on NVMe reads only the arena's first pages
         (ps_offload.daemon.store.master_pull)."""
         self.arena, self.io_view = buffer
-        numel, step = self.slice.numel, self.slice.numel + ARENA_STAGGER
+        sizes = (self.slice.numel, *self.optimizer.state_numels())
+        offsets = arena_offsets(self.slice.numel, sizes[1:])
         typed = self.arena.view(self.master_dtype)  # (a tier may hand any dtype's buffer)
-        views = [typed[i * step : i * step + numel] for i in range(1 + state_tensors(self.optimizer.config))]
+        views = [typed[start : start + size] for start, size in zip(offsets, sizes, strict=False)]
         self.master = views[0]
         self.optimizer.bind(views[1:])
 
@@ -137,6 +148,12 @@ class Shard:
             raise InvalidArgument(f"unknown shard tensor {name!r}; one of {', '.join(SHARD_TENSORS)}")
         # The state tensors in arena order, served by position: AdamW's (and LAMB's) exp_avg and
         # exp_avg_sq; SGD's momentum buffer, served as exp_avg (SGD without momentum has none).
+        plugin = self.optimizer.plugin
+        if name != SHARD_TENSORS[0] and not plugin.per_element_state:
+            raise FailedPrecondition(
+                f"shard {self.slice.shard_id} of model {self.model!r} runs {plugin.name}, whose state is factored "
+                f"(not one value per element): it serves only the master values, not {name}"
+            )
         if SHARD_TENSORS.index(name) > state_tensors(self.optimizer.config):
             raise FailedPrecondition(
                 f"shard {self.slice.shard_id} of model {self.model!r} runs {self.optimizer.plugin.name}, "

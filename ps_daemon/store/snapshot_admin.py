@@ -21,7 +21,7 @@ from ps_offload.daemon.errors import (
     ResourceExhausted,
 )
 from ps_offload.daemon.model.optimizer import state_tensors
-from ps_offload.daemon.store.shard import ARENA_STAGGER, SHARD_TENSORS, Shard
+from ps_offload.daemon.store.shard import SHARD_TENSORS, Shard, arena_offsets
 from ps_offload.daemon.tiers.direct_io import PAGE
 from ps_offload.daemon.tiers.nvme import NoCapacity, NvmeFiles, arena_tensor
 from ps_offload.daemon.tiers.snapshot_pins import NAME, Snapshot, SnapshotRefused
@@ -177,6 +177,8 @@ def read_tensor(files: ShardFiles, shard: Shard, name: str, tensor: str) -> tupl
     index = SHARD_TENSORS.index(tensor)
     if index > states:
         raise FailedPrecondition(f"model {model!r} runs {shard.optimizer.plugin.name}, which has no {tensor}")
+    if index and not shard.optimizer.plugin.per_element_state:
+        shard.check_tensor(tensor)  # (refuses, saying why: factored state)
     words, view = arena_tensor(header.arena_bytes // 4, header.arena_bytes)
     values = words.view(shard.master_dtype)
     files.io.read(file.fd, view, file.offset(slot) + PAGE)
@@ -185,5 +187,5 @@ def read_tensor(files: ShardFiles, shard: Shard, name: str, tensor: str) -> tupl
             f"snapshot {name!r} of model {model!r}: shard {shard.slice.shard_id}'s bytes in slot {slot} fail their "
             "checksum"
         )
-    start = index * (numel + ARENA_STAGGER)
+    start = arena_offsets(numel, shard.optimizer.state_numels())[index]
     return values[start : start + numel].float(), snap.step  # (snapshots travel in FLOAT32; widened from bf16 state)

@@ -110,10 +110,17 @@ class _Audit:
     seconds: float
 
 
-def check_auditable(config: OffloadConfig, compression: CompressionConfig) -> None:
+def check_auditable(config: OffloadConfig, compression: CompressionConfig, optimizer: OptimizerConfig) -> None:
     """Refuses what the audit cannot recompute (with audit_every > 0): a compressed push (the
     daemon applies the decompressed payload with the trainer's error feedback, 1-bit Adam
-    its momentum), and the delayed update (OffloadConfig refuses staleness=1 itself)."""
+    its momentum), factored optimizer state (Adafactor: no value per element to compare), and
+    the delayed update (OffloadConfig refuses staleness=1 itself)."""
+    plugin = plugin_of(optimizer)
+    if config.audit_every and not plugin.per_element_state:
+        raise ValueError(
+            f"OffloadConfig.audit_every compares the optimizer state element by element: not with {plugin.name}, "
+            "whose state is factored; use audit_every=0"
+        )
     if config.audit_every and compression.method != "none":
         raise ValueError(
             f"OffloadConfig.audit_every recomputes the update from the gradient as it is: not with "

@@ -40,6 +40,17 @@ STATE_WIRE_DTYPES = {"float32": ps_pb2.FLOAT32, "bfloat16": ps_pb2.BFLOAT16}
 """OffloadConfig.state_dtype as ModelSpec.state_dtype."""
 
 
+def check_replicable(replicas: int, optimizer: OptimizerConfig) -> None:
+    """Replicas are repaired by copying state element by element: refused for factored state
+    (Adafactor) before anything is registered (the daemons would refuse it too)."""
+    plugin = plugin_of(optimizer)
+    if replicas > 1 and not plugin.per_element_state:
+        raise ValueError(
+            f"OffloadConfig.replicas={replicas}: {plugin.name} keeps factored state, which a lost replica cannot be "
+            "repaired from (repair copies state element by element); use replicas=1"
+        )
+
+
 def check_state_dtype(state_dtype: str, compute_dtype: torch.dtype, optimizer: OptimizerConfig) -> None:
     """bf16 state keeps the model's own bf16 parameters as the master values, for an optimizer
     that steps bf16 state exactly (OptimizerPlugin.state_dtypes: AdamW): refused otherwise,
@@ -90,6 +101,7 @@ class DaemonOptimizer(torch.optim.Optimizer):
         if loss_scaling is not None:  # expect_config would make a default one of None
             self.loss_scaler = LossScaler(expect_config(loss_scaling, LossScaling, "loss_scaling"))
         check_state_dtype(self.config.state_dtype, compute_dtype, optimizer)
+        check_replicable(self.config.replicas, optimizer)
         groups, group_of = initial_groups(named, no_weight_decay)
         # The groups' own weight decay (no_weight_decay's 0), before torch fills in defaults.
         decay_overrides = [group.get("weight_decay") for group in groups]

@@ -113,7 +113,7 @@ class OffloadOptimizer(DaemonOptimizer):
         device = expect_config(device, DeviceConfig, "device")
         adam = plugin_of(optimizer).takes_momentum  # (1-bit Adam's momentum pushes: AdamW)
         check_compression(compression.method, compression.warmup_steps, compression.topk_ratio, adam=adam)
-        check_auditable(config, compression)
+        check_auditable(config, compression, optimizer)
         if config.state_dtype != "float32" and adam and compression.method == "onebit":
             raise ValueError(
                 "1-bit Adam (CompressionConfig(method='onebit') with AdamW) keeps the momentum in fp32 on the daemons: "

@@ -84,7 +84,11 @@ class GroupTracker:
 
     def _one(self, index: int, group: dict) -> ps_pb2.GroupHyperparams:
         values = self.plugin.group_settings(group)
+        settings = values.pop("settings", {})  # an optimizer's own (GroupHyperparams.settings), checked by it
         for name, value in values.items():
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"param group {index}: {name} must be finite and >= 0, got {value!r}")
-        return ps_pb2.GroupHyperparams(**values)
+        for name, value in settings.items():
+            if not math.isfinite(value):
+                raise ValueError(f"param group {index}: {name} must be finite, got {value!r}")
+        return ps_pb2.GroupHyperparams(**values, settings=settings)

@@ -65,12 +65,19 @@ def test_groups_are_part_of_the_spec_and_of_its_json():
     assert {p.group for p in spec_from_dict(written_before_groups).params} == {0}
 
 
+def _wire(group: GroupHyperparams) -> dict:
+    """A group's fields as GroupHyperparams takes them (its `extra` is the wire's `settings`)."""
+    fields = dataclasses.asdict(group)
+    settings = dict(fields.pop("extra"))
+    return {**fields, "settings": settings}
+
+
 def test_the_wire_carries_groups_and_the_multiplier_both_ways():
     spec = _spec((0, 1))
     assert conversions.spec_from_proto(conversions.spec_to_proto(spec)) == spec
     header = ps_pb2.PushHeader(
         model="m", shard_id=0, step=3, kind=ps_pb2.GRADIENT, encoding=ps_pb2.FP16, dtype=ps_pb2.FLOAT32, nbytes=8,
-        groups=[ps_pb2.GroupHyperparams(**dataclasses.asdict(ADAMW)), ps_pb2.GroupHyperparams(lr=0.5)],
+        groups=[ps_pb2.GroupHyperparams(**_wire(ADAMW)), ps_pb2.GroupHyperparams(lr=0.5)],
         grad_multiplier=2.0**-16,
     )  # fmt: skip
     push = conversions.push_request(header)
