@@ -7,6 +7,8 @@ trainer turns torch param_groups into their settings and audits them against the
     adamw    AdamW (bit for bit with torch.optim.AdamW(fused=True); bf16 state; 1-bit Adam)
     sgd      SGD with momentum (bit for bit with torch.optim.SGD(fused=True))
     lamb     LAMB (whole parameters: a trust ratio per parameter)
+    adafactor Adafactor (whole parameters: a factored second moment; bit for bit with
+             torch.optim.Adafactor)
 
 Adding one: a module with its config dataclass and its OptimizerPlugin, its tests, and a line
 of `TABLE` below. Nothing else names an optimizer.
@@ -14,14 +16,17 @@ of `TABLE` below. Nothing else names an optimizer.
 
 from __future__ import annotations
 
-from ps_offload.optimizers import adamw, lamb, sgd
+from ps_offload.optimizers import adafactor, adamw, lamb, sgd
+from ps_offload.optimizers.adafactor import Adafactor
 from ps_offload.optimizers.adamw import AdamW
 from ps_offload.optimizers.base import GroupSettings, OptimizerConfig, OptimizerPlugin, ShardState
 from ps_offload.optimizers.lamb import LAMB
 from ps_offload.optimizers.sgd import SGD
 from ps_offload.proto import ps_pb2
 
-TABLE: dict[str, OptimizerPlugin] = {plugin.name: plugin for plugin in (adamw.PLUGIN, sgd.PLUGIN, lamb.PLUGIN)}
+TABLE: dict[str, OptimizerPlugin] = {
+    plugin.name: plugin for plugin in (adamw.PLUGIN, sgd.PLUGIN, lamb.PLUGIN, adafactor.PLUGIN)
+}
 _BY_CONFIG = {plugin.config_type: plugin for plugin in TABLE.values()}
 
 
@@ -69,6 +74,6 @@ def config_names() -> list[str]:
 
 
 __all__ = [
-    "TABLE", "AdamW", "SGD", "LAMB", "GroupSettings", "OptimizerConfig", "OptimizerPlugin", "ShardState",
+    "TABLE", "AdamW", "SGD", "LAMB", "Adafactor", "GroupSettings", "OptimizerConfig", "OptimizerPlugin", "ShardState",
     "plugin_of", "plugin_named", "plugin_for_spec", "state_tensors", "names", "config_names",
 ]  # fmt: skip

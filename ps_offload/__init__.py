@@ -26,6 +26,7 @@ from ps_offload.version import release
 # Kept equal to ps_offload.trainer.__all__ (tests/trainer/test_config.py checks it).
 _TRAINER_EXPORTS = frozenset(
     {
+        "Adafactor",
         "LAMB",
         "SGD",
         "AdamW",

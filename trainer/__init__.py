@@ -45,6 +45,7 @@ from ps_offload.trainer.api import offload
 from ps_offload.trainer.config import (
     LAMB,
     SGD,
+    Adafactor,
     AdamW,
     ClientConfig,
     CompressionConfig,
@@ -64,6 +65,7 @@ from ps_offload.trainer.stream.settings import StepLost, StepTorn, Streaming
 from ps_offload.trainer.wire.daemon_client import DaemonError
 
 __all__ = [
+    "Adafactor",
     "LAMB",
     "SGD",
     "AdamW",

@@ -1,7 +1,7 @@
 """What a training script configures, one dataclass per concern; every field says what it is.
 
-    AdamW, SGD, LAMB     the optimizer (ps_offload.optimizers: run by the daemons, AdamW and SGD
-                         also in-process without them)
+    AdamW, SGD, LAMB, Adafactor   the optimizer (ps_offload.optimizers: run by the daemons;
+                         all but LAMB also in-process without them)
     OffloadConfig        how a model is registered with the daemons and stepped through them
     DeviceConfig         how shards move between the trainer's device and the wire
     LossScaling          dynamic loss scaling for float16 parameters
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 # The optimizers' configs live with their plug-ins; re-exported as the trainer's config.
 from ps_offload.optimizers import LAMB as LAMB
 from ps_offload.optimizers import SGD as SGD
+from ps_offload.optimizers import Adafactor as Adafactor
 from ps_offload.optimizers import AdamW as AdamW
 from ps_offload.optimizers import OptimizerConfig as OptimizerConfig
 from ps_offload.proto.security import ClientSecurity

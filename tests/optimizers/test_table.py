@@ -17,6 +17,7 @@ EXAMPLES = {
     "adamw": TABLE["adamw"].config_type(lr=3e-4, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.05),
     "sgd": TABLE["sgd"].config_type(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-4, nesterov=True),
     "lamb": TABLE["lamb"].config_type(lr=2e-3, betas=(0.85, 0.98), eps=1e-5, weight_decay=0.02),
+    "adafactor": TABLE["adafactor"].config_type(lr=1e-3, beta2_decay=-0.7, eps=(None, 1e-4), d=1.5, weight_decay=0.01),
 }
 
 
@@ -53,7 +54,7 @@ def _register(address: str, optimizer: ps_pb2.OptimizerSpec) -> grpc.RpcError:
 def test_the_daemon_names_the_optimizers_it_has_and_their_settings(daemon):
     unknown = _register(daemon.address, ps_pb2.OptimizerSpec(plugin=ps_pb2.PluginOptimizerSpec(name="adafactorr")))
     assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "no optimizer 'adafactorr' (this build runs adamw, lamb, sgd)" in unknown.details()
+    assert "no optimizer 'adafactorr' (this build runs adafactor, adamw, lamb, sgd)" in unknown.details()
     typo = ps_pb2.PluginOptimizerSpec(name="lamb", settings={"lr": 1e-3, "beta3": 0.5})
     bad = _register(daemon.address, ps_pb2.OptimizerSpec(plugin=typo))
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "lamb has no setting 'beta3'" in bad.details()

@@ -19,6 +19,7 @@ FIELDS = {
     "AdamW": ["lr", "betas", "eps", "weight_decay"],
     "SGD": ["lr", "momentum", "dampening", "weight_decay", "nesterov"],
     "LAMB": ["lr", "betas", "eps", "weight_decay"],
+    "Adafactor": ["lr", "beta2_decay", "eps", "d", "weight_decay"],
     "OffloadConfig": [
         "model_name",
         "shard_bytes",
