@@ -60,7 +60,7 @@ def register_model(address: str) -> None:
     try:
         client.register(spec, 0, timeout=30)
         values = memoryview(torch.ones(numel).numpy()).cast("B")
-        client.push(Push.build("m", 0, values, step=0, kind=ps_pb2.PARAMETERS), timeout=60)
+        client.push(Push.parameters("m", 0, values, step=0), timeout=60)
     finally:
         client.close()
 

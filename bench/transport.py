@@ -270,10 +270,7 @@ def shard_movers(
     raw = memoryview(flat.numpy()).cast("B")
 
     def push_all() -> None:
-        pushes = [
-            Push.build(client.model, s.shard_id, raw[s.offset * 4 : s.end * 4], step=0, kind=ps_pb2.PARAMETERS)
-            for s in plan
-        ]
+        pushes = [Push.parameters(client.model, s.shard_id, raw[s.offset * 4 : s.end * 4], step=0) for s in plan]
         for f in [pool.submit(client.push, s, p) for s, p in zip(plan, pushes, strict=True)]:
             f.result()
 

@@ -216,7 +216,7 @@ def register(daemon: str, spec: ps_pb2.ModelSpec, index: int, timeout: float) ->
 def push_state(daemon: str, model: str, shard_id: int, step: int, data: memoryview, timeout: float) -> bool:
     """A STATE push (a shard's master and optimizer state at `step`); whether it was applied
     (False: the shard held that state already)."""
-    state = Push.build(model, shard_id, data, step=step, kind=ps_pb2.STATE)
+    state = Push.state(model, shard_id, data, step=step)
     try:
         with channel(daemon) as ch:
             push = ch.stream_unary(

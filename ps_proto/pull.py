@@ -8,6 +8,7 @@ a stream the other refuses.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.codec import Chunk
@@ -21,6 +22,39 @@ def element_bytes(dtype: int) -> int:
         return ELEMENT_BYTES[dtype]
     except KeyError:
         raise ValueError(f"no such DType {dtype}") from None
+
+
+@dataclass(frozen=True)
+class Pull:
+    """One shard's pull as it crosses the wire: the PullRequest built once by whoever decides the
+    pull (the trainer's client) and read unchanged by every transport (gRPC's Pull stream, the
+    data plane, the local path), as `Push` is for pushes."""
+
+    request: ps_pb2.PullRequest
+
+    @classmethod
+    def of(
+        cls, model: str, shard_id: int, *, min_version: int, tensor: int = ps_pb2.MASTER, dtype: int = ps_pb2.FLOAT32
+    ) -> Pull:
+        """Shard `shard_id`'s `tensor` (master values unless told otherwise) at `min_version` or
+        later, in `dtype` (FLOAT32: as stored; BFLOAT16 / FLOAT16, master only: rounded as torch's
+        Tensor.to rounds)."""
+        return cls(ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version, tensor=tensor,
+                                      dtype=dtype))  # fmt: skip
+
+    @property
+    def shard_id(self) -> int:
+        return self.request.shard_id
+
+    @property
+    def dtype(self) -> int:
+        return self.request.dtype
+
+    def describe(self) -> str:
+        """For messages: "pull of shard 3 EXP_AVG (version >= 5)"."""
+        tensor = self.request.tensor
+        what = "" if tensor == ps_pb2.MASTER else f" {ps_pb2.ShardTensor.Name(tensor)}"
+        return f"pull of shard {self.shard_id}{what} (version >= {self.request.min_version})"
 
 
 class PullStreamError(ValueError):

@@ -23,8 +23,61 @@ class Push:
     header: ps_pb2.PushHeader
     data: memoryview
 
+    # One constructor per kind, each taking what that kind carries (proto/ps.proto, PushHeader),
+    # so a push that names a field its kind does not carry cannot be written.
+
     @classmethod
-    def build(
+    def gradient(
+        cls, model: str, shard_id: int, data: memoryview, *, step: int, encoding: int = ps_pb2.RAW,
+        groups: Sequence[ps_pb2.GroupHyperparams] = (), grad_multiplier: float | None = None, lr: float | None = None,
+    ) -> Push:  # fmt: skip
+        """The reduced gradient of `step` (`encoding`: RAW fp32, half precision or compressed),
+        with every param group's settings (or the registered ones and `lr`) and 1/loss scale."""
+        return cls.unchecked(model, shard_id, data, step=step, kind=ps_pb2.GRADIENT, encoding=encoding, groups=groups,
+                          grad_multiplier=grad_multiplier, lr=lr)  # fmt: skip
+
+    @classmethod
+    def gradient_part(
+        cls, model: str, shard_id: int, data: memoryview, *, step: int, part: int, encoding: int = ps_pb2.RAW,
+        speculate: tuple[Sequence[ps_pb2.GroupHyperparams], float | None] | None = None,
+    ) -> Push:  # fmt: skip
+        """Part `part` of `step`'s gradient, held until its APPLY. `speculate` (part 0 only): the
+        (groups, grad_multiplier) the APPLY is expected to name; the daemon may step with them now."""
+        groups, multiplier = speculate if speculate is not None else ((), None)
+        return cls.unchecked(model, shard_id, data, step=step, kind=ps_pb2.GRADIENT_PART, encoding=encoding, part=part,
+                          speculate=speculate is not None, groups=groups, grad_multiplier=multiplier)  # fmt: skip
+
+    @classmethod
+    def apply(
+        cls, model: str, shard_id: int, *, step: int, parts: int, groups: Sequence[ps_pb2.GroupHyperparams] = (),
+        grad_multiplier: float | None = None, check_only: bool = False,
+    ) -> Push:  # fmt: skip
+        """Applies the `parts` parts of `step` (no payload); `check_only`: only says whether it could."""
+        return cls.unchecked(model, shard_id, memoryview(b""), step=step, kind=ps_pb2.APPLY, parts=parts, groups=groups,
+                          grad_multiplier=grad_multiplier, check_only=check_only)  # fmt: skip
+
+    @classmethod
+    def momentum(
+        cls, model: str, shard_id: int, data: memoryview, *, step: int, encoding: int, lr: float | None,
+        variance_frozen_at: int,
+    ) -> Push:  # fmt: skip
+        """1-bit Adam's momentum after `step` (one lr, no groups; exp_avg_sq frozen after
+        `variance_frozen_at` updates)."""
+        return cls.unchecked(model, shard_id, data, step=step, kind=ps_pb2.MOMENTUM, encoding=encoding, lr=lr,
+                          variance_frozen_at=variance_frozen_at)  # fmt: skip
+
+    @classmethod
+    def parameters(cls, model: str, shard_id: int, data: memoryview, *, step: int = 0) -> Push:
+        """A shard's initial values (fp32), taken only by a shard not yet initialized."""
+        return cls.unchecked(model, shard_id, data, step=step, kind=ps_pb2.PARAMETERS)
+
+    @classmethod
+    def state(cls, model: str, shard_id: int, data: memoryview, *, step: int) -> Push:
+        """A shard's master values and optimizer state at version `step` (a restore, a repair)."""
+        return cls.unchecked(model, shard_id, data, step=step, kind=ps_pb2.STATE)
+
+    @classmethod
+    def unchecked(
         cls,
         model: str,
         shard_id: int,
@@ -42,14 +95,9 @@ class Push:
         check_only: bool = False,
         speculate: bool = False,
     ) -> Push:
-        """A push of `data` (bytes laid out as `encoding`: RAW fp32 values, or compressed or
-        half precision, see proto/ps.proto and ps_offload.proto.payloads). `lr` None leaves the
-        optional field unset (the daemon then uses the registered learning rate);
-        `variance_frozen_at` is for MOMENTUM pushes; `groups` (every param group's settings for
-        this step) and `grad_multiplier` (1/loss scale) for GRADIENT and APPLY pushes; `part`
-        for GRADIENT_PART and `parts` (and `check_only`) for APPLY pushes; `speculate` (with
-        the groups and grad_multiplier the APPLY is expected to name) for a GRADIENT_PART part 0
-        the daemon may apply at once (proto/ps.proto, PushHeader.speculate)."""
+        """A push with any header fields: what the constructors above build on, and what a test of
+        the daemon's validation sends where no constructor would (`lr` None leaves the optional
+        field unset: the daemon then uses the registered learning rate)."""
         header = ps_pb2.PushHeader(
             model=model, shard_id=shard_id, step=step, kind=kind, encoding=encoding, dtype=ps_pb2.FLOAT32,
             nbytes=len(data), lr=lr, variance_frozen_at=variance_frozen_at, groups=list(groups),

@@ -101,7 +101,11 @@ def messages(descriptor: Descriptor, depth: int = 0, kept: bool = False) -> st.S
             if value is None:
                 continue
             if field.is_repeated:
-                if field.type == FieldDescriptor.TYPE_MESSAGE:
+                if field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+                    for item in value:  # a map field: its entries by key
+                        if item is not None:
+                            getattr(message, name)[item.key] = item.value
+                elif field.type == FieldDescriptor.TYPE_MESSAGE:
                     for item in value:
                         if item is not None:
                             getattr(message, name).add().CopyFrom(item)

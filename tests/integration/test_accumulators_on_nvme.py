@@ -60,7 +60,9 @@ def test_sums_larger_than_the_daemons_memory_limit_are_paged_to_the_nvme_tier_an
             data = (lambda s: byte_view(payload[: s.numel])) if payload is not None else (lambda s: memoryview(b""))
             list(
                 pool.map(
-                    lambda s: client.push(s, Push.build(client.model, s.shard_id, data(s), step=0, kind=kind, **how)),
+                    lambda s: client.push(
+                        s, Push.unchecked(client.model, s.shard_id, data(s), step=0, kind=kind, **how)
+                    ),
                     plan,
                 )
             )

@@ -108,8 +108,8 @@ def test_export_refuses_shards_without_values_or_at_different_steps(daemon, tmp_
 
     ones = memoryview(torch.ones(1024).numpy()).cast("B")
     for shard_id in (0, 1):
-        client.push(Push.build("m", shard_id, ones, step=0, kind=ps_pb2.PARAMETERS), timeout=10)
-    client.push(Push.build("m", 0, ones, step=0, kind=ps_pb2.GRADIENT), timeout=10)  # shard 0 at version 1
+        client.push(Push.parameters("m", shard_id, ones, step=0), timeout=10)
+    client.push(Push.gradient("m", 0, ones, step=0), timeout=10)  # shard 0 at version 1
     client.close()
     mixed = run_admin("export", "--out", str(out), "--daemon", daemon.address)
     assert mixed.returncode == 1 and mixed.stderr.count("\n") == 1
@@ -128,7 +128,7 @@ def test_export_to_a_missing_directory_is_one_line(daemon, tmp_path):
     client = _register(daemon.address, "m")
     ones = memoryview(torch.ones(1024).numpy()).cast("B")
     for shard_id in (0, 1):
-        client.push(Push.build("m", shard_id, ones, step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+        client.push(Push.parameters("m", shard_id, ones, step=0), timeout=10)
     client.close()
     out = tmp_path / "missing" / "m.safetensors"
     result = run_admin("export", "--out", str(out), "--daemon", daemon.address)

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload import kernels
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
@@ -50,19 +51,17 @@ def setup(daemon):
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     client.register(_spec(), 0, timeout=10)
     for shard_id, n in enumerate(SIZES):
-        client.push(Push.build("m", shard_id, _view(torch.ones(n)), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
-    ack = client.push(
-        Push.build("m", 0, _view(_onebit(2048)), step=0, kind=ps_pb2.GRADIENT, encoding=ps_pb2.ONEBIT), timeout=30
-    )
+        client.push(Push.parameters("m", shard_id, _view(torch.ones(n)), step=0), timeout=10)
+    ack = client.push(Push.gradient("m", 0, _view(_onebit(2048)), step=0, encoding=ps_pb2.ONEBIT), timeout=30)
     assert ack.applied and ack.version == 1
     after_one_step = torch.empty(2048)
-    client.pull_into("m", 0, min_version=1, out=_view(after_one_step), timeout=10)
+    client.pull_into(Pull.of("m", 0, min_version=1), out=_view(after_one_step), timeout=10)
     assert not torch.equal(after_one_step, torch.ones(2048))
     yield daemon, client
     health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     out = torch.empty(2048)
-    assert client.pull_into("m", 0, min_version=1, out=_view(out), timeout=10) == 1  # no step applied since
+    assert client.pull_into(Pull.of("m", 0, min_version=1), out=_view(out), timeout=10) == 1  # no step applied since
     assert torch.equal(out, after_one_step)
     client.close()
     assert daemon.process.poll() is None
@@ -77,7 +76,7 @@ def _refused(call) -> str:
 
 def _push(client, payload: torch.Tensor, encoding: int, *, kind=ps_pb2.GRADIENT, shard_id=0, step=1):
     return lambda: client.push(
-        Push.build("m", shard_id, _view(payload), step=step, kind=kind, encoding=encoding), timeout=10
+        Push.unchecked("m", shard_id, _view(payload), step=step, kind=kind, encoding=encoding), timeout=10
     )
 
 
@@ -151,13 +150,11 @@ def test_data_plane_refuses_bad_topk_and_keeps_the_connection(setup):
     port = client.register(_spec(), 0, timeout=10).data_port
     plane = DataPlaneClient("127.0.0.1", port, max_connections=1)
     try:
-        push = Push.build("m", 0, _view(_topk(2, [9, 3])), step=1, kind=ps_pb2.GRADIENT, encoding=ps_pb2.TOPK)
+        push = Push.gradient("m", 0, _view(_topk(2, [9, 3])), step=1, encoding=ps_pb2.TOPK)
         details = _refused(lambda: plane.push(push, timeout=10))
         assert "shard 0" in details and "index 3 at position 1 follows 9" in details
         # Same connection, a good 1-bit push to the other shard (shard 0 stays as the fixture left it).
-        ack = plane.push(
-            Push.build("m", 1, _view(_onebit(952)), step=0, kind=ps_pb2.GRADIENT, encoding=ps_pb2.ONEBIT), timeout=10
-        )
+        ack = plane.push(Push.gradient("m", 1, _view(_onebit(952)), step=0, encoding=ps_pb2.ONEBIT), timeout=10)
         assert ack.applied and ack.version == 1
     finally:
         plane.close()
@@ -165,7 +162,7 @@ def test_data_plane_refuses_bad_topk_and_keeps_the_connection(setup):
 
 def _momentum_push(client, frozen, *, step=1, kind=ps_pb2.MOMENTUM):
     return lambda: client.push(
-        Push.build(
+        Push.unchecked(
             "m", 0, _view(_onebit(2048)), step=step, kind=kind, encoding=ps_pb2.ONEBIT, variance_frozen_at=frozen
         ),
         timeout=10,
@@ -195,10 +192,10 @@ def test_momentum_push_and_state_pulls_to_an_sgd_model_are_failed_precondition(d
     spec.model = "sgd"
     spec.optimizer.CopyFrom(ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1, momentum=0.9)))
     client.register(spec, 0, timeout=10)
-    client.push(Push.build("sgd", 0, _view(torch.ones(2048)), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+    client.push(Push.parameters("sgd", 0, _view(torch.ones(2048)), step=0), timeout=10)
     with pytest.raises(grpc.RpcError) as info:
         client.push(
-            Push.build(
+            Push.unchecked(
                 "sgd",
                 0,
                 _view(_onebit(2048)),
@@ -212,12 +209,14 @@ def test_momentum_push_and_state_pulls_to_an_sgd_model_are_failed_precondition(d
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "need an AdamW model; model 'sgd' runs sgd (push gradients instead)" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
-        client.pull_into("sgd", 0, min_version=0, out=_view(torch.empty(2048)), timeout=10, tensor=ps_pb2.EXP_AVG_SQ)
+        client.pull_into(
+            Pull.of("sgd", 0, min_version=0, tensor=ps_pb2.EXP_AVG_SQ), out=_view(torch.empty(2048)), timeout=10
+        )
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "runs sgd, which has no exp_avg_sq" in info.value.details()
     # EXP_AVG is SGD's momentum buffer (zeros before the first update).
     momentum = torch.ones(2048)
-    client.pull_into("sgd", 0, min_version=0, out=_view(momentum), timeout=10, tensor=ps_pb2.EXP_AVG)
+    client.pull_into(Pull.of("sgd", 0, min_version=0, tensor=ps_pb2.EXP_AVG), out=_view(momentum), timeout=10)
     assert torch.equal(momentum, torch.zeros(2048))
     client.close()
 
@@ -226,12 +225,12 @@ def test_momentum_push_and_state_pulls_to_an_sgd_model_are_failed_precondition(d
 def test_unknown_pull_tensor_is_invalid_argument_on_both_transports(setup, tensor):
     _, client = setup
     out = _view(torch.empty(2048))
-    details = _refused(lambda: client.pull_into("m", 0, min_version=0, out=out, timeout=10, tensor=tensor))
+    details = _refused(lambda: client.pull_into(Pull.of("m", 0, min_version=0, tensor=tensor), out=out, timeout=10))
     assert f"tensor {tensor} is unknown; ask for MASTER, EXP_AVG, EXP_AVG_SQ" in details
     plane = DataPlaneClient("127.0.0.1", client.register(_spec(), 0, timeout=10).data_port, max_connections=1)
     try:
-        details = _refused(lambda: plane.pull_into("m", 0, min_version=0, out=out, timeout=10, tensor=tensor))
+        details = _refused(lambda: plane.pull_into(Pull.of("m", 0, min_version=0, tensor=tensor), out=out, timeout=10))
         assert f"tensor {tensor} is unknown" in details
-        assert plane.pull_into("m", 0, min_version=0, out=out, timeout=10, tensor=ps_pb2.EXP_AVG) == 1
+        assert plane.pull_into(Pull.of("m", 0, min_version=0, tensor=ps_pb2.EXP_AVG), out=out, timeout=10) == 1
     finally:
         plane.close()

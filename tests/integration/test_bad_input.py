@@ -10,6 +10,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.proto import codec, ps_pb2
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 
@@ -37,15 +38,15 @@ def setup(daemon):
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     client.register(_spec(), 0, timeout=10)
     for shard_id, n in enumerate((1024, 1024, 952)):
-        client.push(Push.build("m", shard_id, _bytes(torch.ones(n)), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
-    ack = client.push(Push.build("m", 0, _bytes(torch.ones(1024)), step=0, kind=ps_pb2.GRADIENT), timeout=10)
+        client.push(Push.parameters("m", shard_id, _bytes(torch.ones(n)), step=0), timeout=10)
+    ack = client.push(Push.gradient("m", 0, _bytes(torch.ones(1024)), step=0), timeout=10)
     assert ack.applied and ack.version == 1
     yield daemon, client
     # Still serving, and shard 0 holds exactly what one SGD step gave it: 1 - 0.1 * 1.
     health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     out = torch.empty(1024)
-    assert client.pull_into("m", 0, min_version=1, out=_bytes(out), timeout=10) == 1
+    assert client.pull_into(Pull.of("m", 0, min_version=1), out=_bytes(out), timeout=10) == 1
     assert torch.equal(out, torch.full((1024,), 1 - 0.1, dtype=torch.float32))
     client.close()
     assert daemon.process.poll() is None
@@ -59,25 +60,25 @@ def _status(call):
 
 def test_unknown_shard_is_not_found(setup):
     _, client = setup
-    code, details = _status(lambda: client.pull_into("m", 99, min_version=0, out=_bytes(torch.empty(1)), timeout=5))
-    assert code == grpc.StatusCode.NOT_FOUND and "no shard 99" in details
     code, details = _status(
-        lambda: client.push(Push.build("m", 99, _bytes(torch.ones(1024)), step=1, kind=ps_pb2.GRADIENT), timeout=5)
+        lambda: client.pull_into(Pull.of("m", 99, min_version=0), out=_bytes(torch.empty(1)), timeout=5)
     )
+    assert code == grpc.StatusCode.NOT_FOUND and "no shard 99" in details
+    code, details = _status(lambda: client.push(Push.gradient("m", 99, _bytes(torch.ones(1024)), step=1), timeout=5))
     assert code == grpc.StatusCode.NOT_FOUND and "shard 99" in details
 
 
 def test_unknown_model_is_not_found(setup):
     _, client = setup
-    code, details = _status(lambda: client.pull_into("nope", 0, min_version=0, out=_bytes(torch.empty(1)), timeout=5))
+    code, details = _status(
+        lambda: client.pull_into(Pull.of("nope", 0, min_version=0), out=_bytes(torch.empty(1)), timeout=5)
+    )
     assert code == grpc.StatusCode.NOT_FOUND and "'nope' is not registered" in details and "registered: m" in details
 
 
 def test_wrong_byte_count_is_invalid_argument(setup):
     _, client = setup
-    code, details = _status(
-        lambda: client.push(Push.build("m", 0, _bytes(torch.ones(1000)), step=1, kind=ps_pb2.GRADIENT), timeout=5)
-    )
+    code, details = _status(lambda: client.push(Push.gradient("m", 0, _bytes(torch.ones(1000)), step=1), timeout=5))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "4000 bytes" in details and "4096" in details
 
 
@@ -111,23 +112,19 @@ def test_missing_header_and_malformed_chunk_are_invalid_argument(setup):
 def test_push_for_applied_step_is_acknowledged_not_reapplied(setup):
     _, client = setup
     # A retry of step 0 with a different gradient: must not change anything.
-    ack = client.push(Push.build("m", 0, _bytes(torch.full((1024,), 50.0)), step=0, kind=ps_pb2.GRADIENT), timeout=5)
+    ack = client.push(Push.gradient("m", 0, _bytes(torch.full((1024,), 50.0)), step=0), timeout=5)
     assert not ack.applied and ack.version == 1  # the fixture's teardown checks the values
 
 
 def test_push_for_future_step_is_failed_precondition(setup):
     _, client = setup
-    code, details = _status(
-        lambda: client.push(Push.build("m", 0, _bytes(torch.ones(1024)), step=5, kind=ps_pb2.GRADIENT), timeout=5)
-    )
+    code, details = _status(lambda: client.push(Push.gradient("m", 0, _bytes(torch.ones(1024)), step=5), timeout=5))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "step 5" in details and "version 1" in details
 
 
 def test_initial_values_after_an_update_are_failed_precondition(setup):
     _, client = setup
-    code, details = _status(
-        lambda: client.push(Push.build("m", 0, _bytes(torch.zeros(1024)), step=0, kind=ps_pb2.PARAMETERS), timeout=5)
-    )
+    code, details = _status(lambda: client.push(Push.parameters("m", 0, _bytes(torch.zeros(1024)), step=0), timeout=5))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "before the first update" in details
 
 
@@ -152,7 +149,9 @@ def test_invalid_spec_is_invalid_argument(setup):
 
 def test_pull_waits_for_version_under_the_deadline(setup):
     _, client = setup
-    code, details = _status(lambda: client.pull_into("m", 0, min_version=7, out=_bytes(torch.empty(1024)), timeout=1))
+    code, details = _status(
+        lambda: client.pull_into(Pull.of("m", 0, min_version=7), out=_bytes(torch.empty(1024)), timeout=1)
+    )
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
@@ -169,7 +168,7 @@ def test_message_over_limit_is_resource_exhausted(daemon_factory, tmp_path):
     code, details = _status(lambda: client._push(iter([oversized]), timeout=5))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     # Still serving: a well-formed push works.
-    ack = client.push(Push.build("m", 0, _bytes(torch.ones(1024)), step=0, kind=ps_pb2.PARAMETERS), timeout=5)
+    ack = client.push(Push.parameters("m", 0, _bytes(torch.ones(1024)), step=0), timeout=5)
     assert ack.applied
     client.close()
 
@@ -284,9 +283,7 @@ def test_lost_holders_that_cannot_describe_the_model_are_invalid_argument(setup,
     it is refused and nothing is applied; a fitting list is taken with the push."""
     _, client = setup
     gradient = _bytes(torch.ones(1024))
-    code, details = _status(
-        lambda: client.push(_with_lost(Push.build("m", 0, gradient, step=1, kind=ps_pb2.GRADIENT), [1]), timeout=5)
-    )
+    code, details = _status(lambda: client.push(_with_lost(Push.gradient("m", 0, gradient, step=1), [1]), timeout=5))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "replicated models only" in details
 
     replicated = DaemonClient(daemon_factory().address, max_message_bytes=8 << 20)
@@ -295,17 +292,15 @@ def test_lost_holders_that_cannot_describe_the_model_are_invalid_argument(setup,
     plan = replicated.register(spec, 0, timeout=10).shards
     held = next(s for s in plan if 0 in s.holders)
     values = _bytes(torch.ones(held.numel))
-    replicated.push(Push.build("r", held.shard_id, values, step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+    replicated.push(Push.parameters("r", held.shard_id, values, step=0), timeout=10)
     for lost, said in (
         ([3], "not indices of the model's 3 daemons"),
         ([1, 1], "twice"),
         ([0], "the one it was sent to"),
     ):
-        push = _with_lost(Push.build("r", held.shard_id, values, step=0, kind=ps_pb2.GRADIENT), lost)
+        push = _with_lost(Push.gradient("r", held.shard_id, values, step=0), lost)
         code, details = _status(lambda push=push: replicated.push(push, timeout=5))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and said in details, details
     other = next(i for i in held.holders if i != 0)
-    ack = replicated.push(
-        _with_lost(Push.build("r", held.shard_id, values, step=0, kind=ps_pb2.GRADIENT), [other]), timeout=5
-    )
+    ack = replicated.push(_with_lost(Push.gradient("r", held.shard_id, values, step=0), [other]), timeout=5)
     assert ack.applied and ack.version == 1  # the refused ones applied nothing

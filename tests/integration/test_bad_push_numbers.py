@@ -15,6 +15,7 @@ import torch
 
 from ps_offload import kernels
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
@@ -46,10 +47,8 @@ class Twins:
             spec.model = model
             port = self.client.register(spec, 0, timeout=10).data_port
             for shard_id, n in enumerate((N, 952)):
-                self.client.push(
-                    Push.build(model, shard_id, _view(torch.ones(n)), step=0, kind=ps_pb2.PARAMETERS), timeout=10
-                )
-            ack = self.client.push(Push.build(model, 0, _view(GRADIENT), step=0, kind=ps_pb2.GRADIENT), timeout=10)
+                self.client.push(Push.parameters(model, shard_id, _view(torch.ones(n)), step=0), timeout=10)
+            ack = self.client.push(Push.gradient(model, 0, _view(GRADIENT), step=0), timeout=10)
             assert ack.applied and ack.version == 1
         self.plane = DataPlaneClient("127.0.0.1", port, max_connections=1)
 
@@ -58,7 +57,9 @@ class Twins:
         versions, tensors = [], []
         for tensor in TENSORS:
             out = torch.empty(N)
-            versions.append(self.client.pull_into(model, 0, min_version=0, out=_view(out), timeout=10, tensor=tensor))
+            versions.append(
+                self.client.pull_into(Pull.of(model, 0, min_version=0, tensor=tensor), out=_view(out), timeout=10)
+            )
             tensors.append(out)
         return versions, tensors
 
@@ -99,7 +100,7 @@ def twins(daemon):
 
 
 def _build(model: str, *, data: memoryview, **header) -> Push:
-    return Push.build(model, 0, data, **header)
+    return Push.unchecked(model, 0, data, **header)
 
 
 def _push(kind: int, encoding: int, **extra) -> dict:

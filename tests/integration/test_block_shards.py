@@ -100,23 +100,13 @@ def test_daemons_cut_at_the_flagged_parameters_and_step_like_torch(daemons):
         pulled = torch.empty(TOTAL)
         for shard in plan:
             piece = initial[shard.offset : shard.end].clone()
-            assert (
-                client.push(
-                    shard, Push.build(client.model, shard.shard_id, _view(piece), step=0, kind=ps_pb2.PARAMETERS)
-                ).version
-                == 0
-            )
+            assert client.push(shard, Push.parameters(client.model, shard.shard_id, _view(piece), step=0)).version == 0
             out = pulled[shard.offset : shard.end]
             assert client.pull(shard, min_version=0, out=_view(out)) == 0
         assert torch.equal(pulled, initial)
         for shard in plan:
             grad = gradient[shard.offset : shard.end].clone()
-            assert (
-                client.push(
-                    shard, Push.build(client.model, shard.shard_id, _view(grad), step=0, kind=ps_pb2.GRADIENT)
-                ).version
-                == 1
-            )
+            assert client.push(shard, Push.gradient(client.model, shard.shard_id, _view(grad), step=0)).version == 1
             out = pulled[shard.offset : shard.end]
             assert client.pull(shard, min_version=1, out=_view(out)) == 1
 

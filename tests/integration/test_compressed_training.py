@@ -284,7 +284,7 @@ def test_a_resent_compressed_push_is_acknowledged_without_effect(shared):
             assert kept.kind == ps_pb2.MOMENTUM
             ack = opt.client.push(
                 shard,
-                Push.build(
+                Push.unchecked(
                     opt.client.model,
                     shard.shard_id,
                     kept.data,

@@ -17,6 +17,7 @@ import pytest
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.tiers.nvme import PAGE, SlotHeader
 from ps_offload.daemon.tiers.version_floors import VersionFloors
+from ps_offload.proto.pull import Pull
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from tests.integration.test_admin_verify import STEPS, _train, _verdicts, committed_slot, flip_byte
 from tests.ps_admin.test_cli import admin_json, run_admin
@@ -48,7 +49,7 @@ def _damage_newest_header(nvme: Path, how: str) -> None:
 
 def _pull(client: DaemonClient, plan, shard_id: int) -> int:
     out = memoryview(bytearray(plan[shard_id].numel * 4))
-    return client.pull_into("model", shard_id, min_version=0, out=out, timeout=10)
+    return client.pull_into(Pull.of("model", shard_id, min_version=0), out=out, timeout=10)
 
 
 def _recorded(nvme: Path) -> dict[int, int]:

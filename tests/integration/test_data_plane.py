@@ -16,6 +16,7 @@ import torch
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import PAYLOAD_LENGTH, recv_message, send_message
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
@@ -61,15 +62,15 @@ def plane(shared_daemon):
     client.close()
     for shard in response.shards:
         data.push(
-            Push.build(model, shard.shard_id, _bytes(torch.ones(shard.numel)), step=0, kind=ps_pb2.PARAMETERS),
+            Push.parameters(model, shard.shard_id, _bytes(torch.ones(shard.numel)), step=0),
             timeout=10,
         )
-    ack = data.push(Push.build(model, 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT), timeout=10)
+    ack = data.push(Push.gradient(model, 0, _bytes(torch.ones(NUMEL)), step=0), timeout=10)
     assert ack.applied and ack.version == 1
     yield model, data, response
     # Still serving on both paths, and shard 0 holds exactly one SGD step: 1 - 0.1 * 1.
     out = torch.empty(NUMEL)
-    assert data.pull_into(model, 0, min_version=1, out=_bytes(out), timeout=10) == 1
+    assert data.pull_into(Pull.of(model, 0, min_version=1), out=_bytes(out), timeout=10) == 1
     assert torch.equal(out, torch.full((NUMEL,), 1 - 0.1, dtype=torch.float32))
     grpc_out = torch.empty(NUMEL)
     assert client_pull(daemon, model, grpc_out) == 1 and torch.equal(grpc_out, out)
@@ -79,7 +80,7 @@ def plane(shared_daemon):
 def client_pull(daemon, model, out):
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     try:
-        return client.pull_into(model, 0, min_version=0, out=_bytes(out), timeout=10)
+        return client.pull_into(Pull.of(model, 0, min_version=0), out=_bytes(out), timeout=10)
     finally:
         client.close()
 
@@ -92,20 +93,18 @@ def _status(call):
 
 def test_bad_input_gets_the_same_statuses_as_grpc(plane):
     m, data, _ = plane
-    code, details = _status(lambda: data.pull_into(m, 99, min_version=0, out=_bytes(torch.empty(1)), timeout=5))
+    code, details = _status(
+        lambda: data.pull_into(Pull.of(m, 99, min_version=0), out=_bytes(torch.empty(1)), timeout=5)
+    )
     assert code == grpc.StatusCode.NOT_FOUND and "no shard 99" in details
-    code, details = _status(
-        lambda: data.push(Push.build(m, 0, _bytes(torch.ones(10)), step=1, kind=ps_pb2.GRADIENT), timeout=5)
-    )
+    code, details = _status(lambda: data.push(Push.gradient(m, 0, _bytes(torch.ones(10)), step=1), timeout=5))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "40 bytes" in details
-    code, details = _status(
-        lambda: data.push(Push.build(m, 0, _bytes(torch.ones(NUMEL)), step=4, kind=ps_pb2.GRADIENT), timeout=5)
-    )
+    code, details = _status(lambda: data.push(Push.gradient(m, 0, _bytes(torch.ones(NUMEL)), step=4), timeout=5))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "step 4" in details
-    code, _ = _status(lambda: data.pull_into(m, 0, min_version=9, out=_bytes(torch.empty(NUMEL)), timeout=0.5))
+    code, _ = _status(lambda: data.pull_into(Pull.of(m, 0, min_version=9), out=_bytes(torch.empty(NUMEL)), timeout=0.5))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     # A retried, already applied step: acknowledged without effect (the fixture checks values).
-    ack = data.push(Push.build(m, 0, _bytes(torch.full((NUMEL,), 9.0)), step=0, kind=ps_pb2.GRADIENT), timeout=5)
+    ack = data.push(Push.gradient(m, 0, _bytes(torch.full((NUMEL,), 9.0)), step=0), timeout=5)
     assert not ack.applied and ack.version == 1
 
 
@@ -140,7 +139,7 @@ def test_sigterm_lets_an_in_flight_data_plane_push_finish(daemon_factory, notifi
     daemon = daemon_factory()
     numel = 4 << 20
     _, data, response = _register(daemon, numel=numel, shard_bytes=numel * 4)
-    data.push(Push.build("m", 0, _bytes(torch.zeros(numel)), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+    data.push(Push.parameters("m", 0, _bytes(torch.zeros(numel)), step=0), timeout=10)
     sock = socket.create_connection(("127.0.0.1", response.data_port))
     header = ps_pb2.PushHeader(model="m", shard_id=0, step=0, kind=ps_pb2.GRADIENT, encoding=ps_pb2.RAW,
                                dtype=ps_pb2.FLOAT32, nbytes=numel * 4)  # fmt: skip
@@ -171,9 +170,7 @@ def test_connections_are_bounded_idle_ones_closed_and_the_trainer_reconnects_uns
     daemon = daemon_factory(config=config)
     client, data, response = _register(daemon)
     for shard in response.shards:
-        data.push(
-            Push.build("m", shard.shard_id, _bytes(torch.ones(shard.numel)), step=0, kind=ps_pb2.PARAMETERS), timeout=10
-        )
+        data.push(Push.parameters("m", shard.shard_id, _bytes(torch.ones(shard.numel)), step=0), timeout=10)
     data.close()
     _until(lambda stats: stats.data_connections == 0, "the pushes' connections closed", client)
     client.close()
@@ -190,11 +187,11 @@ def test_connections_are_bounded_idle_ones_closed_and_the_trainer_reconnects_uns
         sock.close()
     trainer_side = DataPlaneClient("127.0.0.1", port, max_connections=1)
     out = torch.empty(NUMEL)
-    assert trainer_side.pull_into("m", 0, min_version=0, out=_bytes(out), timeout=10) == 0
+    assert trainer_side.pull_into(Pull.of("m", 0, min_version=0), out=_bytes(out), timeout=10) == 0
     pooled = trainer_side._idle.queue[0]
     pooled.settimeout(30)
     assert pooled.recv(1, socket.MSG_PEEK) == b""  # closed by the daemon while idle in the pool
     with caplog.at_level("WARNING"):
-        assert trainer_side.pull_into("m", 1, min_version=0, out=_bytes(out), timeout=10) == 0
+        assert trainer_side.pull_into(Pull.of("m", 1, min_version=0), out=_bytes(out), timeout=10) == 0
     assert torch.equal(out, torch.ones(NUMEL)) and not caplog.records
     trainer_side.close()

@@ -60,9 +60,7 @@ def two_workers(daemon_factory, tmp_path):
     daemon = daemon_factory(config=config)
     client, data, response = _register(daemon)
     for shard in response.shards:
-        data.push(
-            Push.build("m", shard.shard_id, _bytes(torch.ones(shard.numel)), step=0, kind=ps_pb2.PARAMETERS), timeout=10
-        )
+        data.push(Push.parameters("m", shard.shard_id, _bytes(torch.ones(shard.numel)), step=0), timeout=10)
     yield daemon, client, data, response.data_port
     data.close()
     client.close()
@@ -77,7 +75,7 @@ def test_waiting_pulls_hold_no_thread_and_the_push_they_wait_for_gets_through(tw
     # gRPC's pool a few for the Stats calls, on a loaded machine).
     assert _threads(daemon.process.pid) <= threads_before + WORKERS + 4
     # Every worker would be held by a waiting pull if waits held workers: this push would starve.
-    data.push(Push.build("m", 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT), timeout=30)
+    data.push(Push.gradient("m", 0, _bytes(torch.ones(NUMEL)), step=0), timeout=30)
     expected = torch.ones(NUMEL)
     expected.add_(torch.ones(NUMEL), alpha=-0.1)
     for sock in waiting:
@@ -109,7 +107,7 @@ def test_pulls_parked_for_versions_the_pushes_pass_each_get_theirs_bit_for_bit(t
         thread.start()
         if i % 6 == 5:  # pushes interleaved with the pulls arriving
             step = i // 6
-            data.push(Push.build("m", 0, _bytes(torch.ones(NUMEL)), step=step, kind=ps_pb2.GRADIENT), timeout=30)
+            data.push(Push.gradient("m", 0, _bytes(torch.ones(NUMEL)), step=step), timeout=30)
     for thread in pullers:
         thread.join(timeout=120)
     assert len(answers) == len(asked)

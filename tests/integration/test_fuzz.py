@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import codec, ps_pb2
 from ps_offload.proto.frames import recv_message, send_message
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from tests.integration import fuzz_inputs as fuzz
@@ -69,16 +70,16 @@ class Target:
             self.client.register(_spec(model=name, lr=0.1), 0, timeout=30)
             for shard_id, n in enumerate(SHARDS):
                 values = _bytes(torch.linspace(-1, 1, n) + shard_id)
-                self.client.push(Push.build(name, shard_id, values, step=0, kind=ps_pb2.PARAMETERS), timeout=30)
+                self.client.push(Push.parameters(name, shard_id, values, step=0), timeout=30)
         grad = _bytes(torch.full((1024,), 0.5))
-        self.client.push(Push.build(fuzz.KEPT, 0, grad, step=0, kind=ps_pb2.GRADIENT), timeout=30)
+        self.client.push(Push.gradient(fuzz.KEPT, 0, grad, step=0), timeout=30)
         self.kept = self._kept_state()
 
     def _kept_state(self) -> list[tuple[int, bytes]]:
         state = []
         for shard_id, n in enumerate(SHARDS):
             out = torch.empty(n)
-            version = self.client.pull_into(fuzz.KEPT, shard_id, min_version=0, out=_bytes(out), timeout=30)
+            version = self.client.pull_into(Pull.of(fuzz.KEPT, shard_id, min_version=0), out=_bytes(out), timeout=30)
             state.append((version, out.numpy().tobytes()))
         return state
 

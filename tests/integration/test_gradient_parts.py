@@ -46,12 +46,11 @@ class Model:
         for shard in self.plan:
             self.client.push(
                 shard,
-                Push.build(
+                Push.parameters(
                     self.client.model,
                     shard.shard_id,
                     _view(flat[shard.offset : shard.end]),
                     step=0,
-                    kind=ps_pb2.PARAMETERS,
                 ),
             )
 
@@ -66,7 +65,7 @@ class Model:
         piece = _view(values[shard.offset : shard.end])
         return self.client.push(
             shard,
-            Push.build(
+            Push.unchecked(
                 self.client.model,
                 shard.shard_id,
                 piece,
@@ -83,7 +82,7 @@ class Model:
         for shard in self.plan:
             ack = self.client.push(
                 shard,
-                Push.build(
+                Push.unchecked(
                     self.client.model, shard.shard_id, NOTHING, step=step, kind=ps_pb2.APPLY, parts=parts, **settings
                 ),
             )
@@ -95,12 +94,11 @@ class Model:
             piece = _view(sent[shard.offset : shard.end])
             ack = self.client.push(
                 shard,
-                Push.build(
+                Push.gradient(
                     self.client.model,
                     shard.shard_id,
                     piece,
                     step=step,
-                    kind=ps_pb2.GRADIENT,
                     encoding=encoding,
                     **settings,
                 ),
@@ -269,7 +267,7 @@ def test_bad_parts_and_applies_are_refused_and_change_nothing(daemons, transport
             "data", _view(onebit if push["encoding"] == ps_pb2.ONEBIT else sent[1][shard.offset : shard.end])
         )
         with pytest.raises(DaemonError) as info:
-            model.client.push(shard, Push.build(model.client.model, shard.shard_id, data, **push))
+            model.client.push(shard, Push.unchecked(model.client.model, shard.shard_id, data, **push))
         assert info.value.code == code, f"{case}: {info.value}"
         assert words in str(info.value) and "shard 0" in str(info.value), f"{case}: {info.value}"
         after = model.pulled()
@@ -296,7 +294,7 @@ def test_an_apply_check_applies_nothing(daemons, transport):
     for shard in model.plan:
         ack = model.client.push(
             shard,
-            Push.build(
+            Push.unchecked(
                 model.client.model,
                 shard.shard_id,
                 NOTHING,
@@ -315,7 +313,7 @@ def test_an_apply_check_applies_nothing(daemons, transport):
     model.matches_reference(1, "after the check and the APPLY")
     ack = model.client.push(
         model.plan[0],
-        Push.build(
+        Push.unchecked(
             model.client.model, model.plan[0].shard_id, NOTHING, step=0, kind=ps_pb2.APPLY, parts=2, check_only=True
         ),
     )
@@ -366,7 +364,7 @@ def test_apply_is_committed_on_nvme_and_survives_a_restart(daemon_factory, monke
     with pytest.raises(DaemonError) as info:
         model.client.push(
             model.plan[0],
-            Push.build(model.client.model, model.plan[0].shard_id, NOTHING, step=1, kind=ps_pb2.APPLY, parts=2),
+            Push.unchecked(model.client.model, model.plan[0].shard_id, NOTHING, step=1, kind=ps_pb2.APPLY, parts=2),
         )
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "holds 0 parts of that step (none:" in str(info.value), str(info.value)

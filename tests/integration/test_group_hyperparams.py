@@ -24,6 +24,7 @@ import torch
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.daemon_client import DaemonClient
@@ -89,9 +90,7 @@ def test_group_settings_each_step_match_torch_fused(daemons, transport):
         for shard in plan:
             client.push(
                 shard,
-                Push.build(
-                    client.model, shard.shard_id, _view(flat[shard.offset : shard.end]), step=0, kind=ps_pb2.PARAMETERS
-                ),
+                Push.parameters(client.model, shard.shard_id, _view(flat[shard.offset : shard.end]), step=0),
             )
         steps = 4
         for step in range(steps):
@@ -106,12 +105,11 @@ def test_group_settings_each_step_match_torch_fused(daemons, transport):
             for shard in plan:
                 client.push(
                     shard,
-                    Push.build(
+                    Push.gradient(
                         client.model,
                         shard.shard_id,
                         _view(sent[shard.offset : shard.end]),
                         step=step,
-                        kind=ps_pb2.GRADIENT,
                         encoding=encoding,
                         groups=proto_groups(kind, step),
                         grad_multiplier=multiplier,
@@ -160,7 +158,7 @@ class GroupModel:
 
     def _push(self, transport, shard: ShardSlice, *, data: torch.Tensor, **push) -> ps_pb2.PushResponse:
         piece = _view(data[shard.offset : shard.end])
-        return transport.push(Push.build(self.name, shard.shard_id, piece, **push), timeout=30)
+        return transport.push(Push.unchecked(self.name, shard.shard_id, piece, **push), timeout=30)
 
     def step(self, step: int) -> None:
         grads = gradients(step)
@@ -181,7 +179,7 @@ class GroupModel:
         for tensor in TENSORS:
             out = torch.empty(SHARD_NUMEL)
             versions.append(
-                self.client.pull_into(self.name, 0, min_version=0, out=_view(out), timeout=10, tensor=tensor)
+                self.client.pull_into(Pull.of(self.name, 0, min_version=0, tensor=tensor), out=_view(out), timeout=10)
             )
             tensors.append(out)
         return versions, tensors
@@ -204,8 +202,8 @@ class GroupModel:
             pulled = torch.empty(self.plan[-1].end)
             for shard in self.plan:
                 out = _view(pulled[shard.offset : shard.end])
-                assert self.client.pull_into(self.name, shard.shard_id, min_version=version, out=out, timeout=10,
-                                             tensor=tensor) == version  # fmt: skip
+                pull = Pull.of(self.name, shard.shard_id, min_version=version, tensor=tensor)
+                assert self.client.pull_into(pull, out=out, timeout=10) == version
             assert torch.equal(pulled, self.reference.flat(state)), ps_pb2.ShardTensor.Name(tensor)
 
     def close(self) -> None:

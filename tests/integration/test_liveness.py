@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.daemon_client import DaemonClient
@@ -64,7 +65,7 @@ def _until(predicate, what: str, client: DaemonClient) -> None:
 def _initialize(client: DaemonClient) -> None:
     client.register(_spec(), 0, timeout=10)
     for shard_id, n in enumerate((1024, 1024, 952)):
-        client.push(Push.build("m", shard_id, _bytes(torch.ones(n)), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+        client.push(Push.parameters("m", shard_id, _bytes(torch.ones(n)), step=0), timeout=10)
 
 
 @pytest.mark.slow
@@ -95,8 +96,8 @@ def test_waiting_pulls_are_bounded_refused_past_the_bound_and_freed_by_their_cal
     health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     out = torch.empty(1024)
-    assert client.pull_into("m", 1, min_version=0, out=_bytes(out), timeout=10) == 0
-    ack = client.push(Push.build("m", 1, _bytes(torch.ones(1024)), step=0, kind=ps_pb2.GRADIENT), timeout=10)
+    assert client.pull_into(Pull.of("m", 1, min_version=0), out=_bytes(out), timeout=10) == 0
+    ack = client.push(Push.gradient("m", 1, _bytes(torch.ones(1024)), step=0), timeout=10)
     assert ack.applied
     # The waiting callers leave: each wait ends at once and its slot is free again.
     waiting = [p for p in pullers if p.code is None]
@@ -109,7 +110,7 @@ def test_waiting_pulls_are_bounded_refused_past_the_bound_and_freed_by_their_cal
     # Room for as many waiting pulls as before, and a push that makes their version wakes them.
     again = [Puller(stub, min_version=1, done=ended) for _ in range(limit)]
     _until(lambda s: s.pulls_waiting == limit, "the new pulls waiting", client)
-    ack = client.push(Push.build("m", 0, _bytes(torch.ones(1024)), step=0, kind=ps_pb2.GRADIENT), timeout=10)
+    ack = client.push(Push.gradient("m", 0, _bytes(torch.ones(1024)), step=0), timeout=10)
     assert ack.applied and ack.version == 1
     for p in again:
         p.thread.join(timeout=60)
@@ -144,7 +145,7 @@ def test_a_trainers_pull_refused_for_waiting_is_retried_until_there_is_room(daem
     _until(lambda s: s.pulls_refused_waiting >= 2, "the trainer's pull refused, and refused again", client)
     for hog in hogs:
         hog.call.cancel()
-    ack = client.push(Push.build("m", 0, _bytes(torch.ones(1024)), step=0, kind=ps_pb2.GRADIENT), timeout=10)
+    ack = client.push(Push.gradient("m", 0, _bytes(torch.ones(1024)), step=0), timeout=10)
     assert ack.applied
     pulling.join(timeout=60)
     assert got == [1]

@@ -30,6 +30,7 @@ from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import frame, recv_message, send_message
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.wire.daemon_client import DaemonClient
@@ -60,7 +61,7 @@ def _register(address: str, model: str, **config) -> ShardedClient:
     client = ShardedClient([address], config=trainer.ClientConfig(**({"transport": "local"} | config)))
     for shard in client.register(_spec(model)):
         ones = torch.ones(shard.numel)
-        client.push(shard, Push.build(model, shard.shard_id, _bytes(ones), step=0, kind=ps_pb2.PARAMETERS))
+        client.push(shard, Push.parameters(model, shard.shard_id, _bytes(ones), step=0))
     return client
 
 
@@ -78,7 +79,9 @@ def _grpc_pull(address: str, model: str, shard_id: int = 0, dtype: int = ps_pb2.
     client = DaemonClient(address, max_message_bytes=8 << 20)
     try:
         out = bytearray(NUMEL * (2 if dtype == ps_pb2.BFLOAT16 else 4))
-        version = client.pull_into(model, shard_id, min_version=0, out=memoryview(out), timeout=30, dtype=dtype)
+        version = client.pull_into(
+            Pull.of(model, shard_id, min_version=0, dtype=dtype), out=memoryview(out), timeout=30
+        )
         return version, bytes(out)
     finally:
         client.close()
@@ -121,7 +124,7 @@ def test_a_bf16_pull_through_the_slot_equals_the_data_plane_one(daemon):
         assert type(client.transports[0]) is LocalClient and type(tcp.transports[0]) is DataPlaneClient
         shard = client.plan[0]
         grad = torch.linspace(-3, 3, NUMEL) * 1e-3
-        client.push(shard, Push.build(model, 0, _bytes(grad), step=0, kind=ps_pb2.GRADIENT))
+        client.push(shard, Push.gradient(model, 0, _bytes(grad), step=0))
         local_out, tcp_out = torch.empty(NUMEL, dtype=torch.bfloat16), torch.empty(NUMEL, dtype=torch.bfloat16)
         for client_, out in ((client, local_out), (tcp, tcp_out)):
             view = memoryview(out.view(torch.int16).numpy()).cast("B")
@@ -142,15 +145,17 @@ def test_a_pull_waits_for_its_version_up_to_its_deadline(daemon):
     assert type(local) is LocalClient
     out = torch.empty(NUMEL)
     with pytest.raises(DataPlaneError) as info:
-        local.pull_into(model, 0, min_version=1, out=_bytes(out), timeout=0.5)
+        local.pull_into(Pull.of(model, 0, min_version=1), out=_bytes(out), timeout=0.5)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     pulled = {}
     waiter = threading.Thread(
-        target=lambda: pulled.update(version=local.pull_into(model, 0, min_version=1, out=_bytes(out), timeout=120))
+        target=lambda: pulled.update(
+            version=local.pull_into(Pull.of(model, 0, min_version=1), out=_bytes(out), timeout=120)
+        )
     )
     waiter.start()
     # The push takes another connection of the pool while the pull waits on its own.
-    client.push(client.plan[0], Push.build(model, 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT))
+    client.push(client.plan[0], Push.gradient(model, 0, _bytes(torch.ones(NUMEL)), step=0))
     waiter.join(180)
     assert pulled == {"version": 1} and torch.equal(out, torch.full((NUMEL,), 1 - 0.1, dtype=torch.float32))
     client.close()
@@ -300,7 +305,7 @@ def test_a_trainer_killed_mid_write_leaves_the_shard_unchanged(daemon):
     model = "killed"
     client = _register(daemon.address, model)
     shard = client.plan[0]
-    client.push(shard, Push.build(model, 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT))
+    client.push(shard, Push.gradient(model, 0, _bytes(torch.ones(NUMEL)), step=0))
     before = _grpc_pull(daemon.address, model)
     assert before[0] == 1
     mapped = _slot_maps(daemon)
@@ -318,11 +323,11 @@ def test_a_trainer_killed_mid_write_leaves_the_shard_unchanged(daemon):
     _until(lambda: _slot_maps(daemon) == mapped, "the dead trainer's slot unmapped")
     assert _grpc_pull(daemon.address, model) == before
     # Still serving: the next step goes through the slot and applies once.
-    ack = client.push(shard, Push.build(model, 0, _bytes(torch.ones(NUMEL)), step=1, kind=ps_pb2.GRADIENT))
+    ack = client.push(shard, Push.gradient(model, 0, _bytes(torch.ones(NUMEL)), step=1))
     assert ack.applied and ack.version == 2
     after = _grpc_pull(daemon.address, model)
     # A resent step (other bytes in the slot now): acknowledged, nothing applied.
-    ack = client.push(shard, Push.build(model, 0, _bytes(torch.full((NUMEL,), 9.0)), step=1, kind=ps_pb2.GRADIENT))
+    ack = client.push(shard, Push.gradient(model, 0, _bytes(torch.full((NUMEL,), 9.0)), step=1))
     assert not ack.applied and ack.version == 2
     assert _grpc_pull(daemon.address, model) == after
     client.close()
@@ -376,7 +381,7 @@ def test_a_push_larger_than_the_slot_is_invalid_argument_and_changes_nothing(dae
     _register(daemon.address, model).close()
     with _raw(_endpoint(daemon.address), slot_bytes=SLOT // 2) as (sock, slot):
         assert recv_message(sock, ps_pb2.DataResponse).code == 0  # the slot is taken
-        header = Push.build(model, 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT).header
+        header = Push.gradient(model, 0, _bytes(torch.ones(NUMEL)), step=0).header
         in_slot = ps_pb2.LocalRef(window=0, offset=0, nbytes=SLOT)
         send_message(sock, ps_pb2.DataRequest(push=header, local=in_slot))
         answer = recv_message(sock, ps_pb2.DataResponse)
@@ -410,7 +415,7 @@ def test_the_token_is_checked_on_every_local_request(daemon_factory, tmp_path):
     endpoint = client.transports[0].endpoint
     plain = LocalClient(endpoint, slot_bytes=SLOT, max_connections=1)
     with pytest.raises(DataPlaneError) as info:
-        plain.pull_into("tokens", 0, min_version=0, out=_bytes(out), timeout=10)
+        plain.pull_into(Pull.of("tokens", 0, min_version=0), out=_bytes(out), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     plain.close()
 
@@ -422,7 +427,7 @@ def test_stopping_the_daemon_closes_its_local_connections(daemon_factory):
     assert type(local) is LocalClient
     assert daemon.stop() == 0
     with pytest.raises(DataPlaneError) as info:
-        local.pull_into("stopping", 0, min_version=0, out=_bytes(torch.empty(NUMEL)), timeout=10)
+        local.pull_into(Pull.of("stopping", 0, min_version=0), out=_bytes(torch.empty(NUMEL)), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     client.close()
 
@@ -440,7 +445,8 @@ def test_a_restarted_daemon_is_reattached_through_its_new_endpoint(tmp_path):
         before = client.transports[0]
         assert type(before) is LocalClient
         shard = client.plan[0]
-        assert client.send(shard, _bytes(torch.full((shard.numel,), 0.5)), step=0, kind=ps_pb2.GRADIENT).applied
+        push = Push.gradient(client.model, shard.shard_id, _bytes(torch.full((shard.numel,), 0.5)), step=0)
+        assert client.push(shard, push).applied
         committed = torch.empty(shard.numel)
         assert client.pull(shard, min_version=1, out=_bytes(committed)) == 1
         first.process.send_signal(signal.SIGKILL)

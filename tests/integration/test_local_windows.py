@@ -25,6 +25,7 @@ from ps_offload.daemon.dataplane.local_pool import MAX_WINDOWS_PER_CLIENT
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import frame, recv_message, send_message
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.proto.shared_memory import sealed_memfd
 from ps_offload.trainer.io.device import byte_view
@@ -140,11 +141,11 @@ def test_a_push_is_read_in_place_and_leaves_the_gradient_as_it_was(daemon):
     shard = client.plan[0]
     grad = client.shared_host_tensor(NUMEL, torch.float32)
     assert grad is not None
-    client.send(shard, byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.PARAMETERS)
+    client.push(shard, Push.parameters(client.model, shard.shard_id, byte_view(torch.ones(NUMEL))))
     grad.copy_(torch.linspace(-1, 1, NUMEL))
     kept = grad.clone()
     copied = _local(client).bytes_copied
-    assert client.send(shard, byte_view(grad), step=0, kind=ps_pb2.GRADIENT).applied
+    assert client.push(shard, Push.gradient(client.model, shard.shard_id, byte_view(grad), step=0)).applied
     assert _local(client).bytes_copied == copied  # read where it lies
     assert torch.equal(grad, kept)
     expected = torch.nn.Parameter(torch.ones(NUMEL))  # the daemon's step: torch's fused SGD
@@ -163,7 +164,7 @@ def test_a_bf16_pull_is_rounded_into_place_as_the_data_plane_rounds_it(daemon, o
     client = _client(daemon.address, model)
     shard = client.plan[1]
     values = torch.randn(NUMEL, generator=torch.Generator().manual_seed(3))
-    client.send(shard, byte_view(values), step=0, kind=ps_pb2.PARAMETERS)
+    client.push(shard, Push.parameters(client.model, shard.shard_id, byte_view(values)))
     window = client.shared_host_tensor(NUMEL + 1, torch.bfloat16)
     assert window is not None
     target = window[offset : offset + NUMEL]
@@ -191,17 +192,19 @@ def test_a_bad_reference_is_invalid_argument_and_changes_nothing(daemon, ref, me
     model = f"bad-ref-{ref['window']}-{ref['nbytes']}"
     client = _client(daemon.address, model)
     shard = client.plan[0]
-    client.send(shard, byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.PARAMETERS)
+    client.push(shard, Push.parameters(client.model, shard.shard_id, byte_view(torch.ones(NUMEL))))
     assert client.shared_host_tensor(NUMEL, torch.float32) is not None  # window 1
     before = _grpc_pull(daemon.address, model, 0)
     local = _local(client)
-    header = Push.build(model, 0, byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT).header
+    header = Push.gradient(model, 0, byte_view(torch.ones(NUMEL)), step=0).header
     with local._connection(30, fence=False) as conn:
         send_message(conn.sock, ps_pb2.DataRequest(push=header, local=ps_pb2.LocalRef(**ref)))
         answer = recv_message(conn.sock, ps_pb2.DataResponse)
     assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and message in answer.message, answer.message
     assert _grpc_pull(daemon.address, model, 0) == before
-    assert client.send(shard, byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT).applied  # still serving
+    assert client.push(
+        shard, Push.gradient(client.model, shard.shard_id, byte_view(torch.ones(NUMEL)), step=0)
+    ).applied  # still serving
     client.close()
 
 
@@ -223,7 +226,7 @@ def test_a_bad_pull_into_is_invalid_argument_and_changes_nothing(daemon, pull_in
     model = f"bad-pull-into-{pull_into['window']}-{pull_into['offset']}-{pull_into['nbytes']}-{kind}"
     client = _client(daemon.address, model)
     shard = client.plan[0]
-    client.send(shard, byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.PARAMETERS)
+    client.push(shard, Push.parameters(client.model, shard.shard_id, byte_view(torch.ones(NUMEL))))
     target = client.shared_host_tensor(NUMEL, torch.float32)  # window 1
     grad = client.shared_host_tensor(NUMEL, torch.float32)  # window 2: the payload
     assert target is not None and grad is not None
@@ -232,7 +235,7 @@ def test_a_bad_pull_into_is_invalid_argument_and_changes_nothing(daemon, pull_in
     before = _grpc_pull(daemon.address, model, 0)
     local = _local(client)
     kinds = {"gradient": ps_pb2.GRADIENT, "parameters": ps_pb2.PARAMETERS}
-    push = Push.build(model, 0, byte_view(grad), step=0, kind=kinds[kind])
+    push = Push.unchecked(model, 0, byte_view(grad), step=0, kind=kinds[kind])
     request = ps_pb2.DataRequest(push=push.header, local=local._ref(byte_view(grad)), pull_dtype=ps_pb2.FLOAT32)
     request.pull_into.CopyFrom(ps_pb2.LocalRef(**pull_into))
     with local._connection(30, fence=False) as conn:
@@ -240,7 +243,7 @@ def test_a_bad_pull_into_is_invalid_argument_and_changes_nothing(daemon, pull_in
         answer = recv_message(conn.sock, ps_pb2.DataResponse)
     assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and message in answer.message, answer.message
     assert _grpc_pull(daemon.address, model, 0) == before and torch.equal(target, torch.full((NUMEL,), 5.0))
-    ack = client.send(shard, byte_view(grad), step=0, kind=ps_pb2.GRADIENT)  # still serving
+    ack = client.push(shard, Push.gradient(client.model, shard.shard_id, byte_view(grad), step=0))  # still serving
     assert ack.applied and not ack.pulled
     client.close()
 
@@ -297,14 +300,16 @@ assert window is not None
 print("attached", flush=True)
 while True:  # SIGKILLed in the middle of one of these
     client.pull(plan[0], min_version=0, out=byte_view(window))
-    client.send(plan[0], byte_view(window), step=0, kind=ps_pb2.PARAMETERS)
+    client.push(plan[0], Push.parameters(client.model, plan[0].shard_id, byte_view(window)))
 """
 
 
 def test_a_trainer_killed_mid_request_has_its_windows_reclaimed(daemon):
     model = "reclaimed"
     client = _client(daemon.address, model)
-    client.send(client.plan[0], byte_view(torch.full((NUMEL,), 2.0)), step=0, kind=ps_pb2.PARAMETERS)
+    client.push(
+        client.plan[0], Push.parameters(client.model, client.plan[0].shard_id, byte_view(torch.full((NUMEL,), 2.0)))
+    )
     maps, used = _window_maps(daemon), _stats(daemon.address).local_pool_bytes_used
     looping = subprocess.Popen(
         [sys.executable, "-c", _LOOPING_TRAINER, daemon.address, model], stdout=subprocess.PIPE, text=True
@@ -334,7 +339,7 @@ def test_a_restarted_daemon_gets_the_windows_again(tmp_path):
         shard = client.plan[0]
         window = client.shared_host_tensor(NUMEL, torch.float32)
         window.fill_(0.25)
-        assert client.send(shard, byte_view(window), step=0, kind=ps_pb2.PARAMETERS).applied
+        assert client.push(shard, Push.parameters(client.model, shard.shard_id, byte_view(window))).applied
         first.process.send_signal(signal.SIGKILL)
         first.process.wait()
         second = LocalDaemon(tmp_path / "second", "--nvme-dir", nvme, "--listen", f"127.0.0.1:{first.port}")
@@ -364,10 +369,10 @@ def test_a_request_the_daemon_never_finishes_stops_the_trainer(daemon_factory, m
     daemon.process.send_signal(signal.SIGSTOP)
     try:
         with pytest.raises(DataPlaneError) as info:
-            local.pull_into("fenced", shard.shard_id, min_version=0, out=byte_view(window), timeout=0.5)
+            local.pull_into(Pull.of("fenced", shard.shard_id, min_version=0), out=byte_view(window), timeout=0.5)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         with pytest.raises(LocalFenceError, match="did not finish a failed request"):
-            local.pull_into("fenced", shard.shard_id, min_version=0, out=byte_view(window), timeout=10)
+            local.pull_into(Pull.of("fenced", shard.shard_id, min_version=0), out=byte_view(window), timeout=10)
     finally:
         daemon.process.send_signal(signal.SIGCONT)
     client.close()
@@ -379,7 +384,7 @@ def test_a_request_the_daemon_never_finishes_stops_the_trainer(daemon_factory, m
 def test_stats_say_which_path_each_client_uses(daemon, tmp_path):
     local = _client(daemon.address, "paths")
     assert local.shared_host_tensor(NUMEL, torch.float32) is not None
-    local.send(local.plan[0], byte_view(torch.ones(NUMEL)), step=0, kind=ps_pb2.PARAMETERS)
+    local.push(local.plan[0], Push.parameters(local.model, local.plan[0].shard_id, byte_view(torch.ones(NUMEL))))
     tcp = _client(daemon.address, "paths", transport="tcp")
     over_grpc = _client(daemon.address, "paths", transport="grpc")
     out = torch.empty(NUMEL)

@@ -17,6 +17,7 @@ from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.tiers.nvme import PAGE
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
+from ps_offload.proto.pull import Pull
 from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from tests.integration.test_admin_verify import committed_slot
@@ -75,7 +76,7 @@ def _evict_all(address: str, shards: int) -> None:
 def _pull(client: DaemonClient, placement, dtype=ps_pb2.FLOAT32) -> tuple[torch.Tensor, int]:
     values = torch.empty(placement.numel, dtype=torch.float32 if dtype == ps_pb2.FLOAT32 else torch.bfloat16)
     out = memoryview(values.view(torch.uint8).numpy())
-    version = client.pull_into(MODEL, placement.shard_id, min_version=0, out=out, timeout=10, dtype=dtype)
+    version = client.pull_into(Pull.of(MODEL, placement.shard_id, min_version=0, dtype=dtype), out=out, timeout=10)
     return values, version
 
 

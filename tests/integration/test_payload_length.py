@@ -20,6 +20,7 @@ import torch
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import frame, recv_message, send_message
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
@@ -58,11 +59,11 @@ def model(daemon_address):
         daemons=["d0"],
     )
     response = client.register(spec, 0, timeout=10)
-    client.push(Push.build(name, 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.PARAMETERS), timeout=10)
-    client.push(Push.build(name, 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT), timeout=10)
+    client.push(Push.parameters(name, 0, _bytes(torch.ones(NUMEL)), step=0), timeout=10)
+    client.push(Push.gradient(name, 0, _bytes(torch.ones(NUMEL)), step=0), timeout=10)
     yield name, client, response
     out = torch.empty(NUMEL)
-    assert client.pull_into(name, 0, min_version=0, out=_bytes(out), timeout=10) == 1  # nothing applied
+    assert client.pull_into(Pull.of(name, 0, min_version=0), out=_bytes(out), timeout=10) == 1  # nothing applied
     assert torch.equal(out, torch.full((NUMEL,), STEPPED))
     client.close()
 
@@ -70,7 +71,7 @@ def model(daemon_address):
 def _mismatched(name: str, extra: int) -> Push:
     """Step 1's gradient push whose header announces NUMEL * 4 bytes and whose payload has
     `extra` more (fewer, if negative), as a client with a bug would send it."""
-    header = Push.build(name, 0, _bytes(torch.ones(NUMEL)), step=1, kind=ps_pb2.GRADIENT).header
+    header = Push.gradient(name, 0, _bytes(torch.ones(NUMEL)), step=1).header
     return Push(header, memoryview(bytes(NUMEL * 4 + extra)))
 
 
@@ -96,7 +97,7 @@ def test_data_plane(model, extra):
         details = _refused(lambda: data.push(_mismatched(name, extra), timeout=10))
         assert f"announces 4096 payload bytes and {4096 + extra} followed it; nothing applied" in details
         # The connection it came on was closed by the daemon; the next push takes another.
-        ack = data.push(Push.build(name, 0, _bytes(torch.ones(NUMEL)), step=0, kind=ps_pb2.GRADIENT), timeout=10)
+        ack = data.push(Push.gradient(name, 0, _bytes(torch.ones(NUMEL)), step=0), timeout=10)
         assert not ack.applied and ack.version == 1
     finally:
         data.close()

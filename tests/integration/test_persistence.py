@@ -20,6 +20,7 @@ from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.tiers.direct_io import FAULT_ENV
 from ps_offload.daemon.tiers.nvme import PAGE, SlotHeader
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.wire.daemon_client import DaemonClient
@@ -173,14 +174,14 @@ def test_flipped_byte_is_data_loss_for_that_shard_only(tmp_path):
         client = DaemonClient(second.address, max_message_bytes=8 << 20)
         out = memoryview(bytearray(plan[1].numel * 4))
         with pytest.raises(grpc.RpcError) as info:
-            client.pull_into("model", 1, min_version=0, out=out, timeout=5)
+            client.pull_into(Pull.of("model", 1, min_version=0), out=out, timeout=5)
         assert info.value.code() == grpc.StatusCode.DATA_LOSS and "shard 1" in info.value.details()
         assert "shard 1 of model 'model' is corrupt" in second.log()
         with pytest.raises(grpc.RpcError) as again:  # and stays refused
-            client.pull_into("model", 1, min_version=0, out=out, timeout=5)
+            client.pull_into(Pull.of("model", 1, min_version=0), out=out, timeout=5)
         assert again.value.code() == grpc.StatusCode.DATA_LOSS
         good = memoryview(bytearray(plan[0].numel * 4))
-        assert client.pull_into("model", 0, min_version=0, out=good, timeout=5) == 3
+        assert client.pull_into(Pull.of("model", 0, min_version=0), out=good, timeout=5) == 3
         client.close()
     finally:
         second.kill()
@@ -202,17 +203,17 @@ def test_full_disk_fails_the_push_and_keeps_the_last_good_version(tmp_path, monk
         client.register(spec, 0, timeout=10)
         ones = memoryview(torch.ones(1024).numpy()).cast("B")
         for shard_id in range(3):
-            client.push(Push.build("m", shard_id, ones, step=0, kind=ps_pb2.PARAMETERS), timeout=5)
-        assert client.push(Push.build("m", 0, ones, step=0, kind=ps_pb2.GRADIENT), timeout=5).version == 1
+            client.push(Push.parameters("m", shard_id, ones, step=0), timeout=5)
+        assert client.push(Push.gradient("m", 0, ones, step=0), timeout=5).version == 1
         with pytest.raises(grpc.RpcError) as info:
-            client.push(Push.build("m", 1, ones, step=0, kind=ps_pb2.GRADIENT), timeout=5)
+            client.push(Push.gradient("m", 1, ones, step=0), timeout=5)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "full" in info.value.details() and "keeps version 0" in info.value.details()
         out = torch.empty(1024)
-        assert client.pull_into("m", 1, min_version=0, out=memoryview(out.numpy()).cast("B"), timeout=5) == 0
+        assert client.pull_into(Pull.of("m", 1, min_version=0), out=memoryview(out.numpy()).cast("B"), timeout=5) == 0
         assert torch.equal(out, torch.ones(1024))  # the failed update is not visible
         out0 = torch.empty(1024)
-        assert client.pull_into("m", 0, min_version=1, out=memoryview(out0.numpy()).cast("B"), timeout=5) == 1
+        assert client.pull_into(Pull.of("m", 0, min_version=1), out=memoryview(out0.numpy()).cast("B"), timeout=5) == 1
         assert torch.equal(out0, torch.full((1024,), 0.5))  # the good one is
         client.close()
     finally:

@@ -98,20 +98,13 @@ def served(tmp_path_factory):
             plan = client.register(_spec(model))
             for shard in plan:
                 values = INITIAL[shard.offset : shard.offset + shard.numel].clone()
-                ack = client.push(
-                    shard, Push.build(client.model, shard.shard_id, _view(values), step=0, kind=ps_pb2.PARAMETERS)
-                )
+                ack = client.push(shard, Push.parameters(client.model, shard.shard_id, _view(values), step=0))
                 assert ack.applied and ack.version == 0
         gradient = torch.randn(TOTAL, generator=torch.Generator().manual_seed(1))
         stepped = torch.empty(TOTAL)
         for shard in plan:  # "stepped", the last registered
             grad = gradient[shard.offset : shard.offset + shard.numel].clone()
-            assert (
-                client.push(
-                    shard, Push.build(client.model, shard.shard_id, _view(grad), step=0, kind=ps_pb2.GRADIENT)
-                ).version
-                == 1
-            )
+            assert client.push(shard, Push.gradient(client.model, shard.shard_id, _view(grad), step=0)).version == 1
             out = stepped[shard.offset : shard.offset + shard.numel]
             assert client.pull(shard, min_version=1, out=_view(out)) == 1
         assert not torch.equal(stepped.view(torch.int32), INITIAL.view(torch.int32))

@@ -167,6 +167,7 @@ def _lose_for_good(daemon, directory):
 def test_every_replica_of_a_shard_on_its_daemons_holds_the_same_bits(daemon_factory, tmp_path):
     """After training, each shard's master and AdamW state are equal on both holders."""
     from ps_offload.proto import ps_pb2
+    from ps_offload.proto.pull import Pull
 
     model, batches = _case()
     daemons, _ = _nvme_daemons(daemon_factory, tmp_path)
@@ -183,7 +184,9 @@ def test_every_replica_of_a_shard_on_its_daemons_holds_the_same_bits(daemon_fact
                 for index in shard.holders:
                     out = bytearray(shard.numel * 4)
                     version = client.transports[index].pull_into(
-                        client.model, shard.shard_id, min_version=0, out=memoryview(out), timeout=30, tensor=tensor
+                        Pull.of(client.model, shard.shard_id, min_version=0, tensor=tensor),
+                        out=memoryview(out),
+                        timeout=30,
                     )
                     copies.append((version, bytes(out)))
                 assert copies[0] == copies[1], f"shard {shard.shard_id} tensor {tensor}: the replicas differ"

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ps_offload import trainer
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.wire.daemon_client import DaemonClient, DaemonError
@@ -121,7 +122,9 @@ def test_training_over_tls_on_both_transports_and_plaintext_refused(daemon_facto
     assert len(port) == 3
     data_port = _register_port(daemon.address, secure)
     plain = DataPlaneClient("127.0.0.1", data_port, max_connections=1)
-    code, _ = _code(lambda: plain.pull_into("m-tcp", 0, min_version=0, out=memoryview(bytearray(4096)), timeout=5))
+    code, _ = _code(
+        lambda: plain.pull_into(Pull.of("m-tcp", 0, min_version=0), out=memoryview(bytearray(4096)), timeout=5)
+    )
     assert code == grpc.StatusCode.UNAVAILABLE
     assert daemon.process.poll() is None
 
@@ -168,8 +171,8 @@ def test_mutual_tls_refuses_clients_without_a_certificate_or_with_another_cas(da
             _train(daemon.address, refused)
         assert info.value.code == grpc.StatusCode.UNAVAILABLE and "If it uses TLS" in str(info.value)
         plane = DataPlaneClient("127.0.0.1", data_port, max_connections=1, security=refused)
-        code, details = _code(lambda p=plane: p.pull_into("m", 0, min_version=0, out=memoryview(bytearray(512)),
-                                                         timeout=5))  # fmt: skip
+        out = memoryview(bytearray(512))
+        code, details = _code(lambda p=plane, o=out: p.pull_into(Pull.of("m", 0, min_version=0), out=o, timeout=5))
         assert code == grpc.StatusCode.UNAVAILABLE, details
     # A client that trusts another CA refuses the daemon.
     code, _ = _code(lambda: _health(daemon.address, ClientSecurity(ca_file=pki["other_ca"])))
@@ -216,7 +219,7 @@ def test_token_on_every_call_covers_the_data_plane_and_spares_health(daemon_fact
     for security, expected in ((plain, grpc.StatusCode.UNAUTHENTICATED), (wrong, grpc.StatusCode.PERMISSION_DENIED)):
         plane = DataPlaneClient("127.0.0.1", data_port, max_connections=1, security=security)
         out = memoryview(bytearray(2048))
-        code, details = _code(lambda p=plane, o=out: p.pull_into("m", 0, min_version=0, out=o, timeout=5))
+        code, details = _code(lambda p=plane, o=out: p.pull_into(Pull.of("m", 0, min_version=0), out=o, timeout=5))
         assert code == expected, details
     assert daemon.process.poll() is None
 

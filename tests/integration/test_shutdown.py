@@ -9,6 +9,7 @@ import grpc
 import torch
 
 from ps_offload.proto import codec, ps_pb2, ps_pb2_grpc
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 
@@ -27,7 +28,7 @@ def test_sigterm_finishes_in_flight_push_and_exits_zero(daemon_factory, notifica
     )
     client.register(spec, 0, timeout=10)
     values = memoryview(torch.zeros(NUMEL).numpy()).cast("B")
-    client.push(Push.build("m", 0, values, step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+    client.push(Push.parameters("m", 0, values, step=0), timeout=10)
 
     header = ps_pb2.PushHeader(
         model="m",
@@ -67,7 +68,7 @@ def test_sigterm_finishes_in_flight_push_and_exits_zero(daemon_factory, notifica
     assert "received SIGTERM" in daemon.log() and "stopped" in daemon.log()
     # The daemon is gone: new calls fail as unreachable, they do not hang.
     try:
-        client.pull_into("m", 0, min_version=0, out=memoryview(bytearray(NUMEL * 4)), timeout=3)
+        client.pull_into(Pull.of("m", 0, min_version=0), out=memoryview(bytearray(NUMEL * 4)), timeout=3)
         raise AssertionError("pull succeeded after shutdown")
     except grpc.RpcError as error:
         assert error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -254,7 +254,7 @@ def test_bad_state_pushes_are_refused_and_change_nothing(tmp_path):
         def state(*, v: float = 1.0, values: int = 3 * n, step: int = 5):
             data = torch.ones(values)
             data[2 * n :] = v
-            return client.push(Push.build("m", 0, _bytes(data), step=step, kind=ps_pb2.STATE), timeout=10)
+            return client.push(Push.state("m", 0, _bytes(data), step=step), timeout=10)
 
         for call, code, words in (
             (
@@ -273,7 +273,7 @@ def test_bad_state_pushes_are_refused_and_change_nothing(tmp_path):
 
         assert state().applied and not state().applied  # applied, then a duplicate
         assert admin_json("shard", "0", "--model", "m", "--daemon", daemon.address)["version"] == 5
-        client.push(Push.build("m", 0, _bytes(torch.ones(n)), step=5, kind=ps_pb2.GRADIENT), timeout=10)
+        client.push(Push.gradient("m", 0, _bytes(torch.ones(n)), step=5), timeout=10)
         with pytest.raises(grpc.RpcError) as info:
             state(step=2)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "has had 6 updates" in info.value.details()

@@ -121,7 +121,7 @@ def _register(address: str) -> DaemonClient:
     client.register(spec, 0, timeout=10)
     values = memoryview(torch.ones(SHARD_BYTES // 4).numpy()).cast("B")
     for shard_id in (0, 1):
-        client.push(Push.build("m", shard_id, values, step=0, kind=ps_pb2.PARAMETERS), timeout=10)
+        client.push(Push.parameters("m", shard_id, values, step=0), timeout=10)
     return client
 
 

@@ -18,6 +18,7 @@ import torch
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.proto.push import Push
 from ps_offload.trainer.io.device import PullTarget, ShardMover, byte_view
 from ps_offload.trainer.io.push_compression import PushCompressor
 from ps_offload.trainer.wire.sharded_client import ShardedClient
@@ -121,7 +122,7 @@ class ShardIO:
         # The daemons' master starts as the compute copy widened to fp32 (exact), on the host.
         with self.mover.host_copy(values, shard, after) as host:
             piece = host.to(torch.float32)
-            self.client.send(shard, byte_view(piece), step=0, kind=ps_pb2.PARAMETERS)
+            self.client.push(shard, Push.parameters(self.client.model, shard.shard_id, byte_view(piece)))
 
     def run_all(self, fn: Callable[[ShardSlice], object]) -> list:
         futures = [self.pool.submit(fn, s) for s in self.plan]
@@ -144,10 +145,11 @@ class ShardIO:
     ) -> ps_pb2.PushResponse:
         groups, multiplier = expected if expected is not None else ((), None)
         with self.mover.host_view(grads, shard, after) as data:
-            ack = self.client.send(
-                shard, data, step=step, kind=ps_pb2.GRADIENT_PART, encoding=self.mover.gradient_encoding, part=0,
-                speculate=expected is not None, groups=groups, grad_multiplier=multiplier,
+            push = Push.gradient_part(
+                self.client.model, shard.shard_id, data, step=step, part=0, encoding=self.mover.gradient_encoding,
+                speculate=expected,
             )  # fmt: skip
+            ack = self.client.push(shard, push)
             return self.counted(ack, len(data))
 
     def counted(self, ack: ps_pb2.PushResponse, nbytes: int) -> ps_pb2.PushResponse:
@@ -226,16 +228,10 @@ class ShardIO:
                 raise StepAbandoned(f"push of shard {shard.shard_id} step {step} not sent: another shard failed")
             if part is not None and part.exception() is None:  # waits for the early part
                 groups, multiplier = tasks.settings
-                ack = self.client.send(
-                    shard,
-                    memoryview(b""),
-                    step=step,
-                    kind=ps_pb2.APPLY,
-                    groups=groups,
-                    grad_multiplier=multiplier,
-                    parts=1,
-                    pull_into=place.pull_into(),
+                push = Push.apply(
+                    self.client.model, shard.shard_id, step=step, parts=1, groups=groups, grad_multiplier=multiplier
                 )
+                ack = self.client.push(shard, push, pull_into=place.pull_into())
             else:  # no early part, or it failed: the whole gradient (it replaces any part held)
                 ack = self.counted(*self._push_gradient(tasks, shard, place))
         except BaseException as exc:
@@ -259,29 +255,25 @@ class ShardIO:
                 payload = self.compressor.payload(shard, step, grads)
         if payload is not None:
             momentum = payload.kind == ps_pb2.MOMENTUM  # 1-bit Adam: one lr, no groups
-            ack = self.client.send(
-                shard,
-                payload.data,
-                step=step,
-                kind=payload.kind,
-                encoding=payload.encoding,
-                variance_frozen_at=payload.variance_frozen_at,
-                lr=groups[0].lr if momentum else None,
-                groups=() if momentum else groups,
-                pull_into=None if momentum else place.pull_into(),  # (1-bit Adam's step has its own kernel)
+            if momentum:  # (1-bit Adam's step has its own kernel: no pull with it)
+                push = Push.momentum(
+                    self.client.model, shard.shard_id, payload.data, step=step, encoding=payload.encoding,
+                    lr=groups[0].lr, variance_frozen_at=payload.variance_frozen_at,
+                )  # fmt: skip
+                return self.client.push(shard, push), len(payload.data)
+            push = Push.gradient(
+                self.client.model, shard.shard_id, payload.data, step=step, encoding=payload.encoding, groups=groups
             )
+            ack = self.client.push(shard, push, pull_into=place.pull_into())
             return ack, len(payload.data)
         with self.mover.host_view(grads, shard, after) as data:
-            ack = self.client.send(
-                shard,
-                data,
-                step=step,
-                kind=ps_pb2.GRADIENT,
-                encoding=self.mover.gradient_encoding,
-                groups=groups,
-                grad_multiplier=multiplier,
-                pull_into=place.pull_into(),  # (asked once the gradient's own buffer is held)
-            )
+            push = Push.gradient(
+                self.client.model, shard.shard_id, data, step=step, encoding=self.mover.gradient_encoding,
+                groups=groups, grad_multiplier=multiplier,
+            )  # fmt: skip
+            ack = self.client.push(
+                shard, push, pull_into=place.pull_into()
+            )  # (asked once the gradient's buffer is held)
             return ack, len(data)
 
     def step_pull(

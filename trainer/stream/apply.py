@@ -20,6 +20,7 @@ import grpc
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.proto.push import Push
 from ps_offload.trainer.io.shard_io import first_failure
 from ps_offload.trainer.stream.settings import StepLost, StepTorn
 from ps_offload.trainer.wire.daemon_client import DaemonError
@@ -76,16 +77,11 @@ class PartsApplier:
     def _apply(
         self, shard: ShardSlice, step: int, groups: list, parts: int, multiplier: float | None, check_only: bool
     ) -> ps_pb2.PushResponse:
-        return self.client.send(
-            shard,
-            memoryview(b""),
-            step=step,
-            kind=ps_pb2.APPLY,
-            groups=groups,
-            parts=parts,
-            grad_multiplier=multiplier,
+        push = Push.apply(
+            self.client.model, shard.shard_id, step=step, parts=parts, groups=groups, grad_multiplier=multiplier,
             check_only=check_only,
-        )
+        )  # fmt: skip
+        return self.client.push(shard, push)
 
     def lost(self, step: int, errors: list[BaseException], what: str) -> BaseException:
         """StepLost when a daemon refused for want of the step's parts; else the error itself."""

@@ -27,6 +27,7 @@ import torch
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.proto.push import Push
 from ps_offload.trainer.io.device import ShardMover
 from ps_offload.trainer.io.shard_io import ShardIO
 from ps_offload.trainer.stream.units import StreamUnit
@@ -126,13 +127,13 @@ class BlockGradients:
     def _push(
         self, unit: StreamUnit, shard: ShardSlice, step: int, part: int, groups: list | None, buffer, after: object
     ) -> ps_pb2.PushResponse:
-        if groups is not None:  # applied on arrival, with these settings
-            how = {"kind": ps_pb2.GRADIENT, "groups": groups}
-        else:
-            how = {"kind": ps_pb2.GRADIENT_PART, "part": part}
+        model, encoding = self.client.model, self.mover.gradient_encoding
         with self.mover.host_view(buffer, unit.local(shard), after) as data:
-            ack = self.client.send(shard, data, step=step, encoding=self.mover.gradient_encoding, **how)
-            return self.io.counted(ack, len(data))
+            if groups is not None:  # applied on arrival, with these settings
+                push = Push.gradient(model, shard.shard_id, data, step=step, encoding=encoding, groups=groups)
+            else:
+                push = Push.gradient_part(model, shard.shard_id, data, step=step, part=part, encoding=encoding)
+            return self.io.counted(self.client.push(shard, push), len(data))
 
     def unpushed(self) -> list[StreamUnit]:
         """The units whose gradient of this pass has not been pushed (the pass ends)."""

@@ -62,6 +62,7 @@ from torch.utils._pytree import tree_flatten
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.memory import return_freed_blocks
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig, DeviceConfig, OffloadConfig, OptimizerConfig, expect_config
 from ps_offload.trainer.io.device import ShardMover, byte_view
 from ps_offload.trainer.io.shard_io import ShardIO, first_failure
@@ -217,7 +218,7 @@ class StreamedOptimizer(DaemonOptimizer):
         with self.mover.host_copy(unit.values, unit.local(shard), after) as host:
             # A copy: a byte view of the unit's own storage would keep it from being released.
             piece = host.to(torch.float32, copy=True)
-        self.client.send(shard, byte_view(piece), step=0, kind=ps_pb2.PARAMETERS)
+        self.client.push(shard, Push.parameters(self.client.model, shard.shard_id, byte_view(piece)))
 
     def _install_hooks(self, model: nn.Module) -> list:
         hooks = [model.register_forward_pre_hook(lambda _m, _a: self._before_model_forward())]

@@ -17,7 +17,7 @@ from ps_offload.proto.channel import (
     method_path,
 )
 from ps_offload.proto.memory import keep_chunk_buffers_in_heap
-from ps_offload.proto.pull import read_pull_stream
+from ps_offload.proto.pull import Pull, read_pull_stream
 from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.wire.transport import PullInto
@@ -151,25 +151,12 @@ class DaemonClient:
         # one attempt that does not wait reports it as UNAVAILABLE with gRPC's reason.
         return self._register(request, timeout=min(timeout, 5.0), wait_for_ready=False)
 
-    def pull_into(
-        self,
-        model: str,
-        shard_id: int,
-        *,
-        min_version: int,
-        out: memoryview,
-        timeout: float,
-        tensor: int = ps_pb2.MASTER,
-        dtype: int = ps_pb2.FLOAT32,
-    ) -> int:
-        """Streams shard `shard_id`'s `tensor` (its master values unless told otherwise) in
-        `dtype` into `out` (a byte view of exactly the shard's size in that dtype); returns
-        the version received."""
-        request = ps_pb2.PullRequest(
-            model=model, shard_id=shard_id, min_version=min_version, tensor=tensor, dtype=dtype
-        )
-        chunks = self._pull(request, timeout=timeout)
-        return read_pull_stream(chunks, out, what=f"shard {shard_id} from daemon {self.address}", dtype=dtype)
+    def pull_into(self, pull: Pull, *, out: memoryview, timeout: float) -> int:
+        """Streams what `pull` asks for into `out` (a byte view of exactly the shard's size in its
+        dtype); returns the version received."""
+        chunks = self._pull(pull.request, timeout=timeout)
+        what = f"shard {pull.shard_id} from daemon {self.address}"
+        return read_pull_stream(chunks, out, what=what, dtype=pull.dtype)
 
     def serving(self, *, timeout: float) -> bool:
         """Whether the daemon answers a health check SERVING within `timeout` (it is up, if busy)."""

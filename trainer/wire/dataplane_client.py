@@ -20,7 +20,7 @@ import grpc
 
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import FrameError, recv_exact_into, recv_message, send_message, send_payload
-from ps_offload.proto.pull import PullStreamError, check_pull_header
+from ps_offload.proto.pull import Pull, PullStreamError, check_pull_header
 from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.trainer.wire.transport import PullInto
@@ -147,19 +147,9 @@ class DataPlaneClient:
             raise _StatusFromDaemon(response.code, response.message, response.closing)
         return response
 
-    def pull_into(
-        self,
-        model: str,
-        shard_id: int,
-        *,
-        min_version: int,
-        out: memoryview,
-        timeout: float,
-        tensor: int = ps_pb2.MASTER,
-        dtype: int = ps_pb2.FLOAT32,
-    ) -> int:
-        pull = ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version, tensor=tensor, dtype=dtype)
-        request = pull_request(pull, timeout, self._authorization)
+    def pull_into(self, pull: Pull, *, out: memoryview, timeout: float) -> int:
+        request = pull_request(pull.request, timeout, self._authorization)
+        shard_id, dtype = pull.shard_id, pull.dtype
         with _daemon_status(), self._connection(timeout + 5.0) as sock:
             send_message(sock, request)
             header = self._answer(sock).shard

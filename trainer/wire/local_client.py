@@ -43,7 +43,7 @@ import torch
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import FrameError, frame, recv_message, send_message
 from ps_offload.proto.payloads import topk_nbytes
-from ps_offload.proto.pull import PullStreamError, check_pull_header
+from ps_offload.proto.pull import Pull, PullStreamError, check_pull_header
 from ps_offload.proto.push import Push
 from ps_offload.proto.security import ClientSecurity
 from ps_offload.proto.shared_memory import SharedMapping, sealed_memfd
@@ -246,19 +246,9 @@ class LocalClient:
         ref = self._windows.find(view)
         return ref if ref is not None and ref.window in self._attached else None
 
-    def pull_into(
-        self,
-        model: str,
-        shard_id: int,
-        *,
-        min_version: int,
-        out: memoryview,
-        timeout: float,
-        tensor: int = ps_pb2.MASTER,
-        dtype: int = ps_pb2.FLOAT32,
-    ) -> int:
-        pull = ps_pb2.PullRequest(model=model, shard_id=shard_id, min_version=min_version, tensor=tensor, dtype=dtype)
-        request = pull_request(pull, timeout, self._authorization)
+    def pull_into(self, pull: Pull, *, out: memoryview, timeout: float) -> int:
+        request = pull_request(pull.request, timeout, self._authorization)
+        shard_id, dtype = pull.shard_id, pull.dtype
         view = memoryview(out).cast("B")
         ref = self._ref(view)
         if ref is not None:

@@ -214,7 +214,7 @@ def _copy_shards(client: ReplicatedClient, index: int, version: int) -> int:
                     f"repairing daemon {client.daemons[index]}: shard {shard.shard_id} is at version {got} on its "
                     f"live replica, not {version}: a push is in flight (repair_lost runs between steps only)"
                 )
-        push = Push.build(client.model, shard.shard_id, view, step=version, kind=ps_pb2.STATE)
+        push = Push.state(client.model, shard.shard_id, view, step=version)
         # Over gRPC: a STATE is (1 + states) times a shard's bytes, more than a local slot holds.
         grpc_client, seconds = client.clients[index], client.config.rpc_timeout_seconds
         client.call(

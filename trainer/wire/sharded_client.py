@@ -22,6 +22,7 @@ from ps_offload.proto import ps_pb2
 from ps_offload.proto.cluster import check_daemon_list
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.plan import ShardSlice, layout_params, plan_model
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.daemon_client import (
@@ -303,13 +304,6 @@ class ShardedClient:
             time.sleep(max(0.0, min(delay, give_up_at - time.monotonic())))
             delay = min(delay * 2, 2.0)
 
-    def send(
-        self, shard: ShardSlice, data: memoryview, *, pull_into: PullInto | None = None, **header
-    ) -> ps_pb2.PushResponse:
-        """Pushes `data` to this model's `shard`; `header`: the rest of the push's fields, as
-        Push.build takes them (step and kind at least); `pull_into`: as push's."""
-        return self.push(shard, Push.build(self.model, shard.shard_id, data, **header), pull_into=pull_into)
-
     def push(self, shard: ShardSlice, push: Push, *, pull_into: PullInto | None = None) -> ps_pb2.PushResponse:
         """Sends one shard's push (retried as a whole, the same bytes each attempt) to each live
         holder of the shard; they answer alike, or the replicas have diverged (an error).
@@ -356,19 +350,12 @@ class ShardedClient:
     ) -> int:
         """Pulls the shard's `tensor` (master values by default) in `dtype` into `out` from its
         first live holder; returns its version."""
-        what = "" if tensor == ps_pb2.MASTER else f" {ps_pb2.ShardTensor.Name(tensor)}"
+        pull = Pull.of(self.model, shard.shard_id, min_version=min_version, tensor=tensor, dtype=dtype)
+        timeout = self.config.rpc_timeout_seconds
         ((_, version),) = self._on_holders(
             shard,
-            f"pull of shard {shard.shard_id}{what} (version >= {min_version})",
-            lambda index: self.transports[index].pull_into(
-                self.model,
-                shard.shard_id,
-                min_version=min_version,
-                out=out,
-                timeout=self.config.rpc_timeout_seconds,
-                tensor=tensor,
-                dtype=dtype,
-            ),
+            pull.describe(),
+            lambda index: self.transports[index].pull_into(pull, out=out, timeout=timeout),
             PULL_RETRYABLE,
             every=False,
         )
@@ -384,16 +371,14 @@ class ShardedClient:
         version, its values). What compares a shard's replicas (the parity audit) reads; a
         holder unreachable for dead_peer_seconds is lost, as for a push."""
 
+        request = Pull.of(self.model, shard.shard_id, min_version=min_version, tensor=tensor)
+
         def pull(index: int) -> tuple[int, torch.Tensor]:
             values = torch.empty(shard.numel, dtype=torch.float32)
-            got = self.transports[index].pull_into(
-                self.model, shard.shard_id, min_version=min_version, out=memoryview(values.numpy()).cast("B"),
-                timeout=self.config.rpc_timeout_seconds, tensor=tensor,
-            )  # fmt: skip
-            return got, values
+            out = memoryview(values.numpy()).cast("B")
+            return self.transports[index].pull_into(request, out=out, timeout=self.config.rpc_timeout_seconds), values
 
-        what = f"pull of shard {shard.shard_id} {ps_pb2.ShardTensor.Name(tensor)} (version >= {min_version})"
-        return dict(self._on_holders(shard, what, pull, PULL_RETRYABLE, every=True))
+        return dict(self._on_holders(shard, request.describe(), pull, PULL_RETRYABLE, every=True))
 
     def live_holders(self, shard: ShardSlice) -> list[int]:
         """The shard's holders not lost, the primary first; raises when none is left."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 
 
@@ -36,19 +37,9 @@ class Transport(Protocol):
         caller pulls). Errors are grpc.RpcErrors."""
         ...
 
-    def pull_into(
-        self,
-        model: str,
-        shard_id: int,
-        *,
-        min_version: int,
-        out: memoryview,
-        timeout: float,
-        tensor: int = ps_pb2.MASTER,
-        dtype: int = ps_pb2.FLOAT32,
-    ) -> int:
-        """Writes shard `shard_id`'s `tensor` in `dtype`, at `min_version` or later, into `out`
-        (exactly its size in bytes); returns the version received."""
+    def pull_into(self, pull: Pull, *, out: memoryview, timeout: float) -> int:
+        """Writes what `pull` asks for (a shard's tensor in a dtype, at a version or later) into
+        `out` (exactly its size in bytes); returns the version received."""
         ...
 
     def close(self) -> None: ...
