@@ -91,7 +91,7 @@ def plan_to_proto(
         shards=_placements(model),
         daemon_version=release(),
         protocol=PROTOCOL,
-        kernel_digest=kernel_digest(),
+        kernel_digest=kernel_digest(plugin_of(model.spec.optimizer).name),
         state_dtype=_DTYPES_BY_NAME[model.spec.state_dtype],
     )
 

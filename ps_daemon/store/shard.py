@@ -37,6 +37,11 @@ def arena_offsets(numel: int, state_numels: tuple[int, ...]) -> list[int]:
     return offsets
 
 
+def arena_numel(numel: int, state_tensors: int) -> int:
+    """Elements of an arena whose `state_tensors` state tensors each hold one value per element."""
+    return arena_offsets(numel, (numel,) * state_tensors)[-1]
+
+
 def arena_nbytes(
     numel: int, optimizer: OptimizerConfig, state_dtype: str = "float32", state_numels: tuple[int, ...] | None = None
 ) -> int:

@@ -53,10 +53,10 @@ def slowed(monkeypatch):
     for cls in (LocalClient, DataPlaneClient):
         original = cls.pull_into
 
-        def pull_into(self, model, shard_id, *args, _original=original, **kwargs):
-            if shard_id in shards and kwargs.get("min_version", 0) > 0:
+        def pull_into(self, pull, *args, _original=original, **kwargs):
+            if pull.shard_id in shards and pull.request.min_version > 0:
                 time.sleep(SLOW_SECONDS)
-            return _original(self, model, shard_id, *args, **kwargs)
+            return _original(self, pull, *args, **kwargs)
 
         monkeypatch.setattr(cls, "pull_into", pull_into)
     return shards.update
