@@ -108,7 +108,6 @@ class AdafactorPlugin(OptimizerPlugin):
     whole_params = True
     per_element_state = False
     extra_fields = ("beta2_decay", "eps1", "eps2", "d")
-    torch_class = "torch.optim.Adafactor"
 
     def state_names(self, config: Adafactor) -> tuple[str, ...]:
         return ("factored_variance",)

@@ -50,7 +50,6 @@ class AdamWPlugin(AdamMoments, FusedPlugin):
     config_type = AdamW
     state_dtypes = ("float32", "bfloat16")
     takes_momentum = True
-    torch_class = "torch.optim.AdamW(fused=True)"
     calibration_key = "adamw"
 
     def to_proto(self, config: AdamW) -> ps_pb2.OptimizerSpec:

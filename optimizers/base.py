@@ -110,7 +110,6 @@ class OptimizerPlugin(ABC):
     # pushes, EXP_AVG pulls, snapshot exports, replica repair and the parity audit lay out.
     # False (factored state): those are refused, saying why.
     per_element_state: ClassVar[bool] = True  # MOMENTUM pushes (1-bit Adam)
-    torch_class: ClassVar[str] = ""  # the torch.optim class it equals, for messages ("" for none)
 
     # -- the config ----------------------------------------------------------------------
 

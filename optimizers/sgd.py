@@ -53,7 +53,6 @@ class SGDPlugin(FusedPlugin):
         ": torch's fused CPU SGD leaves bf16 parameters unchanged in its vector loop, so bf16 SGD has no exact "
         "torch reference to match"
     )
-    torch_class = "torch.optim.SGD(fused=True)"
     calibration_key = "sgd"
 
     def state_names(self, config: SGD) -> tuple[str, ...]:

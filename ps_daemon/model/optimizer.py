@@ -27,8 +27,6 @@ from ps_offload.proto.plan import Segment
 
 log = logging.getLogger(__name__)
 
-GroupHyperparams = GroupSettings  # (the proto message's name, as the daemon's modules say it)
-
 
 def log_calibration(found: Future) -> None:
     """Says which way the daemon steps, once the one-pass kernel's calibration is known."""
@@ -72,6 +70,7 @@ class ShardOptimizer(ShardState):
             sorted(segments, key=lambda s: s.shard_start), dict(shapes or {}),
         )  # fmt: skip
         self.plugin = plugin_of(config)
+        self._state_numels: tuple[int, ...] | None = None
         self.group_count = group_count
         groups = [0] * len(segments) if groups is None else groups
         # Calls by weight decay (registered settings) and by param group (a push's settings):
@@ -89,9 +88,12 @@ class ShardOptimizer(ShardState):
         )
 
     def state_numels(self) -> tuple[int, ...]:
-        """Elements of each state tensor (OptimizerPlugin.state_numels)."""
-        shapes = [self.shapes.get(s.param_index, (s.numel,)) for s in self.segments]
-        return self.plugin.state_numels(self.config, shapes, sum(s.numel for s in self.segments))
+        """Elements of each state tensor (OptimizerPlugin.state_numels), worked out once: every
+        arena the shard is attached to (a load, a speculation's swap) is laid out by it."""
+        if self._state_numels is None:
+            shapes = [self.shapes.get(s.param_index, (s.numel,)) for s in self.segments]
+            self._state_numels = self.plugin.state_numels(self.config, shapes, sum(s.numel for s in self.segments))
+        return self._state_numels
 
     def bind(self, state: list[torch.Tensor]) -> None:
         """`state`: the plug-in's state tensors (`state_numels`) in `state_dtype`, placed by the

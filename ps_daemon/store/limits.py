@@ -60,8 +60,10 @@ def arena_bytes(plan: list[ShardSlice], daemon_index: int, spec: ModelSpec) -> l
     out = []
     for s in plan:
         if daemon_index in s.holders:
-            shapes = [layouts[seg.param_index].shape for seg in segments_of(s, layouts)]
-            sizes = plugin.state_numels(spec.optimizer, shapes, s.numel)
+            sizes = None  # one state value per element: no need to look at the shard's parameters
+            if not plugin.per_element_state:
+                shapes = [layouts[seg.param_index].shape for seg in segments_of(s, layouts)]
+                sizes = plugin.state_numels(spec.optimizer, shapes, s.numel)
             out.append(arena_nbytes(s.numel, spec.optimizer, spec.state_dtype, sizes))
     return out
 

@@ -42,8 +42,9 @@ from ps_offload.daemon.model.encodings import (
     TopKGradient,
     check_size,
 )
-from ps_offload.daemon.model.optimizer import GroupHyperparams, ShardOptimizer, state_tensors
+from ps_offload.daemon.model.optimizer import ShardOptimizer, state_tensors
 from ps_offload.daemon.model.spec import MAX_LR, MAX_WEIGHT_DECAY, check_number
+from ps_offload.optimizers import GroupSettings
 from ps_offload.proto.plan import ShardSlice
 
 
@@ -82,7 +83,7 @@ class PushRequest:
     nbytes: int | None = None
     lr: float | None = None  # None: the registered one
     variance_frozen_at: int | None = None  # MOMENTUM only: updates after which exp_avg_sq froze
-    groups: tuple[GroupHyperparams, ...] = ()  # GRADIENT and APPLY only: each param group's settings
+    groups: tuple[GroupSettings, ...] = ()  # GRADIENT and APPLY only: each param group's settings
     grad_multiplier: float | None = None  # GRADIENT and APPLY only: times the decoded fp32 gradient
     part: int = 0  # GRADIENT_PART only: which part of the step's gradient, from 0
     parts: int = 0  # APPLY only: how many parts the step's gradient has (>= 1)
@@ -310,7 +311,7 @@ def multiplied(grad: torch.Tensor, multiplier: float, out: torch.Tensor) -> torc
     return torch.mul(grad, torch.tensor(multiplier, dtype=torch.float32), out=out)
 
 
-def _check_groups(groups: tuple[GroupHyperparams, ...], optimizer: ShardOptimizer, where: str) -> None:
+def _check_groups(groups: tuple[GroupSettings, ...], optimizer: ShardOptimizer, where: str) -> None:
     """Raises unless `groups` holds every param group of the model, each with settings its
     optimizer may take (the module docstring; lr and weight decay are checked on building)."""
     count, config = optimizer.group_count, optimizer.config

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from ps_offload.daemon.model.encodings import parse
-from ps_offload.daemon.model.optimizer import GroupHyperparams, ShardOptimizer, state_tensors
+from ps_offload.daemon.model.optimizer import ShardOptimizer, state_tensors
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.kernels import step_calibration
-from ps_offload.optimizers import SGD, AdamW
+from ps_offload.optimizers import SGD, AdamW, GroupSettings
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import layout_params, plan_shards, segments_of
 from tests.ps_daemon.store.test_compressed_push import _payload
@@ -49,8 +49,8 @@ def settings(kind: str, step: int, group: int) -> dict:
     )
 
 
-def daemon_groups(kind: str, step: int, count: int = 3) -> tuple[GroupHyperparams, ...]:
-    return tuple(GroupHyperparams(**_fields(settings(kind, step, g))) for g in range(count))
+def daemon_groups(kind: str, step: int, count: int = 3) -> tuple[GroupSettings, ...]:
+    return tuple(GroupSettings(**_fields(settings(kind, step, g))) for g in range(count))
 
 
 def proto_groups(kind: str, step: int, count: int = 3) -> list[ps_pb2.GroupHyperparams]:

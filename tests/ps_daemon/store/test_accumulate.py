@@ -14,21 +14,20 @@ import torch
 
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, StorageError
 from ps_offload.daemon.model.encodings import parse
-from ps_offload.daemon.model.optimizer import GroupHyperparams
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc import conversions
 from ps_offload.daemon.store import tier_admin
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
-from ps_offload.optimizers import SGD, AdamW
+from ps_offload.optimizers import SGD, AdamW, GroupSettings
 from ps_offload.proto import ps_pb2
 from tests.ps_daemon.store.test_compressed_push import _payload
 
 NUMEL = 3072  # 'w' (2000, group 0) and 'b' (1072, group 1): one 12 KiB shard
 GROUPS = (
-    GroupHyperparams(lr=0.01, weight_decay=0.1, beta1=0.9, beta2=0.999, eps=1e-8),
-    GroupHyperparams(lr=0.03, weight_decay=0.0, beta1=0.8, beta2=0.99, eps=1e-6),
+    GroupSettings(lr=0.01, weight_decay=0.1, beta1=0.9, beta2=0.999, eps=1e-8),
+    GroupSettings(lr=0.03, weight_decay=0.0, beta1=0.8, beta2=0.99, eps=1e-6),
 )
 
 

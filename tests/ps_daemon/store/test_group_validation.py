@@ -11,17 +11,16 @@ import pytest
 import torch
 
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument
-from ps_offload.daemon.model.optimizer import GroupHyperparams
 from ps_offload.daemon.model.spec import MAX_LR, MAX_WEIGHT_DECAY, ModelSpec, ParamSpec, spec_from_dict, spec_to_dict
 from ps_offload.daemon.rpc import conversions
 from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
-from ps_offload.optimizers import SGD, AdamW
+from ps_offload.optimizers import SGD, AdamW, GroupSettings
 from ps_offload.proto import ps_pb2
 
 NUMEL = 3072  # 'w' (2000, group 0) and 'b' (1072, group 1) in one 12 KiB shard
-ADAMW = GroupHyperparams(lr=0.01, weight_decay=0.1, beta1=0.9, beta2=0.999, eps=1e-8)
-SGD_GROUP = GroupHyperparams(lr=0.01, weight_decay=0.1, momentum=0.9, dampening=0.0)
+ADAMW = GroupSettings(lr=0.01, weight_decay=0.1, beta1=0.9, beta2=0.999, eps=1e-8)
+SGD_GROUP = GroupSettings(lr=0.01, weight_decay=0.1, momentum=0.9, dampening=0.0)
 
 
 def _spec(groups=(0, 1), optimizer=None, name="m") -> ModelSpec:
@@ -65,7 +64,7 @@ def test_groups_are_part_of_the_spec_and_of_its_json():
     assert {p.group for p in spec_from_dict(written_before_groups).params} == {0}
 
 
-def _wire(group: GroupHyperparams) -> dict:
+def _wire(group: GroupSettings) -> dict:
     """A group's fields as GroupHyperparams takes them (its `extra` is the wire's `settings`)."""
     fields = dataclasses.asdict(group)
     settings = dict(fields.pop("extra"))
@@ -81,7 +80,7 @@ def test_the_wire_carries_groups_and_the_multiplier_both_ways():
         grad_multiplier=2.0**-16,
     )  # fmt: skip
     push = conversions.push_request(header)
-    assert push.groups == (ADAMW, GroupHyperparams(lr=0.5, weight_decay=0.0)) and push.grad_multiplier == 2.0**-16
+    assert push.groups == (ADAMW, GroupSettings(lr=0.5, weight_decay=0.0)) and push.grad_multiplier == 2.0**-16
     header.ClearField("grad_multiplier")
     del header.groups[:]
     assert conversions.push_request(header).groups == () and conversions.push_request(header).grad_multiplier is None
@@ -90,7 +89,7 @@ def test_the_wire_carries_groups_and_the_multiplier_both_ways():
 # -- a push on its own ----------------------------------------------------------------------
 
 
-def _bad_group(**fields) -> tuple[GroupHyperparams, ...]:
+def _bad_group(**fields) -> tuple[GroupSettings, ...]:
     return (ADAMW, dataclasses.replace(ADAMW, **fields))
 
 
@@ -123,8 +122,8 @@ def test_a_push_that_says_something_wrong_about_groups_cannot_be_built(fields, m
 
 
 def test_the_bounds_themselves_are_accepted():
-    edge = GroupHyperparams(lr=MAX_LR, weight_decay=MAX_WEIGHT_DECAY, beta1=0.0, beta2=0.0, eps=1e-300)
-    zero = GroupHyperparams(lr=0.0, weight_decay=0.0, beta1=math.nextafter(1, 0), beta2=0.5, eps=1.0)
+    edge = GroupSettings(lr=MAX_LR, weight_decay=MAX_WEIGHT_DECAY, beta1=0.0, beta2=0.0, eps=1e-300)
+    zero = GroupSettings(lr=0.0, weight_decay=0.0, beta1=math.nextafter(1, 0), beta2=0.5, eps=1.0)
     push = PushRequest("m", 0, step=0, kind="gradient", nbytes=4 * NUMEL, groups=(edge, zero), grad_multiplier=1e-30)
     assert _store(AdamW(lr=0.1)).check_push(push) is None
 

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from ps_offload.daemon.model.optimizer import GroupHyperparams, ShardOptimizer, state_tensors
+from ps_offload.daemon.model.optimizer import ShardOptimizer, state_tensors
+from ps_offload.optimizers import GroupSettings
 from ps_offload.optimizers import fused as fused_module
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import KernelRun, layout_params, plan_shards, segments_of
@@ -70,7 +71,7 @@ def _run(kind: str, shard_numel: int, *, naive: bool = False) -> list[tuple[int,
         for shard, daemon in daemons:
             piece = master[shard.offset : shard.end]
             before = [piece.clone(), *(s.clone() for s in daemon.state)]
-            daemon.apply(piece, grad[shard.offset : shard.end], 0.0, [GroupHyperparams(**s) for s in settings])
+            daemon.apply(piece, grad[shard.offset : shard.end], 0.0, [GroupSettings(**s) for s in settings])
             expected = recompute(
                 optimizer, shard, layouts, GROUP_OF, before, grad[shard.offset : shard.end].clone(), step,
                 [ps_pb2.GroupHyperparams(**s) for s in settings],
