@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ps_offload import trainer
+from ps_offload.optimizers import GroupSettings, plugin_named
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 
 LR, WEIGHT_DECAY = 2e-2, 0.1
@@ -133,3 +134,15 @@ def test_what_needs_per_element_state_is_refused_before_registering(daemon):
         trainer.Adafactor(d=0.5)
     with pytest.raises(ValueError, match="Adafactor beta2_decay must be <= 0, got 0.1"):
         trainer.Adafactor(beta2_decay=0.1)
+
+
+def test_a_push_names_adafactors_own_settings_or_is_refused():
+    plugin, config = plugin_named("adafactor"), trainer.Adafactor()
+    good = plugin.registered(config, 0.01, 0.0)
+    assert plugin.check_group(config, good, "groups[0]") == ""
+    missing = GroupSettings(0.01, 0.0, extra=(("d", 1.0), ("eps2", 1e-3)))
+    assert plugin.check_group(config, missing, "groups[0]") == "groups[0].settings must hold beta2_decay"
+    small_d = GroupSettings(0.01, 0.0, extra=(("beta2_decay", -0.8), ("d", 0.5), ("eps2", 1e-3)))
+    assert "groups[0].settings['d'] must be finite and in [1, inf], got 0.5" in plugin.check_group(
+        config, small_d, "groups[0]"
+    )

@@ -147,6 +147,7 @@ ADAMW_CASES = [
     (_bad_group(eps=0.0), "groups[1].eps must be finite and > 0, got 0.0"),
     (_bad_group(eps=-1e-8), "groups[1].eps must be finite and > 0"),
     (_bad_group(eps=math.inf), "groups[1].eps must be finite and > 0, got inf"),
+    (_bad_group(extra=(("d", 1.0),)), "groups[1].settings has 'd', which adamw does not read (it reads none)"),
 ]
 SGD_CASES = [
     (
