@@ -1,6 +1,6 @@
 """audit_overhead: a training step of the demo model (examples/train_gpt.py defaults: 0.81M-
 parameter char GPT, batch 32 x 64, AdamW, two param groups, clipping) on a local ps-daemon
-with the parity audit on, `OffloadConfig(audit_every=100)` (trainer/optimizer/audit.py), against the
+with the parity audit on, `OffloadConfig(audit_every=100)` (trainer/offload/audit.py), against the
 same model on the same daemon with it off. A step = forward, backward, clip, optimizer step;
 each block of 100 steps holds one audit (one shard's state pulled before and after its step
 and the step recomputed by torch.optim in process).

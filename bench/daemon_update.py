@@ -31,13 +31,13 @@ import statistics
 import torch
 
 from bench.common import interleaved, interleaved_many, quick, record, spread
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.dataplane.local_server import RoundInto
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc import data_path
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.push import PushRequest
-from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.kernels import fused_step, step_calibration
 from ps_offload.optimizers import SGD, AdamW
 from ps_offload.proto import ps_pb2
@@ -57,10 +57,10 @@ class Daemon:
         self, config, grads: torch.Tensor, init: torch.Tensor, dtype: torch.dtype, *, check: bool, fused_pull: bool,
         state_dtype: str = "float32",
     ) -> None:  # fmt: skip
-        self.store = ShardStore(ram_bytes=64 << 30, default_shard_bytes=SHARD_BYTES, allow_nonfinite_pushes=not check)
+        self.store = open_store(ram_bytes=64 << 30, default_shard_bytes=SHARD_BYTES, allow_nonfinite_pushes=not check)
         params = tuple(ParamSpec(f"p{i}", s, WIRE[dtype]) for i, s in enumerate(SHAPES))
         spec = ModelSpec("bench", params, config, SHARD_BYTES, ("local",), state_dtype=state_dtype)
-        self.plan = self.store.register(spec, 0)[0].plan
+        self.plan = self.store.registry.register(spec, 0)[0].plan
         for shard in self.plan:
             self.store.push(
                 PushRequest("bench", shard.shard_id, step=0, kind="parameters", data=init[shard.offset : shard.end])

@@ -18,10 +18,10 @@ import contextlib
 import torch
 
 from bench.common import interleaved_many, median, quick, record, spread
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store.push import PushRequest
-from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.optimizers import AdamW
 
 N_PARAMS = 16  # 16 tensors of 4M elements = 64M parameters
@@ -46,11 +46,11 @@ def deepspeed_cpu_adam(params: list[torch.Tensor]):
 def main() -> dict:
     torch.manual_seed(0)
     config = AdamW(lr=1e-4, weight_decay=0.1)
-    store = ShardStore(ram_bytes=64 << 30, default_shard_bytes=64 << 20)
+    store = open_store(ram_bytes=64 << 30, default_shard_bytes=64 << 20)
     spec = ModelSpec(
         "bench", tuple(ParamSpec(f"p{i}", (NUMEL,)) for i in range(N_PARAMS)), config, 64 << 20, ("local",)
     )
-    model, _ = store.register(spec, 0)
+    model, _ = store.registry.register(spec, 0)
     init = torch.randn(N_PARAMS * NUMEL)
     grads = torch.randn(N_PARAMS * NUMEL) * 1e-3
     for shard in model.plan:

@@ -102,7 +102,7 @@ class Outcome:
 
 class SmallTransformer(nn.Module):
     """A causal language model on torch's own encoder layers: their attention reads
-    `out_proj`'s parameters without calling it (trainer/optimizer/forward_waits.py)."""
+    `out_proj`'s parameters without calling it (trainer/offload/forward_waits.py)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -158,7 +158,7 @@ class Observed:
         if client is None:
             return -1
         for index in range(len(client.daemons)):
-            if client.transports[index] is transport or client.clients[index] is transport:
+            if client.transports[index] is transport or client.transports.clients[index] is transport:
                 return index
         return -1
 
@@ -279,7 +279,7 @@ class KillRun:
                 daemon.kill()
         expected = reference_cache()
         exact = not error and all(torch.equal(p, q) for p, q in zip(model.parameters(), expected, strict=True))
-        lost = sorted(observed.client.lost) if observed.client is not None else []
+        lost = sorted(observed.client.holders.lost) if observed.client is not None else []
         return Outcome(exact=exact, error=error, killed=list(self.killed), lost=lost)
 
     def _train(self, opt, model) -> None:

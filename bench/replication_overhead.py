@@ -137,15 +137,15 @@ def losses(args, data) -> dict:
                 daemons[victim].process.send_signal(signal.SIGKILL)
                 daemons[victim].process.wait(timeout=30)
                 stalls.append(timed(lambda: _steps(model, opt, batches[:1])))
-                assert set(opt.client.lost) == {victim}, opt.client.lost
-                questions = opt.client.probe.questions
+                assert set(opt.client.holders.lost) == {victim}, opt.client.holders.lost
+                questions = opt.client.holders.probe.questions
                 after.extend(_step_times(model, opt, batches, seconds=AFTER_LOSS_SECONDS))
-                asked += opt.client.probe.questions - questions
+                asked += opt.client.holders.probe.questions - questions
                 replacement = LocalDaemon(root / f"r{n}", "--log-level", "ERROR")
                 opt.replace_daemon(daemons[victim].address, replacement.address)
                 daemons[victim] = replacement
                 repairs.append(timed(lambda: _steps(model, opt, batches[:1])))
-                assert not opt.client.lost
+                assert not opt.client.holders.lost
             opt.close()
         finally:
             for d in daemons:

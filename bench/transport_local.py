@@ -52,7 +52,7 @@ def main() -> dict:
             raise RuntimeError(f"the local transport was not used ({type(client.transports[0]).__name__})")
         source, target = torch.randn(NUMEL), torch.empty(NUMEL)  # the bound's own bytes
         pool = ThreadPoolExecutor(max_workers=config.streams_per_daemon)
-        shared = client.shared_host_tensor(NUMEL, torch.float32)
+        shared = client.transports.shared_host_tensor(NUMEL, torch.float32)
         if shared is None:
             raise RuntimeError("the daemon did not take the window (server.local_pool_bytes)")
         push_all, pull_all = shard_movers(client, plan, pool, flat=shared)

@@ -211,7 +211,7 @@ class OptimizerPlugin(ABC):
         groups: list[ps_pb2.GroupHyperparams],
         state_dtype: torch.dtype,
     ) -> list[torch.Tensor]:
-        """The parity audit's reference (ps_offload.trainer.optimizer.audit): the shard's master
+        """The parity audit's reference (ps_offload.trainer.offload.audit): the shard's master
         and state after one step from `before` (master, then the state tensors; the shard's step
         count `step` before it) with the fp32 gradient and each group's settings, computed by
         the reference the plug-in promises equality with, not by its daemon step."""

@@ -7,6 +7,7 @@ the other modules here) -> dataplane -> rpc -> store -> model, tiers -> base (er
     store/        the shards this daemon holds and every operation on them (ShardStore); no gRPC
     rpc/          the front every transport shares: gRPC servicers, conversions, status codes, TLS
     dataplane/    the TCP data plane and the local transport: Pull and Push without gRPC's copies
+    composition   the composition root: which tiers fill the store's roles (open_store, build_tiers)
     server        lifecycle: gRPC server, health, reflection, port file, SIGHUP reload, SIGTERM
     cli           `ps-daemon serve`: config file plus flag overrides
     config        TOML config: one frozen dataclass per section, strict loader

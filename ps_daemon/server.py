@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ps_offload.daemon import cpus, systemd
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.config import ConfigError, DaemonConfig, exposed_in_plaintext
 from ps_offload.daemon.dataplane.local_pool import LocalPool
 from ps_offload.daemon.dataplane.local_server import LocalServer
@@ -69,7 +70,7 @@ class Daemon:
         keep_chunk_buffers_in_heap()
         # First: a directory another daemon holds must refuse before anything reads it.
         self.nvme_lock = _lock_nvme_dir(config)
-        self.store = ShardStore(
+        self.store = open_store(
             ram_bytes=config.store.ram_bytes,
             default_shard_bytes=config.store.shard_bytes,
             files=_open_nvme(config),
@@ -218,7 +219,7 @@ class Daemon:
         models = _count(len(list(where.glob("*.json"))), "model")
         self._set_status(f"Starting: recovering {models} from {where} (reading slot headers)")
         started = time.monotonic()
-        shards = self.store.recover()
+        shards = self.store.registry.recover()
         took = time.monotonic() - started
         log.info("recovered %d shards from %s in %.1fs", shards, where, took)
         self._set_status(f"Starting: recovered {_count(shards, 'shard')} of {models} from {where} in {took:.1f}s")
@@ -292,8 +293,8 @@ class Daemon:
             f"Serving on {host}:{self.port}{data}: {_count(stats.models, 'model')}, {_count(stats.shards, 'shard')}, "
             f"{_size(stats.ram_bytes_used)} of {_size(self.config.store.ram_bytes)} RAM"
         )
-        if self.store.damaged:
-            text += f"; {_count(len(self.store.damaged), 'model')} DAMAGED (ps-admin models)"
+        if self.store.registry.damaged:
+            text += f"; {_count(len(self.store.registry.damaged), 'model')} DAMAGED (ps-admin models)"
         if exposed_in_plaintext(self.config):
             text = f"INSECURE (plaintext beyond this host): {text}"
         return f"{text}; {self._reload_note}" if self._reload_note else text

@@ -6,15 +6,17 @@
   the trainer never load the daemon.
 * Inside the daemon, folders are layers, each importing only the ones below it:
 
-      app (server, cli, metrics, systemd, local)
-        -> dataplane -> rpc -> store -> model, tiers -> base (errors, config)
+      app (server, cli, metrics, systemd, local, composition)
+        -> dataplane -> rpc -> store -> model, tier roles -> base (errors, config)
 
-  The tiers import neither the store nor the model (they store bytes and JSON, whatever the
-  spec says), the store never imports the fronts (rpc, dataplane), and rpc never imports the
-  data plane.
+  The store sees of the tiers only their roles (ps_offload.daemon.tiers.tier, which imports
+  nothing of ours); the tiers themselves (RAM, NVMe) sit beside the store, and the composition
+  root in the app layer chooses them. The tiers import neither the store nor the model (they
+  store bytes and JSON, whatever the spec says), the store never imports the fronts (rpc,
+  dataplane), and rpc never imports the data plane.
 * Inside the trainer, folders are features, layered the same way:
 
-      __init__ -> api -> pipeline -> stream -> optimizer -> io -> wire -> base (config, debug_models)
+      __init__ -> api -> pipeline -> stream -> offload -> io -> wire -> base (config, debug_models)
 
 * Every import counts for the folder rules: module level, `if TYPE_CHECKING:` and inside
   functions (a lazy import is a dependency all the same).
@@ -57,7 +59,7 @@ PACKAGES = {
 
 DAEMON_FOLDERS = ("model", "tiers", "store", "rpc", "dataplane")
 DAEMON_BASE = ("errors", "config")  # the rest of the daemon's top-level modules are "daemon.app"
-TRAINER_FOLDERS = ("wire", "io", "optimizer", "stream", "pipeline")
+TRAINER_FOLDERS = ("wire", "io", "offload", "stream", "pipeline")
 TRAINER_BASE = ("config", "debug_models")
 
 # unit -> the units it may import (besides itself). Must be acyclic (checked below).
@@ -68,22 +70,23 @@ ALLOWED: dict[str, set[str]] = {
     "root": {"trainer.root"},  # ps_offload/__init__.py re-exports the trainer lazily
     "admin": {"proto", "optimizers"},
     "daemon.base": {"proto"},
-    "daemon.tiers": {"daemon.base", "proto"},
+    "daemon.tier_roles": set(),  # ps_offload.daemon.tiers.tier: all the store sees of the tiers
+    "daemon.tiers": {"daemon.tier_roles", "daemon.base", "proto"},
     "daemon.model": {"daemon.base", "proto", "kernels", "optimizers"},
-    "daemon.store": {"daemon.model", "daemon.tiers", "daemon.base", "proto", "kernels", "optimizers"},
+    "daemon.store": {"daemon.model", "daemon.tier_roles", "daemon.base", "proto", "kernels", "optimizers"},
     "daemon.rpc": {"daemon.store", "daemon.model", "daemon.base", "proto", "optimizers"},
     "daemon.dataplane": {"daemon.rpc", "daemon.store", "daemon.model", "daemon.base", "proto"},
-    "daemon.app": {f"daemon.{f}" for f in (*DAEMON_FOLDERS, "base")} | {"proto", "kernels"},
+    "daemon.app": {f"daemon.{f}" for f in (*DAEMON_FOLDERS, "base", "tier_roles")} | {"proto", "kernels"},
     "trainer.base": {"proto", "optimizers"},
     "trainer.wire": {"trainer.base", "proto", "optimizers"},
     "trainer.io": {"trainer.wire", "trainer.base", "proto", "kernels"},
-    "trainer.optimizer": {"trainer.io", "trainer.wire", "trainer.base", "proto", "kernels", "optimizers"},
-    "trainer.stream": {"trainer.optimizer", "trainer.io", "trainer.wire", "trainer.base", "proto"},
+    "trainer.offload": {"trainer.io", "trainer.wire", "trainer.base", "proto", "kernels", "optimizers"},
+    "trainer.stream": {"trainer.offload", "trainer.io", "trainer.wire", "trainer.base", "proto"},
     "trainer.pipeline": {
-        "trainer.stream", "trainer.optimizer", "trainer.io", "trainer.wire", "trainer.base", "proto", "kernels",
+        "trainer.stream", "trainer.offload", "trainer.io", "trainer.wire", "trainer.base", "proto", "kernels",
         "optimizers",
     },
-    "trainer.api": {"trainer.optimizer", "trainer.stream", "trainer.base", "optimizers"},
+    "trainer.api": {"trainer.offload", "trainer.stream", "trainer.base", "optimizers"},
     "trainer.root": {f"trainer.{f}" for f in (*TRAINER_FOLDERS, "base", "api")} | {"proto"},
 }  # fmt: skip
 
@@ -101,6 +104,8 @@ def unit_of(module: str) -> str | None:
     if top == "daemon":
         if len(parts) == 2:
             return "daemon.app"
+        if parts[2:] == ["tiers", "tier"]:
+            return "daemon.tier_roles"
         if parts[2] in DAEMON_FOLDERS:
             return f"daemon.{parts[2]}"
         return "daemon.base" if parts[2] in DAEMON_BASE else "daemon.app"
@@ -440,13 +445,16 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
         ({"ps_daemon/tiers/nvme.py": "from ps_offload.daemon.store.shard_store import ShardStore\n"}, "daemon.store"),
         ({"ps_daemon/tiers/nvme.py": "from ps_offload.daemon.model.spec import ModelSpec\n"}, "daemon.model"),
         ({"ps_daemon/store/shard.py": "def f():\n    from ps_offload.daemon.rpc import status\n"}, "daemon.rpc"),
+        # The store sees the tiers' roles only: the composition root (daemon.app) chooses them.
+        ({"ps_daemon/store/shard_store.py": "from ps_offload.daemon.tiers.nvme import NvmeFiles\n"}, "daemon.tiers"),
+        ({"ps_daemon/tiers/tier.py": "from ps_offload.daemon.errors import DataLoss\n"}, "daemon.base"),
         (
             {"ps_daemon/rpc/servicer.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
              "    from ps_offload.daemon.dataplane.server import DataPlaneServer\n"},
             "daemon.dataplane",
         ),
         (
-            {"trainer/optimizer/offload.py": "from ps_offload.trainer.stream.optimizer import StreamedOptimizer\n"},
+            {"trainer/offload/whole_model.py": "from ps_offload.trainer.stream.optimizer import StreamedOptimizer\n"},
             "trainer.stream",
         ),
         ({"ps_proto/cluster.py": "import ps_offload.daemon.errors\n"}, "daemon.base"),
@@ -515,12 +523,10 @@ def layers_diagram() -> str:
         return unit.replace(".", "_")
 
     lines = ["```mermaid", "graph TD"]
-    for unit in sorted(ALLOWED):
-        lines.append(f'    {node(unit)}["{unit}"]')
-    for unit in sorted(ALLOWED):
-        for target in sorted(ALLOWED[unit]):
-            if not implied(unit, target):
-                lines.append(f"    {node(unit)} --> {node(target)}")
+    for unit in sorted(ALLOWED):  # one line per unit: its label, then its arrows (`a --> b & c`)
+        targets = [node(target) for target in sorted(ALLOWED[unit]) if not implied(unit, target)]
+        arrows = f" --> {' & '.join(targets)}" if targets else ""
+        lines.append(f'    {node(unit)}["{unit}"]{arrows}')
     lines.append("```")
     return "\n".join(lines)
 

@@ -79,3 +79,60 @@ def test_a_planted_unnamed_module_is_found(tmp_path):
     (root / "__init__.py").write_text('"""shard_store, shard, __main__ and sub/."""\n')
     (root / "sub" / "__init__.py").write_text('"""push: one push."""\n')
     assert unnamed_members(root) == {}
+
+
+# The folder map in docs/architecture.md: generated from the package docstrings, so it names
+# the folders that exist and says of each what its own docstring says.
+FOLDER_MAP = ("<!-- folders:begin -->", "<!-- folders:end -->")
+IMPORT_ROOT = {
+    "ps_proto": "ps_offload.proto",
+    "ps_daemon": "ps_offload.daemon",
+    "ps_admin": "ps_offload.admin",
+    "trainer": "ps_offload.trainer",
+    "kernels": "ps_offload.kernels",
+    "optimizers": "ps_offload.optimizers",
+}
+
+
+def first_sentence(docstring: str) -> str:
+    """The docstring's opening sentence on one line: up to the first full stop that ends a
+    sentence (a dotted name such as torch.optim has no space after its dots)."""
+    paragraph = " ".join(docstring.split("\n\n", 1)[0].split())
+    match = re.search(r"\.(\s|$)", paragraph)
+    return paragraph[: match.start() + 1] if match else paragraph
+
+
+def folder_map() -> str:
+    """One line per package: its folder, its import name and its docstring's first sentence."""
+    lines = ["- `proto/ps.proto`: the wire contract, the ParameterServer and Admin services."]
+    for root in ROOTS:
+        for package in packages_under(REPO / root):
+            parts = package.relative_to(REPO).parts
+            name = ".".join((IMPORT_ROOT[root], *parts[1:]))
+            docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+            lines.append(f"- `{'/'.join(parts)}/` (`{name}`): {first_sentence(docstring)}")
+    return "\n".join(lines)
+
+
+def test_the_folder_map_is_generated_from_the_docstrings():
+    """docs/architecture.md's folder map; regenerate it with
+    `python -c "from tests.test_package_docstrings import write_folder_map; write_folder_map()"`."""
+    begin, end = FOLDER_MAP
+    shown = (REPO / "docs" / "architecture.md").read_text().split(begin, 1)[1].split(end, 1)[0].strip()
+    assert shown == folder_map(), "docs/architecture.md's folder map is stale: run write_folder_map()"
+
+
+def test_the_folder_map_names_every_package():
+    shown = folder_map()
+    for root in ROOTS:
+        for package in packages_under(REPO / root):
+            assert f"`{'/'.join(package.relative_to(REPO).parts)}/`" in shown
+    assert first_sentence("Uses torch.optim.Adam. Then more.") == "Uses torch.optim.Adam."
+    assert first_sentence("No stop at all") == "No stop at all"
+
+
+def write_folder_map() -> None:
+    begin, end = FOLDER_MAP
+    path = REPO / "docs" / "architecture.md"
+    head, rest = path.read_text().split(begin, 1)
+    path.write_text(f"{head}{begin}\n{folder_map()}\n{end}{rest.split(end, 1)[1]}")

@@ -25,7 +25,7 @@ script needs. The plumbing stays importable from its module (the clients from
 ps_offload.trainer.wire.sharded_client and .daemon_client, StepOptimizer from
 ps_offload.trainer.pipeline.local_optimizer).
 
-The package, its folders layered api -> pipeline -> stream -> optimizer -> io -> wire -> base
+The package, its folders layered api -> pipeline -> stream -> offload -> io -> wire -> base
 (config, debug_models):
 
     api            offload(): registers the model, returns an OffloadOptimizer or a StreamedOptimizer
@@ -34,7 +34,7 @@ The package, its folders layered api -> pipeline -> stream -> optimizer -> io ->
     debug_models   TinyGPT, gpt_layers, mlp, CharDataset: small models that run in seconds on a CPU
     wire/          the trainer's side of the wire: the daemons' clients, transports, replicas
     io/            shards between the trainer's device and the wire: flat buffers, copies, compression
-    optimizer/     OffloadOptimizer: the torch.optim.Optimizer whose state lives on the daemons
+    offload/       OffloadOptimizer: the torch.optim.Optimizer whose state lives on the daemons
     stream/        StreamedOptimizer: a model larger than the trainer, a window of blocks at a time
     pipeline/      PipelineTrainer: pipeline stages x data-parallel replicas under torchrun
 """
@@ -54,9 +54,9 @@ from ps_offload.trainer.config import (
     OffloadConfig,
     ParallelConfig,
 )
-from ps_offload.trainer.optimizer.audit import AuditMismatch
-from ps_offload.trainer.optimizer.offload import OffloadOptimizer
-from ps_offload.trainer.optimizer.param_binding import ParameterChanged
+from ps_offload.trainer.offload.audit import AuditMismatch
+from ps_offload.trainer.offload.param_binding import ParameterChanged
+from ps_offload.trainer.offload.whole_model import OffloadOptimizer
 from ps_offload.trainer.pipeline.grid import init_distributed
 from ps_offload.trainer.pipeline.local_optimizer import LocalOptimizer
 from ps_offload.trainer.pipeline.trainer import PipelineTrainer

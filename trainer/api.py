@@ -1,6 +1,6 @@
 """`offload(model, daemons=..., optimizer=...)`: what a training script calls (also
 `ps_offload.offload`). It registers the model with the daemons and returns its optimizer: an
-OffloadOptimizer (ps_offload.trainer.optimizer.offload), or a StreamedOptimizer
+OffloadOptimizer (ps_offload.trainer.offload.whole_model), or a StreamedOptimizer
 (ps_offload.trainer.stream.optimizer) when given `stream=`."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ps_offload.trainer.config import (
     OffloadConfig,
     OptimizerConfig,
 )
-from ps_offload.trainer.optimizer.offload import OffloadOptimizer
+from ps_offload.trainer.offload.whole_model import OffloadOptimizer
 from ps_offload.trainer.stream.optimizer import StreamedOptimizer
 from ps_offload.trainer.stream.settings import Streaming
 

@@ -57,12 +57,12 @@ class OffloadConfig:
     stage) push each shard once between them. PipelineTrainer sets it from the grid."""
     push_in_backward: bool = False
     """Push each shard's gradient as soon as backward has finished all of it, overlapping the
-    rest of backward; step() then only applies it (trainer/optimizer/backward_push.py). A gradient
+    rest of backward; step() then only applies it (trainer/offload/backward_push.py). A gradient
     changed after backward (clip_grad_norm_) or a second backward before step() is noticed,
     and step() sends the whole gradient again: the result is the same either way. offload()
     only, with staleness=0 and no compression."""
     audit_every: int = 0
-    """Every this many steps, check one shard's update against torch.optim (trainer/optimizer/audit.py):
+    """Every this many steps, check one shard's update against torch.optim (trainer/offload/audit.py):
     its state is pulled before and after the step, the step is recomputed in process by
     torch.optim.AdamW(fused=True) or SGD(fused=True) on the same gradient and settings, and a
     difference raises ps_offload.AuditMismatch. Shards are taken in turn; `opt.audit.stats`

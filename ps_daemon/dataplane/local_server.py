@@ -366,14 +366,18 @@ class LocalServer:
             if len(view):
                 torch.frombuffer(view, dtype=torch.uint8).copy_(place)
 
-        pull_into = self._pull_target(session, request) if request.HasField("pull_into") else None
-        if pull_into is not None and _overlap(pull_into, place):
-            raise InvalidArgument(f"{what}: its pull_into overlaps its payload; name another place")
-        return data_path.receive_push(
-            self.store, header, self.staging, read_into, in_place=in_place, pull_into=pull_into
-        )
+        def pull_into(numel: int) -> torch.Tensor:  # asked for once the push is checked against its shard
+            target = self._pull_target(session, request, numel)
+            if _overlap(target, place):
+                raise InvalidArgument(f"{what}: its pull_into overlaps its payload; name another place")
+            return target
 
-    def _pull_target(self, session: _Session, request: ps_pb2.DataRequest) -> torch.Tensor:
+        return data_path.receive_push(
+            self.store, header, self.staging, read_into, in_place=in_place,
+            pull_into=pull_into if request.HasField("pull_into") else None,
+        )  # fmt: skip
+
+    def _pull_target(self, session: _Session, request: ps_pb2.DataRequest, numel: int) -> torch.Tensor:
         """Where a push asks its shard's new version to go (DataRequest.pull_into), checked
         before anything is read: a place in an attached window, exactly the shard's numel in a
         pull's dtype, aligned for it."""
@@ -385,7 +389,6 @@ class LocalServer:
         if dtype is None:
             raise InvalidArgument(f"{what} names no pull dtype (pull_dtype FLOAT32, BFLOAT16 or FLOAT16)")
         torch_dtype = PULL_DTYPES[dtype]
-        numel = self.store.shard(header.model, header.shard_id).slice.numel
         if not ref.window or ref.nbytes != numel * torch_dtype.itemsize or ref.offset % torch_dtype.itemsize:
             raise InvalidArgument(
                 f"{what} must be {numel * torch_dtype.itemsize} bytes ({numel} {dtype}) at an offset aligned for "

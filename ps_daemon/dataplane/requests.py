@@ -27,8 +27,7 @@ from ps_offload.daemon.rpc import conversions, data_path
 from ps_offload.daemon.rpc.server_security import TokenCheck
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.rpc.status import from_status, status_of
-from ps_offload.daemon.store.pull import PullRequest
-from ps_offload.daemon.store.shard import Shard
+from ps_offload.daemon.store.pull import CheckedPull
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.channel import method_path
@@ -56,11 +55,10 @@ class PendingPull:
     """A pull parked until its shard reaches the version or `deadline` (time.monotonic) passes."""
 
     request: ps_pb2.DataRequest
-    pull: PullRequest  # request.pull, converted and checked on its own once
+    checked: CheckedPull  # request.pull, converted and checked against its shard once: what it waits on
     started: float  # time.perf_counter() when the request arrived: its observed time includes the wait
     deadline: float
     timeout: float  # seconds it may wait in all, for the message when they pass
-    shard: Shard  # what it waits on
     unwatch: Callable[[], None] | None = None  # unparks it from the shard
     woken: bool = False  # the commit it waited for has come
 
@@ -167,13 +165,12 @@ class RequestServer:
     ) -> str | PendingPull:
         waited = None
         if resumed is None:
-            pull = conversions.pull_request(request.pull)
+            pull = self.store.check_pull(conversions.pull_request(request.pull))
             timeout = min(request.timeout_ms / 1000, self.max_pull_wait) if request.timeout_ms else self.max_pull_wait
-            shard = self.store.pull_waits_on(pull)
-            if shard is not None:
-                return PendingPull(request, pull, started, time.monotonic() + timeout, timeout, shard)
+            if pull.must_wait():
+                return PendingPull(request, pull, started, time.monotonic() + timeout, timeout)
         else:
-            pull = resumed.pull
+            pull = resumed.checked
             # Woken by the commit: a writer may still hold the shard for a moment. Past the
             # deadline: one last look, and the message says how long the pull waited.
             timeout = max(resumed.deadline - time.monotonic(), 0.0)

@@ -311,8 +311,9 @@ class DataPlaneServer:
         self.parked_pulls += 1
         self._deadlines.add(conn, pending, self.parked_pulls)
         wake = lambda: self._hand_back("resume", conn, pending)  # noqa: E731 - under the shard's lock: only queues
-        if pending.shard.watch(pending.pull.min_version, wake):
-            pending.unwatch = lambda: pending.shard.unwatch(wake)
+        shard = pending.checked.shard
+        if shard.watch(pending.checked.pull.min_version, wake):
+            pending.unwatch = lambda: shard.unwatch(wake)
             self._watch(conn)  # to see the client hang up
         else:  # there by now (or dropped: the worker answers why)
             pending.woken = True

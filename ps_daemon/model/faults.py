@@ -1,5 +1,5 @@
 """Testing aid: `PS_OFFLOAD_FAULT_PERTURB_STEP=N` makes the daemon commit a wrong update on
-purpose, so that the trainer's parity audit (trainer/optimizer/audit.py, `OffloadConfig.audit_every`)
+purpose, so that the trainer's parity audit (trainer/offload/audit.py, `OffloadConfig.audit_every`)
 can be shown to catch one: after applying step N's gradient to a shard (its version N ->
 N + 1), the shard's first master value is moved one ulp up, as a miscompiled kernel or a
 flipped bit would leave it. Every shard stepped at N is hit. Never set it outside tests.

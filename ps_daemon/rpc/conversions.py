@@ -13,8 +13,8 @@ from ps_offload.daemon.store.inspection import Verdict
 from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.pull_rounding import PULL_DTYPES
 from ps_offload.daemon.store.push import PushRequest
+from ps_offload.daemon.store.registry import RegisteredModel
 from ps_offload.daemon.store.shard import SHARD_TENSORS
-from ps_offload.daemon.store.shard_store import RegisteredModel
 from ps_offload.optimizers import GroupSettings, plugin_for_spec, plugin_of
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.channel import PROTOCOL

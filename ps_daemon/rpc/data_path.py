@@ -24,7 +24,7 @@ from ps_offload.daemon.model.encodings import check_finite, parse
 from ps_offload.daemon.rpc import conversions
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store.master_pull import Scratch
-from ps_offload.daemon.store.pull import PullRequest
+from ps_offload.daemon.store.pull import CheckedPull, PullRequest
 from ps_offload.daemon.store.pull_rounding import tensor_bytes
 from ps_offload.daemon.store.pull_wait import PullWait
 from ps_offload.daemon.store.shard_store import ShardStore
@@ -35,6 +35,9 @@ ReadPayload = Callable[[memoryview], None]
 """Fills the view given (the header's nbytes; empty for an APPLY) with the push's payload, or raises."""
 InPlace = Callable[[int], torch.Tensor | None]
 """The payload of the nbytes given where it lies, as fp32 elements covering them, or None."""
+PullInto = Callable[[int], torch.Tensor]
+"""Where the new version goes as well, given the shard's numel; checked there (raises), before
+the payload is read."""
 
 
 def receive_push(
@@ -44,39 +47,43 @@ def receive_push(
     read_payload: ReadPayload,
     *,
     in_place: InPlace | None = None,
-    pull_into: torch.Tensor | None = None,
+    pull_into: PullInto | None = None,
 ) -> ps_pb2.PushResponse:
     """The answer to a push whose payload `read_payload` reads, once it is applied. A push
     applied before is acknowledged (counted as a duplicate) without reading the payload.
     `in_place(nbytes)`: the payload where it already lies whole (the local transport's shared
     memory), parsed and applied there with no copy; None from it: read into a staging buffer.
     A compressed gradient that must be decompressed first gets a buffer from `staging` too.
-    `pull_into`: where the new version goes as well (ShardStore.push; the local transport's)."""
-    push = conversions.push_request(header)
-    ack = store.check_push(push)
-    if ack is not None:  # applied before: answered without reading the payload
-        return ps_pb2.PushResponse(applied=False, version=ack.version)
+    `pull_into(numel)`: where the new version goes as well (ShardStore.push; the local
+    transport's), asked for once the push is checked against its shard and before its payload
+    is read."""
+    checked = store.check_push(conversions.push_request(header))
+    if checked.duplicate is not None:  # applied before: answered without reading the payload
+        return ps_pb2.PushResponse(applied=False, version=checked.duplicate.version)
+    push, shard = checked.push, checked.shard
+    target = pull_into(shard.slice.numel) if pull_into is not None else None
     with contextlib.ExitStack() as held:
         payload = in_place(push.nbytes) if in_place is not None else None
         if payload is None:
             payload = held.enter_context(staging.borrow((push.nbytes + 3) // 4))  # fp32 elements, rounded up
             read_payload(memoryview(payload.numpy()).cast("B")[: push.nbytes])
         if push.kind != "apply":  # an APPLY carries none: the parts held are its gradient
-            shard = store.shard(push.model, push.shard_id)
-            push = push.with_data(parse(push.encoding, payload, push.nbytes, push.payload_numel(shard), push.where))
+            checked = checked.with_data(
+                parse(push.encoding, payload, push.nbytes, push.payload_numel(shard), push.where)
+            )
             # What the optimizer step would take in (a gradient, a part of one, 1-bit Adam's
             # momentum), before anything changes. Initial values and restored state are copied,
             # once: a check there would be a second pass over a copy for nothing to guard.
             if push.kind in STEPPED and not store.allow_nonfinite_pushes:
-                check_finite(push.data, push.where)
-        result = store.push(push, scratch=staging.borrow, pull_into=pull_into)
+                check_finite(checked.push.data, push.where)
+        result = store.push(checked, scratch=staging.borrow, pull_into=target)
     return ps_pb2.PushResponse(applied=result.applied, version=result.version, pulled=result.pulled)
 
 
 @contextlib.contextmanager
 def serve_pull(
     store: ShardStore,
-    pull: PullRequest,
+    pull: PullRequest | CheckedPull,
     *,
     timeout: float,
     scratch: Scratch,
@@ -88,9 +95,10 @@ def serve_pull(
     rounded under that hold into a buffer from `staging`. Either way, one version. With
     `pull.snapshot`: the snapshot's copy, read from its slot. `timeout`, `waiting`, `waited`:
     as ShardStore.pull's."""
-    if pull.snapshot:
-        values, step = store.pull_snapshot(pull.model, pull.shard_id, pull.snapshot, pull.tensor)
-        yield conversions.shard_header(pull.model, pull.shard_id, step, values), tensor_bytes(values)
+    request = pull.pull if isinstance(pull, CheckedPull) else pull
+    if request.snapshot:
+        values, step = store.pull_snapshot(pull)
+        yield conversions.shard_header(request.model, request.shard_id, step, values), tensor_bytes(values)
         return
     with store.pull(pull, timeout=timeout, scratch=scratch, waiting=waiting, waited=waited) as (values, version):
-        yield conversions.shard_header(pull.model, pull.shard_id, version, values), tensor_bytes(values)
+        yield conversions.shard_header(request.model, request.shard_id, version, values), tensor_bytes(values)

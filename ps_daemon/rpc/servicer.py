@@ -56,7 +56,7 @@ class ParameterServerServicer:
 
     @grpc_errors
     def RegisterModel(self, request: ps_pb2.RegisterModelRequest, context: grpc.ServicerContext):
-        model, created = self.store.register(conversions.spec_from_proto(request.spec), request.daemon_index)
+        model, created = self.store.registry.register(conversions.spec_from_proto(request.spec), request.daemon_index)
         return conversions.plan_to_proto(
             model, created, data_port=self.data_port, local_endpoint=self.local_endpoint, nvme_tier=self.nvme_tier
         )
@@ -141,14 +141,14 @@ class AdminServicer:
 
     @grpc_errors
     def ListShards(self, request: ps_pb2.ListShardsRequest, context: grpc.ServicerContext):
-        models = [self.store.model(request.model)] if request.model else self.store.models()
+        models = [self.store.registry.model(request.model)] if request.model else self.store.registry.models()
         infos = [_shard_info(shard) for model in models for shard in model.shards.values()]
         return ps_pb2.ListShardsResponse(shards=infos)
 
     @grpc_errors
     def GetShard(self, request: ps_pb2.GetShardRequest, context: grpc.ServicerContext):
         bins = conversions.histogram_bins(request)
-        shard = self.store.shard(request.model, request.shard_id)
+        shard = self.store.registry.shard(request.model, request.shard_id)
         info = _shard_info(shard)
         stats = inspection.value_stats(self.store, shard, bins=bins)
         info.norm, info.min, info.max, info.nan_count = stats.norm, stats.min, stats.max, stats.nan_count
@@ -177,11 +177,11 @@ class AdminServicer:
 
     @grpc_errors
     def ListModels(self, request: ps_pb2.ListModelsRequest, context: grpc.ServicerContext):
-        models = sorted(self.store.models(), key=lambda m: m.spec.model)
+        models = sorted(self.store.registry.models(), key=lambda m: m.spec.model)
         infos = [conversions.model_info(m) for m in models]
         infos += [
             ps_pb2.ModelInfo(spec=ps_pb2.ModelSpec(model=name), damaged=why)
-            for name, why in sorted(self.store.damaged.items())
+            for name, why in sorted(self.store.registry.damaged.items())
         ]
         return ps_pb2.ListModelsResponse(models=infos, daemon_version=release(), protocol=PROTOCOL)
 
@@ -204,7 +204,7 @@ class AdminServicer:
             left = threading.Event()  # the caller cancelled or its deadline passed: stop waiting
             files = self.store.files
             context.add_callback(lambda: (left.set(), snapshot_admin.wake(files, request.model)))
-            shard_ids = set(self.store.model(request.model).shards)
+            shard_ids = set(self.store.registry.model(request.model).shards)
             info = snapshot_admin.take(files, request.model, request.name, request.step, shard_ids, wait, left)
         finally:
             self._snapshot_waits.release()
@@ -212,20 +212,20 @@ class AdminServicer:
 
     @grpc_errors
     def ListSnapshots(self, request: ps_pb2.ListSnapshotsRequest, context: grpc.ServicerContext):
-        self.store.model(request.model)  # NotFound for a model not here
+        self.store.registry.model(request.model)  # NotFound for a model not here
         infos = snapshot_admin.listed(self.store.files, request.model)
         return ps_pb2.ListSnapshotsResponse(snapshots=[_snapshot_info(request.model, i) for i in infos])
 
     @grpc_errors
     def DeleteSnapshot(self, request: ps_pb2.DeleteSnapshotRequest, context: grpc.ServicerContext):
-        self.store.model(request.model)  # NotFound for a model not here
+        self.store.registry.model(request.model)  # NotFound for a model not here
         return _snapshot_info(request.model, snapshot_admin.delete(self.store.files, request.model, request.name))
 
     @grpc_errors
     def DropModel(self, request: ps_pb2.DropModelRequest, context: grpc.ServicerContext):
         if not request.model:
             raise InvalidArgument("DropModel needs a model name (ListModels lists them)")
-        dropped = self.store.drop(request.model)
+        dropped = self.store.registry.drop(request.model)
         return ps_pb2.DropModelResponse(
             shards=dropped.shards,
             disk_bytes=dropped.disk_bytes,
@@ -237,7 +237,7 @@ class AdminServicer:
     def GetModel(self, request: ps_pb2.GetModelRequest, context: grpc.ServicerContext):
         if not request.model:
             raise InvalidArgument("GetModel needs a model name (ListModels lists them)")
-        return conversions.model_info(self.store.model(request.model))
+        return conversions.model_info(self.store.registry.model(request.model))
 
     @grpc_errors_stream
     def Verify(self, request: ps_pb2.VerifyRequest, context: grpc.ServicerContext):

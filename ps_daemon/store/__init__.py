@@ -1,9 +1,11 @@
-"""The shards this daemon holds and every operation on them: ShardStore and what it composes,
-then the admin services (the last five below). Knows no gRPC: imports the model, the tiers
-and the contract, never ps_offload.daemon.rpc or ps_offload.daemon.dataplane.
+"""The shards this daemon holds and every operation on them: the data path (ShardStore), the
+model registry, and the admin services. Knows no gRPC and no tier but their roles: imports the
+model, ps_offload.daemon.tiers.tier and the contract, never ps_offload.daemon.rpc or
+ps_offload.daemon.dataplane.
 
-    shard_store       ShardStore: registration, recovery, lookup, the data path (pull, push with
-                      (shard, step) dedup, commit)
+    shard_store       ShardStore: the data path (pull, push with (shard, step) dedup, commit), each
+                      request's shard looked up and checked once (CheckedPush, CheckedPull)
+    registry          ModelRegistry: register, recover, look up, drop
     shard             one shard: its arena (master, optimizer state), its version and its reader/writer hold
     push              PushRequest: one push from the wire to the optimizer, validated before anything changes
     push_kinds        what ShardStore.push runs for each kind of push, one function per kind

@@ -42,8 +42,7 @@ import torch
 from ps_offload.daemon.errors import FailedPrecondition
 from ps_offload.daemon.store.push import PushRequest, PushResult, Shard, check_step_locked
 from ps_offload.daemon.store.speculation import Speculation
-from ps_offload.daemon.tiers.ram_only import RAM_SUMS
-from ps_offload.daemon.tiers.tier import SumStore
+from ps_offload.daemon.tiers.tier import RAM_SUMS, SumStore
 
 
 class GradientParts:

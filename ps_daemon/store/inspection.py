@@ -12,8 +12,7 @@ import torch
 from ps_offload.daemon.errors import DeadlineExceeded
 from ps_offload.daemon.store.shard import Shard
 from ps_offload.daemon.store.shard_store import ShardStore
-from ps_offload.daemon.tiers.nvme import PAGE, NvmeFiles, SlotCheck
-from ps_offload.daemon.tiers.tier import ShardFiles
+from ps_offload.daemon.tiers.tier import PAGE, ShardFiles, SlotCheck
 
 # Lock-free reads of a shard's committed slot before `verify` holds the shard still instead.
 VERIFY_ATTEMPTS = 3
@@ -81,17 +80,17 @@ def _histogram(values: torch.Tensor, bins: int) -> dict:
 def shards_to_verify(store: ShardStore, model: str = "") -> list[Shard]:
     """The named model's shards (NotFound if unknown), or every model's (""), in name and
     id order."""
-    models = [store.model(model)] if model else sorted(store.models(), key=lambda m: m.spec.model)
+    models = [store.registry.model(model)] if model else sorted(store.registry.models(), key=lambda m: m.spec.model)
     return [m.shards[i] for m in models for i in sorted(m.shards)]
 
 
 def damaged_models(store: ShardStore, model: str = "") -> dict[str, str]:
     """The models (the named one, or every one: "") that are bad as a whole: not recovered at
     start, or not coming back at the next one (ShardFiles.restart_problem) -> why."""
-    names = [model] if model else sorted({*(m.spec.model for m in store.models()), *store.damaged})
+    names = [model] if model else sorted({*(m.spec.model for m in store.registry.models()), *store.registry.damaged})
     damaged = {}
     for name in names:
-        why = store.damaged.get(name) or store.files.restart_problem(name)
+        why = store.registry.damaged.get(name) or store.files.restart_problem(name)
         if why:
             damaged[name] = why
     return damaged
@@ -124,7 +123,7 @@ def verify(files: ShardFiles, shards: list[Shard], *, hold_timeout: float = 60.0
         yield _check_at_rest(files, shard, buffer, hold_timeout)
 
 
-def _check_at_rest(files: NvmeFiles, shard: Shard, buffer: memoryview, hold_timeout: float) -> Verdict:
+def _check_at_rest(files: ShardFiles, shard: Shard, buffer: memoryview, hold_timeout: float) -> Verdict:
     model, shard_id = shard.model, shard.slice.shard_id
     for _ in range(VERIFY_ATTEMPTS):
         found = files.committed_slot(model, shard_id)

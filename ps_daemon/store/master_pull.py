@@ -45,8 +45,7 @@ from ps_offload.daemon.store.persistence import read_master
 from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.pull_rounding import rounded
 from ps_offload.daemon.store.shard import Shard
-from ps_offload.daemon.tiers.nvme import PAGE, NvmeFiles, aligned_empty
-from ps_offload.daemon.tiers.ram import RamTier
+from ps_offload.daemon.tiers.tier import PAGE, ResidencyTier, ShardFiles, aligned_empty
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +54,8 @@ Scratch = Callable[[int], contextlib.AbstractContextManager[torch.Tensor]]
 
 def pull_master(
     sending: contextlib.ExitStack,
-    files: NvmeFiles,
-    tier: RamTier,
+    files: ShardFiles,
+    tier: ResidencyTier,
     shard: Shard,
     pull: PullRequest,
     *,

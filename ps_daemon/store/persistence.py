@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import errno
 import logging
+from typing import Any
 
 import torch
 
 from ps_offload.daemon.errors import DataLoss, ResourceExhausted, StorageError
 from ps_offload.daemon.model.spec import ModelSpec, spec_to_dict
 from ps_offload.daemon.store.shard import Shard
-from ps_offload.daemon.tiers.model_file import NoFreeSlot
-from ps_offload.daemon.tiers.nvme import CorruptShard, NoCapacity, NvmeFiles, SlotHeader
-from ps_offload.daemon.tiers.tier import ShardFiles
+from ps_offload.daemon.tiers.tier import CorruptShard, NoCapacity, NoFreeSlot, ShardFiles
 
 # The store's name: these lines were logged by ps_offload.daemon.store.shard_store before it was split, and
 # journald filters or alerts written against that name keep matching.
@@ -48,7 +47,7 @@ def create_files(files: ShardFiles, spec: ModelSpec, daemon_index: int, shards: 
         raise StorageError(f"{where}: cannot create its files: {exc}") from exc
 
 
-def load_into(files: NvmeFiles, shard: Shard, buffer: tuple[torch.Tensor, memoryview]) -> None:
+def load_into(files: ShardFiles, shard: Shard, buffer: tuple[torch.Tensor, memoryview]) -> None:
     """The RAM tier's loader: attaches `buffer` and reads the committed version into it."""
     shard.attach(buffer)
     try:
@@ -58,7 +57,7 @@ def load_into(files: NvmeFiles, shard: Shard, buffer: tuple[torch.Tensor, memory
         raise
 
 
-def load_committed(files: NvmeFiles, shard: Shard) -> None:
+def load_committed(files: ShardFiles, shard: Shard) -> None:
     """Sets the shard to its last committed version on disk (zeros if none). Raises
     DataLoss, and marks the shard, when those bytes fail their checksum."""
     try:
@@ -72,7 +71,7 @@ def load_committed(files: NvmeFiles, shard: Shard) -> None:
         shard.set_version(header.version, initialized=header.initialized)
 
 
-def read_master(files: NvmeFiles, shard: Shard, slot: int, header: SlotHeader, buffer: memoryview) -> None:
+def read_master(files: ShardFiles, shard: Shard, slot: int, header: Any, buffer: memoryview) -> None:
     """Reads the master region of the shard's committed `slot` into `buffer`
     (NvmeFiles.read_master; the caller holds the shard for reading). Raises DataLoss, and
     marks the shard, when the region fails its checksum (the whole arena would fail too) or

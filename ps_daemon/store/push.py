@@ -340,6 +340,21 @@ class PushResult:
     pulled: bool = False  # the new version is in the place the push named too (ShardStore.push's pull_into)
 
 
+@dataclass(frozen=True)
+class CheckedPush:
+    """A push checked against its shard once (ShardStore.check_push): the shard it names
+    travels with it to ShardStore.push, which neither looks it up nor checks it again. The
+    step is still checked there, under the shard's lock (a retry may race the first try)."""
+
+    push: PushRequest
+    shard: Shard
+    duplicate: PushResult | None = None  # the acknowledgement of a push applied before: nothing to do
+
+    def with_data(self, data: torch.Tensor | CompressedGradient) -> CheckedPush:
+        """The same push once its payload is parsed (the parse gives the size checked)."""
+        return dataclasses.replace(self, push=self.push.with_data(data))
+
+
 def check_step_locked(shard: Shard, push: PushRequest) -> PushResult | None:
     """Under shard.cond: the acknowledgement of a push applied before, None for one to apply
     now; raises for one that cannot be applied yet (or any more)."""

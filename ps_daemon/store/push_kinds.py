@@ -38,6 +38,7 @@ from ps_offload.daemon.store.accumulate import add_part
 from ps_offload.daemon.store.persistence import commit, roll_back
 from ps_offload.daemon.store.prefetch import Prefetcher
 from ps_offload.daemon.store.push import PushRequest, PushResult, check_step_locked
+from ps_offload.daemon.store.registry import ModelRegistry
 from ps_offload.daemon.store.shard import Shard
 from ps_offload.daemon.store.speculation import SpareArenas, adopt, speculate
 from ps_offload.daemon.store.stats import StoreStats
@@ -55,7 +56,7 @@ class Store(Protocol):
     prefetcher: Prefetcher
     on_optimizer_step: Callable[[float], None] | None
     _lock: threading.Lock
-    _models: dict  # name -> RegisteredModel
+    registry: ModelRegistry
 
     def _using(self, shard: Shard) -> contextlib.AbstractContextManager[object]: ...
 
@@ -128,7 +129,7 @@ def step_optimizer(
     elif push.kind == "momentum":
         data = push.values(borrow)
     # (.get: the model may have been dropped since; its shards then end NOT_FOUND below)
-    store.prefetcher.pushed(shard, push.step, lambda: getattr(store._models.get(shard.model), "shards", {}))
+    store.prefetcher.pushed(shard, push.step, lambda: store.registry.shards_of(shard.model))
 
     def write() -> None:
         gradient = shard.parts.gradient_locked(push) if push.kind == "apply" else data

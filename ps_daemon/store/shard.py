@@ -15,9 +15,7 @@ from ps_offload.daemon.model.optimizer import OptimizerConfig, ShardOptimizer, s
 from ps_offload.daemon.store.accumulate import GradientParts
 from ps_offload.daemon.store.pull_rounding import PULL_DTYPES
 from ps_offload.daemon.store.pull_wait import PullWait
-from ps_offload.daemon.tiers.nvme import arena_tensor
-from ps_offload.daemon.tiers.ram_only import RAM_SUMS
-from ps_offload.daemon.tiers.tier import SumStore
+from ps_offload.daemon.tiers.tier import RAM_SUMS, SumStore, arena_tensor
 from ps_offload.proto.plan import FP32_BYTES, ParamLayout, ShardSlice, segments_of
 
 # Elements between the arena's tensors, so that master, m and v (and the staging buffer a

@@ -8,8 +8,8 @@ from __future__ import annotations
 import errno
 import threading
 from dataclasses import dataclass
+from typing import Any
 
-import crc32c
 import torch
 
 from ps_offload.daemon.errors import (
@@ -22,10 +22,14 @@ from ps_offload.daemon.errors import (
 )
 from ps_offload.daemon.model.optimizer import state_tensors
 from ps_offload.daemon.store.shard import SHARD_TENSORS, Shard, arena_offsets
-from ps_offload.daemon.tiers.direct_io import PAGE
-from ps_offload.daemon.tiers.nvme import NoCapacity, NvmeFiles, arena_tensor
-from ps_offload.daemon.tiers.snapshot_pins import NAME, Snapshot, SnapshotRefused
-from ps_offload.daemon.tiers.tier import ShardFiles
+from ps_offload.daemon.tiers.tier import (
+    SNAPSHOT_NAME,
+    CorruptShard,
+    NoCapacity,
+    ShardFiles,
+    SnapshotRefused,
+    arena_tensor,
+)
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ class SnapshotInfo:
     damaged: str
 
 
-def _info(files: NvmeFiles, model: str, snap: Snapshot) -> SnapshotInfo:
+def _info(files: ShardFiles, model: str, snap: Any) -> SnapshotInfo:
     slot_bytes = files.files[model].layout.slot_bytes
     shards = len(snap.pinned) + len(snap.waiting)
     pinned = len(snap.pinned)
@@ -49,7 +53,7 @@ def _info(files: NvmeFiles, model: str, snap: Snapshot) -> SnapshotInfo:
     )
 
 
-def _files(files: ShardFiles) -> NvmeFiles:
+def _files(files: ShardFiles) -> ShardFiles:
     if not files.at_rest:
         raise FailedPrecondition(
             "this daemon has no NVMe tier (store.nvme_dir): snapshots pin committed slots on disk; "
@@ -71,7 +75,7 @@ def take(
     up to `timeout` for the shards behind it to commit that version; cancelled if they do not,
     or when `caller_left` is set (then wake() the model's waiters)."""
     files = _files(files)
-    if not NAME.match(name):
+    if not SNAPSHOT_NAME.match(name):
         raise InvalidArgument(
             f"snapshot name {name!r} is not allowed: 1 to 100 of A-Z a-z 0-9 . _ -, starting with a letter or digit"
         )
@@ -153,7 +157,7 @@ def _write_record(file) -> None:
         file.snapshots.write(recorded)
 
 
-def _named(snapshots: dict[str, Snapshot], model: str, name: str) -> Snapshot:
+def _named(snapshots: dict[str, Any], model: str, name: str) -> Any:
     snap = snapshots.get(name)
     if snap is None:
         known = ", ".join(sorted(snapshots)) or "none"
@@ -181,11 +185,12 @@ def read_tensor(files: ShardFiles, shard: Shard, name: str, tensor: str) -> tupl
         shard.check_tensor(tensor)  # (refuses, saying why: factored state)
     words, view = arena_tensor(header.arena_bytes // 4, header.arena_bytes)
     values = words.view(shard.master_dtype)
-    files.io.read(file.fd, view, file.offset(slot) + PAGE)
-    if crc32c.crc32c(view) != header.data_crc:
+    try:
+        files.read_slot(model, slot, header, view)
+    except CorruptShard as exc:
         raise DataLoss(
             f"snapshot {name!r} of model {model!r}: shard {shard.slice.shard_id}'s bytes in slot {slot} fail their "
-            "checksum"
-        )
+            f"checksum ({exc})"
+        ) from None
     start = arena_offsets(numel, shard.optimizer.state_numels())[index]
     return values[start : start + numel].float(), snap.step  # (snapshots travel in FLOAT32; widened from bf16 state)

@@ -10,7 +10,7 @@ from ps_offload.daemon.store.shard_store import ShardStore
 
 def evict(store: ShardStore, model: str, shard_id: int) -> Shard:
     """Drops a shard from RAM; it stays committed on disk (FailedPrecondition RAM only)."""
-    shard = store.shard(model, shard_id)
+    shard = store.registry.shard(model, shard_id)
     if not store.tier.evict(shard):
         raise FailedPrecondition(f"shard {shard_id} of model {model!r} is in use; try again")
     return shard
@@ -18,6 +18,6 @@ def evict(store: ShardStore, model: str, shard_id: int) -> Shard:
 
 def load(store: ShardStore, model: str, shard_id: int) -> Shard:
     """Reads a shard into RAM now (it stays until evicted by need or by `evict`)."""
-    shard = store.shard(model, shard_id)
+    shard = store.registry.shard(model, shard_id)
     with store.tier.use(shard):
         return shard

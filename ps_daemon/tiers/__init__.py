@@ -2,7 +2,8 @@
 without store.nvme_dir, RAM alone. The tiers import neither the store nor the model (they keep
 bytes and JSON, whatever the spec says); of the rest of the daemon, only ps_offload.daemon.errors.
 
-    tier                the three roles the store asks of its tiers (ResidencyTier, ShardFiles, SumStore)
+    tier                all the store sees of the tiers: the three roles (ResidencyTier, ShardFiles,
+                        SumStore) and Tiers, their errors, page-aligned memory
     ram                 the RAM tier over NVMe: budget, pinning, eviction by upcoming order then LRU,
                         pooled arenas, prefetch
     ram_only            the tiers of a daemon without store.nvme_dir: every shard resident, nothing at rest

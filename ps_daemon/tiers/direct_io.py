@@ -5,26 +5,15 @@ tests use in place of a full or failing disk. Nothing here knows shards or slots
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-PAGE = 4096
+from ps_offload.daemon.tiers.tier import round_up
+
 T = TypeVar("T")
-
-
-def round_up(n: int, to: int = PAGE) -> int:
-    return (n + to - 1) // to * to
-
-
-def aligned_empty(nbytes: int) -> tuple[mmap.mmap, memoryview]:
-    """Page-aligned, zero-filled memory (anonymous mmap) that O_DIRECT can read and write,
-    `nbytes` rounded up to whole pages."""
-    region = mmap.mmap(-1, round_up(max(nbytes, 1)))
-    return region, memoryview(region)
 
 
 class DirectIO:

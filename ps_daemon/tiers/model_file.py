@@ -11,15 +11,11 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from ps_offload.daemon.tiers.direct_io import PAGE, round_up
 from ps_offload.daemon.tiers.group_sync import GroupSync
 from ps_offload.daemon.tiers.slot_header import SlotHeader
 from ps_offload.daemon.tiers.snapshot_pins import SnapshotBook
+from ps_offload.daemon.tiers.tier import PAGE, NoFreeSlot, round_up
 from ps_offload.daemon.tiers.version_floors import VersionFloors
-
-
-class NoFreeSlot(Exception):
-    """Every slot of a model file is taken for longer than a commit should last."""
 
 
 @dataclass(frozen=True)

@@ -47,14 +47,12 @@ import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
-import torch
 
 from ps_offload.daemon.tiers import crash_points
-from ps_offload.daemon.tiers.direct_io import PAGE, DirectIO, aligned_empty
+from ps_offload.daemon.tiers.direct_io import DirectIO
 from ps_offload.daemon.tiers.model_file import FileLayout, ModelFile
 from ps_offload.daemon.tiers.slot_header import (
     FORMAT_VERSION,
@@ -63,6 +61,7 @@ from ps_offload.daemon.tiers.slot_header import (
     checksums,
     master_region_bytes,
 )
+from ps_offload.daemon.tiers.tier import PAGE, CorruptShard, NoCapacity, SlotCheck, aligned_empty
 from ps_offload.daemon.tiers.version_floors import FloorWriter, VersionFloors
 
 log = logging.getLogger(__name__)
@@ -86,10 +85,6 @@ def spec_from_json(text: str, parse: Callable[[dict], object]) -> tuple[object, 
         readable = " and ".join(str(f) for f in READABLE_FORMATS)
         raise ValueError(f"format {data.get('format')}, this daemon reads formats {readable}")
     return parse(data), data["daemon_index"], FileLayout(**data["layout"])
-
-
-class NoCapacity(Exception):
-    """A model's arena file would take the daemon past `store.nvme_bytes`."""
 
 
 class NvmeFiles:
@@ -388,14 +383,21 @@ class NvmeFiles:
         if header.arena_bytes != len(arena):
             raise CorruptShard(f"header says {header.arena_bytes} arena bytes, the shard has {len(arena)}")
         started = time.perf_counter()
-        crc = _FoldedCrc()  # over each block as it lands, while the later ones are read
-        self.io.read(file.fd, arena, file.offset(slot) + PAGE, on_block=crc.add)
-        if crc.value != header.data_crc:
-            raise CorruptShard(f"checksum mismatch in slot {slot} (version {header.version})")
+        self.read_slot(model, slot, header, arena)
         with self._header_lock:
             self.bytes_read += len(arena)
             self.read_seconds += time.perf_counter() - started
         return header
+
+    def read_slot(self, model: str, slot: int, header: SlotHeader, arena: memoryview) -> None:
+        """Reads the arena bytes of `slot` (a committed or a pinned one: the caller keeps it
+        from being reused) into `arena`, `header.arena_bytes` long and page-aligned, and checks
+        their crc32c against the header's (CorruptShard)."""
+        file = self.files[model]
+        crc = _FoldedCrc()  # over each block as it lands, while the later ones are read
+        self.io.read(file.fd, arena[: header.arena_bytes], file.offset(slot) + PAGE, on_block=crc.add)
+        if crc.value != header.data_crc:
+            raise CorruptShard(f"checksum mismatch in slot {slot} (version {header.version})")
 
     def read_master(self, model: str, slot: int, header: SlotHeader, buffer: memoryview) -> None:
         """Reads the master region of `slot` (its first `header.master_bytes` arena bytes) into
@@ -492,28 +494,6 @@ class NvmeFiles:
         for file in self.files.values():
             file.close()
         self.io.close()
-
-
-@dataclass(frozen=True)
-class SlotCheck:
-    """What reading a committed slot back found."""
-
-    version: int
-    slot: int
-    bytes_read: int
-    problem: str  # "" when the header and the bytes match; else why not
-
-
-class CorruptShard(Exception):
-    """A shard's newest committed bytes on disk do not match their checksum."""
-
-
-def arena_tensor(numel: int, nbytes: int) -> tuple[torch.Tensor, memoryview]:
-    """A zeroed fp32 tensor of `numel` elements over page-aligned memory whose whole-page
-    extent (`nbytes` rounded up) is returned as the view O_DIRECT reads and writes."""
-    region, view = aligned_empty(nbytes)
-    tensor = torch.frombuffer(region, dtype=torch.float32, count=numel)
-    return tensor, view
 
 
 class _FoldedCrc:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 from types import MappingProxyType
 
-import torch
-
 from ps_offload.daemon.errors import FailedPrecondition
 from ps_offload.daemon.tiers.tier import TierStats
 
@@ -22,6 +20,9 @@ class RamOnlyTier:
 
     def use(self, shard, *, pull: bool = False) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def use_if_resident(self, shard) -> contextlib.AbstractContextManager[bool]:
+        return contextlib.nullcontext(True)
 
     def evict(self, shard) -> bool:
         raise FailedPrecondition("this daemon has no NVMe tier (store.nvme_dir); shards cannot leave RAM")
@@ -76,15 +77,3 @@ class NoShardFiles:
 
     def close(self) -> None:
         pass
-
-
-class RamSums:
-    """A SumStore in anonymous memory: the sums count as the store's RAM."""
-
-    in_ram = True
-
-    def allocate(self, numel: int) -> torch.Tensor:
-        return torch.empty(numel, dtype=torch.float32)
-
-
-RAM_SUMS = RamSums()  # stateless: one for every shard that has no other

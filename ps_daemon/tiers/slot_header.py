@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import crc32c
 
-from ps_offload.daemon.tiers.direct_io import round_up
+from ps_offload.daemon.tiers.tier import round_up
 
 _MAGIC = b"PSOFSHD1"
 FORMAT_VERSION = 3

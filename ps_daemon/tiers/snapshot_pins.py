@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
 from collections import Counter
@@ -30,13 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ps_offload.daemon.tiers.slot_header import SlotHeader
+from ps_offload.daemon.tiers.tier import SnapshotRefused
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
 FORMAT = 1
-
-
-class SnapshotRefused(Exception):
-    """The snapshot cannot be taken (a shard is past its step, the name is taken, ...)."""
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """What the store asks of its tiers, whether or not the daemon has an NVMe directory.
 
-Three roles, each filled by one object the store picks when it is made
-(ps_offload.daemon.store.shard_store.ShardStore):
+Three roles, each filled by one object the composition root picks when the store is made
+(ps_offload.daemon.composition.build_tiers):
 
                      with store.nvme_dir                         RAM only
     ResidencyTier    RamTier (tiers.ram): a byte budget of       RamOnlyTier (tiers.ram_only): every
                      resident shards over NVMe                   shard resident from birth to drop
     ShardFiles       NvmeFiles (tiers.nvme): committed slots     NoShardFiles: nothing kept, nothing
                      that survive a restart                      recovered
-    SumStore         AccumulatorFiles (tiers.accumulator_files)  RamSums: anonymous memory
+    SumStore         AccumulatorFiles (tiers.accumulator_files)  RamSums (here): anonymous memory
 
 so the store's code is the same for both kinds of daemon. Where the two genuinely behave
 differently (verify reads slots back or checks memory; snapshots need slots to pin; a failed
@@ -16,16 +16,70 @@ update rolls back to the committed copy or is refused), the code asks `ShardFile
 
 The tiers hold shards without knowing what one is (they import neither the store nor the
 model): `shard` below is ps_offload.daemon.store.shard.Shard, duck-typed.
+
+This module is all the store sees of the tiers (tests/test_layering.py holds it to that): the
+roles, the `Tiers` the composition root builds (ps_offload.daemon.composition), the errors the
+tiers raise, and the page-aligned memory O_DIRECT reads and writes, which the store allocates.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+PAGE = 4096
+SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
+
+
+class NoCapacity(Exception):
+    """A model's arena file would take the daemon past `store.nvme_bytes`."""
+
+
+class CorruptShard(Exception):
+    """A shard's newest committed bytes on disk do not match their checksum."""
+
+
+class NoFreeSlot(Exception):
+    """Every slot of a model file is taken for longer than a commit should last."""
+
+
+class SnapshotRefused(Exception):
+    """The snapshot cannot be taken (a shard is past its step, the name is taken, ...)."""
+
+
+@dataclass(frozen=True)
+class SlotCheck:
+    """What reading a committed slot back found (ShardFiles.check_slot)."""
+
+    version: int
+    slot: int
+    bytes_read: int
+    problem: str  # "" when the header and the bytes match; else why not
+
+
+def round_up(n: int, to: int = PAGE) -> int:
+    return (n + to - 1) // to * to
+
+
+def aligned_empty(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+    """Page-aligned, zero-filled memory (anonymous mmap) that O_DIRECT can read and write,
+    `nbytes` rounded up to whole pages."""
+    region = mmap.mmap(-1, round_up(max(nbytes, 1)))
+    return region, memoryview(region)
+
+
+def arena_tensor(numel: int, nbytes: int) -> tuple[torch.Tensor, memoryview]:
+    """A zeroed fp32 tensor of `numel` elements over page-aligned memory whose whole-page
+    extent (`nbytes` rounded up) is returned as the view O_DIRECT reads and writes."""
+    region, view = aligned_empty(nbytes)
+    tensor = torch.frombuffer(region, dtype=torch.float32, count=numel)
+    return tensor, view
 
 
 @dataclass
@@ -45,6 +99,11 @@ class ResidencyTier(Protocol):
         """Pins the shard resident for the block, loading it first if it is not. Raises
         TierFull (a ResourceExhausted) when no room is made in time. `pull`: a read, after
         which the shard's push is still to come."""
+        ...
+
+    def use_if_resident(self, shard: Any) -> contextlib.AbstractContextManager[bool]:
+        """Pins the shard for the block and yields True if it is resident (or once its load in
+        flight ends); yields False, having pinned nothing, if it is at rest only."""
         ...
 
     def evict(self, shard: Any) -> bool:
@@ -73,7 +132,7 @@ class ResidencyTier(Protocol):
 
 class ShardFiles(Protocol):
     """Where committed versions are kept at rest. The operations on a recorded model's file
-    (open_model, forget, arena_path, load, read_master, check_slot, check_buffer and the
+    (open_model, forget, arena_path, load, read_slot, read_master, check_slot, check_buffer and the
     snapshot pins of `files[model]`) are NvmeFiles' own: the store reaches them only for a
     model `recorded_models` gave, a slot `committed_slot` found, or where `at_rest` is true."""
 
@@ -128,3 +187,24 @@ class SumStore(Protocol):
     def allocate(self, numel: int) -> torch.Tensor:
         """An fp32 tensor of `numel` values (contents unset)."""
         ...
+
+
+class RamSums:
+    """A SumStore in anonymous memory: the sums count as the store's RAM."""
+
+    in_ram = True
+
+    def allocate(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.float32)
+
+
+RAM_SUMS = RamSums()  # stateless: one for every shard that has no other
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """The three roles filled for one store, chosen once by the composition root."""
+
+    files: ShardFiles
+    residency: ResidencyTier
+    sums: SumStore

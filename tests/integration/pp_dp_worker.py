@@ -1,5 +1,6 @@
 """One rank of the pp x dp training run that tests/integration/test_pipeline_dp.py starts
-with torchrun; dp replica 0 of each stage saves its stage's parameters at the end (with
+with torchrun (tests/helpers/pipeline_mlp.py holds the model, its batches and loss, and the
+start); dp replica 0 of each stage saves its stage's parameters at the end (with
 --save-replicas every replica saves stage<s>.replica<r>.pt). With --trace every rank also
 writes trace<rank>.json: its stage, its replica, torch's planned compute order for its
 stage, and the compute actions it really ran, one list per step."""
@@ -16,26 +17,8 @@ import torch
 
 from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
-from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.pipeline.schedule_check import ScheduleRecorder, compute_order
-
-SIZES = (32, 64, 64, 64, 10)
-GLOBAL_BATCH = 16
-
-
-def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(GLOBAL_BATCH, SIZES[0], generator=g), torch.randint(10, (GLOBAL_BATCH,), generator=g))
-            for _ in range(steps)]  # fmt: skip
-
-
-def layers() -> list[torch.nn.Module]:
-    torch.manual_seed(0)
-    return list(mlp(SIZES))
-
-
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(output.float(), target)
+from tests.helpers.pipeline_mlp import GLOBAL_BATCH, batches, layers, loss_fn
 
 
 def inject_overflow(model: trainer.PipelineTrainer, at_step: int) -> None:

@@ -15,7 +15,7 @@ from ps_offload.proto import ps_pb2
 from ps_offload.proto.push import Push
 from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.wire.daemon_client import DaemonClient
-from tests.ps_admin.test_cli import run_admin
+from tests.helpers.admin_cli import run_admin
 
 STEPS = 3
 SHARD_BYTES = 4096

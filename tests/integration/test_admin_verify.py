@@ -17,10 +17,12 @@ import torch
 
 from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
-from ps_offload.daemon.tiers.nvme import PAGE, SlotHeader
+from ps_offload.daemon.tiers.nvme import PAGE
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.trainer.debug_models import mlp
-from tests.ps_admin.test_cli import admin_json, run_admin
+from tests.helpers.admin_cli import admin_json, run_admin, verify_verdicts
+from tests.helpers.nvme_files import committed_slot, flip_byte
+from tests.helpers.training import train_linear
 
 SHARD_BYTES = 4096
 STEPS = 3
@@ -30,57 +32,10 @@ def _nvme_daemon(tmp_path: Path, *extra: str) -> LocalDaemon:
     return LocalDaemon(tmp_path / "d", "--nvme-dir", str(tmp_path / "nvme"), *extra)
 
 
-def _train(address: str, steps: int) -> list:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(64, 40)  # 2600 parameters: 3 shards of 4 KiB
-    with trainer.offload(
-        model,
-        daemons=[address],
-        optimizer=trainer.AdamW(lr=1e-2),
-        config=trainer.OffloadConfig(shard_bytes=SHARD_BYTES),
-    ) as opt:
-        for _ in range(steps):
-            opt.zero_grad()
-            model(torch.randn(8, 64)).pow(2).mean().backward()
-            opt.step()
-        opt.synchronize()
-        return list(opt.plan)
-
-
-def committed_slot(nvme: Path, shard_id: int) -> int:
-    """The file offset of the slot holding the shard's newest valid header (its committed
-    version), read from the arena file the way recovery reads it."""
-    layout = json.loads(next(nvme.glob("*.json")).read_text())["layout"]
-    newest: tuple[int, int] | None = None
-    with open(next(nvme.glob("*.arena")), "rb") as f:
-        for slot in range(layout["slots"]):
-            f.seek(slot * layout["slot_bytes"])
-            header = SlotHeader.unpack(f.read(PAGE))
-            if header is not None and header.shard_id == shard_id and (newest is None or header.version > newest[1]):
-                newest = (slot * layout["slot_bytes"], header.version)
-    assert newest is not None, f"no committed slot for shard {shard_id}"
-    return newest[0]
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        (byte,) = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([byte ^ 0xFF]), offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _verdicts(report: dict) -> dict[int, dict]:
-    (daemon_report,) = report["daemons"]
-    return {v["shard_id"]: v for v in daemon_report["shards"]}
-
-
 def test_verify_passes_then_names_the_shards_flipped_on_disk(tmp_path):
     daemon = _nvme_daemon(tmp_path)
     try:
-        plan = _train(daemon.address, STEPS)
+        plan = train_linear(daemon.address, STEPS)
         ok = run_admin("verify", "--daemon", daemon.address)
         assert ok.returncode == 0, ok.stderr
         assert ok.stderr == "" and "3 shards, 3 ok, 0 bad" in ok.stdout
@@ -91,7 +46,7 @@ def test_verify_passes_then_names_the_shards_flipped_on_disk(tmp_path):
         assert shown.returncode == 0 and f"verify {daemon.address}" in shown.stderr and "3/3" in shown.stderr
         report = admin_json("verify", "--daemon", daemon.address)
         assert report["bad"] == 0 and report["daemons"][0]["at_rest"] is True
-        assert {i: (v["status"], v["version"]) for i, v in _verdicts(report).items()} == {
+        assert {i: (v["status"], v["version"]) for i, v in verify_verdicts(report).items()} == {
             s.shard_id: ("ok", STEPS) for s in plan
         }
 
@@ -117,7 +72,7 @@ def test_verify_passes_then_names_the_shards_flipped_on_disk(tmp_path):
 
         result = run_admin("verify", "--daemon", daemon.address, "--json")
         assert result.returncode == 1
-        verdicts = _verdicts(json.loads(result.stdout))
+        verdicts = verify_verdicts(json.loads(result.stdout))
         assert verdicts[0]["status"] == "ok" and verdicts[0]["tier"] == "nvme"
         assert verdicts[1]["status"] == "bad" and "checksum mismatch" in verdicts[1]["detail"]
         assert "resident" in verdicts[1]["detail"]  # its next update writes a good copy
@@ -136,7 +91,7 @@ def test_verify_passes_then_names_the_shards_flipped_on_disk(tmp_path):
 def test_shards_filter_and_sort_by_tier(tmp_path):
     daemon = _nvme_daemon(tmp_path)
     try:
-        _train(daemon.address, 1)
+        train_linear(daemon.address, 1)
         assert run_admin("evict", "1", "--daemon", daemon.address).returncode == 0
 
         def ids(*args: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""The parity audit (OffloadConfig.audit_every, trainer/optimizer/audit.py) against real daemons: it
+"""The parity audit (OffloadConfig.audit_every, trainer/offload/audit.py) against real daemons: it
 passes on honest daemons whatever the dtype, optimizer, param groups, clipping and shard cuts,
 it rotates through the shards, it catches a daemon that commits a wrong update (injected with
 PS_OFFLOAD_FAULT_PERTURB_STEP, ps_daemon/model/faults.py), and what it cannot recompute is refused
@@ -16,8 +16,9 @@ from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.model.faults import ENV as PERTURB_STEP
 from ps_offload.proto.plan import shard_numel_for
-from ps_offload.trainer.optimizer.audit import AuditMismatch
-from tests.integration.test_odd_shapes import _no_decay, _odd_case, _odd_cuts
+from ps_offload.trainer.offload.audit import AuditMismatch
+from tests.helpers.odd_shapes import odd_case, odd_cuts
+from tests.helpers.training import no_decay
 
 SHARD_BYTES = 4096  # 1024 elements: cuts inside fc2.weight and fc3.weight at odd offsets
 STEPS = 8  # the odd model has 7 shards: shard 0 is audited twice
@@ -64,14 +65,14 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_audits_pass_on_honest_daemons_and_rotate_through_the_shards(case, daemons):
     kind, dtype, clip, extra = CASES[case]
-    model, batches, loss_fn = _odd_case(STEPS)
-    assert _odd_cuts(model, shard_numel_for(SHARD_BYTES))  # parameters cut mid-way, off the kernels' blocks
+    model, batches, loss_fn = odd_case(STEPS)
+    assert odd_cuts(model, shard_numel_for(SHARD_BYTES))  # parameters cut mid-way, off the kernels' blocks
     model.to(dtype)
     with trainer.offload(
         model,
         daemons=daemons,
         optimizer=_optimizer(kind),
-        no_weight_decay=_no_decay,  # two param groups
+        no_weight_decay=no_decay,  # two param groups
         config=trainer.OffloadConfig(model_name=f"audit-{case}", shard_bytes=SHARD_BYTES, audit_every=1, **extra),
     ) as opt:
         shards = len(opt.plan)
@@ -83,7 +84,7 @@ def test_audits_pass_on_honest_daemons_and_rotate_through_the_shards(case, daemo
 
 
 def test_audit_every_n_steps_only(daemons):
-    model, batches, loss_fn = _odd_case(STEPS)
+    model, batches, loss_fn = odd_case(STEPS)
     with trainer.offload(
         model,
         daemons=daemons,
@@ -100,7 +101,7 @@ def test_a_daemon_that_commits_a_wrong_update_is_caught(tmp_path):
     # Every shard the daemon steps at step 2 gets its first master value one ulp off.
     daemon = LocalDaemon(tmp_path / "faulty", env={PERTURB_STEP: "2", "OMP_NUM_THREADS": "1"})
     try:
-        model, batches, loss_fn = _odd_case(STEPS)
+        model, batches, loss_fn = odd_case(STEPS)
         reference = copy.deepcopy(model)
         # Without the audit the run goes on silently, and ends off torch.optim.
         silent = copy.deepcopy(model)
@@ -160,7 +161,7 @@ def test_a_daemon_that_commits_a_wrong_update_is_caught(tmp_path):
     ],  # fmt: skip
 )
 def test_what_the_audit_cannot_recompute_is_refused_when_built(optimizer, settings, message, daemons):
-    model, _, _ = _odd_case(1)
+    model, _, _ = odd_case(1)
     config = trainer.OffloadConfig(model_name="audit-refused", audit_every=10)
     with pytest.raises(ValueError, match=message):
         trainer.offload(model, daemons=daemons, optimizer=optimizer, config=config, **settings)
@@ -172,7 +173,7 @@ def test_the_delayed_update_is_refused_in_the_config():
 
 
 def test_a_streamed_model_refuses_the_audit_instead_of_ignoring_it(daemons):
-    model, _, _ = _odd_case(1)
+    model, _, _ = odd_case(1)
     config = trainer.OffloadConfig(model_name="audit-streamed", audit_every=10)
     with pytest.raises(ValueError, match="audit_every is not run for streamed models"):
         trainer.offload(model, daemons=daemons, optimizer=trainer.AdamW(), config=config,
@@ -187,7 +188,7 @@ def test_with_replicas_every_holder_is_audited_and_a_diverged_replica_is_caught(
     faulty = LocalDaemon(tmp_path / "d1", env={PERTURB_STEP: "0", "OMP_NUM_THREADS": "1"})
     daemons = [honest[0], faulty, honest[1]]
     try:
-        model, batches, loss_fn = _odd_case(STEPS)
+        model, batches, loss_fn = odd_case(STEPS)
         with trainer.offload(
             model, daemons=[d.address for d in daemons], optimizer=trainer.AdamW(lr=3e-3),
             config=trainer.OffloadConfig(model_name="audit-replicas", shard_bytes=SHARD_BYTES, audit_every=1,
@@ -215,7 +216,7 @@ def test_parameters_changed_in_place_behind_the_optimizer_are_caught(daemons):
     """The trainer's compute copy of the audited shard must be the daemons' master rounded to
     the compute dtype: a value changed in place after offload() (no new tensor, so nothing else
     sees it) makes the step's gradient one the daemons never had the parameters for."""
-    model, batches, loss_fn = _odd_case(STEPS)
+    model, batches, loss_fn = odd_case(STEPS)
     with trainer.offload(
         model, daemons=daemons, optimizer=trainer.AdamW(lr=3e-3),
         config=trainer.OffloadConfig(model_name="audit-in-place", shard_bytes=SHARD_BYTES, audit_every=1),

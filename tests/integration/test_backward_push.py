@@ -11,32 +11,26 @@ import pytest
 import torch
 
 from ps_offload import trainer
-from tests.integration import test_mixed_precision as mixed
-
-
-def _offload(model, daemons, **config):
-    return trainer.offload(
-        model, daemons=[d.address for d in daemons], optimizer=trainer.AdamW(lr=mixed.LR, weight_decay=0.1),
-        no_weight_decay=mixed._no_decay, config=trainer.OffloadConfig(shard_bytes=4096, push_in_backward=True),
-        **config,
-    )  # fmt: skip
+from tests.helpers import mixed_precision as mixed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("transport", ["local", "tcp", "grpc"], ids=["local", "data-plane", "grpc"])
 def test_pushing_during_backward_trains_exactly_as_pushing_after(dtype, transport, daemon_factory):
-    model, batches = mixed._case(dtype)
+    model, batches = mixed.case(dtype)
     reference = copy.deepcopy(model)
     scaling = trainer.LossScaling(growth_interval=3) if dtype == torch.float16 else None
     # fp16: an overflow at step 4 skips a step whose parts were already pushed.
     overflow_at = 4 if scaling else -1
-    masters, _, _ = mixed._train_reference(reference, batches, scaler=scaling, overflow_at=overflow_at)
+    masters, _, _ = mixed.train_reference(reference, batches, scaler=scaling, overflow_at=overflow_at)
     daemons = [daemon_factory(), daemon_factory()]
-    with _offload(model, daemons, loss_scaling=scaling, client=trainer.ClientConfig(transport=transport)) as opt:
+    with mixed.offload_pushing_in_backward(
+        model, daemons, loss_scaling=scaling, client=trainer.ClientConfig(transport=transport)
+    ) as opt:
         early = []
         for step, batch in enumerate(batches):
             opt.zero_grad()
-            loss = mixed._loss(model, batch)
+            loss = mixed.loss(model, batch)
             opt.scale_loss(loss).backward()
             # Every shard's gradient left during backward, before step().
             early.append(sorted(opt._backward_pushes.parts) == [s.shard_id for s in opt.plan])
@@ -47,7 +41,7 @@ def test_pushing_during_backward_trains_exactly_as_pushing_after(dtype, transpor
             opt.step()
         opt.synchronize()
         assert all(early)
-        mixed._assert_same(model, reference, opt, masters)
+        mixed.assert_same(model, reference, opt, masters)
 
 
 @pytest.mark.parametrize("transport", ["local", "tcp", "grpc"], ids=["local", "data-plane", "grpc"])
@@ -55,15 +49,15 @@ def test_the_optimizers_clip_keeps_the_early_parts_and_equals_torchs_clip(transp
     """opt.clip_grad_norm_ leaves the gradients alone and has the daemons multiply by the
     coefficient: the parts pushed during backward stay usable, and for fp32 the result is
     torch's clip_grad_norm_ and fused AdamW, bit for bit."""
-    model, batches = mixed._case(torch.float32)
+    model, batches = mixed.case(torch.float32)
     reference = copy.deepcopy(model)
-    masters, _, _ = mixed._train_reference(reference, batches)  # clips with torch's clip_grad_norm_(1.0)
+    masters, _, _ = mixed.train_reference(reference, batches)  # clips with torch's clip_grad_norm_(1.0)
     daemons = [daemon_factory(), daemon_factory()]
-    with _offload(model, daemons, client=trainer.ClientConfig(transport=transport)) as opt:
+    with mixed.offload_pushing_in_backward(model, daemons, client=trainer.ClientConfig(transport=transport)) as opt:
         used = []
         for batch in batches:
             opt.zero_grad()
-            mixed._loss(model, batch).backward()
+            mixed.loss(model, batch).backward()
             norm = opt.clip_grad_norm_(1.0)
             assert norm > 0
             # Still the gradients backward left: every early part is used (an APPLY each).
@@ -71,17 +65,17 @@ def test_the_optimizers_clip_keeps_the_early_parts_and_equals_torchs_clip(transp
             opt.step()
         opt.synchronize()
         assert all(used)
-        mixed._assert_same(model, reference, opt, masters)
+        mixed.assert_same(model, reference, opt, masters)
 
 
 def test_parts_are_used_only_while_the_gradients_are_what_backward_left(daemon_factory):
-    model, batches = mixed._case(torch.float32)
+    model, batches = mixed.case(torch.float32)
     daemons = [daemon_factory()]
-    with _offload(model, daemons) as opt:
+    with mixed.offload_pushing_in_backward(model, daemons) as opt:
         pushes = opt._backward_pushes
 
         def backward(batch) -> None:
-            mixed._loss(model, batch).backward()
+            mixed.loss(model, batch).backward()
 
         opt.zero_grad()
         backward(batches[0])

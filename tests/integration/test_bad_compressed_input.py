@@ -9,34 +9,15 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ps_offload import kernels
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
+from tests.helpers.payloads import byte_view, onebit_payload
+from tests.helpers.specs import adamw_spec
 
-SHARD_BYTES = 8192
-SIZES = (2048, 952)  # one parameter of 3000 fp32 -> shards 0 (2048), 1 (952)
-
-
-def _spec():
-    return ps_pb2.ModelSpec(
-        model="m",
-        params=[ps_pb2.ParamSpec(name="w", shape=[3000], dtype=ps_pb2.FLOAT32)],
-        optimizer=ps_pb2.OptimizerSpec(adamw=ps_pb2.AdamWSpec(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8)),
-        shard_bytes=SHARD_BYTES,
-        daemons=["d0"],
-    )
-
-
-def _view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).numpy())
-
-
-def _onebit(n: int) -> torch.Tensor:
-    bits, scales = kernels.onebit_compress(torch.linspace(-1, 1, n), None)
-    return torch.cat([scales.view(torch.uint8), bits])
+SIZES = (2048, 952)  # adamw_spec's plan
 
 
 def _topk(k_said: int, indices: list[int]) -> torch.Tensor:
@@ -49,19 +30,22 @@ def _topk(k_said: int, indices: list[int]) -> torch.Tensor:
 def setup(daemon):
     """Model 'm' (AdamW), initialized to 1.0, and one fused 1-bit step applied to shard 0."""
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
-    client.register(_spec(), 0, timeout=10)
+    client.register(adamw_spec(), 0, timeout=10)
     for shard_id, n in enumerate(SIZES):
-        client.push(Push.parameters("m", shard_id, _view(torch.ones(n)), step=0), timeout=10)
-    ack = client.push(Push.gradient("m", 0, _view(_onebit(2048)), step=0, encoding=ps_pb2.ONEBIT), timeout=30)
+        client.push(Push.parameters("m", shard_id, byte_view(torch.ones(n)), step=0), timeout=10)
+    ack = client.push(
+        Push.gradient("m", 0, byte_view(onebit_payload(2048)), step=0, encoding=ps_pb2.ONEBIT), timeout=30
+    )
     assert ack.applied and ack.version == 1
     after_one_step = torch.empty(2048)
-    client.pull_into(Pull.of("m", 0, min_version=1), out=_view(after_one_step), timeout=10)
+    client.pull_into(Pull.of("m", 0, min_version=1), out=byte_view(after_one_step), timeout=10)
     assert not torch.equal(after_one_step, torch.ones(2048))
     yield daemon, client
     health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     out = torch.empty(2048)
-    assert client.pull_into(Pull.of("m", 0, min_version=1), out=_view(out), timeout=10) == 1  # no step applied since
+    # no step applied since
+    assert client.pull_into(Pull.of("m", 0, min_version=1), out=byte_view(out), timeout=10) == 1
     assert torch.equal(out, after_one_step)
     client.close()
     assert daemon.process.poll() is None
@@ -76,14 +60,18 @@ def _refused(call) -> str:
 
 def _push(client, payload: torch.Tensor, encoding: int, *, kind=ps_pb2.GRADIENT, shard_id=0, step=1):
     return lambda: client.push(
-        Push.unchecked("m", shard_id, _view(payload), step=step, kind=kind, encoding=encoding), timeout=10
+        Push.unchecked("m", shard_id, byte_view(payload), step=step, kind=kind, encoding=encoding), timeout=10
     )
 
 
 @pytest.mark.parametrize(
     ("encoding", "payload", "expected"),
     [
-        (ps_pb2.ONEBIT, _onebit(2048)[:-1], "header says 263 bytes, the shard needs ONEBIT: 2 float32 scales + 256"),
+        (
+            ps_pb2.ONEBIT,
+            onebit_payload(2048)[:-1],
+            "header says 263 bytes, the shard needs ONEBIT: 2 float32 scales + 256",
+        ),
         (ps_pb2.ONEBIT, torch.ones(2048), "the shard needs ONEBIT"),  # raw fp32 labelled as 1-bit
         (ps_pb2.BF16, torch.ones(1000), "header says 4000 bytes, the shard needs BF16: 2048 2-byte values = 4096"),
         (ps_pb2.FP16, torch.ones(2047, dtype=torch.float16), "FP16: 2048 2-byte values = 4096 bytes"),
@@ -125,12 +113,12 @@ def test_unknown_encoding_is_invalid_argument(setup):
 
 def test_compressed_parameters_are_invalid_argument(daemon):
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
-    client.register(_spec(), 0, timeout=10)
-    details = _refused(_push(client, _onebit(2048), ps_pb2.ONEBIT, kind=ps_pb2.PARAMETERS, step=0))
+    client.register(adamw_spec(), 0, timeout=10)
+    details = _refused(_push(client, onebit_payload(2048), ps_pb2.ONEBIT, kind=ps_pb2.PARAMETERS, step=0))
     assert "shard 0" in details and "PARAMETERS must be RAW float32" in details and "ONEBIT" in details
     # Nothing was written: the shard still has no values, so a gradient is refused as before.
     with pytest.raises(grpc.RpcError) as info:
-        _push(client, _onebit(2048), ps_pb2.ONEBIT, step=0)()
+        _push(client, onebit_payload(2048), ps_pb2.ONEBIT, step=0)()
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     client.close()
 
@@ -147,14 +135,16 @@ def test_compressed_dtype_other_than_float32_is_invalid_argument(setup):
 
 def test_data_plane_refuses_bad_topk_and_keeps_the_connection(setup):
     daemon, client = setup
-    port = client.register(_spec(), 0, timeout=10).data_port
+    port = client.register(adamw_spec(), 0, timeout=10).data_port
     plane = DataPlaneClient("127.0.0.1", port, max_connections=1)
     try:
-        push = Push.gradient("m", 0, _view(_topk(2, [9, 3])), step=1, encoding=ps_pb2.TOPK)
+        push = Push.gradient("m", 0, byte_view(_topk(2, [9, 3])), step=1, encoding=ps_pb2.TOPK)
         details = _refused(lambda: plane.push(push, timeout=10))
         assert "shard 0" in details and "index 3 at position 1 follows 9" in details
         # Same connection, a good 1-bit push to the other shard (shard 0 stays as the fixture left it).
-        ack = plane.push(Push.gradient("m", 1, _view(_onebit(952)), step=0, encoding=ps_pb2.ONEBIT), timeout=10)
+        ack = plane.push(
+            Push.gradient("m", 1, byte_view(onebit_payload(952)), step=0, encoding=ps_pb2.ONEBIT), timeout=10
+        )
         assert ack.applied and ack.version == 1
     finally:
         plane.close()
@@ -163,7 +153,13 @@ def test_data_plane_refuses_bad_topk_and_keeps_the_connection(setup):
 def _momentum_push(client, frozen, *, step=1, kind=ps_pb2.MOMENTUM):
     return lambda: client.push(
         Push.unchecked(
-            "m", 0, _view(_onebit(2048)), step=step, kind=kind, encoding=ps_pb2.ONEBIT, variance_frozen_at=frozen
+            "m",
+            0,
+            byte_view(onebit_payload(2048)),
+            step=step,
+            kind=kind,
+            encoding=ps_pb2.ONEBIT,
+            variance_frozen_at=frozen,
         ),
         timeout=10,
     )
@@ -188,17 +184,17 @@ def test_frozen_step_on_a_gradient_push_is_invalid_argument(setup):
 
 def test_momentum_push_and_state_pulls_to_an_sgd_model_are_failed_precondition(daemon):
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
-    spec = _spec()
+    spec = adamw_spec()
     spec.model = "sgd"
     spec.optimizer.CopyFrom(ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1, momentum=0.9)))
     client.register(spec, 0, timeout=10)
-    client.push(Push.parameters("sgd", 0, _view(torch.ones(2048)), step=0), timeout=10)
+    client.push(Push.parameters("sgd", 0, byte_view(torch.ones(2048)), step=0), timeout=10)
     with pytest.raises(grpc.RpcError) as info:
         client.push(
             Push.unchecked(
                 "sgd",
                 0,
-                _view(_onebit(2048)),
+                byte_view(onebit_payload(2048)),
                 step=0,
                 kind=ps_pb2.MOMENTUM,
                 encoding=ps_pb2.ONEBIT,
@@ -210,13 +206,13 @@ def test_momentum_push_and_state_pulls_to_an_sgd_model_are_failed_precondition(d
     assert "need an AdamW model; model 'sgd' runs sgd (push gradients instead)" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         client.pull_into(
-            Pull.of("sgd", 0, min_version=0, tensor=ps_pb2.EXP_AVG_SQ), out=_view(torch.empty(2048)), timeout=10
+            Pull.of("sgd", 0, min_version=0, tensor=ps_pb2.EXP_AVG_SQ), out=byte_view(torch.empty(2048)), timeout=10
         )
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "runs sgd, which has no exp_avg_sq" in info.value.details()
     # EXP_AVG is SGD's momentum buffer (zeros before the first update).
     momentum = torch.ones(2048)
-    client.pull_into(Pull.of("sgd", 0, min_version=0, tensor=ps_pb2.EXP_AVG), out=_view(momentum), timeout=10)
+    client.pull_into(Pull.of("sgd", 0, min_version=0, tensor=ps_pb2.EXP_AVG), out=byte_view(momentum), timeout=10)
     assert torch.equal(momentum, torch.zeros(2048))
     client.close()
 
@@ -224,10 +220,10 @@ def test_momentum_push_and_state_pulls_to_an_sgd_model_are_failed_precondition(d
 @pytest.mark.parametrize("tensor", [3, -1, 1000])
 def test_unknown_pull_tensor_is_invalid_argument_on_both_transports(setup, tensor):
     _, client = setup
-    out = _view(torch.empty(2048))
+    out = byte_view(torch.empty(2048))
     details = _refused(lambda: client.pull_into(Pull.of("m", 0, min_version=0, tensor=tensor), out=out, timeout=10))
     assert f"tensor {tensor} is unknown; ask for MASTER, EXP_AVG, EXP_AVG_SQ" in details
-    plane = DataPlaneClient("127.0.0.1", client.register(_spec(), 0, timeout=10).data_port, max_connections=1)
+    plane = DataPlaneClient("127.0.0.1", client.register(adamw_spec(), 0, timeout=10).data_port, max_connections=1)
     try:
         details = _refused(lambda: plane.pull_into(Pull.of("m", 0, min_version=0, tensor=tensor), out=out, timeout=10))
         assert f"tensor {tensor} is unknown" in details

@@ -13,40 +13,25 @@ from ps_offload.proto import codec, ps_pb2
 from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
-
-SHARD_BYTES = 4096
-NUMEL = 3000  # one parameter of 3000 fp32 -> shards 0 (1024), 1 (1024), 2 (952)
-
-
-def _spec(model="m", shape=(3000,), lr=0.1, daemons=("d0",)):
-    return ps_pb2.ModelSpec(
-        model=model,
-        params=[ps_pb2.ParamSpec(name="w", shape=list(shape), dtype=ps_pb2.FLOAT32)],
-        optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=lr)),
-        shard_bytes=SHARD_BYTES,
-        daemons=list(daemons),
-    )
-
-
-def _bytes(values: torch.Tensor) -> memoryview:
-    return memoryview(values.numpy()).cast("B")
+from tests.helpers.payloads import tensor_bytes
+from tests.helpers.specs import sgd_spec
 
 
 @pytest.fixture
 def setup(daemon):
     """A registered, initialized model 'm' with values 1.0 and one applied step."""
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
-    client.register(_spec(), 0, timeout=10)
+    client.register(sgd_spec(), 0, timeout=10)
     for shard_id, n in enumerate((1024, 1024, 952)):
-        client.push(Push.parameters("m", shard_id, _bytes(torch.ones(n)), step=0), timeout=10)
-    ack = client.push(Push.gradient("m", 0, _bytes(torch.ones(1024)), step=0), timeout=10)
+        client.push(Push.parameters("m", shard_id, tensor_bytes(torch.ones(n)), step=0), timeout=10)
+    ack = client.push(Push.gradient("m", 0, tensor_bytes(torch.ones(1024)), step=0), timeout=10)
     assert ack.applied and ack.version == 1
     yield daemon, client
     # Still serving, and shard 0 holds exactly what one SGD step gave it: 1 - 0.1 * 1.
     health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     out = torch.empty(1024)
-    assert client.pull_into(Pull.of("m", 0, min_version=1), out=_bytes(out), timeout=10) == 1
+    assert client.pull_into(Pull.of("m", 0, min_version=1), out=tensor_bytes(out), timeout=10) == 1
     assert torch.equal(out, torch.full((1024,), 1 - 0.1, dtype=torch.float32))
     client.close()
     assert daemon.process.poll() is None
@@ -61,24 +46,28 @@ def _status(call):
 def test_unknown_shard_is_not_found(setup):
     _, client = setup
     code, details = _status(
-        lambda: client.pull_into(Pull.of("m", 99, min_version=0), out=_bytes(torch.empty(1)), timeout=5)
+        lambda: client.pull_into(Pull.of("m", 99, min_version=0), out=tensor_bytes(torch.empty(1)), timeout=5)
     )
     assert code == grpc.StatusCode.NOT_FOUND and "no shard 99" in details
-    code, details = _status(lambda: client.push(Push.gradient("m", 99, _bytes(torch.ones(1024)), step=1), timeout=5))
+    code, details = _status(
+        lambda: client.push(Push.gradient("m", 99, tensor_bytes(torch.ones(1024)), step=1), timeout=5)
+    )
     assert code == grpc.StatusCode.NOT_FOUND and "shard 99" in details
 
 
 def test_unknown_model_is_not_found(setup):
     _, client = setup
     code, details = _status(
-        lambda: client.pull_into(Pull.of("nope", 0, min_version=0), out=_bytes(torch.empty(1)), timeout=5)
+        lambda: client.pull_into(Pull.of("nope", 0, min_version=0), out=tensor_bytes(torch.empty(1)), timeout=5)
     )
     assert code == grpc.StatusCode.NOT_FOUND and "'nope' is not registered" in details and "registered: m" in details
 
 
 def test_wrong_byte_count_is_invalid_argument(setup):
     _, client = setup
-    code, details = _status(lambda: client.push(Push.gradient("m", 0, _bytes(torch.ones(1000)), step=1), timeout=5))
+    code, details = _status(
+        lambda: client.push(Push.gradient("m", 0, tensor_bytes(torch.ones(1000)), step=1), timeout=5)
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "4000 bytes" in details and "4096" in details
 
 
@@ -112,45 +101,49 @@ def test_missing_header_and_malformed_chunk_are_invalid_argument(setup):
 def test_push_for_applied_step_is_acknowledged_not_reapplied(setup):
     _, client = setup
     # A retry of step 0 with a different gradient: must not change anything.
-    ack = client.push(Push.gradient("m", 0, _bytes(torch.full((1024,), 50.0)), step=0), timeout=5)
+    ack = client.push(Push.gradient("m", 0, tensor_bytes(torch.full((1024,), 50.0)), step=0), timeout=5)
     assert not ack.applied and ack.version == 1  # the fixture's teardown checks the values
 
 
 def test_push_for_future_step_is_failed_precondition(setup):
     _, client = setup
-    code, details = _status(lambda: client.push(Push.gradient("m", 0, _bytes(torch.ones(1024)), step=5), timeout=5))
+    code, details = _status(
+        lambda: client.push(Push.gradient("m", 0, tensor_bytes(torch.ones(1024)), step=5), timeout=5)
+    )
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "step 5" in details and "version 1" in details
 
 
 def test_initial_values_after_an_update_are_failed_precondition(setup):
     _, client = setup
-    code, details = _status(lambda: client.push(Push.parameters("m", 0, _bytes(torch.zeros(1024)), step=0), timeout=5))
+    code, details = _status(
+        lambda: client.push(Push.parameters("m", 0, tensor_bytes(torch.zeros(1024)), step=0), timeout=5)
+    )
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "before the first update" in details
 
 
 def test_conflicting_registration_is_failed_precondition(setup):
     _, client = setup
-    assert client.register(_spec(), 0, timeout=5).created is False  # same spec: idempotent
-    code, details = _status(lambda: client.register(_spec(shape=(3001,)), 0, timeout=5))
+    assert client.register(sgd_spec(), 0, timeout=5).created is False  # same spec: idempotent
+    code, details = _status(lambda: client.register(sgd_spec(shape=(3001,)), 0, timeout=5))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "different spec" in details and "'w'" in details
-    code, details = _status(lambda: client.register(_spec(lr=0.5), 0, timeout=5))
+    code, details = _status(lambda: client.register(sgd_spec(lr=0.5), 0, timeout=5))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "optimizer" in details
 
 
 def test_invalid_spec_is_invalid_argument(setup):
     _, client = setup
-    bad = _spec(model="other")
+    bad = sgd_spec(model="other")
     bad.shard_bytes = 100
     code, details = _status(lambda: client.register(bad, 0, timeout=5))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "shard_bytes" in details
-    code, details = _status(lambda: client.register(_spec(model="other"), 3, timeout=5))
+    code, details = _status(lambda: client.register(sgd_spec(model="other"), 3, timeout=5))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "daemon_index 3" in details
 
 
 def test_pull_waits_for_version_under_the_deadline(setup):
     _, client = setup
     code, details = _status(
-        lambda: client.pull_into(Pull.of("m", 0, min_version=7), out=_bytes(torch.empty(1024)), timeout=1)
+        lambda: client.pull_into(Pull.of("m", 0, min_version=7), out=tensor_bytes(torch.empty(1024)), timeout=1)
     )
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -160,7 +153,7 @@ def test_message_over_limit_is_resource_exhausted(daemon_factory, tmp_path):
     config.write_text('[server]\nmax_message_bytes = "64KiB"\n')
     daemon = daemon_factory(config=config)
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
-    client.register(_spec(shape=(100_000,), daemons=("d0",)), 0, timeout=10)
+    client.register(sgd_spec(shape=(100_000,), daemons=("d0",)), 0, timeout=10)
     header = ps_pb2.PushHeader(
         model="m", shard_id=0, step=0, kind=ps_pb2.PARAMETERS, encoding=ps_pb2.RAW, dtype=ps_pb2.FLOAT32, nbytes=4096
     )
@@ -168,7 +161,7 @@ def test_message_over_limit_is_resource_exhausted(daemon_factory, tmp_path):
     code, details = _status(lambda: client._push(iter([oversized]), timeout=5))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     # Still serving: a well-formed push works.
-    ack = client.push(Push.parameters("m", 0, _bytes(torch.ones(1024)), step=0), timeout=5)
+    ack = client.push(Push.parameters("m", 0, tensor_bytes(torch.ones(1024)), step=0), timeout=5)
     assert ack.applied
     client.close()
 
@@ -176,7 +169,7 @@ def test_message_over_limit_is_resource_exhausted(daemon_factory, tmp_path):
 def test_ram_budget_is_resource_exhausted(daemon_factory):
     daemon = daemon_factory("--ram-bytes", "64KiB")
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
-    code, details = _status(lambda: client.register(_spec(shape=(100_000,)), 0, timeout=10))
+    code, details = _status(lambda: client.register(sgd_spec(shape=(100_000,)), 0, timeout=10))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "store.ram_bytes" in details
     client.close()
 
@@ -198,10 +191,10 @@ def test_a_model_name_that_cannot_name_its_files_is_invalid_argument_and_leaves_
     nvme = tmp_path / "nvme"
     daemon = daemon_factory("--nvme-dir", str(nvme))
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
-    code, details = _status(lambda: client.register(_spec(model=name), 0, timeout=10))
+    code, details = _status(lambda: client.register(sgd_spec(model=name), 0, timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details, details
     assert sorted(p.name for p in nvme.iterdir()) == ["accumulators", "ps-daemon.lock"]
-    assert client.register(_spec(model="x" * 200), 0, timeout=10).created
+    assert client.register(sgd_spec(model="x" * 200), 0, timeout=10).created
     client.close()
 
 
@@ -255,20 +248,20 @@ def test_registrations_past_a_limit_are_refused_before_any_work_naming_the_limit
     config.write_text('[store]\nmax_models = 2\nram_bytes = "64MiB"\n')
     daemon = daemon_factory(config=config)
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
-    client.register(_spec(), 0, timeout=10)
+    client.register(sgd_spec(), 0, timeout=10)
     before = _peak_rss(daemon)
-    code, details = _status(lambda: client.register(_spec(model="huge", shape=(2**40,)), 0, timeout=10))
+    code, details = _status(lambda: client.register(sgd_spec(model="huge", shape=(2**40,)), 0, timeout=10))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
     assert "store.max_shards_per_model = 262144" in details and "larger shards" in details
-    big = _spec(model="big", shape=(256 << 20,))  # 1 GiB of master alone, against 64 MiB
+    big = sgd_spec(model="big", shape=(256 << 20,))  # 1 GiB of master alone, against 64 MiB
     big.shard_bytes = 16 << 20
     code, details = _status(lambda: client.register(big, 0, timeout=10))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Raise store.ram_bytes" in details, details
     assert _peak_rss(daemon) - before < 256 << 20  # nothing of the 1 GiB (or of the plan) was made
-    assert client.register(_spec(model="second"), 0, timeout=10).created
-    code, details = _status(lambda: client.register(_spec(model="third"), 0, timeout=10))
+    assert client.register(sgd_spec(model="second"), 0, timeout=10).created
+    code, details = _status(lambda: client.register(sgd_spec(model="third"), 0, timeout=10))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "store.max_models = 2" in details, details
-    assert client.register(_spec(), 0, timeout=10).created is False  # a known model is no new one
+    assert client.register(sgd_spec(), 0, timeout=10).created is False  # a known model is no new one
     client.close()
 
 
@@ -282,16 +275,16 @@ def test_lost_holders_that_cannot_describe_the_model_are_invalid_argument(setup,
     unreplicated model, outside the daemon list, twice, or naming the daemon it is sent to,
     it is refused and nothing is applied; a fitting list is taken with the push."""
     _, client = setup
-    gradient = _bytes(torch.ones(1024))
+    gradient = tensor_bytes(torch.ones(1024))
     code, details = _status(lambda: client.push(_with_lost(Push.gradient("m", 0, gradient, step=1), [1]), timeout=5))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "replicated models only" in details
 
     replicated = DaemonClient(daemon_factory().address, max_message_bytes=8 << 20)
-    spec = _spec(model="r", daemons=("d0", "d1", "d2"))
+    spec = sgd_spec(model="r", daemons=("d0", "d1", "d2"))
     spec.replicas = 2
     plan = replicated.register(spec, 0, timeout=10).shards
     held = next(s for s in plan if 0 in s.holders)
-    values = _bytes(torch.ones(held.numel))
+    values = tensor_bytes(torch.ones(held.numel))
     replicated.push(Push.parameters("r", held.shard_id, values, step=0), timeout=10)
     for lost, said in (
         ([3], "not indices of the model's 3 daemons"),

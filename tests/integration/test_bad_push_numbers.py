@@ -19,9 +19,10 @@ from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
-from tests.integration.test_bad_compressed_input import _onebit, _spec, _view
+from tests.helpers.payloads import byte_view, onebit_payload
+from tests.helpers.specs import adamw_spec
 
-N = 2048  # shard 0 of test_bad_compressed_input's model (AdamW, lr 0.1)
+N = 2048  # shard 0 of adamw_spec's model (AdamW, lr 0.1)
 TENSORS = (ps_pb2.MASTER, ps_pb2.EXP_AVG, ps_pb2.EXP_AVG_SQ)
 GRADIENT = torch.linspace(-1, 1, N)
 MOMENTUM = torch.linspace(-0.5, 0.25, N)
@@ -30,7 +31,7 @@ MOMENTUM = torch.linspace(-0.5, 0.25, N)
 def _payload(kind: int, encoding: int) -> torch.Tensor:
     values = MOMENTUM if kind == ps_pb2.MOMENTUM else GRADIENT
     if encoding == ps_pb2.ONEBIT:
-        return _onebit(N)
+        return onebit_payload(N)
     if encoding == ps_pb2.BF16:
         return kernels.cast_compress(values, None, torch.bfloat16)
     return values
@@ -43,12 +44,12 @@ class Twins:
     def __init__(self, address: str) -> None:
         self.client = DaemonClient(address, max_message_bytes=8 << 20)
         for model in ("m", "ref"):
-            spec = _spec()
+            spec = adamw_spec()
             spec.model = model
             port = self.client.register(spec, 0, timeout=10).data_port
             for shard_id, n in enumerate((N, 952)):
-                self.client.push(Push.parameters(model, shard_id, _view(torch.ones(n)), step=0), timeout=10)
-            ack = self.client.push(Push.gradient(model, 0, _view(GRADIENT), step=0), timeout=10)
+                self.client.push(Push.parameters(model, shard_id, byte_view(torch.ones(n)), step=0), timeout=10)
+            ack = self.client.push(Push.gradient(model, 0, byte_view(GRADIENT), step=0), timeout=10)
             assert ack.applied and ack.version == 1
         self.plane = DataPlaneClient("127.0.0.1", port, max_connections=1)
 
@@ -58,7 +59,7 @@ class Twins:
         for tensor in TENSORS:
             out = torch.empty(N)
             versions.append(
-                self.client.pull_into(Pull.of(model, 0, min_version=0, tensor=tensor), out=_view(out), timeout=10)
+                self.client.pull_into(Pull.of(model, 0, min_version=0, tensor=tensor), out=byte_view(out), timeout=10)
             )
             tensors.append(out)
         return versions, tensors
@@ -105,7 +106,7 @@ def _build(model: str, *, data: memoryview, **header) -> Push:
 
 def _push(kind: int, encoding: int, **extra) -> dict:
     frozen = {"variance_frozen_at": 1} if kind == ps_pb2.MOMENTUM else {}
-    data = _view(_payload(kind, encoding))
+    data = byte_view(_payload(kind, encoding))
     return dict(step=1, kind=kind, encoding=encoding, data=data, **frozen) | extra
 
 
@@ -189,19 +190,19 @@ def test_bad_optimizer_numbers_are_refused_at_registration(daemon):
     """One daemon for every field (each start costs seconds on a loaded machine)."""
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     for case, (optimizer, expected) in BAD_SPECS.items():
-        spec = _spec()
+        spec = adamw_spec()
         spec.optimizer.CopyFrom(optimizer)
         with pytest.raises(grpc.RpcError) as info:
             client.register(spec, 0, timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
         assert expected in info.value.details(), (case, info.value.details())
-    assert client.register(_spec(), 0, timeout=10).created  # nothing was registered under 'm'
+    assert client.register(adamw_spec(), 0, timeout=10).created  # nothing was registered under 'm'
     client.close()
 
 
 def test_bad_parameter_weight_decay_is_refused_at_registration(daemon):
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
-    spec = _spec()
+    spec = adamw_spec()
     spec.params[0].weight_decay = math.inf
     with pytest.raises(grpc.RpcError) as info:
         client.register(spec, 0, timeout=10)
@@ -224,7 +225,7 @@ def _topk_with_bad_value(position: int) -> torch.Tensor:
 
 
 def _onebit_with_bad_scale(block: int) -> torch.Tensor:
-    payload = _onebit(N)
+    payload = onebit_payload(N)
     scales = payload[: 4 * math.ceil(N / 1024)].view(torch.float32)
     scales[block] = math.inf
     return payload
@@ -246,7 +247,7 @@ def test_a_non_finite_payload_is_refused_naming_the_first_bad_value_and_changes_
     twins, kind, encoding, payload, said
 ):
     """It used to be applied, leaving the master non-finite for good for every trainer."""
-    bad = _push(kind, encoding) | {"data": _view(payload)}
+    bad = _push(kind, encoding) | {"data": byte_view(payload)}
     twins.refuse_on_both_transports(said, **bad)
     twins.continue_both(**_push(kind, ps_pb2.RAW))
 
@@ -255,7 +256,7 @@ def test_with_allow_nonfinite_pushes_a_nan_is_applied_as_torch_would(daemon_fact
     config = tmp_path / "allow.toml"
     config.write_text("[store]\nallow_nonfinite_pushes = true\n")
     twins = Twins(daemon_factory(config=config).address)
-    nan_at_5 = _push(ps_pb2.GRADIENT, ps_pb2.RAW) | {"data": _view(_with(GRADIENT, 5, math.nan))}
+    nan_at_5 = _push(ps_pb2.GRADIENT, ps_pb2.RAW) | {"data": byte_view(_with(GRADIENT, 5, math.nan))}
     ack = twins.client.push(_build("m", **nan_at_5), timeout=10)
     assert ack.applied and ack.version == 2
     versions, (master, *_) = twins.state("m")

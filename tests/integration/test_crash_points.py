@@ -9,13 +9,19 @@ import threading
 
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.tiers.crash_points import ENV, POINTS
-from tests.integration.test_persistence import _assert_equal, _case, _offload, _reference, _train
+from tests.helpers.persistence_run import (
+    assert_same_parameters,
+    classifier_case,
+    fused_adamw_reference,
+    offload_adamw,
+    train_and_synchronize,
+)
 
 
 def test_a_crash_at_every_point_of_a_commit_loses_nothing(tmp_path):
     nvme = tmp_path / "nvme"
-    model, batches = _case()
-    reference = _reference(model, batches)
+    model, batches = classifier_case()
+    reference = fused_adamw_reference(model, batches)
 
     def start(name: str, point: str | None = None, *extra: str) -> LocalDaemon:
         env = {ENV: f"{point}@3"} if point else None  # the 3rd commit to reach it: mid-step
@@ -33,11 +39,11 @@ def test_a_crash_at_every_point_of_a_commit_loses_nothing(tmp_path):
     try:
         thread = threading.Thread(target=restarter)
         thread.start()
-        with _offload(model, daemons[0].address) as opt:
-            _train(opt, model, batches)
+        with offload_adamw(model, daemons[0].address) as opt:
+            train_and_synchronize(opt, model, batches)
         thread.join(timeout=300)
         assert deaths == [-signal.SIGKILL] * len(POINTS)  # each died at its point, by SIGKILL
-        _assert_equal(model, reference)
+        assert_same_parameters(model, reference)
     finally:
         for daemon in daemons:
             daemon.kill()

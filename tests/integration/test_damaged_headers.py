@@ -19,9 +19,11 @@ from ps_offload.daemon.tiers.nvme import PAGE, SlotHeader
 from ps_offload.daemon.tiers.version_floors import VersionFloors
 from ps_offload.proto.pull import Pull
 from ps_offload.trainer.wire.daemon_client import DaemonClient
-from tests.integration.test_admin_verify import STEPS, _train, _verdicts, committed_slot, flip_byte
-from tests.ps_admin.test_cli import admin_json, run_admin
+from tests.helpers.admin_cli import admin_json, run_admin, verify_verdicts
+from tests.helpers.nvme_files import committed_slot, flip_byte
+from tests.helpers.training import train_linear
 
+STEPS = 3
 DAMAGED_SHARD = 1
 
 
@@ -63,7 +65,7 @@ def test_damaged_newest_header_is_data_loss_not_an_older_version(tmp_path, how):
     nvme = tmp_path / "nvme"
     first = _start(tmp_path, "a")
     try:
-        plan = _train(first.address, STEPS)
+        plan = train_linear(first.address, STEPS)
     finally:
         assert first.stop() == 0  # a clean stop records every committed version
     assert _recorded(nvme) == {s.shard_id: STEPS for s in plan}
@@ -84,7 +86,7 @@ def test_damaged_newest_header_is_data_loss_not_an_older_version(tmp_path, how):
         client.close()
 
         report = admin_json_allow_bad("verify", "--daemon", second.address)
-        verdicts = _verdicts(report)
+        verdicts = verify_verdicts(report)
         assert (
             verdicts[DAMAGED_SHARD]["status"] == "bad"
             and "refused rather than rolled back" in (verdicts[DAMAGED_SHARD]["detail"])
@@ -121,7 +123,7 @@ def test_versions_are_recorded_while_running_so_a_sigkill_keeps_the_check(tmp_pa
     nvme = tmp_path / "nvme"
     first = _start(tmp_path, "a")
     try:
-        plan = _train(first.address, STEPS)
+        plan = train_linear(first.address, STEPS)
         deadline = time.monotonic() + 60
         while not (list(nvme.glob("*.versions")) and _recorded(nvme)[DAMAGED_SHARD] == STEPS):
             assert time.monotonic() < deadline, "the committed versions were not recorded within 60 s"
@@ -144,7 +146,7 @@ def test_a_damaged_record_is_a_warning_and_every_shard_serves(tmp_path):
     nvme = tmp_path / "nvme"
     first = _start(tmp_path, "a")
     try:
-        plan = _train(first.address, STEPS)
+        plan = train_linear(first.address, STEPS)
     finally:
         assert first.stop() == 0
     record = next(nvme.glob("*.versions"))

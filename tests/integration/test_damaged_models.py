@@ -19,8 +19,9 @@ from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
-from tests.integration.test_bad_input import _bytes, _spec
-from tests.ps_admin.test_cli import run_admin
+from tests.helpers.admin_cli import run_admin
+from tests.helpers.payloads import tensor_bytes
+from tests.helpers.specs import sgd_spec
 
 
 def _damage(nvme, how: str) -> str:
@@ -42,11 +43,11 @@ def test_a_damaged_model_is_refused_and_the_daemon_serves_the_others(tmp_path, h
     try:
         client = DaemonClient(first.address, max_message_bytes=8 << 20)
         for name in ("good", "bad"):
-            client.register(_spec(model=name), 0, timeout=10)
+            client.register(sgd_spec(model=name), 0, timeout=10)
             for shard_id, n in enumerate((1024, 1024, 952)):
                 values = torch.arange(n, dtype=torch.float32) + shard_id
-                client.push(Push.parameters(name, shard_id, _bytes(values), step=0), timeout=10)
-        ack = client.push(Push.gradient("good", 0, _bytes(torch.ones(1024)), step=0), timeout=10)
+                client.push(Push.parameters(name, shard_id, tensor_bytes(values), step=0), timeout=10)
+        ack = client.push(Push.gradient("good", 0, tensor_bytes(torch.ones(1024)), step=0), timeout=10)
         assert ack.version == 1
         client.close()
     finally:
@@ -56,11 +57,11 @@ def test_a_damaged_model_is_refused_and_the_daemon_serves_the_others(tmp_path, h
     try:
         client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
         out = torch.empty(1024)
-        assert client.pull_into(Pull.of("good", 0, min_version=1), out=_bytes(out), timeout=10) == 1
+        assert client.pull_into(Pull.of("good", 0, min_version=1), out=tensor_bytes(out), timeout=10) == 1
         assert torch.equal(out, torch.arange(1024, dtype=torch.float32) - 0.1)  # SGD lr 0.1, gradient 1
         for call in (
-            lambda: client.pull_into(Pull.of("bad", 0, min_version=0), out=_bytes(out), timeout=10),
-            lambda: client.register(_spec(model="bad"), 0, timeout=10),  # not registered over its files
+            lambda: client.pull_into(Pull.of("bad", 0, min_version=0), out=tensor_bytes(out), timeout=10),
+            lambda: client.register(sgd_spec(model="bad"), 0, timeout=10),  # not registered over its files
         ):
             with pytest.raises(grpc.RpcError) as info:
                 call()
@@ -88,10 +89,10 @@ def test_a_damaged_model_is_refused_and_the_daemon_serves_the_others(tmp_path, h
 def _fill(address: str) -> None:
     client = DaemonClient(address, max_message_bytes=8 << 20)
     for name in ("good", "bad"):
-        client.register(_spec(model=name), 0, timeout=10)
+        client.register(sgd_spec(model=name), 0, timeout=10)
         for shard_id, n in enumerate((1024, 1024, 952)):
             values = torch.arange(n, dtype=torch.float32) + shard_id
-            client.push(Push.parameters(name, shard_id, _bytes(values), step=0), timeout=10)
+            client.push(Push.parameters(name, shard_id, tensor_bytes(values), step=0), timeout=10)
     client.close()
 
 

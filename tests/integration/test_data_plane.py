@@ -20,29 +20,11 @@ from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
-from tests.integration.test_liveness import _until
+from tests.helpers.data_plane import NUMEL, register_with_data_plane
+from tests.helpers.payloads import tensor_bytes
+from tests.helpers.waiting import until_stats
 
-NUMEL = 1024
 _models = itertools.count()
-
-
-def _bytes(values: torch.Tensor) -> memoryview:
-    return memoryview(values.numpy()).cast("B")
-
-
-def _register(daemon, model="m", numel=3 * NUMEL, shard_bytes=NUMEL * 4):
-    client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
-    spec = ps_pb2.ModelSpec(
-        model=model,
-        params=[ps_pb2.ParamSpec(name="w", shape=[numel], dtype=ps_pb2.FLOAT32)],
-        optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)),
-        shard_bytes=shard_bytes,
-        daemons=["d0"],
-    )
-    response = client.register(spec, 0, timeout=10)
-    assert response.data_port > 0
-    data = DataPlaneClient("127.0.0.1", response.data_port, max_connections=2)
-    return client, data, response
 
 
 @pytest.fixture(scope="module")
@@ -58,19 +40,19 @@ def shared_daemon(tmp_path_factory):
 @pytest.fixture
 def plane(shared_daemon):
     daemon, model = shared_daemon, f"m{next(_models)}"
-    client, data, response = _register(daemon, model)
+    client, data, response = register_with_data_plane(daemon, model)
     client.close()
     for shard in response.shards:
         data.push(
-            Push.parameters(model, shard.shard_id, _bytes(torch.ones(shard.numel)), step=0),
+            Push.parameters(model, shard.shard_id, tensor_bytes(torch.ones(shard.numel)), step=0),
             timeout=10,
         )
-    ack = data.push(Push.gradient(model, 0, _bytes(torch.ones(NUMEL)), step=0), timeout=10)
+    ack = data.push(Push.gradient(model, 0, tensor_bytes(torch.ones(NUMEL)), step=0), timeout=10)
     assert ack.applied and ack.version == 1
     yield model, data, response
     # Still serving on both paths, and shard 0 holds exactly one SGD step: 1 - 0.1 * 1.
     out = torch.empty(NUMEL)
-    assert data.pull_into(Pull.of(model, 0, min_version=1), out=_bytes(out), timeout=10) == 1
+    assert data.pull_into(Pull.of(model, 0, min_version=1), out=tensor_bytes(out), timeout=10) == 1
     assert torch.equal(out, torch.full((NUMEL,), 1 - 0.1, dtype=torch.float32))
     grpc_out = torch.empty(NUMEL)
     assert client_pull(daemon, model, grpc_out) == 1 and torch.equal(grpc_out, out)
@@ -80,7 +62,7 @@ def plane(shared_daemon):
 def client_pull(daemon, model, out):
     client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
     try:
-        return client.pull_into(Pull.of(model, 0, min_version=0), out=_bytes(out), timeout=10)
+        return client.pull_into(Pull.of(model, 0, min_version=0), out=tensor_bytes(out), timeout=10)
     finally:
         client.close()
 
@@ -94,17 +76,19 @@ def _status(call):
 def test_bad_input_gets_the_same_statuses_as_grpc(plane):
     m, data, _ = plane
     code, details = _status(
-        lambda: data.pull_into(Pull.of(m, 99, min_version=0), out=_bytes(torch.empty(1)), timeout=5)
+        lambda: data.pull_into(Pull.of(m, 99, min_version=0), out=tensor_bytes(torch.empty(1)), timeout=5)
     )
     assert code == grpc.StatusCode.NOT_FOUND and "no shard 99" in details
-    code, details = _status(lambda: data.push(Push.gradient(m, 0, _bytes(torch.ones(10)), step=1), timeout=5))
+    code, details = _status(lambda: data.push(Push.gradient(m, 0, tensor_bytes(torch.ones(10)), step=1), timeout=5))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "40 bytes" in details
-    code, details = _status(lambda: data.push(Push.gradient(m, 0, _bytes(torch.ones(NUMEL)), step=4), timeout=5))
+    code, details = _status(lambda: data.push(Push.gradient(m, 0, tensor_bytes(torch.ones(NUMEL)), step=4), timeout=5))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "step 4" in details
-    code, _ = _status(lambda: data.pull_into(Pull.of(m, 0, min_version=9), out=_bytes(torch.empty(NUMEL)), timeout=0.5))
+    code, _ = _status(
+        lambda: data.pull_into(Pull.of(m, 0, min_version=9), out=tensor_bytes(torch.empty(NUMEL)), timeout=0.5)
+    )
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     # A retried, already applied step: acknowledged without effect (the fixture checks values).
-    ack = data.push(Push.gradient(m, 0, _bytes(torch.full((NUMEL,), 9.0)), step=0), timeout=5)
+    ack = data.push(Push.gradient(m, 0, tensor_bytes(torch.full((NUMEL,), 9.0)), step=0), timeout=5)
     assert not ack.applied and ack.version == 1
 
 
@@ -138,14 +122,14 @@ def test_garbage_closes_the_connection_and_harms_nothing(plane, garbage):
 def test_sigterm_lets_an_in_flight_data_plane_push_finish(daemon_factory, notifications):
     daemon = daemon_factory()
     numel = 4 << 20
-    _, data, response = _register(daemon, numel=numel, shard_bytes=numel * 4)
-    data.push(Push.parameters("m", 0, _bytes(torch.zeros(numel)), step=0), timeout=10)
+    _, data, response = register_with_data_plane(daemon, numel=numel, shard_bytes=numel * 4)
+    data.push(Push.parameters("m", 0, tensor_bytes(torch.zeros(numel)), step=0), timeout=10)
     sock = socket.create_connection(("127.0.0.1", response.data_port))
     header = ps_pb2.PushHeader(model="m", shard_id=0, step=0, kind=ps_pb2.GRADIENT, encoding=ps_pb2.RAW,
                                dtype=ps_pb2.FLOAT32, nbytes=numel * 4)  # fmt: skip
     send_message(sock, ps_pb2.DataRequest(push=header))
     assert recv_message(sock, ps_pb2.DataResponse).send_payload
-    payload = _bytes(torch.ones(numel))
+    payload = tensor_bytes(torch.ones(numel))
     sock.sendall(PAYLOAD_LENGTH.pack(len(payload)))
     sock.sendall(payload[: len(payload) // 2])  # the daemon is reading the payload: in flight
     daemon.process.send_signal(signal.SIGTERM)
@@ -168,11 +152,11 @@ def test_connections_are_bounded_idle_ones_closed_and_the_trainer_reconnects_uns
     config = tmp_path / "plane.toml"
     config.write_text("[server]\nmax_data_connections = 3\ndata_idle_seconds = 1.0\n")
     daemon = daemon_factory(config=config)
-    client, data, response = _register(daemon)
+    client, data, response = register_with_data_plane(daemon)
     for shard in response.shards:
-        data.push(Push.parameters("m", shard.shard_id, _bytes(torch.ones(shard.numel)), step=0), timeout=10)
+        data.push(Push.parameters("m", shard.shard_id, tensor_bytes(torch.ones(shard.numel)), step=0), timeout=10)
     data.close()
-    _until(lambda stats: stats.data_connections == 0, "the pushes' connections closed", client)
+    until_stats(lambda stats: stats.data_connections == 0, "the pushes' connections closed", client)
     client.close()
     port = response.data_port
     idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
@@ -187,11 +171,11 @@ def test_connections_are_bounded_idle_ones_closed_and_the_trainer_reconnects_uns
         sock.close()
     trainer_side = DataPlaneClient("127.0.0.1", port, max_connections=1)
     out = torch.empty(NUMEL)
-    assert trainer_side.pull_into(Pull.of("m", 0, min_version=0), out=_bytes(out), timeout=10) == 0
+    assert trainer_side.pull_into(Pull.of("m", 0, min_version=0), out=tensor_bytes(out), timeout=10) == 0
     pooled = trainer_side._idle.queue[0]
     pooled.settimeout(30)
     assert pooled.recv(1, socket.MSG_PEEK) == b""  # closed by the daemon while idle in the pool
     with caplog.at_level("WARNING"):
-        assert trainer_side.pull_into(Pull.of("m", 1, min_version=0), out=_bytes(out), timeout=10) == 0
+        assert trainer_side.pull_into(Pull.of("m", 1, min_version=0), out=tensor_bytes(out), timeout=10) == 0
     assert torch.equal(out, torch.ones(NUMEL)) and not caplog.records
     trainer_side.close()

@@ -21,8 +21,9 @@ from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import recv_exact_into, recv_message, send_message
 from ps_offload.proto.push import Push
-from tests.integration.test_data_plane import NUMEL, _bytes, _register
-from tests.integration.test_liveness import _stats, _until
+from tests.helpers.data_plane import NUMEL, register_with_data_plane
+from tests.helpers.payloads import tensor_bytes
+from tests.helpers.waiting import daemon_stats, until_stats
 
 WORKERS = 2
 WAITING = 40
@@ -47,7 +48,7 @@ def _answer(sock: socket.socket) -> tuple[ps_pb2.DataResponse, torch.Tensor | No
     if response.code:
         return response, None
     values = torch.empty(response.shard.numel)
-    recv_exact_into(sock, _bytes(values))
+    recv_exact_into(sock, tensor_bytes(values))
     return response, values
 
 
@@ -58,9 +59,9 @@ def two_workers(daemon_factory, tmp_path):
     config = tmp_path / "workers.toml"
     config.write_text(f"[server]\ndata_workers = {WORKERS}\n")
     daemon = daemon_factory(config=config)
-    client, data, response = _register(daemon)
+    client, data, response = register_with_data_plane(daemon)
     for shard in response.shards:
-        data.push(Push.parameters("m", shard.shard_id, _bytes(torch.ones(shard.numel)), step=0), timeout=10)
+        data.push(Push.parameters("m", shard.shard_id, tensor_bytes(torch.ones(shard.numel)), step=0), timeout=10)
     yield daemon, client, data, response.data_port
     data.close()
     client.close()
@@ -70,12 +71,12 @@ def test_waiting_pulls_hold_no_thread_and_the_push_they_wait_for_gets_through(tw
     daemon, client, data, port = two_workers
     threads_before = _threads(daemon.process.pid)
     waiting = [_ask(port, 0, min_version=1) for _ in range(WAITING)]
-    _until(lambda s: s.data_pulls_waiting == WAITING, f"{WAITING} pulls parked", client)
+    until_stats(lambda s: s.data_pulls_waiting == WAITING, f"{WAITING} pulls parked", client)
     # A thread per waiting pull would add WAITING (40); the pool adds at most its workers (and
     # gRPC's pool a few for the Stats calls, on a loaded machine).
     assert _threads(daemon.process.pid) <= threads_before + WORKERS + 4
     # Every worker would be held by a waiting pull if waits held workers: this push would starve.
-    data.push(Push.gradient("m", 0, _bytes(torch.ones(NUMEL)), step=0), timeout=30)
+    data.push(Push.gradient("m", 0, tensor_bytes(torch.ones(NUMEL)), step=0), timeout=30)
     expected = torch.ones(NUMEL)
     expected.add_(torch.ones(NUMEL), alpha=-0.1)
     for sock in waiting:
@@ -83,7 +84,7 @@ def test_waiting_pulls_hold_no_thread_and_the_push_they_wait_for_gets_through(tw
         assert response.code == 0 and response.shard.version == 1
         assert torch.equal(values, expected)
         sock.close()
-    assert _stats(client).data_pulls_waiting == 0
+    assert daemon_stats(client).data_pulls_waiting == 0
 
 
 def test_pulls_parked_for_versions_the_pushes_pass_each_get_theirs_bit_for_bit(two_workers):
@@ -107,7 +108,7 @@ def test_pulls_parked_for_versions_the_pushes_pass_each_get_theirs_bit_for_bit(t
         thread.start()
         if i % 6 == 5:  # pushes interleaved with the pulls arriving
             step = i // 6
-            data.push(Push.gradient("m", 0, _bytes(torch.ones(NUMEL)), step=step), timeout=30)
+            data.push(Push.gradient("m", 0, tensor_bytes(torch.ones(NUMEL)), step=step), timeout=30)
     for thread in pullers:
         thread.join(timeout=120)
     assert len(answers) == len(asked)
@@ -120,10 +121,10 @@ def test_pulls_parked_for_versions_the_pushes_pass_each_get_theirs_bit_for_bit(t
 def test_a_waiting_pull_whose_client_leaves_is_unparked_at_once(two_workers):
     _, client, _, port = two_workers
     waiting = [_ask(port, 1, min_version=5) for _ in range(3)]
-    _until(lambda s: s.data_pulls_waiting == 3, "3 pulls parked", client)
+    until_stats(lambda s: s.data_pulls_waiting == 3, "3 pulls parked", client)
     for sock in waiting:
         sock.close()
-    _until(lambda s: s.data_pulls_waiting == 0, "the pulls unparked", client)
+    until_stats(lambda s: s.data_pulls_waiting == 0, "the pulls unparked", client)
 
 
 def test_a_waiting_pull_past_its_deadline_is_answered_deadline_exceeded(two_workers):
@@ -153,15 +154,15 @@ def test_connections_past_the_per_client_limit_are_refused_naming_it(daemon_fact
     config = tmp_path / "per_client.toml"
     config.write_text("[server]\nmax_data_connections_per_client = 2\n")
     daemon = daemon_factory(config=config)
-    client, data, response = _register(daemon)
+    client, data, response = register_with_data_plane(daemon)
     data.close()
-    _until(lambda s: s.data_connections == 0, "the registration's connections closed", client)
+    until_stats(lambda s: s.data_connections == 0, "the registration's connections closed", client)
     held = [socket.create_connection(("127.0.0.1", response.data_port), timeout=30) for _ in range(2)]
     with _ask(response.data_port, 0, min_version=0) as extra:
         refusal, _ = _answer(extra)
     assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert "max_data_connections_per_client = 2" in refusal.message
-    assert _stats(client).data_connections_refused == 1
+    assert daemon_stats(client).data_connections_refused == 1
     for sock in held:
         sock.close()
     client.close()

@@ -17,24 +17,25 @@ from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
-from tests.integration.test_bad_input import _bytes, _spec
-from tests.ps_admin.test_cli import admin_json, run_admin
+from tests.helpers.admin_cli import admin_json, run_admin
+from tests.helpers.payloads import tensor_bytes
+from tests.helpers.specs import sgd_spec
 
-SHARD_SIZES = (1024, 1024, 952)  # _spec's plan
+SHARD_SIZES = (1024, 1024, 952)  # sgd_spec's plan
 
 
 def _fill(client: DaemonClient, name: str, offset: float) -> None:
-    client.register(_spec(model=name), 0, timeout=10)
+    client.register(sgd_spec(model=name), 0, timeout=10)
     for shard_id, n in enumerate(SHARD_SIZES):
         values = torch.arange(n, dtype=torch.float32) + offset + shard_id
-        client.push(Push.parameters(name, shard_id, _bytes(values), step=0), timeout=10)
-    ack = client.push(Push.gradient(name, 0, _bytes(torch.ones(1024)), step=0), timeout=10)
+        client.push(Push.parameters(name, shard_id, tensor_bytes(values), step=0), timeout=10)
+    ack = client.push(Push.gradient(name, 0, tensor_bytes(torch.ones(1024)), step=0), timeout=10)
     assert ack.version == 1
 
 
 def _pulled(client: DaemonClient, name: str, shard_id: int = 0, min_version: int = 1) -> torch.Tensor:
     out = torch.empty(SHARD_SIZES[shard_id])
-    client.pull_into(Pull.of(name, shard_id, min_version=min_version), out=_bytes(out), timeout=10)
+    client.pull_into(Pull.of(name, shard_id, min_version=min_version), out=tensor_bytes(out), timeout=10)
     return out
 
 
@@ -159,7 +160,7 @@ def test_drop_while_pushes_run_ends_them_with_not_found_and_nothing_else(tmp_pat
 
         def push_until_refused(shard_id: int) -> None:
             step = 1 if shard_id == 0 else 0
-            grad = _bytes(torch.ones(SHARD_SIZES[shard_id]))
+            grad = tensor_bytes(torch.ones(SHARD_SIZES[shard_id]))
             while True:
                 try:
                     client.push(Push.gradient("busy", shard_id, grad, step=step), timeout=30)

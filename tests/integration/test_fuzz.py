@@ -1,5 +1,5 @@
 """Property-based fuzzing of a real daemon (NVMe tier on): every RPC with hostile messages
-built from proto/ps.proto (tests/integration/fuzz_inputs.py), pushes with hostile headers and
+built from proto/ps.proto (tests/helpers/fuzz_inputs.py), pushes with hostile headers and
 payloads, raw bytes on every method, and raw bytes and hostile requests on the TCP data plane.
 
 What must hold for every input: the daemon answers (no crash, no hang: each call has a
@@ -29,8 +29,9 @@ from ps_offload.proto.frames import recv_message, send_message
 from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
-from tests.integration import fuzz_inputs as fuzz
-from tests.integration.test_bad_input import _bytes, _spec
+from tests.helpers import fuzz_inputs as fuzz
+from tests.helpers.payloads import tensor_bytes
+from tests.helpers.specs import sgd_spec
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))
 CHECK_EVERY = 25
@@ -67,11 +68,11 @@ class Target:
         self.client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
         self.calls = 0
         for name in (fuzz.KEPT, fuzz.FUZZ):
-            self.client.register(_spec(model=name, lr=0.1), 0, timeout=30)
+            self.client.register(sgd_spec(model=name, lr=0.1), 0, timeout=30)
             for shard_id, n in enumerate(SHARDS):
-                values = _bytes(torch.linspace(-1, 1, n) + shard_id)
+                values = tensor_bytes(torch.linspace(-1, 1, n) + shard_id)
                 self.client.push(Push.parameters(name, shard_id, values, step=0), timeout=30)
-        grad = _bytes(torch.full((1024,), 0.5))
+        grad = tensor_bytes(torch.full((1024,), 0.5))
         self.client.push(Push.gradient(fuzz.KEPT, 0, grad, step=0), timeout=30)
         self.kept = self._kept_state()
 
@@ -79,7 +80,9 @@ class Target:
         state = []
         for shard_id, n in enumerate(SHARDS):
             out = torch.empty(n)
-            version = self.client.pull_into(Pull.of(fuzz.KEPT, shard_id, min_version=0), out=_bytes(out), timeout=30)
+            version = self.client.pull_into(
+                Pull.of(fuzz.KEPT, shard_id, min_version=0), out=tensor_bytes(out), timeout=30
+            )
             state.append((version, out.numpy().tobytes()))
         return state
 
@@ -206,7 +209,7 @@ def test_raw_bytes_on_every_method(target, method, raw):
 
 
 def _data_port(target: Target) -> int:
-    response = target.client.register(_spec(model=fuzz.FUZZ, lr=0.1), 0, timeout=30)
+    response = target.client.register(sgd_spec(model=fuzz.FUZZ, lr=0.1), 0, timeout=30)
     return response.data_port
 
 

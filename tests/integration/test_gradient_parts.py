@@ -1,15 +1,15 @@
 """A step's gradient pushed in parts (GRADIENT_PART, then APPLY), through real daemons, over
 the TCP data plane (transport "tcp") and gRPC.
 
-The model of tests/integration/test_group_hyperparams.py (odd shapes in three param groups, 4 KiB
-shards over two daemons, cuts inside parameters): one part and its APPLY equal, bit for bit, a
-GRADIENT push of the same bytes (FP16 times 2**16 with grad_multiplier 2**-16, every group's
-settings); three BF16 parts equal torch's fused AdamW on their fp32 sum taken in part order;
-resent parts and APPLYs, a GRADIENT push over held parts, and bad input each do what
-proto/ps.proto says and change nothing else (master, exp_avg, exp_avg_sq and versions as
-pulled), after which valid parts still match torch. With an NVMe tier an APPLY is committed:
-a daemon killed and started again on the same files has the step, and has lost the parts
-of a step not yet applied (APPLY says so; sent again, they apply).
+The model of tests/helpers/group_model.py, as test_group_hyperparams.py uses it (odd shapes in
+three param groups, 4 KiB shards over two daemons, cuts inside parameters): one part and its
+APPLY equal, bit for bit, a GRADIENT push of the same bytes (FP16 times 2**16 with
+grad_multiplier 2**-16, every group's settings); three BF16 parts equal torch's fused AdamW on
+their fp32 sum taken in part order; resent parts and APPLYs, a GRADIENT push over held parts,
+and bad input each do what proto/ps.proto says and change nothing else (master, exp_avg,
+exp_avg_sq and versions as pulled), after which valid parts still match torch. With an NVMe tier
+an APPLY is committed: a daemon killed and started again on the same files has the step, and has
+lost the parts of a step not yet applied (APPLY says so; sent again, they apply).
 """
 
 from __future__ import annotations
@@ -25,9 +25,16 @@ from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.daemon_client import DaemonError
 from ps_offload.trainer.wire.sharded_client import ShardedClient
-from tests.integration.test_bad_compressed_input import _onebit
-from tests.integration.test_group_hyperparams import _flat, _spec, _unflat, _view
-from tests.ps_daemon.model.test_group_steps import Reference, gradients, initial_values, proto_groups
+from tests.helpers.group_model import (
+    TorchReference,
+    flatten,
+    gradients,
+    group_model_spec,
+    initial_values,
+    proto_groups,
+    unflatten,
+)
+from tests.helpers.payloads import byte_view, onebit_payload
 
 TENSORS = ((ps_pb2.MASTER, ""), (ps_pb2.EXP_AVG, "exp_avg"), (ps_pb2.EXP_AVG_SQ, "exp_avg_sq"))
 LOSS_SCALE = 2.0**16
@@ -36,20 +43,20 @@ NOTHING = memoryview(b"")  # APPLY's payload
 
 class Model:
     """An AdamW model in three param groups, registered through a ShardedClient and holding
-    its initial values, and its torch twin (Reference: fused AdamW with the same groups)."""
+    its initial values, and its torch twin (TorchReference: fused AdamW with the same groups)."""
 
     def __init__(self, daemons: list[str], name: str, transport: str) -> None:
         self.client = ShardedClient(daemons, config=ClientConfig(transport=transport))
-        self.plan = self.client.register(_spec(name, "adamw", shard_bytes=4096))
-        self.reference = Reference("adamw", initial_values())
-        flat = _flat(initial_values())
+        self.plan = self.client.register(group_model_spec(name, "adamw", shard_bytes=4096))
+        self.reference = TorchReference("adamw", initial_values())
+        flat = flatten(initial_values())
         for shard in self.plan:
             self.client.push(
                 shard,
                 Push.parameters(
                     self.client.model,
                     shard.shard_id,
-                    _view(flat[shard.offset : shard.end]),
+                    byte_view(flat[shard.offset : shard.end]),
                     step=0,
                 ),
             )
@@ -62,7 +69,7 @@ class Model:
                 assert ack.applied and ack.version == step, (shard.shard_id, part)
 
     def part(self, shard, step: int, part: int, values: torch.Tensor, encoding: int, **extra) -> ps_pb2.PushResponse:
-        piece = _view(values[shard.offset : shard.end])
+        piece = byte_view(values[shard.offset : shard.end])
         return self.client.push(
             shard,
             Push.unchecked(
@@ -91,7 +98,7 @@ class Model:
     def gradient(self, step: int, sent: torch.Tensor, encoding: int = ps_pb2.RAW, **settings) -> None:
         settings = dict(groups=proto_groups("adamw", step)) | settings
         for shard in self.plan:
-            piece = _view(sent[shard.offset : shard.end])
+            piece = byte_view(sent[shard.offset : shard.end])
             ack = self.client.push(
                 shard,
                 Push.gradient(
@@ -111,7 +118,7 @@ class Model:
         for tensor, _ in TENSORS:
             flat = torch.empty(self.plan[-1].end)
             for shard in self.plan:
-                out = _view(flat[shard.offset : shard.end])
+                out = byte_view(flat[shard.offset : shard.end])
                 versions.append(self.client.pull(shard, min_version=0, out=out, tensor=tensor))
             tensors.append(flat)
         return versions, tensors
@@ -131,7 +138,7 @@ class Model:
 
 def _bf16_parts(step: int, count: int = 3) -> tuple[list[torch.Tensor], torch.Tensor]:
     """`count` BF16 parts of `step`'s gradient, and their fp32 sum in part order."""
-    sent = [_flat(gradients(10 * step + k)).bfloat16() for k in range(count)]
+    sent = [flatten(gradients(10 * step + k)).bfloat16() for k in range(count)]
     total = sent[0].float()
     for part in sent[1:]:
         total = total + part.float()
@@ -145,12 +152,12 @@ def test_one_fp16_part_and_its_apply_equal_one_gradient_push(daemons, transport)
     assert len(parts.plan) == 7 and {s.daemon_index for s in parts.plan} == {0, 1}
     multiplier = 1 / LOSS_SCALE
     for step in range(3):
-        sent = (_flat(gradients(step)) * LOSS_SCALE).half()  # the scaled loss's fp16 gradient
+        sent = (flatten(gradients(step)) * LOSS_SCALE).half()  # the scaled loss's fp16 gradient
         parts.parts(step, [sent], ps_pb2.FP16)
         parts.apply(step, 1, grad_multiplier=multiplier)
         whole.gradient(step, sent, ps_pb2.FP16, grad_multiplier=multiplier)
         grad = sent.float() * torch.tensor(multiplier, dtype=torch.float32)
-        parts.reference.step(step, _unflat(grad))
+        parts.reference.step(step, unflatten(grad))
     ours, theirs = parts.pulled(), whole.pulled()
     assert ours[0] == theirs[0] == [3] * 21
     for a, b in zip(ours[1], theirs[1], strict=True):
@@ -170,7 +177,7 @@ def test_three_bf16_parts_equal_fused_adamw_on_their_fp32_sum(daemons, transport
             assert not torch.equal(total, other)
         model.parts(step, sent, ps_pb2.BF16)
         model.apply(step, 3)
-        model.reference.step(step, _unflat(total))
+        model.reference.step(step, unflatten(total))
     model.matches_reference(3, f"three BF16 parts over {transport}")
     model.close()
 
@@ -188,7 +195,7 @@ def test_a_resent_part_or_apply_changes_nothing(daemons, transport):
     for shard in model.plan:
         assert not model.part(shard, 0, 1, other[1], ps_pb2.BF16).applied
     model.apply(0, 2)
-    model.reference.step(0, _unflat(total))
+    model.reference.step(0, unflatten(total))
     model.matches_reference(1, "after the first APPLY")
     model.apply(0, 2, applied=False)  # resent: the step is applied, version 1
     for shard in model.plan:  # a part of a step applied already
@@ -255,16 +262,16 @@ def test_bad_parts_and_applies_are_refused_and_change_nothing(daemons, transport
     sent, total = _bf16_parts(0, count=2)
     model.parts(0, sent, ps_pb2.BF16)
     model.apply(0, 2)
-    model.reference.step(0, _unflat(total))
+    model.reference.step(0, unflatten(total))
     sent, total = _bf16_parts(1, count=2)
     model.parts(1, sent[:1], ps_pb2.BF16)
     shard = model.plan[0]
     before = model.pulled()
-    onebit = _onebit(shard.numel)
+    onebit = onebit_payload(shard.numel)
     for case, (code, words, fields) in BAD.items():
         push = dict(step=1, kind=ps_pb2.GRADIENT_PART, part=1, encoding=ps_pb2.BF16, lr=None) | fields
         data = push.pop(
-            "data", _view(onebit if push["encoding"] == ps_pb2.ONEBIT else sent[1][shard.offset : shard.end])
+            "data", byte_view(onebit if push["encoding"] == ps_pb2.ONEBIT else sent[1][shard.offset : shard.end])
         )
         with pytest.raises(DaemonError) as info:
             model.client.push(shard, Push.unchecked(model.client.model, shard.shard_id, data, **push))
@@ -277,7 +284,7 @@ def test_bad_parts_and_applies_are_refused_and_change_nothing(daemons, transport
     assert not ack.applied and ack.version == 1
     model.parts(1, sent, ps_pb2.BF16, first=1)
     model.apply(1, 2)
-    model.reference.step(1, _unflat(total))
+    model.reference.step(1, unflatten(total))
     model.matches_reference(2, f"after bad input over {transport}")
     model.close()
 
@@ -309,7 +316,7 @@ def test_an_apply_check_applies_nothing(daemons, transport):
     after = model.pulled()
     assert after[0] == before[0] and all(torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
     model.apply(0, 2)
-    model.reference.step(0, _unflat(total))
+    model.reference.step(0, unflatten(total))
     model.matches_reference(1, "after the check and the APPLY")
     ack = model.client.push(
         model.plan[0],
@@ -326,15 +333,15 @@ def test_a_gradient_push_replaces_the_parts_held(daemons, transport):
     model = Model(daemons, f"replaced-{transport}", transport)
     sent, _ = _bf16_parts(0, count=2)
     model.parts(0, sent, ps_pb2.BF16)
-    clipped = _flat(gradients(7)) * 0.5  # the whole gradient again, changed after the parts left
+    clipped = flatten(gradients(7)) * 0.5  # the whole gradient again, changed after the parts left
     model.gradient(0, clipped)
-    model.reference.step(0, _unflat(clipped))
+    model.reference.step(0, unflatten(clipped))
     model.apply(0, 2, applied=False)  # the step is applied; the parts were dropped
     model.matches_reference(1, "after the GRADIENT push")
     sent, total = _bf16_parts(1, count=1)  # the next step starts from nothing
     model.parts(1, sent, ps_pb2.BF16)
     model.apply(1, 1)
-    model.reference.step(1, _unflat(total))
+    model.reference.step(1, unflatten(total))
     model.matches_reference(2, f"parts after a replaced step over {transport}")
     model.close()
 
@@ -347,7 +354,7 @@ def test_apply_is_committed_on_nvme_and_survives_a_restart(daemon_factory, monke
     sent, total = _bf16_parts(0, count=2)
     model.parts(0, sent, ps_pb2.BF16)
     model.apply(0, 2)
-    model.reference.step(0, _unflat(total))
+    model.reference.step(0, unflatten(total))
     model.matches_reference(1, "before the restart")
     pending, pending_total = _bf16_parts(1, count=2)
     model.parts(1, pending, ps_pb2.BF16)  # held in RAM only: lost with the process
@@ -357,7 +364,7 @@ def test_apply_is_committed_on_nvme_and_survives_a_restart(daemon_factory, monke
     second = daemon_factory("--nvme-dir", str(nvme))  # new ports, the same files
     assert "recovered" in second.log()
     model.client = ShardedClient([second.address], config=ClientConfig(transport="tcp"))
-    assert model.client.register(_spec("durable", "adamw", shard_bytes=4096)) == model.plan
+    assert model.client.register(group_model_spec("durable", "adamw", shard_bytes=4096)) == model.plan
     assert model.client.created == [False]
     model.matches_reference(1, "after the restart")
     model.apply(0, 2, applied=False)  # a retry of the committed APPLY
@@ -370,6 +377,6 @@ def test_apply_is_committed_on_nvme_and_survives_a_restart(daemon_factory, monke
     assert "holds 0 parts of that step (none:" in str(info.value), str(info.value)
     model.parts(1, pending, ps_pb2.BF16)  # sent again
     model.apply(1, 2)
-    model.reference.step(1, _unflat(pending_total))
+    model.reference.step(1, unflatten(pending_total))
     model.matches_reference(2, "parts sent again after the restart")
     model.close()

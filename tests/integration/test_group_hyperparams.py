@@ -30,45 +30,20 @@ from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.sharded_client import ShardedClient
-from tests.ps_daemon.model.test_group_steps import (
+from tests.helpers.group_model import (
     GROUP_OF,
-    SHAPES,
-    Reference,
+    TorchReference,
+    flatten,
     gradients,
+    group_model_spec,
     initial_values,
     proto_groups,
+    unflatten,
 )
+from tests.helpers.payloads import byte_view
 
 MOMENTS = (ps_pb2.EXP_AVG, ps_pb2.EXP_AVG_SQ)
 LOSS_SCALE = 2.0**16
-
-
-def _view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).numpy())
-
-
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unflat(flat: torch.Tensor) -> list[torch.Tensor]:
-    sizes = [math.prod(shape) for shape in SHAPES]
-    return [piece.reshape(shape) for piece, shape in zip(flat.split(sizes), SHAPES, strict=True)]
-
-
-def _spec(name: str, kind: str, *, shard_bytes: int, groups=GROUP_OF) -> ps_pb2.ModelSpec:
-    """Registered settings that no push below uses: every push carries its groups'."""
-    if kind == "adamw":
-        optimizer = ps_pb2.OptimizerSpec(
-            adamw=ps_pb2.AdamWSpec(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.5)
-        )
-    else:
-        optimizer = ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.5, momentum=0.5))
-    params = [
-        ps_pb2.ParamSpec(name=f"p{i}", shape=list(shape), dtype=ps_pb2.FLOAT32, group=group)
-        for i, (shape, group) in enumerate(zip(SHAPES, groups, strict=True))
-    ]
-    return ps_pb2.ModelSpec(model=name, params=params, optimizer=optimizer, shard_bytes=shard_bytes, daemons=["d0"])
 
 
 CASES = [("adamw", ps_pb2.RAW, None), ("sgd", ps_pb2.RAW, None), ("adamw", ps_pb2.FP16, 1 / LOSS_SCALE)]
@@ -81,34 +56,34 @@ def test_group_settings_each_step_match_torch_fused(daemons, transport):
         what = f"{kind} {ps_pb2.Encoding.Name(encoding)} over {transport}"
         name = f"groups-{kind}-{ps_pb2.Encoding.Name(encoding)}-{transport}"
         client = ShardedClient(daemons, config=ClientConfig(transport=transport))
-        plan = client.register(_spec(name, kind, shard_bytes=4096))
+        plan = client.register(group_model_spec(name, kind, shard_bytes=4096))
         assert len(plan) == 7 and {s.daemon_index for s in plan} == {0, 1}
         assert all(isinstance(t, DataPlaneClient) == (transport == "tcp") for t in client.transports)
         initial = initial_values()
-        reference = Reference(kind, initial)
-        flat = _flat(initial)
+        reference = TorchReference(kind, initial)
+        flat = flatten(initial)
         for shard in plan:
             client.push(
                 shard,
-                Push.parameters(client.model, shard.shard_id, _view(flat[shard.offset : shard.end]), step=0),
+                Push.parameters(client.model, shard.shard_id, byte_view(flat[shard.offset : shard.end]), step=0),
             )
         steps = 4
         for step in range(steps):
-            grad = _flat(gradients(step))
+            grad = flatten(gradients(step))
             if multiplier is not None:
                 sent = (grad * LOSS_SCALE).half()  # the scaled loss's fp16 gradient
                 grad = sent.float() * torch.tensor(multiplier, dtype=torch.float32)
                 assert torch.isfinite(sent).all() and not torch.equal(grad, sent.float())
             else:
                 sent = grad
-            reference.step(step, _unflat(grad))
+            reference.step(step, unflatten(grad))
             for shard in plan:
                 client.push(
                     shard,
                     Push.gradient(
                         client.model,
                         shard.shard_id,
-                        _view(sent[shard.offset : shard.end]),
+                        byte_view(sent[shard.offset : shard.end]),
                         step=step,
                         encoding=encoding,
                         groups=proto_groups(kind, step),
@@ -119,7 +94,7 @@ def test_group_settings_each_step_match_torch_fused(daemons, transport):
         client.close()
 
 
-def _assert_pulled_equal(client, plan: list[ShardSlice], reference: Reference, kind: str, version: int, what: str):
+def _assert_pulled_equal(client, plan: list[ShardSlice], reference: TorchReference, kind: str, version: int, what: str):
     tensors = [(ps_pb2.MASTER, "")] + (
         [(ps_pb2.EXP_AVG, "exp_avg"), (ps_pb2.EXP_AVG_SQ, "exp_avg_sq")] * (kind == "adamw")
     )
@@ -127,7 +102,7 @@ def _assert_pulled_equal(client, plan: list[ShardSlice], reference: Reference, k
         pulled = torch.empty(sum(s.numel for s in plan))
         for shard in plan:
             out = pulled[shard.offset : shard.end]
-            assert client.pull(shard, min_version=version, out=_view(out), tensor=tensor) == version
+            assert client.pull(shard, min_version=version, out=byte_view(out), tensor=tensor) == version
         expected = reference.flat(state)
         assert torch.equal(pulled, expected), (
             f"{what}, {ps_pb2.ShardTensor.Name(tensor)}: max |diff| {(pulled - expected).abs().max().item()}"
@@ -147,17 +122,17 @@ class GroupModel:
     def __init__(self, address: str, name: str) -> None:
         self.name = name
         self.client = DaemonClient(address, max_message_bytes=8 << 20)
-        response = self.client.register(_spec(name, "adamw", shard_bytes=4 * SHARD_NUMEL), 0, timeout=10)
+        response = self.client.register(group_model_spec(name, "adamw", shard_bytes=4 * SHARD_NUMEL), 0, timeout=10)
         self.plan = [ShardSlice(s.shard_id, s.daemon_index, s.offset, s.numel) for s in response.shards]
         self.plane = DataPlaneClient("127.0.0.1", response.data_port, max_connections=1)
         initial = initial_values()
-        self.reference = Reference("adamw", initial)
+        self.reference = TorchReference("adamw", initial)
         for shard in self.plan:
-            self._push(self.client, shard, step=0, kind=ps_pb2.PARAMETERS, data=_flat(initial))
+            self._push(self.client, shard, step=0, kind=ps_pb2.PARAMETERS, data=flatten(initial))
         self.step(0)
 
     def _push(self, transport, shard: ShardSlice, *, data: torch.Tensor, **push) -> ps_pb2.PushResponse:
-        piece = _view(data[shard.offset : shard.end])
+        piece = byte_view(data[shard.offset : shard.end])
         return transport.push(Push.unchecked(self.name, shard.shard_id, piece, **push), timeout=30)
 
     def step(self, step: int) -> None:
@@ -169,7 +144,7 @@ class GroupModel:
                 shard,
                 step=step,
                 kind=ps_pb2.GRADIENT,
-                data=_flat(grads),
+                data=flatten(grads),
                 groups=proto_groups("adamw", step),
             )
             assert ack.applied and ack.version == step + 1
@@ -179,7 +154,9 @@ class GroupModel:
         for tensor in TENSORS:
             out = torch.empty(SHARD_NUMEL)
             versions.append(
-                self.client.pull_into(Pull.of(self.name, 0, min_version=0, tensor=tensor), out=_view(out), timeout=10)
+                self.client.pull_into(
+                    Pull.of(self.name, 0, min_version=0, tensor=tensor), out=byte_view(out), timeout=10
+                )
             )
             tensors.append(out)
         return versions, tensors
@@ -201,7 +178,7 @@ class GroupModel:
         for tensor, state in zip(TENSORS, ("", "exp_avg", "exp_avg_sq"), strict=True):
             pulled = torch.empty(self.plan[-1].end)
             for shard in self.plan:
-                out = _view(pulled[shard.offset : shard.end])
+                out = byte_view(pulled[shard.offset : shard.end])
                 pull = Pull.of(self.name, shard.shard_id, min_version=version, tensor=tensor)
                 assert self.client.pull_into(pull, out=out, timeout=10) == version
             assert torch.equal(pulled, self.reference.flat(state)), ps_pb2.ShardTensor.Name(tensor)
@@ -218,7 +195,7 @@ def _groups_with(index: int, **fields) -> list[ps_pb2.GroupHyperparams]:
     return groups
 
 
-GRADIENT = _flat(gradients(1))
+GRADIENT = flatten(gradients(1))
 BAD_PUSHES = {
     "too-few-groups": ("groups has 2 entries, the model has 3", dict(groups=proto_groups("adamw", 1, count=2))),
     "too-many-groups": ("groups has 4 entries", dict(groups=proto_groups("adamw", 1, count=4))),
@@ -262,8 +239,8 @@ def test_a_gap_in_the_group_numbers_is_refused_at_registration(daemons):
     client = DaemonClient(daemons[0], max_message_bytes=8 << 20)
     gap = tuple(2 if group == 1 else group for group in GROUP_OF)  # groups 0 and 2, no 1
     with pytest.raises(grpc.RpcError) as info:
-        client.register(_spec("gap", "adamw", shard_bytes=8192, groups=gap), 0, timeout=10)
+        client.register(group_model_spec("gap", "adamw", shard_bytes=8192, groups=gap), 0, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "ParamSpec.group 1 has none" in info.value.details(), info.value.details()
-    assert client.register(_spec("gap", "adamw", shard_bytes=8192), 0, timeout=10).created  # nothing kept
+    assert client.register(group_model_spec("gap", "adamw", shard_bytes=8192), 0, timeout=10).created  # nothing kept
     client.close()

@@ -51,7 +51,7 @@ def test_hf_trainer_trains_saves_and_resumes_through_a_daemon(daemon, tmp_path):
 @pytest.mark.timeout(600)
 def test_hf_trainer_under_torchrun_with_two_processes_matches_torch_adamw(daemon, tmp_path):
     """The Trainer moves the model (`model.to(device)`) after the optimizer was built and wraps it
-    in DDP: the offload optimizer adopts the moved parameters (ps_offload.trainer.optimizer.param_binding),
+    in DDP: the offload optimizer adopts the moved parameters (ps_offload.trainer.offload.param_binding),
     so the losses fall and equal torch.optim.AdamW's in the same set-up, up to float
     reassociation (the offload run used to stay at its first loss while the daemons' versions
     advanced)."""

@@ -20,7 +20,9 @@ from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.sharded_client import ShardedClient
-from tests.integration.test_bad_input import _bytes, _spec
+from tests.helpers.payloads import tensor_bytes
+from tests.helpers.specs import sgd_spec
+from tests.helpers.waiting import daemon_stats, until_stats
 
 WORKERS = 8  # max_waiting_pulls 0: half of them, 4
 
@@ -45,27 +47,10 @@ class Puller:
         self._done.release()
 
 
-def _stats(client: DaemonClient) -> ps_pb2.StatsResponse:
-    return ps_pb2_grpc.AdminStub(client.channel).Stats(ps_pb2.StatsRequest(), timeout=10)
-
-
-def _until(predicate, what: str, client: DaemonClient) -> None:
-    """Asks the daemon's Stats until `predicate(stats)` holds (each answer is an event: the
-    daemon's own count), for at most 60 s."""
-    deadline = threading.Event()
-    timer = threading.Timer(60, deadline.set)
-    timer.start()
-    try:
-        while not predicate(_stats(client)):
-            assert not deadline.wait(0.05), f"the daemon never reached: {what} ({_stats(client)})"
-    finally:
-        timer.cancel()
-
-
 def _initialize(client: DaemonClient) -> None:
-    client.register(_spec(), 0, timeout=10)
+    client.register(sgd_spec(), 0, timeout=10)
     for shard_id, n in enumerate((1024, 1024, 952)):
-        client.push(Push.parameters("m", shard_id, _bytes(torch.ones(n)), step=0), timeout=10)
+        client.push(Push.parameters("m", shard_id, tensor_bytes(torch.ones(n)), step=0), timeout=10)
 
 
 @pytest.mark.slow
@@ -90,27 +75,27 @@ def test_waiting_pulls_are_bounded_refused_past_the_bound_and_freed_by_their_cal
     for p in refused:
         assert p.code == grpc.StatusCode.RESOURCE_EXHAUSTED, p.details
         assert "server.max_waiting_pulls = 4" in p.details and "raise server.max_waiting_pulls" in p.details
-    stats = _stats(client)
+    stats = daemon_stats(client)
     assert stats.pulls_waiting == limit and stats.pulls_refused_waiting == len(refused)
     # The other threads still serve: health, admin calls, a pull of a version that exists, a push.
     health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     out = torch.empty(1024)
-    assert client.pull_into(Pull.of("m", 1, min_version=0), out=_bytes(out), timeout=10) == 0
-    ack = client.push(Push.gradient("m", 1, _bytes(torch.ones(1024)), step=0), timeout=10)
+    assert client.pull_into(Pull.of("m", 1, min_version=0), out=tensor_bytes(out), timeout=10) == 0
+    ack = client.push(Push.gradient("m", 1, tensor_bytes(torch.ones(1024)), step=0), timeout=10)
     assert ack.applied
     # The waiting callers leave: each wait ends at once and its slot is free again.
     waiting = [p for p in pullers if p.code is None]
     for p in waiting:
         p.call.cancel()
-    _until(lambda s: s.pulls_waiting == 0, "no pull waiting after the callers cancelled", client)
+    until_stats(lambda s: s.pulls_waiting == 0, "no pull waiting after the callers cancelled", client)
     for p in waiting:
         p.thread.join(timeout=60)
         assert p.code == grpc.StatusCode.CANCELLED
     # Room for as many waiting pulls as before, and a push that makes their version wakes them.
     again = [Puller(stub, min_version=1, done=ended) for _ in range(limit)]
-    _until(lambda s: s.pulls_waiting == limit, "the new pulls waiting", client)
-    ack = client.push(Push.gradient("m", 0, _bytes(torch.ones(1024)), step=0), timeout=10)
+    until_stats(lambda s: s.pulls_waiting == limit, "the new pulls waiting", client)
+    ack = client.push(Push.gradient("m", 0, tensor_bytes(torch.ones(1024)), step=0), timeout=10)
     assert ack.applied and ack.version == 1
     for p in again:
         p.thread.join(timeout=60)
@@ -131,21 +116,21 @@ def test_a_trainers_pull_refused_for_waiting_is_retried_until_there_is_room(daem
     stub = ps_pb2_grpc.ParameterServerStub(client.channel)
     ended = threading.Semaphore(0)
     hogs = [Puller(stub, min_version=99, done=ended) for _ in range(2)]
-    _until(lambda s: s.pulls_waiting == 2, "the other client's pulls holding both waiting slots", client)
+    until_stats(lambda s: s.pulls_waiting == 2, "the other client's pulls holding both waiting slots", client)
 
     trainer_client = ShardedClient(
         [daemon.address], config=ClientConfig(transport="grpc", retry_seconds=60, backoff_seconds=0.05)
     )
-    plan = trainer_client.register(_spec())
+    plan = trainer_client.register(sgd_spec())
     got: list[int] = []
     pulling = threading.Thread(
-        target=lambda: got.append(trainer_client.pull(plan[0], min_version=1, out=_bytes(torch.empty(1024))))
+        target=lambda: got.append(trainer_client.pull(plan[0], min_version=1, out=tensor_bytes(torch.empty(1024))))
     )
     pulling.start()
-    _until(lambda s: s.pulls_refused_waiting >= 2, "the trainer's pull refused, and refused again", client)
+    until_stats(lambda s: s.pulls_refused_waiting >= 2, "the trainer's pull refused, and refused again", client)
     for hog in hogs:
         hog.call.cancel()
-    ack = client.push(Push.gradient("m", 0, _bytes(torch.ones(1024)), step=0), timeout=10)
+    ack = client.push(Push.gradient("m", 0, tensor_bytes(torch.ones(1024)), step=0), timeout=10)
     assert ack.applied
     pulling.join(timeout=60)
     assert got == [1]
@@ -171,8 +156,8 @@ def test_one_client_address_cannot_take_every_waiting_slot(tmp_path):
         assert "127.0.0.1 has 2 pulls waiting" in refused.details
         assert "server.max_waiting_pulls_per_client = 2" in refused.details
         second = [Puller(ps_pb2_grpc.ParameterServerStub(v6.channel), 5, ended) for _ in range(2)]
-        _until(lambda s: s.pulls_waiting == 4, "two pulls from each address waiting", v4)
-        assert _stats(v4).pulls_refused_waiting == 1
+        until_stats(lambda s: s.pulls_waiting == 4, "two pulls from each address waiting", v4)
+        assert daemon_stats(v4).pulls_refused_waiting == 1
         for p in first + second:
             p.call.cancel()
             p.thread.join(timeout=60)

@@ -37,38 +37,28 @@ from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
 from ps_offload.trainer.wire.local_client import LocalClient
 from ps_offload.trainer.wire.sharded_client import ShardedClient
+from tests.helpers.payloads import tensor_bytes
+from tests.helpers.specs import local_spec
+from tests.helpers.waiting import until
 
 NUMEL = 1024
 _models = itertools.count()
 SLOT = NUMEL * 4
 
 
-def _bytes(values: torch.Tensor) -> memoryview:
-    return memoryview(values.numpy()).cast("B")
-
-
-def _spec(model: str) -> ps_pb2.ModelSpec:
-    return ps_pb2.ModelSpec(
-        model=model,
-        params=[ps_pb2.ParamSpec(name="w", shape=[3 * NUMEL], dtype=ps_pb2.FLOAT32)],
-        optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)),
-        shard_bytes=NUMEL * 4,
-    )
-
-
 def _register(address: str, model: str, **config) -> ShardedClient:
     """A model of 3 shards, each set to 1.0 (version 0)."""
     client = ShardedClient([address], config=trainer.ClientConfig(**({"transport": "local"} | config)))
-    for shard in client.register(_spec(model)):
+    for shard in client.register(local_spec(model)):
         ones = torch.ones(shard.numel)
-        client.push(shard, Push.parameters(model, shard.shard_id, _bytes(ones), step=0))
+        client.push(shard, Push.parameters(model, shard.shard_id, tensor_bytes(ones), step=0))
     return client
 
 
 def _endpoint(address: str) -> str:
     client = DaemonClient(address, max_message_bytes=8 << 20)
     try:
-        spec = _spec("endpoint-probe")
+        spec = local_spec("endpoint-probe")
         spec.daemons.append(address)
         return client.register(spec, 0, timeout=30).local_endpoint
     finally:
@@ -93,17 +83,6 @@ def _slot_maps(daemon: LocalDaemon) -> int:
         return sum("memfd:ps-offload-slot" in line for line in maps)
 
 
-def _until(predicate, what: str) -> None:
-    deadline = threading.Event()
-    timer = threading.Timer(60, deadline.set)
-    timer.start()
-    try:
-        while not predicate():
-            assert not deadline.wait(0.05), f"never happened: {what}"
-    finally:
-        timer.cancel()
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     daemon = LocalDaemon(tmp_path_factory.mktemp("local"))
@@ -124,7 +103,7 @@ def test_a_bf16_pull_through_the_slot_equals_the_data_plane_one(daemon):
         assert type(client.transports[0]) is LocalClient and type(tcp.transports[0]) is DataPlaneClient
         shard = client.plan[0]
         grad = torch.linspace(-3, 3, NUMEL) * 1e-3
-        client.push(shard, Push.gradient(model, 0, _bytes(grad), step=0))
+        client.push(shard, Push.gradient(model, 0, tensor_bytes(grad), step=0))
         local_out, tcp_out = torch.empty(NUMEL, dtype=torch.bfloat16), torch.empty(NUMEL, dtype=torch.bfloat16)
         for client_, out in ((client, local_out), (tcp, tcp_out)):
             view = memoryview(out.view(torch.int16).numpy()).cast("B")
@@ -145,17 +124,17 @@ def test_a_pull_waits_for_its_version_up_to_its_deadline(daemon):
     assert type(local) is LocalClient
     out = torch.empty(NUMEL)
     with pytest.raises(DataPlaneError) as info:
-        local.pull_into(Pull.of(model, 0, min_version=1), out=_bytes(out), timeout=0.5)
+        local.pull_into(Pull.of(model, 0, min_version=1), out=tensor_bytes(out), timeout=0.5)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     pulled = {}
     waiter = threading.Thread(
         target=lambda: pulled.update(
-            version=local.pull_into(Pull.of(model, 0, min_version=1), out=_bytes(out), timeout=120)
+            version=local.pull_into(Pull.of(model, 0, min_version=1), out=tensor_bytes(out), timeout=120)
         )
     )
     waiter.start()
     # The push takes another connection of the pool while the pull waits on its own.
-    client.push(client.plan[0], Push.gradient(model, 0, _bytes(torch.ones(NUMEL)), step=0))
+    client.push(client.plan[0], Push.gradient(model, 0, tensor_bytes(torch.ones(NUMEL)), step=0))
     waiter.join(180)
     assert pulled == {"version": 1} and torch.equal(out, torch.full((NUMEL,), 1 - 0.1, dtype=torch.float32))
     client.close()
@@ -198,7 +177,7 @@ def _as_nobody(daemon: LocalDaemon, model: str, gid: int, groups: tuple[int, ...
     _register(daemon.address, model).close()
     return subprocess.run(
         [sys.executable, "-c", _OTHER_UID_CLIENT, daemon.address, model, _endpoint(daemon.address),
-         _spec(model).SerializeToString().hex(), str(gid), ",".join(map(str, groups))],
+         local_spec(model).SerializeToString().hex(), str(gid), ",".join(map(str, groups))],
         env={**os.environ, "HOME": "/tmp"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
@@ -278,7 +257,7 @@ def test_a_client_in_another_network_namespace_cannot_reach_it_and_uses_tcp(tmp_
             client = _register(daemon.address, "netns")
             assert type(client.transports[0]) is DataPlaneClient
             out = torch.empty(NUMEL)
-            assert client.pull(client.plan[0], min_version=0, out=_bytes(out)) == 0
+            assert client.pull(client.plan[0], min_version=0, out=tensor_bytes(out)) == 0
             assert torch.equal(out, torch.ones(NUMEL))
             client.close()
         finally:
@@ -305,7 +284,7 @@ def test_a_trainer_killed_mid_write_leaves_the_shard_unchanged(daemon):
     model = "killed"
     client = _register(daemon.address, model)
     shard = client.plan[0]
-    client.push(shard, Push.gradient(model, 0, _bytes(torch.ones(NUMEL)), step=0))
+    client.push(shard, Push.gradient(model, 0, tensor_bytes(torch.ones(NUMEL)), step=0))
     before = _grpc_pull(daemon.address, model)
     assert before[0] == 1
     mapped = _slot_maps(daemon)
@@ -320,14 +299,14 @@ def test_a_trainer_killed_mid_write_leaves_the_shard_unchanged(daemon):
         writer.wait(timeout=60)
     finally:
         writer.kill()
-    _until(lambda: _slot_maps(daemon) == mapped, "the dead trainer's slot unmapped")
+    until(lambda: _slot_maps(daemon) == mapped, "the dead trainer's slot unmapped")
     assert _grpc_pull(daemon.address, model) == before
     # Still serving: the next step goes through the slot and applies once.
-    ack = client.push(shard, Push.gradient(model, 0, _bytes(torch.ones(NUMEL)), step=1))
+    ack = client.push(shard, Push.gradient(model, 0, tensor_bytes(torch.ones(NUMEL)), step=1))
     assert ack.applied and ack.version == 2
     after = _grpc_pull(daemon.address, model)
     # A resent step (other bytes in the slot now): acknowledged, nothing applied.
-    ack = client.push(shard, Push.gradient(model, 0, _bytes(torch.full((NUMEL,), 9.0)), step=1))
+    ack = client.push(shard, Push.gradient(model, 0, tensor_bytes(torch.full((NUMEL,), 9.0)), step=1))
     assert not ack.applied and ack.version == 2
     assert _grpc_pull(daemon.address, model) == after
     client.close()
@@ -372,7 +351,7 @@ def test_a_bad_first_frame_is_refused_with_a_reason(daemon, how, message):
         assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and message in answer.message
         assert sock.recv(1) == b""  # and closed
     out = torch.empty(NUMEL)
-    assert client.pull(client.plan[0], min_version=0, out=_bytes(out)) == 0  # still serving
+    assert client.pull(client.plan[0], min_version=0, out=tensor_bytes(out)) == 0  # still serving
     client.close()
 
 
@@ -381,7 +360,7 @@ def test_a_push_larger_than_the_slot_is_invalid_argument_and_changes_nothing(dae
     _register(daemon.address, model).close()
     with _raw(_endpoint(daemon.address), slot_bytes=SLOT // 2) as (sock, slot):
         assert recv_message(sock, ps_pb2.DataResponse).code == 0  # the slot is taken
-        header = Push.gradient(model, 0, _bytes(torch.ones(NUMEL)), step=0).header
+        header = Push.gradient(model, 0, tensor_bytes(torch.ones(NUMEL)), step=0).header
         in_slot = ps_pb2.LocalRef(window=0, offset=0, nbytes=SLOT)
         send_message(sock, ps_pb2.DataRequest(push=header, local=in_slot))
         answer = recv_message(sock, ps_pb2.DataResponse)
@@ -395,9 +374,12 @@ def test_a_push_larger_than_the_slot_is_invalid_argument_and_changes_nothing(dae
         request = ps_pb2.PullRequest(model=model, shard_id=0, dtype=ps_pb2.BFLOAT16)
         send_message(sock, ps_pb2.DataRequest(pull=request))
         assert recv_message(sock, ps_pb2.DataResponse).shard.numel == NUMEL
-        assert bytes(slot[: NUMEL * 2]) == _bytes(torch.ones(NUMEL, dtype=torch.bfloat16).view(torch.int16)).tobytes()
+        assert (
+            bytes(slot[: NUMEL * 2])
+            == tensor_bytes(torch.ones(NUMEL, dtype=torch.bfloat16).view(torch.int16)).tobytes()
+        )
         slot.close()
-    assert _grpc_pull(daemon.address, model) == (0, _bytes(torch.ones(NUMEL)).tobytes())
+    assert _grpc_pull(daemon.address, model) == (0, tensor_bytes(torch.ones(NUMEL)).tobytes())
 
 
 def test_the_token_is_checked_on_every_local_request(daemon_factory, tmp_path):
@@ -410,12 +392,12 @@ def test_the_token_is_checked_on_every_local_request(daemon_factory, tmp_path):
     client = _register(daemon.address, "tokens", security=right)
     assert type(client.transports[0]) is LocalClient
     out = torch.empty(NUMEL)
-    assert client.pull(client.plan[0], min_version=0, out=_bytes(out)) == 0
+    assert client.pull(client.plan[0], min_version=0, out=tensor_bytes(out)) == 0
     client.close()
     endpoint = client.transports[0].endpoint
     plain = LocalClient(endpoint, slot_bytes=SLOT, max_connections=1)
     with pytest.raises(DataPlaneError) as info:
-        plain.pull_into(Pull.of("tokens", 0, min_version=0), out=_bytes(out), timeout=10)
+        plain.pull_into(Pull.of("tokens", 0, min_version=0), out=tensor_bytes(out), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     plain.close()
 
@@ -427,7 +409,7 @@ def test_stopping_the_daemon_closes_its_local_connections(daemon_factory):
     assert type(local) is LocalClient
     assert daemon.stop() == 0
     with pytest.raises(DataPlaneError) as info:
-        local.pull_into(Pull.of("stopping", 0, min_version=0), out=_bytes(torch.empty(NUMEL)), timeout=10)
+        local.pull_into(Pull.of("stopping", 0, min_version=0), out=tensor_bytes(torch.empty(NUMEL)), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     client.close()
 
@@ -445,15 +427,15 @@ def test_a_restarted_daemon_is_reattached_through_its_new_endpoint(tmp_path):
         before = client.transports[0]
         assert type(before) is LocalClient
         shard = client.plan[0]
-        push = Push.gradient(client.model, shard.shard_id, _bytes(torch.full((shard.numel,), 0.5)), step=0)
+        push = Push.gradient(client.model, shard.shard_id, tensor_bytes(torch.full((shard.numel,), 0.5)), step=0)
         assert client.push(shard, push).applied
         committed = torch.empty(shard.numel)
-        assert client.pull(shard, min_version=1, out=_bytes(committed)) == 1
+        assert client.pull(shard, min_version=1, out=tensor_bytes(committed)) == 1
         first.process.send_signal(signal.SIGKILL)
         first.process.wait()
         second = LocalDaemon(tmp_path / "second", "--nvme-dir", nvme, "--listen", f"127.0.0.1:{first.port}")
         out = torch.empty(shard.numel)
-        assert client.pull(shard, min_version=1, out=_bytes(out)) == 1  # retried until re-attached
+        assert client.pull(shard, min_version=1, out=tensor_bytes(out)) == 1  # retried until re-attached
         after = client.transports[0]
         assert type(after) is LocalClient and after.endpoint != before.endpoint
         assert torch.equal(out, committed) and not torch.equal(out, torch.ones(shard.numel))

@@ -33,24 +33,16 @@ from ps_offload.trainer.wire import local_client
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
 from ps_offload.trainer.wire.local_client import LocalClient, LocalFenceError
 from ps_offload.trainer.wire.sharded_client import ShardedClient
-from tests.integration.test_local_transport import _until
-from tests.integration.test_train_equivalence import _mlp_case, _train_offloaded
+from tests.helpers.specs import local_spec
+from tests.helpers.training import mlp_case, train_offloaded
+from tests.helpers.waiting import until
 
 NUMEL = 1024
 
 
-def _spec(model: str, numel: int = 3 * NUMEL) -> ps_pb2.ModelSpec:
-    return ps_pb2.ModelSpec(
-        model=model,
-        params=[ps_pb2.ParamSpec(name="w", shape=[numel], dtype=ps_pb2.FLOAT32)],
-        optimizer=ps_pb2.OptimizerSpec(sgd=ps_pb2.SGDSpec(lr=0.1)),
-        shard_bytes=NUMEL * 4,
-    )
-
-
 def _client(address: str, model: str, **config) -> ShardedClient:
     client = ShardedClient([address], config=trainer.ClientConfig(**({"transport": "local"} | config)))
-    client.register(_spec(model))
+    client.register(local_spec(model))
     return client
 
 
@@ -62,7 +54,7 @@ def _local(client: ShardedClient) -> LocalClient:
 
 def _grpc_pull(address: str, model: str, shard_id: int, dtype: int = ps_pb2.FLOAT32) -> bytes:
     reader = ShardedClient([address], config=trainer.ClientConfig(transport="grpc"))
-    reader.register(_spec(model))
+    reader.register(local_spec(model))
     out = bytearray(NUMEL * (2 if dtype == ps_pb2.BFLOAT16 else 4))
     reader.pull(reader.plan[shard_id], min_version=0, out=memoryview(out), dtype=dtype)
     reader.close()
@@ -102,7 +94,7 @@ def test_training_in_windows_is_bit_identical_to_the_data_plane(pool, daemon_fac
     pull and push moves in place (no byte through the slot); with the pool too small for
     them, the same training goes through the slot. Both equal the TCP data plane's."""
     daemon = daemon_factory(config=_pool_config(tmp_path, 1 << 30 if pool == "room" else 4096))
-    model, batches, loss_fn = _mlp_case()
+    model, batches, loss_fn = mlp_case()
     batches = batches[:8]
     results = {}
     for transport, kind in (("local", LocalClient), ("tcp", DataPlaneClient)):
@@ -115,9 +107,9 @@ def test_training_in_windows_is_bit_identical_to_the_data_plane(pool, daemon_fac
             client=trainer.ClientConfig(transport=transport),
         ) as opt:
             assert len(opt.plan) >= 2 and [type(t) for t in opt.client.transports] == [kind]
-            _train_offloaded(ours, batches, loss_fn, opt)
+            train_offloaded(ours, batches, loss_fn, opt)
             if transport == "local":
-                local, windows = _local(opt.client), opt.client.host_windows
+                local, windows = _local(opt.client), opt.client.transports.host_windows
                 in_window = windows.find(byte_view(opt.flat.values)) is not None
                 used = _stats(daemon.address).local_pool_bytes_used
                 if pool == "room":
@@ -133,13 +125,13 @@ def test_training_in_windows_is_bit_identical_to_the_data_plane(pool, daemon_fac
         results[transport] = ours
     for (name, local), tcp in zip(results["local"].named_parameters(), results["tcp"].parameters(), strict=True):
         assert torch.equal(local, tcp), f"{name}: max |diff| {(local - tcp).abs().max().item()}"
-    _until(lambda: _stats(daemon.address).local_pool_bytes_used == 0, "the windows given back at close")
+    until(lambda: _stats(daemon.address).local_pool_bytes_used == 0, "the windows given back at close")
 
 
 def test_a_push_is_read_in_place_and_leaves_the_gradient_as_it_was(daemon):
     client = _client(daemon.address, "in-place-push")
     shard = client.plan[0]
-    grad = client.shared_host_tensor(NUMEL, torch.float32)
+    grad = client.transports.shared_host_tensor(NUMEL, torch.float32)
     assert grad is not None
     client.push(shard, Push.parameters(client.model, shard.shard_id, byte_view(torch.ones(NUMEL))))
     grad.copy_(torch.linspace(-1, 1, NUMEL))
@@ -165,7 +157,7 @@ def test_a_bf16_pull_is_rounded_into_place_as_the_data_plane_rounds_it(daemon, o
     shard = client.plan[1]
     values = torch.randn(NUMEL, generator=torch.Generator().manual_seed(3))
     client.push(shard, Push.parameters(client.model, shard.shard_id, byte_view(values)))
-    window = client.shared_host_tensor(NUMEL + 1, torch.bfloat16)
+    window = client.transports.shared_host_tensor(NUMEL + 1, torch.bfloat16)
     assert window is not None
     target = window[offset : offset + NUMEL]
     copied = _local(client).bytes_copied
@@ -193,7 +185,7 @@ def test_a_bad_reference_is_invalid_argument_and_changes_nothing(daemon, ref, me
     client = _client(daemon.address, model)
     shard = client.plan[0]
     client.push(shard, Push.parameters(client.model, shard.shard_id, byte_view(torch.ones(NUMEL))))
-    assert client.shared_host_tensor(NUMEL, torch.float32) is not None  # window 1
+    assert client.transports.shared_host_tensor(NUMEL, torch.float32) is not None  # window 1
     before = _grpc_pull(daemon.address, model, 0)
     local = _local(client)
     header = Push.gradient(model, 0, byte_view(torch.ones(NUMEL)), step=0).header
@@ -227,8 +219,8 @@ def test_a_bad_pull_into_is_invalid_argument_and_changes_nothing(daemon, pull_in
     client = _client(daemon.address, model)
     shard = client.plan[0]
     client.push(shard, Push.parameters(client.model, shard.shard_id, byte_view(torch.ones(NUMEL))))
-    target = client.shared_host_tensor(NUMEL, torch.float32)  # window 1
-    grad = client.shared_host_tensor(NUMEL, torch.float32)  # window 2: the payload
+    target = client.transports.shared_host_tensor(NUMEL, torch.float32)  # window 1
+    grad = client.transports.shared_host_tensor(NUMEL, torch.float32)  # window 2: the payload
     assert target is not None and grad is not None
     target.fill_(5.0)
     grad.copy_(torch.linspace(-1, 1, NUMEL))
@@ -260,7 +252,7 @@ def test_a_bad_pull_into_is_invalid_argument_and_changes_nothing(daemon, pull_in
 )
 def test_a_bad_attach_is_invalid_argument_and_maps_nothing(daemon, number, fds, message):
     client = _client(daemon.address, f"bad-attach-{number}-{fds}")
-    assert client.shared_host_tensor(NUMEL, torch.float32) is not None  # window 1
+    assert client.transports.shared_host_tensor(NUMEL, torch.float32) is not None  # window 1
     local, used = _local(client), _stats(daemon.address).local_pool_bytes_used
     memfds = [sealed_memfd(4096, "ps-offload-window") for _ in range(fds)]
     try:
@@ -278,9 +270,9 @@ def test_a_bad_attach_is_invalid_argument_and_maps_nothing(daemon, number, fds, 
 
 def test_a_client_past_its_window_count_is_refused(daemon):
     client = _client(daemon.address, "many-windows")
-    granted = [client.shared_host_tensor(16, torch.float32) for _ in range(MAX_WINDOWS_PER_CLIENT + 1)]
+    granted = [client.transports.shared_host_tensor(16, torch.float32) for _ in range(MAX_WINDOWS_PER_CLIENT + 1)]
     assert all(w is not None for w in granted[:MAX_WINDOWS_PER_CLIENT]) and granted[-1] is None
-    assert len(client.host_windows.windows) == MAX_WINDOWS_PER_CLIENT  # the refused one is not kept
+    assert len(client.transports.host_windows.windows) == MAX_WINDOWS_PER_CLIENT  # the refused one is not kept
     client.close()
 
 
@@ -290,12 +282,13 @@ _LOOPING_TRAINER = """
 import sys, torch
 from ps_offload import trainer
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.push import Push
 from ps_offload.trainer.io.device import byte_view
 from ps_offload.trainer.wire.sharded_client import ShardedClient
-from tests.integration.test_local_windows import _spec
+from tests.helpers.specs import local_spec
 client = ShardedClient([sys.argv[1]], config=trainer.ClientConfig(transport="local"))
-plan = client.register(_spec(sys.argv[2]))
-window = client.shared_host_tensor(plan[0].numel, torch.float32)
+plan = client.register(local_spec(sys.argv[2]))
+window = client.transports.shared_host_tensor(plan[0].numel, torch.float32)
 assert window is not None
 print("attached", flush=True)
 while True:  # SIGKILLed in the middle of one of these
@@ -324,7 +317,7 @@ def test_a_trainer_killed_mid_request_has_its_windows_reclaimed(daemon):
         looping.wait(timeout=60)
     finally:
         looping.kill()
-    _until(lambda: _window_maps(daemon) == maps, "the dead trainer's window unmapped")
+    until(lambda: _window_maps(daemon) == maps, "the dead trainer's window unmapped")
     assert _stats(daemon.address).local_pool_bytes_used == used
     assert _grpc_pull(daemon.address, model, 0) == byte_view(torch.full((NUMEL,), 2.0)).tobytes()
     client.close()
@@ -337,7 +330,7 @@ def test_a_restarted_daemon_gets_the_windows_again(tmp_path):
     try:
         client = _client(first.address, "rewindowed", retry_seconds=60.0, backoff_seconds=0.05)
         shard = client.plan[0]
-        window = client.shared_host_tensor(NUMEL, torch.float32)
+        window = client.transports.shared_host_tensor(NUMEL, torch.float32)
         window.fill_(0.25)
         assert client.push(shard, Push.parameters(client.model, shard.shard_id, byte_view(window))).applied
         first.process.send_signal(signal.SIGKILL)
@@ -364,7 +357,7 @@ def test_a_request_the_daemon_never_finishes_stops_the_trainer(daemon_factory, m
     daemon = daemon_factory()
     client = _client(daemon.address, "fenced")
     shard = client.plan[0]
-    window = client.shared_host_tensor(NUMEL, torch.float32)
+    window = client.transports.shared_host_tensor(NUMEL, torch.float32)
     local = _local(client)
     daemon.process.send_signal(signal.SIGSTOP)
     try:
@@ -383,7 +376,7 @@ def test_a_request_the_daemon_never_finishes_stops_the_trainer(daemon_factory, m
 
 def test_stats_say_which_path_each_client_uses(daemon, tmp_path):
     local = _client(daemon.address, "paths")
-    assert local.shared_host_tensor(NUMEL, torch.float32) is not None
+    assert local.transports.shared_host_tensor(NUMEL, torch.float32) is not None
     local.push(local.plan[0], Push.parameters(local.model, local.plan[0].shard_id, byte_view(torch.ones(NUMEL))))
     tcp = _client(daemon.address, "paths", transport="tcp")
     over_grpc = _client(daemon.address, "paths", transport="grpc")
@@ -416,7 +409,7 @@ def test_a_bf16_model_through_staging_windows_is_bit_identical_to_the_data_plane
     """The GPU path on the CPU (DeviceConfig(staging="always")): the host buffers are one
     window; each pull is rounded into one and copied up, each push copied down into one and
     read there. Equal, bit for bit, to the same training over the data plane."""
-    model, batches, loss_fn = _mlp_case()
+    model, batches, loss_fn = mlp_case()
     model = model.to(torch.bfloat16)
     batches = [(x.to(torch.bfloat16), y) for x, y in batches[:6]]
     results = {}
@@ -433,7 +426,7 @@ def test_a_bf16_model_through_staging_windows_is_bit_identical_to_the_data_plane
             assert opt.mover.staged and opt.mover.buffers.shared == (transport == "local")
             # The first upload (the model's values, widened to fp32 once) is not in a window.
             copied = _local(opt.client).bytes_copied if transport == "local" else 0
-            _train_offloaded(ours, batches, loss_fn, opt)
+            train_offloaded(ours, batches, loss_fn, opt)
             if transport == "local":  # every step's pulls and pushes: in place
                 assert _local(opt.client).bytes_copied == copied and _local(opt.client).bytes_in_place > 0
                 # The pulls came with the pushes, written by the updates into spare host buffers

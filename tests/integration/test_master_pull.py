@@ -20,8 +20,7 @@ from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.pull import Pull
 from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.wire.daemon_client import DaemonClient
-from tests.integration.test_admin_verify import committed_slot
-from tests.ps_daemon.tiers.format2 import downgrade_to_format_2
+from tests.helpers.nvme_files import committed_slot, downgrade_to_format_2
 
 SHARD_BYTES = 8192
 STEPS = 6

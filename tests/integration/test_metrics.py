@@ -5,40 +5,21 @@ data plane's too), the optimizer's step time per shard, the tiers and NVMe traff
 from __future__ import annotations
 
 import socket
-import urllib.request
 
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 import ps_offload
 from ps_offload import trainer
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.frames import send_message
 from ps_offload.trainer.debug_models import mlp
-from tests.integration.test_data_plane import _register
-from tests.integration.test_liveness import _until
+from tests.helpers.data_plane import register_with_data_plane
+from tests.helpers.metrics import daemon_with_metrics, scrape_metrics
+from tests.helpers.waiting import until_stats
 
 STEPS = 4
-
-
-def _scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} from GET /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def _daemon_with_metrics(daemon_factory, tmp_path, *extra: str):
-    port_file = tmp_path / "metrics.port"
-    config = tmp_path / "metrics.toml"
-    config.write_text(f'[metrics]\nlisten = "127.0.0.1:0"\nport_file = "{port_file}"\n')
-    daemon = daemon_factory(*extra, config=config)
-    return daemon, int(port_file.read_text())
 
 
 def _train(address: str, transport: str) -> tuple[int, int]:
@@ -64,12 +45,12 @@ def _train(address: str, transport: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("transport", ["local", "tcp", "grpc"])
 def test_metrics_count_what_the_trainer_did(daemon_factory, tmp_path, transport):
-    daemon, port = _daemon_with_metrics(daemon_factory, tmp_path)
+    daemon, port = daemon_with_metrics(daemon_factory, tmp_path)
     numel, shards = _train(daemon.address, transport)
     with grpc.insecure_channel(daemon.address) as channel:  # one refused call, to see its code
         with pytest.raises(grpc.RpcError):
             ps_pb2_grpc.AdminStub(channel).GetShard(ps_pb2.GetShardRequest(model="nope", shard_id=0), timeout=10)
-    m = _scrape(port)
+    m = scrape_metrics(port)
     assert m[("ps_pushed_bytes_total", ())] == 4 * numel * (STEPS + 1)  # initial values + STEPS gradients
     assert m[("ps_pushes_total", (("result", "applied"),))] == shards * STEPS
     assert m[("ps_optimizer_step_duration_seconds_count", ())] == shards * STEPS
@@ -92,11 +73,11 @@ def test_metrics_count_what_the_trainer_did(daemon_factory, tmp_path, transport)
 
 
 def test_nvme_bytes_and_seconds_and_tiers(daemon_factory, tmp_path):
-    daemon, port = _daemon_with_metrics(daemon_factory, tmp_path, "--nvme-dir", str(tmp_path / "nvme"))
+    daemon, port = daemon_with_metrics(daemon_factory, tmp_path, "--nvme-dir", str(tmp_path / "nvme"))
     numel, shards = _train(daemon.address, "tcp")
     with grpc.insecure_channel(daemon.address) as channel:
         ps_pb2_grpc.AdminStub(channel).Evict(ps_pb2.GetShardRequest(model="model", shard_id=0), timeout=10)
-    m = _scrape(port)
+    m = scrape_metrics(port)
     arena = m[("ps_nvme_written_bytes_total", ())] / (shards * (STEPS + 1))  # every version committed
     assert arena >= 12 * numel / shards  # master, m and v of a shard (and the arena's stagger)
     assert m[("ps_nvme_write_seconds_total", ())] > 0
@@ -111,14 +92,14 @@ def test_no_metrics_endpoint_unless_configured(daemon):
 def test_waiting_pulls_and_data_plane_connections_are_gauged(daemon_factory, tmp_path):
     """A data plane pull parked for a version no one pushes shows as waiting on the data
     plane (a gRPC one would show under "grpc"), and its connection is counted."""
-    daemon, port = _daemon_with_metrics(daemon_factory, tmp_path)
-    client, data, response = _register(daemon)
+    daemon, port = daemon_with_metrics(daemon_factory, tmp_path)
+    client, data, response = register_with_data_plane(daemon)
     data.close()
     with socket.create_connection(("127.0.0.1", response.data_port), timeout=30) as sock:
         pull = ps_pb2.PullRequest(model="m", shard_id=0, min_version=9)
         send_message(sock, ps_pb2.DataRequest(pull=pull, timeout_ms=120_000))
-        _until(lambda s: s.data_pulls_waiting == 1 and s.data_connections == 1, "the pull parked, alone", client)
-        samples = _scrape(port)
+        until_stats(lambda s: s.data_pulls_waiting == 1 and s.data_connections == 1, "the pull parked, alone", client)
+        samples = scrape_metrics(port)
         assert samples[("ps_pulls_waiting", (("transport", "data_plane"),))] == 1
         assert samples[("ps_pulls_waiting", (("transport", "grpc"),))] == 0
         assert samples[("ps_data_connections", ())] == 1

@@ -14,7 +14,13 @@ from bench import netns
 from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.trainer.wire.daemon_client import DaemonError
-from tests.integration.test_persistence import SHARD_BYTES, _assert_equal, _case, _reference, _train
+from tests.helpers.persistence_run import (
+    SHARD_BYTES,
+    assert_same_parameters,
+    classifier_case,
+    fused_adamw_reference,
+    train_and_synchronize,
+)
 
 WHY_NOT = netns.unavailable()
 pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
@@ -39,8 +45,8 @@ def _offload(model, address: str, retry_seconds: float, dead_peer_seconds: float
 
 
 def test_delay_loss_and_a_partition_pause_training_which_ends_bit_identical(tmp_path):
-    model, batches = _case()
-    reference = _reference(model, batches)
+    model, batches = classifier_case()
+    reference = fused_adamw_reference(model, batches)
     with netns.namespace() as ns:
         daemon = _remote_daemon(tmp_path, ns)
         try:
@@ -69,10 +75,10 @@ def test_delay_loss_and_a_partition_pause_training_which_ends_bit_identical(tmp_
                 opt.step = step_and_tell
                 thread = threading.Thread(target=faulter)
                 thread.start()
-                _train(opt, model, batches)
+                train_and_synchronize(opt, model, batches)
                 thread.join(timeout=120)
             assert len(faults) == 3 and faults[2] - faults[1] <= 1  # training waited out the partition
-            _assert_equal(model, reference)
+            assert_same_parameters(model, reference)
             assert "INSECURE" in daemon.log() or "insecure" in daemon.log()
         finally:
             daemon.kill()
@@ -84,16 +90,16 @@ def test_delay_loss_and_a_partition_pause_training_which_ends_bit_identical(tmp_
     ids=["link-down", "syns-unanswered", "syns-unanswered-grpc"],
 )
 def test_a_daemon_partitioned_for_good_fails_the_job_naming_it_within_the_retry_budget(tmp_path, silent, transport):
-    model, batches = _case()
+    model, batches = classifier_case()
     with netns.namespace() as ns:
         daemon = _remote_daemon(tmp_path, ns)
         try:
             with _offload(model, daemon.address, retry_seconds=2, dead_peer_seconds=4, transport=transport) as opt:
-                _train(opt, model, batches[:2])
+                train_and_synchronize(opt, model, batches[:2])
                 ns.partition(silent=silent)
                 started = time.monotonic()
                 with pytest.raises(DaemonError) as info:
-                    _train(opt, model, batches[2:])
+                    train_and_synchronize(opt, model, batches[2:])
                 waited = time.monotonic() - started
                 ns.heal()  # so that closing the trainer's channels does not wait
             assert daemon.address in str(info.value)

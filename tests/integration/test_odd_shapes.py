@@ -1,14 +1,14 @@
 """Bit-identical to torch.optim wherever the shard cuts fall inside parameters.
 
-torch's fused CPU kernels (AdamW(fused=True), SGD(fused=True)) compute the last n % 8
-elements of each tensor in a scalar loop that rounds differently from their SIMD body. The
-plan packs parameters end to end and cuts shards at page multiples of the flat space, so
-with odd parameter sizes a cut lands at any offset inside a parameter; a piece stepped as
-its own tensor would put a tail where the whole parameter has none (before the fix, this
-file measured up to 3e-8 off for AdamW and 6e-6 for SGD in 30 steps). The daemon steps
-such pieces through ps_proto/plan.py's kernel_runs. The model here has odd sizes (1, 7,
-13, 91, 333, 4329, 2331 elements, Linear(7, 13) first), so every shard size below cuts
-parameters at offsets that are not multiples of 8.
+torch's fused CPU kernels (AdamW(fused=True), SGD(fused=True)) compute the last n % 8 elements
+of each tensor in a scalar loop that rounds differently from their SIMD body. The plan packs
+parameters end to end and cuts shards at page multiples of the flat space, so with odd parameter
+sizes a cut lands at any offset inside a parameter; a piece stepped as its own tensor would put
+a tail where the whole parameter has none (before the fix, this file measured up to 3e-8 off for
+AdamW and 6e-6 for SGD in 30 steps). The daemon steps such pieces through ps_proto/plan.py's
+kernel_runs. The model (tests/helpers/odd_shapes.py) has odd sizes (1, 7, 13, 91, 333, 4329,
+2331 elements, Linear(7, 13) first), so every shard size below cuts parameters at offsets that
+are not multiples of 8.
 
 Any difference at all is a bug, hence torch.equal rather than a tolerance.
 """
@@ -25,9 +25,8 @@ from ps_offload import trainer
 from ps_offload.daemon.model.optimizer import ShardOptimizer, state_tensors
 from ps_offload.optimizers import SGD, AdamW
 from ps_offload.proto.plan import layout_params, plan_shards, segments_of, shard_numel_for
-from tests.integration.test_train_equivalence import _train_offloaded, _train_reference
-
-STEPS = 30
+from tests.helpers.odd_shapes import STEPS, odd_case, odd_cuts
+from tests.helpers.training import no_decay, train_offloaded, train_reference
 
 
 @pytest.fixture(autouse=True)
@@ -45,58 +44,12 @@ def threads(monkeypatch, request):
     torch.set_num_threads(before)
 
 
-class _Scale(nn.Module):
-    """A 1-element parameter, which moves every later parameter to an odd flat offset."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gain = nn.Parameter(torch.ones(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gain
-
-
-def _odd_case(steps: int = STEPS):
-    torch.manual_seed(0)
-    # Flat offsets: fc1.w 0 (91), fc1.b 91 (13), gain 104 (1), fc2.w 105 (4329), fc2.b 4434
-    # (333), fc3.w 4767 (2331), fc3.b 7098 (7); 7105 elements.
-    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), _Scale(), nn.Linear(13, 333), nn.Tanh(), nn.Linear(333, 7))
-    g = torch.Generator().manual_seed(1)
-    teacher = torch.randn(7, 7, generator=g)
-    inputs = [torch.randn(16, 7, generator=g) for _ in range(steps)]
-    batches = [(x, torch.tanh(x @ teacher)) for x in inputs]
-
-    def loss_fn(m, batch):
-        x, y = batch
-        return nn.functional.mse_loss(m(x), y)
-
-    return model, batches, loss_fn
-
-
-def _no_decay(name, p):
-    return p.dim() < 2
-
-
-def _odd_cuts(model: nn.Module, shard_numel: int) -> list[tuple[str, int]]:
-    """(parameter, offset) of every shard cut inside a parameter at an offset that is not a
-    multiple of 8: the cases the fix is for."""
-    layouts = layout_params([(name, tuple(p.shape), None) for name, p in model.named_parameters()])
-    total = sum(lo.numel for lo in layouts)
-    cuts = []
-    for shard in plan_shards(total, shard_numel, 1):
-        for seg in segments_of(shard, layouts):
-            end = seg.param_start + seg.numel
-            if end < seg.param_numel and end % 8:
-                cuts.append((layouts[seg.param_index].name, end))
-    return cuts
-
-
 def _optimizers(kind: str, reference: nn.Module):
     """(torch.optim in-process on `reference`, the trainer's config for the daemons)."""
     if kind == "adamw":
-        decay = [p for n, p in reference.named_parameters() if not _no_decay(n, p)]
-        no_decay = [p for n, p in reference.named_parameters() if _no_decay(n, p)]
-        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        decay = [p for n, p in reference.named_parameters() if not no_decay(n, p)]
+        undecayed = [p for n, p in reference.named_parameters() if no_decay(n, p)]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": undecayed, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=3e-3, fused=True), trainer.AdamW(lr=3e-3, weight_decay=0.1)
     torch_opt = torch.optim.SGD(
         reference.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=True, fused=True
@@ -121,20 +74,20 @@ def test_odd_shapes_through_daemons_match_torch_fused(n_daemons, daemon_factory)
     daemons = [daemon_factory() for _ in range(n_daemons)]
     for kind in ("adamw", "sgd"):
         for shard_bytes in SHARD_BYTES:
-            model, batches, loss_fn = _odd_case()
-            assert _odd_cuts(model, shard_numel_for(shard_bytes)), shard_bytes  # the case under test
+            model, batches, loss_fn = odd_case()
+            assert odd_cuts(model, shard_numel_for(shard_bytes)), shard_bytes  # the case under test
             reference = copy.deepcopy(model)
             torch_opt, optimizer = _optimizers(kind, reference)
-            _train_reference(reference, batches, loss_fn, torch_opt)
+            train_reference(reference, batches, loss_fn, torch_opt)
             with trainer.offload(
                 model,
                 daemons=[d.address for d in daemons],
                 optimizer=optimizer,
-                no_weight_decay=_no_decay if kind == "adamw" else None,
+                no_weight_decay=no_decay if kind == "adamw" else None,
                 config=trainer.OffloadConfig(model_name=f"odd-{kind}-{shard_bytes}", shard_bytes=shard_bytes),
             ) as opt:
                 assert {s.daemon_index for s in opt.plan} == set(range(n_daemons))
-                losses = _train_offloaded(model, batches, loss_fn, opt)
+                losses = train_offloaded(model, batches, loss_fn, opt)
             assert losses[-1] < losses[0]
             _assert_equal(model, reference, f"{kind}, {n_daemons} daemon(s), shard_bytes {shard_bytes}")
 
@@ -146,10 +99,10 @@ def _shard_optimizer_run(kind: str, shard_numel: int, steps: int = STEPS) -> tup
     """Steps the odd model's parameters with torch.optim (in process) and, on the same
     gradients, with one ShardOptimizer per shard of `shard_numel` elements; returns the
     reference parameters and the shards' flat master values."""
-    model, _, _ = _odd_case(0)
+    model, _, _ = odd_case(0)
     named = list(model.named_parameters())
     reference = [p.detach().clone().requires_grad_() for _, p in named]
-    decays = [0.0 if _no_decay(n, p) else (0.1 if kind == "adamw" else 1e-4) for n, p in named]
+    decays = [0.0 if no_decay(n, p) else (0.1 if kind == "adamw" else 1e-4) for n, p in named]
     groups = [{"params": [r], "weight_decay": d} for r, d in zip(reference, decays, strict=True)]
     if kind == "adamw":
         torch_opt = torch.optim.AdamW(groups, lr=3e-3, fused=True)

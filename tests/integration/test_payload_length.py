@@ -25,14 +25,11 @@ from ps_offload.proto.push import Push
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.local_client import LocalClient
+from tests.helpers.payloads import tensor_bytes
 
 NUMEL = 1024
 _names = itertools.count()
 STEPPED = 1 - 0.1  # shard 0 after the fixture's one SGD step (lr 0.1) with gradient 1
-
-
-def _bytes(values: torch.Tensor) -> memoryview:
-    return memoryview(values.numpy()).cast("B")
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +56,11 @@ def model(daemon_address):
         daemons=["d0"],
     )
     response = client.register(spec, 0, timeout=10)
-    client.push(Push.parameters(name, 0, _bytes(torch.ones(NUMEL)), step=0), timeout=10)
-    client.push(Push.gradient(name, 0, _bytes(torch.ones(NUMEL)), step=0), timeout=10)
+    client.push(Push.parameters(name, 0, tensor_bytes(torch.ones(NUMEL)), step=0), timeout=10)
+    client.push(Push.gradient(name, 0, tensor_bytes(torch.ones(NUMEL)), step=0), timeout=10)
     yield name, client, response
     out = torch.empty(NUMEL)
-    assert client.pull_into(Pull.of(name, 0, min_version=0), out=_bytes(out), timeout=10) == 1  # nothing applied
+    assert client.pull_into(Pull.of(name, 0, min_version=0), out=tensor_bytes(out), timeout=10) == 1  # nothing applied
     assert torch.equal(out, torch.full((NUMEL,), STEPPED))
     client.close()
 
@@ -71,7 +68,7 @@ def model(daemon_address):
 def _mismatched(name: str, extra: int) -> Push:
     """Step 1's gradient push whose header announces NUMEL * 4 bytes and whose payload has
     `extra` more (fewer, if negative), as a client with a bug would send it."""
-    header = Push.gradient(name, 0, _bytes(torch.ones(NUMEL)), step=1).header
+    header = Push.gradient(name, 0, tensor_bytes(torch.ones(NUMEL)), step=1).header
     return Push(header, memoryview(bytes(NUMEL * 4 + extra)))
 
 
@@ -97,7 +94,7 @@ def test_data_plane(model, extra):
         details = _refused(lambda: data.push(_mismatched(name, extra), timeout=10))
         assert f"announces 4096 payload bytes and {4096 + extra} followed it; nothing applied" in details
         # The connection it came on was closed by the daemon; the next push takes another.
-        ack = data.push(Push.gradient(name, 0, _bytes(torch.ones(NUMEL)), step=0), timeout=10)
+        ack = data.push(Push.gradient(name, 0, tensor_bytes(torch.ones(NUMEL)), step=0), timeout=10)
         assert not ack.applied and ack.version == 1
     finally:
         data.close()
@@ -110,7 +107,7 @@ def test_data_plane_a_client_of_the_older_protocol(model):
     with socket.create_connection(("127.0.0.1", response.data_port), timeout=10) as sock:
         send_message(sock, ps_pb2.DataRequest(push=_mismatched(name, 0).header))
         assert recv_message(sock, ps_pb2.DataResponse).send_payload
-        sock.sendall(_bytes(torch.full((NUMEL,), 2.0)).tobytes() + b"\x00")
+        sock.sendall(tensor_bytes(torch.full((NUMEL,), 2.0)).tobytes() + b"\x00")
         answer = recv_message(sock, ps_pb2.DataResponse)
         assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "nothing applied" in answer.message
         assert sock.recv(1 << 16) == b"" or sock.recv(1) == b""  # closed by the daemon
@@ -144,7 +141,7 @@ def test_local_a_push_that_names_no_place(model):
         socket.send_fds(sock, [frame(ps_pb2.DataRequest())], [fd])
         assert recv_message(sock, ps_pb2.DataResponse).code == 0
         slot = mmap.mmap(fd, NUMEL * 8)
-        slot[: NUMEL * 4] = _bytes(torch.full((NUMEL,), 2.0)).tobytes()
+        slot[: NUMEL * 4] = tensor_bytes(torch.full((NUMEL,), 2.0)).tobytes()
         send_message(sock, ps_pb2.DataRequest(push=_mismatched(name, 0).header))
         answer = recv_message(sock, ps_pb2.DataResponse)
         assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "names no place" in answer.message

@@ -4,7 +4,6 @@ and named, a full disk fails the push and keeps the last good version."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import signal
@@ -15,63 +14,20 @@ import grpc
 import pytest
 import torch
 
-from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.daemon.tiers.direct_io import FAULT_ENV
 from ps_offload.daemon.tiers.nvme import PAGE, SlotHeader
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
-from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.wire.daemon_client import DaemonClient
-
-STEPS = 24
-SHARD_BYTES = 8192
-CLIENT = trainer.ClientConfig(retry_seconds=30.0, backoff_seconds=0.05)
-
-
-def _case():
-    torch.manual_seed(0)
-    model = mlp((32, 64, 64, 10))
-    g = torch.Generator().manual_seed(1)
-    teacher = torch.randn(32, 10, generator=g)
-    inputs = [torch.randn(16, 32, generator=g) for _ in range(STEPS)]
-    return model, [(x, (x @ teacher).argmax(dim=1)) for x in inputs]
-
-
-def _loss(model, batch):
-    x, y = batch
-    return torch.nn.functional.cross_entropy(model(x), y)
-
-
-def _reference(model, batches):
-    reference = copy.deepcopy(model)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    for batch in batches:
-        opt.zero_grad()
-        _loss(reference, batch).backward()
-        opt.step()
-    return reference
-
-
-def _train(opt, model, batches):
-    for batch in batches:
-        opt.zero_grad()
-        _loss(model, batch).backward()
-        opt.step()
-    opt.synchronize()
-
-
-def _offload(model, address):
-    return trainer.offload(
-        model, daemons=[address], optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
-        config=trainer.OffloadConfig(shard_bytes=SHARD_BYTES), client=CLIENT,
-    )  # fmt: skip
-
-
-def _assert_equal(model, reference):
-    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert torch.equal(ours, theirs), name
+from tests.helpers.persistence_run import (
+    assert_same_parameters,
+    classifier_case,
+    fused_adamw_reference,
+    offload_adamw,
+    train_and_synchronize,
+)
 
 
 def _daemon(tmp_path: Path, name: str, nvme: Path, *extra: str) -> LocalDaemon:
@@ -80,21 +36,21 @@ def _daemon(tmp_path: Path, name: str, nvme: Path, *extra: str) -> LocalDaemon:
 
 def test_restart_recovers_every_shard_and_training_continues(tmp_path):
     nvme = tmp_path / "nvme"
-    model, batches = _case()
-    reference = _reference(model, batches)
+    model, batches = classifier_case()
+    reference = fused_adamw_reference(model, batches)
     first = _daemon(tmp_path, "a", nvme)
-    with _offload(model, first.address) as opt:
-        _train(opt, model, batches[:10])
+    with offload_adamw(model, first.address) as opt:
+        train_and_synchronize(opt, model, batches[:10])
     assert first.stop() == 0
 
     second = _daemon(tmp_path, "b", nvme)  # new ports, same nvme_dir
     try:
         assert "recovered" in second.log()
-        resumed, _ = _case()  # fresh initial values: must be replaced by the recovered ones
-        with _offload(resumed, second.address) as opt:
+        resumed, _ = classifier_case()  # fresh initial values: must be replaced by the recovered ones
+        with offload_adamw(resumed, second.address) as opt:
             assert opt.step_count == 10
-            _train(opt, resumed, batches[10:])
-        _assert_equal(resumed, reference)
+            train_and_synchronize(opt, resumed, batches[10:])
+        assert_same_parameters(resumed, reference)
     finally:
         second.kill()
 
@@ -103,8 +59,8 @@ def test_sigkill_mid_training_loses_nothing_acknowledged(tmp_path):
     """The daemon is killed with SIGKILL while steps are in flight and restarted on the same
     gRPC port; the trainer's retries carry on, and the run ends bit-identical to torch."""
     nvme = tmp_path / "nvme"
-    model, batches = _case()
-    reference = _reference(model, batches)
+    model, batches = classifier_case()
+    reference = fused_adamw_reference(model, batches)
     daemons = [_daemon(tmp_path, "a", nvme)]
     port = daemons[0].port
     kills = []
@@ -122,7 +78,7 @@ def test_sigkill_mid_training_loses_nothing_acknowledged(tmp_path):
             daemons.append(_daemon(tmp_path, f"restart{len(daemons)}", nvme, "--listen", f"127.0.0.1:{port}"))
 
     try:
-        with _offload(model, daemons[0].address) as opt:
+        with offload_adamw(model, daemons[0].address) as opt:
             step = opt.step
 
             def step_and_tell() -> None:  # the killer waits on this, not on a clock
@@ -133,10 +89,10 @@ def test_sigkill_mid_training_loses_nothing_acknowledged(tmp_path):
             opt.step = step_and_tell
             thread = threading.Thread(target=killer, args=(opt,))
             thread.start()
-            _train(opt, model, batches)
+            train_and_synchronize(opt, model, batches)
             thread.join(60)
         assert len(kills) == 2
-        _assert_equal(model, reference)
+        assert_same_parameters(model, reference)
     finally:
         for daemon in daemons:
             daemon.kill()
@@ -144,10 +100,10 @@ def test_sigkill_mid_training_loses_nothing_acknowledged(tmp_path):
 
 def test_flipped_byte_is_data_loss_for_that_shard_only(tmp_path):
     nvme = tmp_path / "nvme"
-    model, batches = _case()
+    model, batches = classifier_case()
     first = _daemon(tmp_path, "a", nvme)
-    with _offload(model, first.address) as opt:
-        _train(opt, model, batches[:3])
+    with offload_adamw(model, first.address) as opt:
+        train_and_synchronize(opt, model, batches[:3])
         plan = opt.plan
     assert first.stop() == 0
     # Flip one byte in the data of every slot whose header names shard 1 (the newest among them

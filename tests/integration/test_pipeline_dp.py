@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,22 +14,20 @@ import torch
 
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.trainer.pipeline.schedule_check import check_schedule
-from tests.integration import pp_dp_worker as worker
-
-STEPS = 5
-PP, DP, MICROBATCHES = 2, 2, 4  # as _torchrun starts the worker
+from tests.helpers import pipeline_mlp
+from tests.helpers.pipeline_mlp import DP, MICROBATCHES, PP, STEPS, torchrun
 
 
 def _reference(*, staleness: int = 0, max_grad_norm: float | None = None) -> dict[str, torch.Tensor]:
     """Single-process AdamW on the whole batch; with staleness=1 each step's gradients are
     taken at the parameters of the step before the last (the delayed update spelled out)."""
-    model = torch.nn.Sequential(*worker.layers())
+    model = torch.nn.Sequential(*pipeline_mlp.layers())
     compute = copy.deepcopy(model) if staleness else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     clipped = 0
-    for x, y in worker.batches(STEPS):
+    for x, y in pipeline_mlp.batches(STEPS):
         compute.zero_grad()
-        worker.loss_fn(compute(x), y).backward()
+        pipeline_mlp.loss_fn(compute(x), y).backward()
         if max_grad_norm is not None:
             clipped += float(torch.nn.utils.clip_grad_norm_(compute.parameters(), max_grad_norm)) > max_grad_norm
         before = [p.detach().clone() for p in model.parameters()]
@@ -44,15 +40,6 @@ def _reference(*, staleness: int = 0, max_grad_norm: float | None = None) -> dic
                     used.copy_(value)
     assert max_grad_norm is None or clipped >= 2, "the reference should clip for the clipping to be tested"
     return model.state_dict()
-
-
-def _torchrun(out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         "-m", "tests.integration.pp_dp_worker", "--pp", "2", "--dp", "2", "--steps", str(STEPS),
-         "--out", str(out), *args],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
-    )  # fmt: skip
 
 
 def _assert_close(out: Path, **reference_kwargs) -> None:
@@ -87,7 +74,7 @@ def test_two_stages_two_replicas_over_two_daemons_match_single_process(tmp_path,
     daemons = [LocalDaemon(tmp_path / f"d{i}") for i in range(2)]
     try:
         addresses = ",".join(d.address for d in daemons)
-        result = _torchrun(tmp_path, "--schedule", schedule, "--daemons", addresses, "--trace")
+        result = torchrun(tmp_path, "--schedule", schedule, "--daemons", addresses, "--trace")
         assert result.returncode == 0, result.stderr[-4000:]
         _assert_close(tmp_path)
         _assert_ran_as_planned(tmp_path, schedule)
@@ -103,7 +90,7 @@ def test_delayed_update_with_clipping_matches_its_single_process_spelling(tmp_pa
     daemons = [LocalDaemon(tmp_path / f"d{i}") for i in range(2)]
     try:
         addresses = ",".join(d.address for d in daemons)
-        result = _torchrun(tmp_path, "--daemons", addresses, "--staleness", "1", "--max-grad-norm", "0.35")
+        result = torchrun(tmp_path, "--daemons", addresses, "--staleness", "1", "--max-grad-norm", "0.35")
         assert result.returncode == 0, result.stderr[-4000:]
         _assert_close(tmp_path, staleness=1, max_grad_norm=0.35)
     finally:
@@ -117,20 +104,20 @@ def _reference_half(dtype: torch.dtype, *, overflow_at: int | None = None) -> tu
     with GradScaler's rules (scaled loss, a step with an inf or NaN gradient skipped, the
     scale halved), with an inf put into the gradients at `overflow_at`. Returns the
     parameters and what the loss scaler did."""
-    model = torch.nn.Sequential(*(layer.to(dtype) for layer in worker.layers()))
+    model = torch.nn.Sequential(*(layer.to(dtype) for layer in pipeline_mlp.layers()))
     params = list(model.parameters())
     masters = [p.detach().float().clone() for p in params]
     opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
     scaled = dtype == torch.float16
     scale, skipped, updates = 2.0**16 if scaled else 1.0, 0, 0
-    for step, (x, y) in enumerate(worker.batches(STEPS)):
+    for step, (x, y) in enumerate(pipeline_mlp.batches(STEPS)):
         # As the job accumulates: each replica sums its micro-batches' gradients in `dtype`,
         # the replicas' sums are added (the all-reduce), and the total divided by dp x m.
         sums = []
         for replica_x, replica_y in zip(x.chunk(DP), y.chunk(DP), strict=True):
             model.zero_grad()
             for mx, my in zip(replica_x.chunk(MICROBATCHES), replica_y.chunk(MICROBATCHES), strict=True):
-                loss = worker.loss_fn(model(mx.to(dtype)), my)
+                loss = pipeline_mlp.loss_fn(model(mx.to(dtype)), my)
                 (loss * torch.tensor(scale, dtype=torch.float32)).backward()
             sums.append([p.grad.clone() for p in params])
         for p, *parts in zip(params, *sums, strict=True):
@@ -163,7 +150,7 @@ def test_half_precision_stages_over_daemons_match_mixed_precision_in_one_process
     try:
         addresses = ",".join(d.address for d in daemons)
         overflow = ["--overflow", "3@2"] if dtype == "float16" else []
-        result = _torchrun(tmp_path, "--daemons", addresses, "--dtype", dtype, *overflow)
+        result = torchrun(tmp_path, "--daemons", addresses, "--dtype", dtype, *overflow)
         assert result.returncode == 0, result.stderr[-4000:]
         got = {**torch.load(tmp_path / "stage0.pt"), **torch.load(tmp_path / "stage1.pt")}
         reference, scaler = _reference_half(getattr(torch, dtype), overflow_at=2 if overflow else None)
@@ -181,7 +168,7 @@ def test_half_precision_stages_over_daemons_match_mixed_precision_in_one_process
 
 @pytest.mark.slow
 def test_in_process_optimizer_path_matches_too(tmp_path):
-    result = _torchrun(tmp_path, "--schedule", "1f1b")
+    result = torchrun(tmp_path, "--schedule", "1f1b")
     assert result.returncode == 0, result.stderr[-4000:]
     _assert_close(tmp_path)
 
@@ -191,7 +178,7 @@ def test_a_rank_that_dies_mid_run_fails_the_job_with_its_name_instead_of_hanging
     daemons = [LocalDaemon(tmp_path / f"d{i}") for i in range(2)]
     try:
         started = time.monotonic()
-        result = _torchrun(tmp_path, "--daemons", ",".join(d.address for d in daemons), "--die", "3@2")
+        result = torchrun(tmp_path, "--daemons", ",".join(d.address for d in daemons), "--die", "3@2")
         elapsed = time.monotonic() - started
         assert result.returncode != 0
         assert "exitcode  : 17" in result.stderr and "rank      : 3" in result.stderr, result.stderr[-3000:]
@@ -207,14 +194,14 @@ def test_onebit_compressed_all_reduce_keeps_replicas_identical_and_the_update_on
     """1-bit all-reduce with error feedback after 2 plain steps (in-process AdamW, which
     would let replicas drift apart if their reduced gradients differed in one bit): each
     replica saves its stage, and the parameters move as the exact run's do, not equal."""
-    result = _torchrun(tmp_path, "--dp-compression", "onebit", "--compression-warmup-steps", "2", "--save-replicas")
+    result = torchrun(tmp_path, "--dp-compression", "onebit", "--compression-warmup-steps", "2", "--save-replicas")
     assert result.returncode == 0, result.stderr[-4000:]
     replicas = [{**torch.load(tmp_path / f"stage0.replica{r}.pt"), **torch.load(tmp_path / f"stage1.replica{r}.pt")}
                 for r in range(DP)]  # fmt: skip
     assert sorted(replicas[0]) == sorted(replicas[1])
     for name, value in replicas[0].items():
         assert torch.equal(value, replicas[1][name]), name
-    initial = torch.nn.Sequential(*worker.layers()).state_dict()
+    initial = torch.nn.Sequential(*pipeline_mlp.layers()).state_dict()
     reference = _reference()
     for name, exact in reference.items():
         got, start = replicas[0][name], initial[name]

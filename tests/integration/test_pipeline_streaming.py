@@ -19,16 +19,16 @@ import pytest
 import torch
 
 from ps_offload.daemon.local import LocalDaemon
-from tests.integration import pp_dp_worker as worker
-from tests.integration.test_pipeline_dp import DP, MICROBATCHES, STEPS, _torchrun
+from tests.helpers import pipeline_mlp
+from tests.helpers.pipeline_mlp import DP, MICROBATCHES, STEPS, torchrun
 
 
 def _reference_streamed(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    model = torch.nn.Sequential(*(layer.to(dtype) for layer in worker.layers()))
+    model = torch.nn.Sequential(*(layer.to(dtype) for layer in pipeline_mlp.layers()))
     params = list(model.parameters())
     masters = [p.detach().float().clone() for p in params]
     opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
-    for x, y in worker.batches(STEPS):
+    for x, y in pipeline_mlp.batches(STEPS):
         replicas = [
             list(zip(rx.chunk(MICROBATCHES), ry.chunk(MICROBATCHES), strict=True))
             for rx, ry in zip(x.chunk(DP), y.chunk(DP), strict=True)
@@ -39,7 +39,7 @@ def _reference_streamed(dtype: torch.dtype) -> dict[str, torch.Tensor]:
             for micro_batches in replicas:
                 mx, my = micro_batches[k]
                 model.zero_grad(set_to_none=True)
-                worker.loss_fn(model(mx.to(dtype)), my).backward()
+                pipeline_mlp.loss_fn(model(mx.to(dtype)), my).backward()
                 grads = [p.grad.clone() for p in params]
                 reduced = grads if reduced is None else [a + b for a, b in zip(reduced, grads, strict=True)]
             for i, g in enumerate(reduced):
@@ -60,7 +60,7 @@ def test_streamed_stages_with_replicas_match_single_process_bit_for_bit(tmp_path
     daemons = [LocalDaemon(tmp_path / f"d{i}") for i in range(2)]
     try:
         addresses = ",".join(d.address for d in daemons)
-        result = _torchrun(
+        result = torchrun(
             tmp_path, "--daemons", addresses, "--stream", "--dtype", dtype, "--schedule", schedule, "--save-replicas"
         )
         assert result.returncode == 0, result.stderr[-4000:]
@@ -99,7 +99,7 @@ def test_a_daemon_killed_before_the_apply_fails_the_step_on_every_rank_and_the_r
     out.mkdir()
     try:
         spec = f"2@{killed.process.pid}@{killed.port}@{nvme}"
-        result = _torchrun(
+        result = torchrun(
             out, "--daemons", f"{kept.address},{killed.address}", "--stream", "--kill-daemon", spec, "--save-replicas"
         )
         assert result.returncode == 0, result.stderr[-4000:]

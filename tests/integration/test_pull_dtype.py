@@ -23,7 +23,7 @@ from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.local_client import LocalClient
 from ps_offload.trainer.wire.sharded_client import ShardedClient
-from tests.ps_daemon.store.test_pull_rounding import edge_values
+from tests.helpers.rounding_edges import edge_values
 
 SHARD_BYTES = 4096  # 1024 elements: parameters of 1000 and 4097 make shards 1024 x 4 and 1001
 SIZES = (1000, 4097)

@@ -1,5 +1,5 @@
 """The forward after `step()` never reads a parameter before its pull has landed, however the
-model reads it (trainer/optimizer/forward_waits.py): `nn.MultiheadAttention` reads
+model reads it (trainer/offload/forward_waits.py): `nn.MultiheadAttention` reads
 `out_proj.weight` without calling `out_proj`, and a module may read a child's weight itself in
 eval only (an inference fast path). One shard's pull is slowed down (the transports' pull held
 back 0.3 s: the daemon is real); the run still ends bit for bit where torch.optim.AdamW ends,

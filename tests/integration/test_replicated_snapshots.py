@@ -6,10 +6,14 @@ and training resumed there ends bit for bit where torch.optim.AdamW(fused=True) 
 
 from __future__ import annotations
 
-from tests.integration.test_persistence import _assert_equal, _loss, _reference
-from tests.integration.test_persistence import _case as persistence_case
-from tests.integration.test_replication import _lose_for_good, _nvme_daemons, _offload, _replicas
-from tests.ps_admin.test_cli import admin_json, run_admin
+from tests.helpers.admin_cli import admin_json, run_admin
+from tests.helpers.persistence_run import (
+    assert_same_parameters,
+    classifier_case,
+    classifier_loss,
+    fused_adamw_reference,
+)
+from tests.helpers.replication import lose_for_good, nvme_daemons, offload_replicated, replicas_report
 
 STEPS, LOST_AT, CUT = 10, 2, 5
 
@@ -17,21 +21,21 @@ STEPS, LOST_AT, CUT = 10, 2, 5
 def _train(opt, model, batches) -> None:
     for batch in batches:
         opt.zero_grad()
-        _loss(model, batch).backward()
+        classifier_loss(model, batch).backward()
         opt.step()
 
 
 def test_a_snapshot_with_a_holder_lost_is_taken_exported_and_restored_onto_replicas(daemon_factory, tmp_path):
-    model, batches = persistence_case()
+    model, batches = classifier_case()
     batches = batches[:STEPS]
-    reference = _reference(model, batches)
-    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
-    with _offload(model, daemons) as opt:
+    reference = fused_adamw_reference(model, batches)
+    daemons, dirs = nvme_daemons(daemon_factory, tmp_path)
+    with offload_replicated(model, daemons) as opt:
         _train(opt, model, batches[:LOST_AT])
-        _lose_for_good(daemons[1], dirs[1])
+        lose_for_good(daemons[1], dirs[1])
         _train(opt, model, batches[LOST_AT:CUT])
         opt.synchronize()
-        assert set(opt.client.lost) == {1}
+        assert set(opt.client.holders.lost) == {1}
         taken = admin_json("snapshot", "take", "model", "cut", "--daemon", daemons[0].address)
         by_daemon = {r["daemon"]: r for r in taken}
         assert by_daemon[daemons[1].address]["missing"] and not by_daemon[daemons[1].address]["complete"]
@@ -42,7 +46,7 @@ def test_a_snapshot_with_a_holder_lost_is_taken_exported_and_restored_onto_repli
         assert listed.returncode == 0 and "not on this holder" in listed.stdout, listed.stderr
         _train(opt, model, batches[CUT:])  # the run goes on past the cut
         opt.synchronize()
-    _assert_equal(model, reference)
+    assert_same_parameters(model, reference)
 
     exported = admin_json("snapshot", "export", "model", "cut", "--out", str(tmp_path / "export"),
                           "--daemon", daemons[0].address)  # fmt: skip
@@ -53,26 +57,26 @@ def test_a_snapshot_with_a_holder_lost_is_taken_exported_and_restored_onto_repli
         addresses = [flag for d in targets for flag in ("--to", d.address)]
         restored = admin_json("snapshot", "restore", "model", "cut", *addresses, *source)
         assert restored["step"] == CUT
-        report = _replicas(targets[0].address)  # every replica written, at one version
+        report = replicas_report(targets[0].address)  # every replica written, at one version
         assert report["degraded"] == 0 and all(h["version"] == CUT for r in report["shards"] for h in r["holders"])
-        resumed, _ = persistence_case()
-        with _offload(resumed, targets) as opt:
+        resumed, _ = classifier_case()
+        with offload_replicated(resumed, targets) as opt:
             assert opt.step_count == CUT
             _train(opt, resumed, batches[CUT:])
             opt.synchronize()
-        _assert_equal(resumed, reference)
+        assert_same_parameters(resumed, reference)
 
 
 def test_a_snapshot_no_live_holder_of_a_shard_can_take_is_refused_and_left_nowhere(daemon_factory, tmp_path):
     """Two of three daemons gone: some shards have no holder left, so the take fails naming them,
     and the holder that took its part deletes it again (all or none)."""
-    model, batches = persistence_case()
-    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
-    with _offload(model, daemons) as opt:
+    model, batches = classifier_case()
+    daemons, dirs = nvme_daemons(daemon_factory, tmp_path)
+    with offload_replicated(model, daemons) as opt:
         _train(opt, model, batches[:2])
         opt.synchronize()
     for index in (1, 2):
-        _lose_for_good(daemons[index], dirs[index])
+        lose_for_good(daemons[index], dirs[index])
     flags = [flag for d in daemons for flag in ("--daemon", d.address)]
     refused = run_admin("snapshot", "take", "model", "cut", *flags)
     assert refused.returncode == 1 and "no holder of shards" in refused.stderr, refused.stderr

@@ -16,48 +16,36 @@ import threading
 
 import pytest
 
-from ps_offload import trainer
-from tests.integration.test_metrics import _daemon_with_metrics, _scrape
-from tests.integration.test_persistence import _assert_equal, _loss, _reference
-from tests.integration.test_persistence import _case as persistence_case
+from tests.helpers.metrics import daemon_with_metrics, scrape_metrics
+from tests.helpers.persistence_run import (
+    assert_same_parameters,
+    classifier_case,
+    classifier_loss,
+    fused_adamw_reference,
+)
+from tests.helpers.replication import lose_for_good, nvme_daemons, offload_replicated, replicas_report
 
 STEPS, KILL_AT = 12, 5
-DEAD_PEER_SECONDS = 2.0
 
 
 def _case():
-    model, batches = persistence_case()
+    model, batches = classifier_case()
     return model, batches[:STEPS]
-
-
-def _nvme_daemons(daemon_factory, tmp_path, n=3):
-    dirs = [tmp_path / f"nvme{i}" for i in range(n)]
-    return [daemon_factory("--nvme-dir", str(d), "--create-nvme-dir") for d in dirs], dirs
 
 
 def _replica_metrics(port: int) -> tuple[float, float]:
     """Daemon metrics: (holders reported lost, shards held there a replica short) of "model"."""
-    samples = _scrape(port)
+    samples = scrape_metrics(port)
     labels = (("model", "model"),)
     return samples[("ps_replica_lost_holders", labels)], samples[("ps_replica_degraded_shards", labels)]
-
-
-def _offload(model, daemons, **client):
-    return trainer.offload(
-        model,
-        daemons=[d.address for d in daemons],
-        optimizer=trainer.AdamW(lr=1e-2, weight_decay=0.1),
-        config=trainer.OffloadConfig(shard_bytes=4096, replicas=2),
-        client=trainer.ClientConfig(dead_peer_seconds=DEAD_PEER_SECONDS, **client),
-    )
 
 
 @pytest.mark.parametrize("transport", ["local", "tcp"], ids=["local", "data-plane"])
 def test_a_daemon_lost_for_good_mid_training_loses_nothing(daemon_factory, tmp_path, caplog, transport):
     model, batches = _case()
-    reference = _reference(model, batches)
-    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
-    with _offload(model, daemons, transport=transport) as opt:
+    reference = fused_adamw_reference(model, batches)
+    daemons, dirs = nvme_daemons(daemon_factory, tmp_path)
+    with offload_replicated(model, daemons, transport=transport) as opt:
         assert len(opt.plan) >= 6
         assert all(len(set(s.holders)) == 2 for s in opt.plan)
         assert {i for s in opt.plan for i in s.holders} == {0, 1, 2}
@@ -68,16 +56,16 @@ def test_a_daemon_lost_for_good_mid_training_loses_nothing(daemon_factory, tmp_p
                 daemons[1].process.wait(timeout=30)
                 shutil.rmtree(dirs[1])
             opt.zero_grad()
-            _loss(model, batch).backward()
+            classifier_loss(model, batch).backward()
             with caplog.at_level(logging.WARNING, logger="ps_offload.trainer.wire.sharded_client"):
                 opt.step()
         opt.synchronize()
-        assert set(opt.client.lost) == {1}
+        assert set(opt.client.holders.lost) == {1}
         if transport == "local":  # an export needs one live holder of each shard
             _export_equals(model, daemons[0].address, tmp_path / "export.safetensors")
     lost = [r.getMessage() for r in caplog.records if "is lost" in r.getMessage()]
     assert len(lost) == 1 and daemons[1].address in lost[0], lost
-    _assert_equal(model, reference)
+    assert_same_parameters(model, reference)
 
 
 def test_a_replacement_catches_up_while_training_runs_then_a_second_loss_is_survived(daemon_factory, tmp_path, caplog):
@@ -85,44 +73,44 @@ def test_a_replacement_catches_up_while_training_runs_then_a_second_loss_is_surv
     directory) takes its place and is caught up between two steps; then daemon 2 is lost for
     good too, and training still ends bit for bit where torch's ends."""
     steps = 16
-    model, batches = persistence_case()
+    model, batches = classifier_case()
     batches = batches[:steps]
-    reference = _reference(model, batches)
+    reference = fused_adamw_reference(model, batches)
     # Daemon 0 serves metrics: what an operator's dashboard reads of the degraded shards.
     dirs = [tmp_path / f"nvme{i}" for i in range(3)]
-    first, metrics = _daemon_with_metrics(daemon_factory, tmp_path, "--nvme-dir", str(dirs[0]), "--create-nvme-dir")
+    first, metrics = daemon_with_metrics(daemon_factory, tmp_path, "--nvme-dir", str(dirs[0]), "--create-nvme-dir")
     daemons = [first, *(daemon_factory("--nvme-dir", str(d), "--create-nvme-dir") for d in dirs[1:])]
-    with _offload(model, daemons) as opt, caplog.at_level(logging.WARNING):
+    with offload_replicated(model, daemons) as opt, caplog.at_level(logging.WARNING):
         assert _replica_metrics(metrics) == (0, 0)
         for step, batch in enumerate(batches):
             if step == 3:
-                _lose_for_good(daemons[1], dirs[1])
+                lose_for_good(daemons[1], dirs[1])
             if step == 6:
-                assert set(opt.client.lost) == {1}
+                assert set(opt.client.holders.lost) == {1}
                 short_here = [s for s in opt.plan if set(s.holders) == {0, 1}]
                 assert short_here and _replica_metrics(metrics) == (1, len(short_here))
-                report = _replicas(daemons[0].address)  # the operator's view: from the daemons
+                report = replicas_report(daemons[0].address)  # the operator's view: from the daemons
                 short = {s.shard_id for s in opt.plan if 1 in s.holders}
                 assert report["degraded"] == len(short) > 0 and daemons[1].address in report["unreachable"]
                 assert {r["shard_id"] for r in report["shards"] if r["degraded"]} == short
                 replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
                 opt.replace_daemon(daemons[1].address, replacement.address)
             if step == 7:
-                assert not opt.client.lost  # caught up before step 6's pushes
+                assert not opt.client.holders.lost  # caught up before step 6's pushes
                 assert _replica_metrics(metrics) == (0, 0)  # step 6's pushes said so
-                report = _replicas(daemons[0].address)  # the replacement's address is in the spec now
+                report = replicas_report(daemons[0].address)  # the replacement's address is in the spec now
                 assert report["degraded"] == 0 and not report["unreachable"], report
             if step == 10:
-                _lose_for_good(daemons[2], dirs[2])
+                lose_for_good(daemons[2], dirs[2])
             opt.zero_grad()
-            _loss(model, batch).backward()
+            classifier_loss(model, batch).backward()
             opt.step()
         opt.synchronize()
-        assert set(opt.client.lost) == {2}
+        assert set(opt.client.holders.lost) == {2}
         assert opt.client.daemons[1] == replacement.address
     said = [r.getMessage() for r in caplog.records]
     assert any("repaired" in m and replacement.address in m for m in said), said
-    _assert_equal(model, reference)
+    assert_same_parameters(model, reference)
 
 
 def _export_equals(model, daemon: str, out) -> None:
@@ -142,39 +130,17 @@ def _export_equals(model, daemon: str, out) -> None:
         assert exported[name].equal(p.detach()), name
 
 
-def _replicas(*daemons: str) -> dict:
-    """`ps-admin replicas model --json` as an operator runs it (exit 1: some shard degraded)."""
-    import json
-    import subprocess
-    import sys
-
-    flags = [flag for address in daemons for flag in ("--daemon", address)]
-    done = subprocess.run(
-        [sys.executable, "-m", "ps_offload.admin", "replicas", "model", *flags, "--json"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    report = json.loads(done.stdout)
-    assert done.returncode == (1 if report["degraded"] else 0), done.stderr
-    return report
-
-
-def _lose_for_good(daemon, directory):
-    daemon.process.send_signal(signal.SIGKILL)
-    daemon.process.wait(timeout=30)
-    shutil.rmtree(directory)
-
-
 def test_every_replica_of_a_shard_on_its_daemons_holds_the_same_bits(daemon_factory, tmp_path):
     """After training, each shard's master and AdamW state are equal on both holders."""
     from ps_offload.proto import ps_pb2
     from ps_offload.proto.pull import Pull
 
     model, batches = _case()
-    daemons, _ = _nvme_daemons(daemon_factory, tmp_path)
-    with _offload(model, daemons) as opt:
+    daemons, _ = nvme_daemons(daemon_factory, tmp_path)
+    with offload_replicated(model, daemons) as opt:
         for batch in batches[:4]:
             opt.zero_grad()
-            _loss(model, batch).backward()
+            classifier_loss(model, batch).backward()
             opt.step()
         opt.synchronize()
         client = opt.client
@@ -194,10 +160,10 @@ def test_every_replica_of_a_shard_on_its_daemons_holds_the_same_bits(daemon_fact
 
 def test_both_holders_of_a_shard_lost_is_said_not_trained_past(daemon_factory, tmp_path):
     model, batches = _case()
-    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
-    with _offload(model, daemons, retry_seconds=5.0) as opt:
+    daemons, dirs = nvme_daemons(daemon_factory, tmp_path)
+    with offload_replicated(model, daemons, retry_seconds=5.0) as opt:
         opt.zero_grad()
-        _loss(model, batches[0]).backward()
+        classifier_loss(model, batches[0]).backward()
         opt.step()
         for index in (0, 1):  # shards with holders (0, 1) are gone
             daemons[index].process.send_signal(signal.SIGKILL)
@@ -206,7 +172,7 @@ def test_both_holders_of_a_shard_lost_is_said_not_trained_past(daemon_factory, t
         # with the step, whichever meets it first.
         with pytest.raises(RuntimeError, match="every daemon holding shard .* is lost.*snapshot"):
             opt.zero_grad()
-            _loss(model, batches[1]).backward()
+            classifier_loss(model, batches[1]).backward()
             opt.step()
 
 
@@ -218,19 +184,19 @@ def test_a_lost_daemon_back_with_its_old_state_stays_out_until_its_copy_is_dropp
     import sys
 
     model, batches = _case()
-    reference = _reference(model, batches)
-    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
+    reference = fused_adamw_reference(model, batches)
+    daemons, dirs = nvme_daemons(daemon_factory, tmp_path)
     port = daemons[1].port
-    with _offload(model, daemons) as opt, caplog.at_level(logging.WARNING):
+    with offload_replicated(model, daemons) as opt, caplog.at_level(logging.WARNING):
         for step, batch in enumerate(batches):
             if step == 2:
                 daemons[1].process.send_signal(signal.SIGKILL)
                 daemons[1].process.wait(timeout=30)
             if step == 4:  # back from its disk, at step 2's state
                 daemons[1] = daemon_factory("--nvme-dir", str(dirs[1]), "--listen", f"127.0.0.1:{port}")
-                opt.client.probe.expect(1)  # up again: asked at the next step, not in the background
+                opt.client.holders.probe.expect(1)  # up again: asked at the next step, not in the background
             if step == 6:
-                assert 1 in opt.client.lost
+                assert 1 in opt.client.holders.lost
                 said = [r.getMessage() for r in caplog.records]
                 drop = f"ps-admin drop model --partial --daemon {daemons[1].address}"
                 assert any("some steps behind" in m and drop in m for m in said), said
@@ -239,14 +205,14 @@ def test_a_lost_daemon_back_with_its_old_state_stays_out_until_its_copy_is_dropp
                     capture_output=True, text=True, timeout=120,
                 )  # fmt: skip
                 assert dropped.returncode == 0, dropped.stderr
-                opt.client.probe.expect(1)
+                opt.client.holders.probe.expect(1)
             if step == 7:
-                assert not opt.client.lost  # repaired before step 6's pushes
+                assert not opt.client.holders.lost  # repaired before step 6's pushes
             opt.zero_grad()
-            _loss(model, batch).backward()
+            classifier_loss(model, batch).backward()
             opt.step()
         opt.synchronize()
-    _assert_equal(model, reference)
+    assert_same_parameters(model, reference)
 
 
 def test_a_partitioned_replica_is_survived_and_kept_out_when_the_network_heals(daemon_factory, tmp_path, caplog):
@@ -261,7 +227,7 @@ def test_a_partitioned_replica_is_survived_and_kept_out_when_the_network_heals(d
     if why_not:
         pytest.skip(why_not)
     model, batches = _case()
-    reference = _reference(model, batches)
+    reference = fused_adamw_reference(model, batches)
     with netns.namespace() as ns:
         remote = LocalDaemon(
             tmp_path / "remote", "--nvme-dir", str(tmp_path / "nvme-remote"), "--create-nvme-dir", "--insecure",
@@ -270,10 +236,10 @@ def test_a_partitioned_replica_is_survived_and_kept_out_when_the_network_heals(d
         try:
             local = [daemon_factory("--nvme-dir", str(tmp_path / f"nvme{i}"), "--create-nvme-dir") for i in (0, 2)]
             daemons = [local[0], remote, local[1]]
-            with _offload(model, daemons) as opt, caplog.at_level(logging.WARNING):
+            with offload_replicated(model, daemons) as opt, caplog.at_level(logging.WARNING):
                 for step, batch in enumerate(batches):
                     opt.zero_grad()
-                    _loss(model, batch).backward()
+                    classifier_loss(model, batch).backward()
                     if step == 4:
                         # Cut off while this step's pushes are under way (from another thread).
                         cut = threading.Timer(0.01, ns.partition)
@@ -281,16 +247,16 @@ def test_a_partitioned_replica_is_survived_and_kept_out_when_the_network_heals(d
                     opt.step()
                     if step == 8:
                         ns.heal()
-                        opt.client.probe.expect(1)
+                        opt.client.holders.probe.expect(1)
                 opt.synchronize()
-                assert set(opt.client.lost) == {1}
+                assert set(opt.client.holders.lost) == {1}
             said = [r.getMessage() for r in caplog.records]
             assert any("is lost" in m and remote.address in m for m in said), said
             assert any("some steps behind" in m and remote.address in m for m in said), said
         finally:
             ns.heal()
             remote.kill()
-    _assert_equal(model, reference)
+    assert_same_parameters(model, reference)
 
 
 def test_a_replacement_written_into_the_cluster_file_is_taken_up(daemon_factory, tmp_path, monkeypatch):
@@ -298,8 +264,8 @@ def test_a_replacement_written_into_the_cluster_file_is_taken_up(daemon_factory,
     rewrites the lost daemon's entry to its replacement's address, and the trainer takes it
     up and repairs it between two steps, with no call in the training script."""
     model, batches = _case()
-    reference = _reference(model, batches)
-    daemons, dirs = _nvme_daemons(daemon_factory, tmp_path)
+    reference = fused_adamw_reference(model, batches)
+    daemons, dirs = nvme_daemons(daemon_factory, tmp_path)
     cluster = tmp_path / "cluster.toml"
 
     def write(addresses):
@@ -308,18 +274,18 @@ def test_a_replacement_written_into_the_cluster_file_is_taken_up(daemon_factory,
     write([d.address for d in daemons])
     monkeypatch.setenv("PS_CLUSTER_FILE", str(cluster))
     monkeypatch.delenv("PS_DAEMONS", raising=False)
-    with _offload(model, daemons) as opt:
+    with offload_replicated(model, daemons) as opt:
         for step, batch in enumerate(batches):
             if step == 3:
-                _lose_for_good(daemons[1], dirs[1])
+                lose_for_good(daemons[1], dirs[1])
             if step == 6:
-                assert set(opt.client.lost) == {1}
+                assert set(opt.client.holders.lost) == {1}
                 replacement = daemon_factory("--nvme-dir", str(tmp_path / "nvme-new"), "--create-nvme-dir")
                 write([daemons[0].address, replacement.address, daemons[2].address])
             if step == 7:
-                assert not opt.client.lost and opt.client.daemons[1] == replacement.address
+                assert not opt.client.holders.lost and opt.client.daemons[1] == replacement.address
             opt.zero_grad()
-            _loss(model, batch).backward()
+            classifier_loss(model, batch).backward()
             opt.step()
         opt.synchronize()
-    _assert_equal(model, reference)
+    assert_same_parameters(model, reference)

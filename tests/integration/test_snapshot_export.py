@@ -16,17 +16,17 @@ import torch
 from safetensors.torch import load_file
 
 from ps_offload import trainer
-from tests.integration.test_snapshots import (
+from tests.helpers.admin_cli import admin_json, run_admin
+from tests.helpers.snapshots import (
     CUT,
-    _batches,
-    _daemon_args,
-    _model,
-    _nvme_daemon,
-    _offload,
-    _step,
+    daemon_args,
+    fresh_mlp,
+    nvme_daemon,
+    offload_mlp,
     resumes_as_uninterrupted,
+    teacher_batches,
+    train_step,
 )
-from tests.ps_admin.test_cli import admin_json, run_admin
 
 OPTIMIZERS = {
     "adamw": (lambda: trainer.AdamW(lr=1e-2, weight_decay=0.1), ["master", "exp_avg", "exp_avg_sq"]),
@@ -39,26 +39,26 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("which", OPTIMIZERS)
 def test_a_node_lost_with_its_disk_resumes_from_the_export_bit_for_bit(tmp_path, which):
     optimizer, tensors = OPTIMIZERS[which]
-    batches = _batches()
-    sources = [_nvme_daemon(tmp_path, f"src{i}") for i in range(2)]
+    batches = teacher_batches()
+    sources = [nvme_daemon(tmp_path, f"src{i}") for i in range(2)]
     targets = []
     shared = tmp_path / "shared" / "cut"  # another host's storage
     try:
-        model = _model()
-        with _offload(model, [d.address for d in sources], 4096, optimizer) as opt:  # 2 daemons, 4 shards
+        model = fresh_mlp()
+        with offload_mlp(model, [d.address for d in sources], 4096, optimizer) as opt:  # 2 daemons, 4 shards
             for batch in batches[:CUT]:
-                _step(opt, model, batch)
+                train_step(opt, model, batch)
             opt.synchronize()
             at_cut = {name: p.detach().clone() for name, p in model.named_parameters()}
-            admin_json("snapshot", "take", "model", "cut", *_daemon_args(sources[0]))
+            admin_json("snapshot", "take", "model", "cut", *daemon_args(sources[0]))
             exported = admin_json(
                 "snapshot", "export", "model", "cut", "--out", str(shared), "--part-bytes", "16384",
-                *_daemon_args(sources[0]),
+                *daemon_args(sources[0]),
             )  # fmt: skip
             assert (exported["step"], exported["parts_written"]) == (CUT, exported["parts"])
             assert exported["parts"] >= 2 and exported["files"] == exported["parts"] * len(tensors)
             for batch in batches[CUT:]:  # the run goes on past the snapshot
-                _step(opt, model, batch)
+                train_step(opt, model, batch)
             opt.synchronize()
         uninterrupted = copy.deepcopy(model)
 
@@ -74,7 +74,7 @@ def test_a_node_lost_with_its_disk_resumes_from_the_export_bit_for_bit(tmp_path,
         # The node of daemon 1 is lost: the process killed, its disk gone.
         sources[1].kill()
         shutil.rmtree(sources[1].workdir / "nvme")
-        targets.append(_nvme_daemon(tmp_path, "dst"))
+        targets.append(nvme_daemon(tmp_path, "dst"))
         restored = admin_json(
             "snapshot", "restore", "model", "cut", "--from", str(shared), "--to", targets[0].address,
             "--shard-bytes", "8192",
@@ -90,17 +90,17 @@ def test_sgd_with_momentum_restores_from_its_daemons_too(tmp_path):
     """The daemon-to-daemon restore refused SGD with momentum ("whose buffer a restore cannot
     carry yet"); its buffer now travels as the snapshot's state."""
     optimizer, _ = OPTIMIZERS["sgd-momentum"]
-    batches = _batches()
-    source, target = _nvme_daemon(tmp_path, "src"), _nvme_daemon(tmp_path, "dst")
+    batches = teacher_batches()
+    source, target = nvme_daemon(tmp_path, "src"), nvme_daemon(tmp_path, "dst")
     try:
-        model = _model()
-        with _offload(model, [source.address], 4096, optimizer) as opt:
+        model = fresh_mlp()
+        with offload_mlp(model, [source.address], 4096, optimizer) as opt:
             for batch in batches[:CUT]:
-                _step(opt, model, batch)
+                train_step(opt, model, batch)
             opt.synchronize()
             admin_json("snapshot", "take", "model", "cut", "--daemon", source.address)
             for batch in batches[CUT:]:
-                _step(opt, model, batch)
+                train_step(opt, model, batch)
             opt.synchronize()
         admin_json("snapshot", "restore", "model", "cut", "--to", target.address, "--daemon", source.address)
         resumes_as_uninterrupted(target.address, 4096, batches, copy.deepcopy(model), optimizer)
@@ -111,12 +111,12 @@ def test_sgd_with_momentum_restores_from_its_daemons_too(tmp_path):
 
 def test_an_interrupted_export_resumes_and_a_damaged_one_restores_nothing(tmp_path):
     optimizer, _ = OPTIMIZERS["adamw"]
-    source, target = _nvme_daemon(tmp_path, "src"), _nvme_daemon(tmp_path, "dst")
+    source, target = nvme_daemon(tmp_path, "src"), nvme_daemon(tmp_path, "dst")
     out = tmp_path / "export"
     try:
-        model = _model()
-        with _offload(model, [source.address], 4096, optimizer) as opt:
-            _step(opt, model, _batches()[0])
+        model = fresh_mlp()
+        with offload_mlp(model, [source.address], 4096, optimizer) as opt:
+            train_step(opt, model, teacher_batches()[0])
             opt.synchronize()
         admin_json("snapshot", "take", "model", "s", "--daemon", source.address)
         export = ["snapshot", "export", "model", "s", "--out", str(out), "--part-bytes", "16384"]

@@ -8,91 +8,45 @@ import copy
 import json
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.push import Push
-from ps_offload.trainer.debug_models import mlp
 from ps_offload.trainer.wire.daemon_client import DaemonClient
-from tests.integration.test_bad_input import _bytes, _spec
-from tests.ps_admin.test_cli import admin_json, run_admin
-
-STEPS = 8
-CUT = 4
-
-
-def _batches():
-    g = torch.Generator().manual_seed(1)
-    teacher = torch.randn(32, 10, generator=g)
-    inputs = [torch.randn(16, 32, generator=g) for _ in range(STEPS)]
-    return [(x, (x @ teacher).argmax(dim=1)) for x in inputs]
-
-
-def _model(seed: int = 0):
-    torch.manual_seed(seed)
-    return mlp((32, 64, 64, 10))  # 6,922 parameters
-
-
-def _adamw():
-    return trainer.AdamW(lr=1e-2, weight_decay=0.1)
-
-
-def _offload(model, daemons: list[str], shard_bytes: int, optimizer=_adamw):
-    return trainer.offload(
-        model, daemons=daemons, optimizer=optimizer(), config=trainer.OffloadConfig(shard_bytes=shard_bytes),
-        client=trainer.ClientConfig(retry_seconds=30.0, backoff_seconds=0.05),
-    )  # fmt: skip
-
-
-def resumes_as_uninterrupted(address: str, shard_bytes: int, batches, uninterrupted, optimizer=_adamw) -> None:
-    """A trainer started on a restored daemon resumes at the snapshot's step (CUT) and ends bit
-    for bit where the uninterrupted run did."""
-    resumed = _model(seed=7)  # other initial values: the restored ones replace them
-    with _offload(resumed, [address], shard_bytes, optimizer) as opt:
-        assert opt.step_count == CUT
-        for batch in batches[CUT:]:
-            _step(opt, resumed, batch)
-        opt.synchronize()
-    for (name, ours), theirs in zip(resumed.named_parameters(), uninterrupted.parameters(), strict=True):
-        assert torch.equal(ours, theirs), name
-
-
-def _step(opt, model, batch) -> None:
-    x, y = batch
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-
-
-def _nvme_daemon(tmp_path: Path, name: str) -> LocalDaemon:
-    return LocalDaemon(tmp_path / name, "--nvme-dir", str(tmp_path / name / "nvme"))
-
-
-def _daemon_args(*daemons: LocalDaemon) -> list[str]:
-    return [arg for d in daemons for arg in ("--daemon", d.address)]
+from tests.helpers.admin_cli import admin_json, run_admin
+from tests.helpers.payloads import tensor_bytes
+from tests.helpers.snapshots import (
+    CUT,
+    daemon_args,
+    fresh_mlp,
+    nvme_daemon,
+    offload_mlp,
+    resumes_as_uninterrupted,
+    teacher_batches,
+    train_step,
+)
+from tests.helpers.specs import sgd_spec
 
 
 def test_resumed_from_a_snapshot_on_another_cluster_equals_the_uninterrupted_run(tmp_path):
-    batches = _batches()
-    sources = [_nvme_daemon(tmp_path, f"src{i}") for i in range(2)]
+    batches = teacher_batches()
+    sources = [nvme_daemon(tmp_path, f"src{i}") for i in range(2)]
     targets: list[LocalDaemon] = []
     try:
-        model = _model()
-        with _offload(model, [d.address for d in sources], 4096) as opt:  # 2 daemons, 4 shards
+        model = fresh_mlp()
+        with offload_mlp(model, [d.address for d in sources], 4096) as opt:  # 2 daemons, 4 shards
             for batch in batches[:CUT]:
-                _step(opt, model, batch)
+                train_step(opt, model, batch)
             opt.synchronize()
-            taken = admin_json("snapshot", "take", "model", "cut", *_daemon_args(sources[0]))
+            taken = admin_json("snapshot", "take", "model", "cut", *daemon_args(sources[0]))
             assert [(r["step"], r["complete"]) for r in taken] == [(CUT, True), (CUT, True)]  # both daemons
             for batch in batches[CUT:]:  # the run goes on past the snapshot
-                _step(opt, model, batch)
+                train_step(opt, model, batch)
             opt.synchronize()
         uninterrupted = copy.deepcopy(model)
 
@@ -101,18 +55,18 @@ def test_resumed_from_a_snapshot_on_another_cluster_equals_the_uninterrupted_run
             assert daemon.stop() == 0
             sources[i] = LocalDaemon(daemon.workdir.with_name(f"src{i}b"), "--nvme-dir", str(daemon.workdir / "nvme"))
         # (new ports: both are named, as the spec's addresses are stale)
-        listed = admin_json("snapshot", "list", "model", *_daemon_args(*sources))
+        listed = admin_json("snapshot", "list", "model", *daemon_args(*sources))
         assert [(r["name"], r["step"], r["complete"], r["damaged"]) for r in listed] == [("cut", CUT, True, None)] * 2
 
         # Restored onto one other daemon, with shards twice as large (the plan re-cut).
-        targets.append(_nvme_daemon(tmp_path, "dst"))
+        targets.append(nvme_daemon(tmp_path, "dst"))
         restored = admin_json(
             "snapshot", "restore", "model", "cut", "--to", targets[0].address, "--shard-bytes", "8192",
-            *_daemon_args(*sources),
+            *daemon_args(*sources),
         )  # fmt: skip
         assert (restored["step"], restored["shards"], restored["shards_restored"]) == (CUT, 4, 4)
         again = admin_json("snapshot", "restore", "model", "cut", "--to", targets[0].address, "--shard-bytes",
-                           "8192", *_daemon_args(*sources))  # fmt: skip
+                           "8192", *daemon_args(*sources))  # fmt: skip
         assert again["shards_restored"] == 0  # run again: every shard holds it already
         resumes_as_uninterrupted(targets[0].address, 8192, batches, uninterrupted)
     finally:
@@ -121,13 +75,13 @@ def test_resumed_from_a_snapshot_on_another_cluster_equals_the_uninterrupted_run
 
 
 def test_taken_while_training_at_a_later_step_and_restored_onto_three_daemons(tmp_path):
-    batches = _batches()
-    source = _nvme_daemon(tmp_path, "src")
-    targets = [_nvme_daemon(tmp_path, f"dst{i}") for i in range(3)]
+    batches = teacher_batches()
+    source = nvme_daemon(tmp_path, "src")
+    targets = [nvme_daemon(tmp_path, f"dst{i}") for i in range(3)]
     try:
-        model = _model()
-        with _offload(model, [source.address], 4096) as opt:
-            _step(opt, model, batches[0])
+        model = fresh_mlp()
+        with offload_mlp(model, [source.address], 4096) as opt:
+            train_step(opt, model, batches[0])
             opt.synchronize()
             result = {}
             taking = threading.Thread(
@@ -150,7 +104,7 @@ def test_taken_while_training_at_a_later_step_and_restored_onto_three_daemons(tm
             _await_pending(source.address, "later")  # the trainer must not pass step 3 before it is asked
             at_three = None
             for i, batch in enumerate(batches[1:6], start=1):
-                _step(opt, model, batch)
+                train_step(opt, model, batch)
                 if i == 2:  # batches 0..2 applied: version 3
                     opt.synchronize()
                     at_three = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -202,9 +156,9 @@ def _await_pending(address: str, name: str) -> None:
 def test_a_ram_only_daemon_says_snapshots_need_the_nvme_tier(tmp_path):
     daemon = LocalDaemon(tmp_path / "d")
     try:
-        model = _model()
-        with _offload(model, [daemon.address], 4096) as opt:
-            _step(opt, model, _batches()[0])
+        model = fresh_mlp()
+        with offload_mlp(model, [daemon.address], 4096) as opt:
+            train_step(opt, model, teacher_batches()[0])
             opt.synchronize()
         refused = run_admin("snapshot", "take", "model", "s", "--daemon", daemon.address)
         assert refused.returncode == 1 and "no NVMe tier" in refused.stderr
@@ -215,25 +169,25 @@ def test_a_ram_only_daemon_says_snapshots_need_the_nvme_tier(tmp_path):
 def test_snapshots_pin_slots_and_deleting_gives_them_back(tmp_path):
     """While snapshots live, commits go on in the slots the file grew by; deleting them frees
     their slots for reuse (the file does not grow again for the next snapshot)."""
-    batches, count = _batches(), 2
-    daemon = _nvme_daemon(tmp_path, "d")
+    batches, count = teacher_batches(), 2
+    daemon = nvme_daemon(tmp_path, "d")
     arena = tmp_path / "d" / "nvme" / "model.arena"
     try:
-        model = _model()
-        with _offload(model, [daemon.address], 4096) as opt:
-            _step(opt, model, batches[0])
+        model = fresh_mlp()
+        with offload_mlp(model, [daemon.address], 4096) as opt:
+            train_step(opt, model, batches[0])
             opt.synchronize()
             before = arena.stat().st_size
             for i in range(count):
                 admin_json("snapshot", "take", "model", f"s{i}", "--daemon", daemon.address)
-                _step(opt, model, batches[1 + i])
+                train_step(opt, model, batches[1 + i])
                 opt.synchronize()
             grown = arena.stat().st_size
             assert grown > before
             for i in range(count):
                 admin_json("snapshot", "delete", "model", f"s{i}", "--daemon", daemon.address)
             for batch in batches[1 + count :]:
-                _step(opt, model, batch)
+                train_step(opt, model, batch)
             opt.synchronize()
             assert arena.stat().st_size == grown
             verified = run_admin("verify", "--daemon", daemon.address)
@@ -246,7 +200,7 @@ def test_bad_state_pushes_are_refused_and_change_nothing(tmp_path):
     daemon = LocalDaemon(tmp_path / "d")
     try:
         client = DaemonClient(daemon.address, max_message_bytes=8 << 20)
-        spec = _spec(model="m")
+        spec = sgd_spec(model="m")
         spec.optimizer.CopyFrom(ps_pb2.OptimizerSpec(adamw=ps_pb2.AdamWSpec(lr=0.01)))
         client.register(spec, 0, timeout=10)  # AdamW: master, exp_avg, exp_avg_sq
         n = 1024
@@ -254,7 +208,7 @@ def test_bad_state_pushes_are_refused_and_change_nothing(tmp_path):
         def state(*, v: float = 1.0, values: int = 3 * n, step: int = 5):
             data = torch.ones(values)
             data[2 * n :] = v
-            return client.push(Push.state("m", 0, _bytes(data), step=step), timeout=10)
+            return client.push(Push.state("m", 0, tensor_bytes(data), step=step), timeout=10)
 
         for call, code, words in (
             (
@@ -273,7 +227,7 @@ def test_bad_state_pushes_are_refused_and_change_nothing(tmp_path):
 
         assert state().applied and not state().applied  # applied, then a duplicate
         assert admin_json("shard", "0", "--model", "m", "--daemon", daemon.address)["version"] == 5
-        client.push(Push.gradient("m", 0, _bytes(torch.ones(n)), step=5), timeout=10)
+        client.push(Push.gradient("m", 0, tensor_bytes(torch.ones(n)), step=5), timeout=10)
         with pytest.raises(grpc.RpcError) as info:
             state(step=2)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "has had 6 updates" in info.value.details()
@@ -283,11 +237,11 @@ def test_bad_state_pushes_are_refused_and_change_nothing(tmp_path):
 
 
 def test_waiting_snapshots_are_bounded_and_a_caller_that_leaves_frees_its_thread(tmp_path):
-    daemon = _nvme_daemon(tmp_path, "d")
+    daemon = nvme_daemon(tmp_path, "d")
     try:
-        model = _model()
-        with _offload(model, [daemon.address], 4096) as opt:
-            _step(opt, model, _batches()[0])
+        model = fresh_mlp()
+        with offload_mlp(model, [daemon.address], 4096) as opt:
+            train_step(opt, model, teacher_batches()[0])
             opt.synchronize()
         with grpc.insecure_channel(daemon.address) as channel:
             stub = ps_pb2_grpc.AdminStub(channel)

@@ -15,8 +15,7 @@ import torch
 
 from ps_offload import trainer
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
-from tests.integration import test_mixed_precision as mixed
-from tests.integration.test_backward_push import _offload
+from tests.helpers import mixed_precision as mixed
 
 
 def _reference(model, batches, max_norm: float, lr_after_backward: dict[int, float]):
@@ -25,11 +24,13 @@ def _reference(model, batches, max_norm: float, lr_after_backward: dict[int, flo
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     by_id = {id(p): m for p, m in zip(params, masters, strict=True)}
-    groups = [{**g, "params": [by_id[id(p)] for p in g["params"]]} for g in mixed._groups(model.named_parameters())]
+    groups = [
+        {**g, "params": [by_id[id(p)] for p in g["params"]]} for g in mixed.param_groups(model.named_parameters())
+    ]
     opt = torch.optim.AdamW(groups, lr=mixed.LR, fused=True)
     for step, batch in enumerate(batches):
         model.zero_grad()
-        mixed._loss(model, batch).backward()
+        mixed.loss(model, batch).backward()
         total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0).float()
         for p, m in zip(params, masters, strict=True):
@@ -56,14 +57,14 @@ def _speculative(daemons) -> tuple[int, int]:
 def _train_unclipped(model, reference, batches, masters, daemons) -> int:
     """Trains with opt.clip_grad_norm_ at a norm never reached, checks the result is the
     reference's, and returns the number of shards."""
-    with _offload(model, daemons) as opt:
+    with mixed.offload_pushing_in_backward(model, daemons) as opt:
         for batch in batches:
             opt.zero_grad()
-            mixed._loss(model, batch).backward()
+            mixed.loss(model, batch).backward()
             opt.clip_grad_norm_(1e9)
             opt.step()
         opt.synchronize()
-        mixed._assert_same(model, reference, opt, masters)
+        mixed.assert_same(model, reference, opt, masters)
         return len(opt.plan)
 
 
@@ -76,23 +77,23 @@ def _train_unclipped(model, reference, batches, masters, daemons) -> int:
 def test_steps_computed_during_backward_are_torchs_whether_adopted_or_redone(
     dtype, max_norm, lr_moves, outcome, daemon_factory
 ):
-    model, batches = mixed._case(dtype)
+    model, batches = mixed.case(dtype)
     reference = copy.deepcopy(model)
     # On odd steps the user sets the lr between backward and step(): those parts were
     # computed with the old one, and must be redone.
     lr_after_backward = {s: mixed.LR * (1 + s) for s in range(1, len(batches), 2)} if lr_moves else {}
     masters = _reference(reference, batches, max_norm, lr_after_backward)
     daemons = [daemon_factory(), daemon_factory()]
-    with _offload(model, daemons) as opt:
+    with mixed.offload_pushing_in_backward(model, daemons) as opt:
         for step, batch in enumerate(batches):
             opt.zero_grad()
-            mixed._loss(model, batch).backward()
+            mixed.loss(model, batch).backward()
             opt.clip_grad_norm_(max_norm)
             for group in opt.param_groups:
                 group["lr"] = lr_after_backward.get(step, group["lr"])
             opt.step()
         opt.synchronize()
-        mixed._assert_same(model, reference, opt, masters)
+        mixed.assert_same(model, reference, opt, masters)
         steps = len(batches) * len(opt.plan)
     adopted, redone = _speculative(daemons)
     moved = len(lr_after_backward) * len(opt.plan)
@@ -103,7 +104,7 @@ def test_steps_computed_during_backward_are_torchs_whether_adopted_or_redone(
 def test_a_daemon_without_room_for_spares_applies_at_the_apply_with_the_same_result(daemon_factory, tmp_path):
     config = tmp_path / "no-spares.toml"
     config.write_text("[store]\nspeculation_bytes = 0\n")
-    model, batches = mixed._case(torch.float32)
+    model, batches = mixed.case(torch.float32)
     reference = copy.deepcopy(model)
     masters = _reference(reference, batches, 1e9, {})
     daemons = [daemon_factory(config=config)]
@@ -115,7 +116,7 @@ def test_on_nvme_a_shard_evicted_between_its_speculation_and_its_apply_adopts_it
     """A RAM tier of 16 KiB holds about one shard: each is evicted after its part is stepped
     ahead and read back from disk for the APPLY; its committed version is the pre-step state
     the speculation started from, so adopting it is still exact."""
-    model, batches = mixed._case(torch.bfloat16)
+    model, batches = mixed.case(torch.bfloat16)
     reference = copy.deepcopy(model)
     masters = _reference(reference, batches, 1e9, {})
     daemons = [daemon_factory("--nvme-dir", str(tmp_path / "nvme"), "--create-nvme-dir", "--ram-bytes", "16KiB")]
@@ -126,20 +127,20 @@ def test_on_nvme_a_shard_evicted_between_its_speculation_and_its_apply_adopts_it
 def test_a_loss_scale_overflow_redoes_nothing_and_skips_the_step(daemon_factory):
     """fp16: the parts are computed ahead with 1/scale; an overflow skips the step (no APPLY),
     the next step is pushed whole, and that discards what was computed ahead."""
-    model, batches = mixed._case(torch.float16)
+    model, batches = mixed.case(torch.float16)
     reference = copy.deepcopy(model)
     scaling = trainer.LossScaling(growth_interval=3)
-    masters, _, _ = mixed._train_reference(reference, batches, scaler=scaling, overflow_at=4)
+    masters, _, _ = mixed.train_reference(reference, batches, scaler=scaling, overflow_at=4)
     daemons = [daemon_factory()]
-    with _offload(model, daemons, loss_scaling=scaling) as opt:
+    with mixed.offload_pushing_in_backward(model, daemons, loss_scaling=scaling) as opt:
         for step, batch in enumerate(batches):
             opt.zero_grad()
-            opt.scale_loss(mixed._loss(model, batch)).backward()
+            opt.scale_loss(mixed.loss(model, batch)).backward()
             if step == 4:
                 opt.params[0].grad.view(-1)[3] = float("inf")
             opt.step()
         opt.synchronize()
-        mixed._assert_same(model, reference, opt, masters)
+        mixed.assert_same(model, reference, opt, masters)
         shards = len(opt.plan)
     adopted, redone = _speculative(daemons)
     # Step 4's parts were computed ahead and never applied; step 5 went whole (discarding

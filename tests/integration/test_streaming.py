@@ -16,11 +16,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ps_offload import trainer
-from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
-
-CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=3, n_head=2, n_embd=16)
-LR = 1e-2
-STEPS = 3
+from ps_offload.trainer.debug_models import TinyGPT
+from tests.helpers.streamed_gpt import CONFIG, LR, copy_init, gpt_batches, train_in_process
+from tests.helpers.training import no_decay
 
 
 class CheckpointedGPT(TinyGPT):
@@ -35,82 +33,20 @@ class CheckpointedGPT(TinyGPT):
         return logits, torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def _batches(micro: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    g = torch.Generator().manual_seed(7)
-    return [
-        [(torch.randint(CONFIG.vocab_size, (2, CONFIG.block_size), generator=g),) * 2 for _ in range(micro)]
-        for _ in range(STEPS)
-    ]
-
-
-def _no_decay(name, p):
-    return p.dim() < 2
-
-
-def _reference(dtype, batches, cls=TinyGPT, clip=None):
-    torch.manual_seed(0)
-    model = cls(CONFIG).to(dtype)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    params = list(model.parameters())
-    masters = [p.detach().float().clone() for p in params]
-    decay = [m for (n, p), m in zip(model.named_parameters(), masters, strict=True) if not _no_decay(n, p)]
-    rest = [m for (n, p), m in zip(model.named_parameters(), masters, strict=True) if _no_decay(n, p)]
-    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=LR, fused=True)
-    losses = []
-    for micro_batches in batches:
-        sums = [None] * len(params)
-        for idx, targets in micro_batches:
-            model.zero_grad(set_to_none=True)
-            _, loss = model(idx, targets)
-            (loss / len(micro_batches)).backward()
-            for i, p in enumerate(params):
-                g = p.grad.float()
-                sums[i] = g.clone() if sums[i] is None else sums[i].add_(g)
-            losses.append(loss.item())
-        if clip is not None:  # torch's clip on the step's gradient (here the fp32 sum the daemons hold)
-            torch.nn.utils.clip_grad_norm_(masters_with(masters, sums), clip)
-        for m, s in zip(masters, sums, strict=True):
-            m.grad = s
-        opt.step()
-        with torch.no_grad():
-            for p, m in zip(params, masters, strict=True):
-                p.copy_(m.to(dtype))
-    return initial, {n: p.detach().clone() for n, p in model.named_parameters()}, losses
-
-
-def masters_with(masters, sums):
-    for m, s in zip(masters, sums, strict=True):
-        m.grad = s
-    return masters
-
-
-def _copy_init(initial, model):
-    """Streaming.init: each module's own parameters and buffers from the reference's initial state."""
-    names = {id(m): n for n, m in model.named_modules()}
-
-    def init(module):
-        prefix = names[id(module)]
-        with torch.no_grad():
-            for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-                t.copy_(initial[f"{prefix}.{name}" if prefix else name])
-
-    return init
-
-
 def _streamed(
     daemons, name, dtype, batches, *, cls=TinyGPT, window_blocks=1, prefetch=True, staging="auto", micro_batches=0,
     clip=None,
 ):  # fmt: skip
-    initial, _, _ = _reference(dtype, batches[:0], cls)
+    initial, _, _ = train_in_process(dtype, batches[:0], cls)
     with torch.device("meta"):
         model = cls(CONFIG).to(dtype)
     block_bytes = sum(p.numel() for p in model.blocks[0].parameters()) * dtype.itemsize
     stream = trainer.Streaming(
         blocks=list(model.blocks), window_bytes=window_blocks * block_bytes, prefetch=prefetch,
-        init=_copy_init(initial, model), device="cpu", micro_batches=micro_batches,
+        init=copy_init(initial, model), device="cpu", micro_batches=micro_batches,
     )  # fmt: skip
     opt = trainer.offload(
-        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR, weight_decay=1e-2), no_weight_decay=_no_decay,
+        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR, weight_decay=1e-2), no_weight_decay=no_decay,
         config=trainer.OffloadConfig(model_name=name, shard_bytes=4096), stream=stream,
         device=trainer.DeviceConfig(staging=staging),
     )  # fmt: skip
@@ -154,8 +90,8 @@ def _streamed(
     ids=["fp32", "fp32-micro3", "fp32-micro2-checkpointed", "bf16", "bf16-micro3-checkpointed"],
 )
 def test_streamed_training_equals_in_process_bit_for_bit(daemons, dtype, micro, cls):
-    batches = _batches(micro)
-    _, expected, expected_losses = _reference(dtype, batches, cls)
+    batches = gpt_batches(micro)
+    _, expected, expected_losses = train_in_process(dtype, batches, cls)
     name = f"stream-{str(dtype)[6:]}-{micro}-{cls.__name__}"
     final, losses = _streamed(daemons, name, dtype, batches, cls=cls)
     assert losses == expected_losses
@@ -167,8 +103,8 @@ def test_streamed_training_equals_in_process_bit_for_bit(daemons, dtype, micro, 
 def test_prefetch_window_and_staged_copies_change_nothing(daemons):
     """A window of two blocks (so the next block is prefetched), and the accelerator's staged
     path through host buffers, give the same bits as the tests above."""
-    batches = _batches(2)
-    _, expected, _ = _reference(torch.bfloat16, batches)
+    batches = gpt_batches(2)
+    _, expected, _ = train_in_process(torch.bfloat16, batches)
     final, _ = _streamed(daemons, "stream-window2", torch.bfloat16, batches, window_blocks=2, staging="always")
     for key, value in expected.items():
         assert torch.equal(final[key], value), key
@@ -177,26 +113,24 @@ def test_prefetch_window_and_staged_copies_change_nothing(daemons):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_one_backward_per_step_applies_each_block_as_it_is_pushed(daemons, dtype):
     """Streaming(micro_batches=1): GRADIENT pushes applied during backward, the same bits."""
-    batches = _batches(1)
-    _, expected, _ = _reference(dtype, batches, CheckpointedGPT)
+    batches = gpt_batches(1)
+    _, expected, _ = train_in_process(dtype, batches, CheckpointedGPT)
     final, _ = _streamed(daemons, f"stream-apply-{dtype}", dtype, batches, cls=CheckpointedGPT, micro_batches=1)
     for key, value in expected.items():
         assert torch.equal(final[key], value), key
 
 
 def test_a_second_backward_is_refused_when_one_was_declared(daemons):
-    initial, _, _ = _reference(torch.float32, [])
+    initial, _, _ = train_in_process(torch.float32, [])
     with torch.device("meta"):
         model = TinyGPT(CONFIG)
-    stream = trainer.Streaming(
-        blocks=list(model.blocks), init=_copy_init(initial, model), device="cpu", micro_batches=1
-    )
+    stream = trainer.Streaming(blocks=list(model.blocks), init=copy_init(initial, model), device="cpu", micro_batches=1)
     opt = trainer.offload(
         model, daemons=daemons, optimizer=trainer.AdamW(lr=LR),
         config=trainer.OffloadConfig(model_name="stream-one-pass", shard_bytes=4096), stream=stream,
     )  # fmt: skip
     with opt:
-        ((idx, targets),) = _batches(1)[0]
+        ((idx, targets),) = gpt_batches(1)[0]
         model(idx, targets)[1].backward()
         with pytest.raises(RuntimeError, match="second forward for backward before step"):
             model(idx, targets)[1].backward()
@@ -212,21 +146,21 @@ def test_a_streamed_trainer_returns_what_it_frees_to_the_kernel(daemons, monkeyp
 
     calls = []
     monkeypatch.setattr(optimizer, "return_freed_blocks", lambda: calls.append(True) or True)
-    _streamed(daemons, "stream-returns-freed", torch.float32, _batches(1)[:1])
+    _streamed(daemons, "stream-returns-freed", torch.float32, gpt_batches(1)[:1])
     assert calls
 
 
 def test_a_streamed_model_resumes_from_the_daemons(daemons):
     """A second trainer of the same name (the first one gone) takes the daemons' version and
     values: 2 steps, a new meta model, 1 more step = 3 steps uninterrupted."""
-    batches = _batches(1)
-    _, expected, _ = _reference(torch.float32, batches)
+    batches = gpt_batches(1)
+    _, expected, _ = train_in_process(torch.float32, batches)
     first, _ = _streamed(daemons, "stream-resume", torch.float32, batches[:2])
     with torch.device("meta"):
         model = TinyGPT(CONFIG)
     stream = trainer.Streaming(blocks=list(model.blocks), init=None, device="cpu")  # init unused on resume
     opt = trainer.offload(
-        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR, weight_decay=1e-2), no_weight_decay=_no_decay,
+        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR, weight_decay=1e-2), no_weight_decay=no_decay,
         config=trainer.OffloadConfig(model_name="stream-resume", shard_bytes=4096), stream=stream,
     )  # fmt: skip
     with opt:
@@ -243,13 +177,13 @@ def test_a_streamed_model_resumes_from_the_daemons(daemons):
 def test_the_models_state_dict_holds_the_pulled_blocks(daemons):
     """model.state_dict() (what torch.save and Hugging Face's save_pretrained read) pulls each
     freed block for its copy; a block's own state_dict() too; the blocks are freed again."""
-    batches = _batches(1)
-    initial, expected, _ = _reference(torch.float32, batches)
+    batches = gpt_batches(1)
+    initial, expected, _ = train_in_process(torch.float32, batches)
     with torch.device("meta"):
         model = TinyGPT(CONFIG)
-    stream = trainer.Streaming(blocks=list(model.blocks), init=_copy_init(initial, model), device="cpu")
+    stream = trainer.Streaming(blocks=list(model.blocks), init=copy_init(initial, model), device="cpu")
     opt = trainer.offload(
-        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR, weight_decay=1e-2), no_weight_decay=_no_decay,
+        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR, weight_decay=1e-2), no_weight_decay=no_decay,
         config=trainer.OffloadConfig(model_name="stream-state-dict", shard_bytes=4096), stream=stream,
     )  # fmt: skip
     with opt:
@@ -273,11 +207,11 @@ def test_clip_grad_norm_is_torchs(daemons, dtype):
     AdamW bit for bit. bf16: the reference clips the fp32 master gradients (the widened bf16
     gradients, as the daemons hold them), where torch on the bf16 model would round the
     product to bf16; the norm is taken from the bf16 gradients either way."""
-    batches = _batches(1)
-    _, expected, _ = _reference(dtype, batches, clip=0.05 if dtype == torch.float32 else None)
+    batches = gpt_batches(1)
+    _, expected, _ = train_in_process(dtype, batches, clip=0.05 if dtype == torch.float32 else None)
     final, _ = _streamed(daemons, f"stream-clip-{dtype}", dtype, batches, clip=0.05)
     if dtype == torch.float32:
-        _, unclipped, _ = _reference(dtype, batches)
+        _, unclipped, _ = train_in_process(dtype, batches)
         assert any(not torch.equal(unclipped[k], v) for k, v in expected.items()), "0.05 clipped nothing"
         for key, value in expected.items():
             assert torch.equal(final[key], value), key
@@ -286,17 +220,17 @@ def test_clip_grad_norm_is_torchs(daemons, dtype):
 
 
 def test_clip_grad_norm_refuses_what_it_cannot_do(daemons):
-    initial, _, _ = _reference(torch.float32, [])
+    initial, _, _ = train_in_process(torch.float32, [])
     with torch.device("meta"):
         model = TinyGPT(CONFIG)
-    stream = trainer.Streaming(blocks=list(model.blocks), init=_copy_init(initial, model), device="cpu")
+    stream = trainer.Streaming(blocks=list(model.blocks), init=copy_init(initial, model), device="cpu")
     opt = trainer.offload(
         model, daemons=daemons, optimizer=trainer.AdamW(lr=LR),
         config=trainer.OffloadConfig(model_name="stream-clip-refused", shard_bytes=4096), stream=stream,
     )  # fmt: skip
     with opt:
         assert float(opt.clip_grad_norm_(1.0)) == 0.0  # nothing to clip yet, as torch
-        ((idx, targets),) = _batches(1)[0]
+        ((idx, targets),) = gpt_batches(1)[0]
         for _ in range(2):
             model(idx, targets)[1].backward()
         with pytest.raises(ValueError, match="after 2 backward passes"):

@@ -1,6 +1,6 @@
 """Streaming under faults, through real daemons: a streamed TinyGPT (3 blocks, fp32, 3 steps of
 3 micro-batches) ends bit-identical to the uninterrupted in-process run of
-tests/integration/test_streaming.py when
+tests/helpers/streamed_gpt.py when
 
 * a daemon is SIGKILLed between micro-batches and restarted on its port and NVMe files: the
   step's parts it held are gone, `step()` raises StepLost, and the training loop, written as a
@@ -25,7 +25,8 @@ from ps_offload import trainer
 from ps_offload.daemon.local import LocalDaemon
 from ps_offload.proto import ps_pb2
 from ps_offload.trainer.debug_models import TinyGPT
-from tests.integration.test_streaming import CONFIG, LR, _batches, _copy_init, _no_decay, _reference
+from tests.helpers.streamed_gpt import CONFIG, LR, copy_init, gpt_batches, train_in_process
+from tests.helpers.training import no_decay
 
 MICRO = 3
 CLIENT = trainer.ClientConfig(retry_seconds=30.0, backoff_seconds=0.05)
@@ -33,15 +34,15 @@ CLIENT = trainer.ClientConfig(retry_seconds=30.0, backoff_seconds=0.05)
 
 def _streamed(daemons: list[str], name: str) -> tuple[TinyGPT, trainer.StreamedOptimizer]:
     """A meta TinyGPT streamed one block at a time, initialised as the reference is."""
-    initial, _, _ = _reference(torch.float32, [])
+    initial, _, _ = train_in_process(torch.float32, [])
     with torch.device("meta"):
         model = TinyGPT(CONFIG)
     block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     stream = trainer.Streaming(
-        blocks=list(model.blocks), window_bytes=block_bytes, init=_copy_init(initial, model), device="cpu"
+        blocks=list(model.blocks), window_bytes=block_bytes, init=copy_init(initial, model), device="cpu"
     )
     opt = trainer.offload(
-        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR, weight_decay=1e-2), no_weight_decay=_no_decay,
+        model, daemons=daemons, optimizer=trainer.AdamW(lr=LR, weight_decay=1e-2), no_weight_decay=no_decay,
         config=trainer.OffloadConfig(model_name=name, shard_bytes=4096), stream=stream, client=CLIENT,
     )  # fmt: skip
     return model, opt
@@ -130,8 +131,8 @@ def test_daemon_killed_mid_step_the_step_is_run_again(tmp_path: Path, monkeypatc
     kept = LocalDaemon(tmp_path / "kept")
     killed = [LocalDaemon(tmp_path / "killed", "--nvme-dir", str(nvme))]
     try:
-        batches = _batches(MICRO)
-        _, expected, expected_losses = _reference(torch.float32, batches)
+        batches = gpt_batches(MICRO)
+        _, expected, expected_losses = train_in_process(torch.float32, batches)
         model, opt = _streamed([kept.address, killed[0].address], "faults-kill")
         acks = Acks(opt)
         assert {s.daemon_index for s in opt.plan} == {0, 1}
@@ -203,8 +204,8 @@ def test_a_push_whose_answer_was_lost_is_resent_and_not_added_twice(daemons):
     step's sum), the last part of another, and an APPLY of a third, in step 1. Each is sent
     again by the client's retry; the daemon answers `applied == False`, and the run equals
     the reference bit for bit."""
-    batches = _batches(MICRO)
-    _, expected, expected_losses = _reference(torch.float32, batches)
+    batches = gpt_batches(MICRO)
+    _, expected, expected_losses = train_in_process(torch.float32, batches)
     model, opt = _streamed(daemons, "faults-lost-answer")
     shards = [s.shard_id for s in opt.plan]
     chosen = {
@@ -230,8 +231,8 @@ def test_zero_grad_between_micro_batches_is_refused_and_a_step_without_backward_
     """zero_grad() after a micro-batch is refused (its parts are on the daemons already) and
     changes nothing; step() right after a step moves no version; the run still equals the
     reference."""
-    batches = _batches(MICRO)
-    _, expected, _ = _reference(torch.float32, batches)
+    batches = gpt_batches(MICRO)
+    _, expected, _ = train_in_process(torch.float32, batches)
     model, opt = _streamed(daemons, "faults-zero-grad")
 
     def refuse_zero_grad(step: int, micro: int) -> None:

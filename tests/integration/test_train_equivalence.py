@@ -19,86 +19,26 @@ import pytest
 import torch
 
 from ps_offload import trainer
-from ps_offload.trainer.debug_models import GPTConfig, TinyGPT, mlp
 from ps_offload.trainer.wire.daemon_client import DaemonClient
 from ps_offload.trainer.wire.dataplane_client import DataPlaneClient
 from ps_offload.trainer.wire.local_client import LocalClient
-
-STEPS = 50
-
-
-def _mlp_case():
-    torch.manual_seed(0)
-    model = mlp((32, 64, 64, 10))
-    g = torch.Generator().manual_seed(1)
-    teacher = torch.randn(32, 10, generator=g)  # labels a linear teacher gives: learnable
-    inputs = [torch.randn(16, 32, generator=g) for _ in range(STEPS)]
-    batches = [(x, (x @ teacher).argmax(dim=1)) for x in inputs]
-
-    def loss_fn(m, batch):
-        x, y = batch
-        return torch.nn.functional.cross_entropy(m(x), y)
-
-    return model, batches, loss_fn
+from tests.helpers.training import STEPS, gpt_case, mlp_case, no_decay, train_offloaded, train_reference
 
 
-def _gpt_case():
-    torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(vocab_size=40, block_size=32, n_layer=2, n_head=4, n_embd=64))
-    g = torch.Generator().manual_seed(1)
-    # Sequences that follow a rule (next = 7 * prev + 3 mod 40): learnable, so the loss falls.
-    starts = [torch.randint(40, (4, 1), generator=g) for _ in range(STEPS)]
-    batches = []
-    for start in starts:
-        seq = [start]
-        for _ in range(32):
-            seq.append((seq[-1] * 7 + 3) % 40)
-        batches.append(torch.cat(seq, dim=1))
-
-    def loss_fn(m, batch):
-        return m(batch[:, :-1], batch[:, 1:])[1]
-
-    return model, batches, loss_fn
-
-
-def _no_decay(name, p):
-    return p.dim() < 2
-
-
-def _train_reference(model, batches, loss_fn, torch_opt):
-    for batch in batches:
-        torch_opt.zero_grad()
-        loss_fn(model, batch).backward()
-        torch_opt.step()
-    return model
-
-
-def _train_offloaded(model, batches, loss_fn, opt):
-    losses = []
-    for batch in batches:
-        opt.zero_grad()
-        loss = loss_fn(model, batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    opt.synchronize()
-    return losses
-
-
-@pytest.mark.parametrize("case", [_mlp_case, _gpt_case], ids=["mlp", "transformer"])
+@pytest.mark.parametrize("case", [mlp_case, gpt_case], ids=["mlp", "transformer"])
 @pytest.mark.parametrize("n_daemons", [1, 2])
 @pytest.mark.parametrize("transport", ["local", "tcp", "grpc"], ids=["local", "data-plane", "grpc"])
 def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, transport, daemon_factory):
     model, batches, loss_fn = case()
     reference = copy.deepcopy(model)
     decay = [p for n, p in reference.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in reference.named_parameters() if p.dim() < 2]
+    undecayed = [p for n, p in reference.named_parameters() if p.dim() < 2]
     torch_opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        [{"params": decay, "weight_decay": 0.1}, {"params": undecayed, "weight_decay": 0.0}],
         lr=3e-3,
         fused=True,
     )
-    _train_reference(reference, batches, loss_fn, torch_opt)
+    train_reference(reference, batches, loss_fn, torch_opt)
 
     daemons = [daemon_factory() for _ in range(n_daemons)]
     # 8 KiB shards: several shards per daemon, parameters cut across shard boundaries.
@@ -106,7 +46,7 @@ def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, transport, d
         model,
         daemons=[d.address for d in daemons],
         optimizer=trainer.AdamW(lr=3e-3, weight_decay=0.1),
-        no_weight_decay=_no_decay,
+        no_weight_decay=no_decay,
         config=trainer.OffloadConfig(shard_bytes=8192),
         client=trainer.ClientConfig(transport=transport),
     ) as opt:
@@ -114,7 +54,7 @@ def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, transport, d
         kind = {"local": LocalClient, "tcp": DataPlaneClient, "grpc": DaemonClient}[transport]
         assert [type(t) for t in opt.client.transports] == [kind] * n_daemons
         assert {s.daemon_index for s in opt.plan} == set(range(n_daemons))
-        losses = _train_offloaded(model, batches, loss_fn, opt)
+        losses = train_offloaded(model, batches, loss_fn, opt)
 
     assert losses[-1] < losses[0]
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
@@ -140,10 +80,10 @@ def _train_reference_delayed(model, batches, loss_fn, torch_opt):
 
 @pytest.mark.parametrize("n_daemons", [1, 2])
 def test_staleness_one_is_the_delayed_update_exactly(n_daemons, daemon_factory):
-    model, batches, loss_fn = _gpt_case()
+    model, batches, loss_fn = gpt_case()
     delayed, exact = copy.deepcopy(model), copy.deepcopy(model)
     _train_reference_delayed(delayed, batches, loss_fn, torch.optim.AdamW(delayed.parameters(), lr=3e-3, fused=True))
-    _train_reference(exact, batches, loss_fn, torch.optim.AdamW(exact.parameters(), lr=3e-3, fused=True))
+    train_reference(exact, batches, loss_fn, torch.optim.AdamW(exact.parameters(), lr=3e-3, fused=True))
     assert not all(torch.equal(a, b) for a, b in zip(delayed.parameters(), exact.parameters(), strict=True))
 
     daemons = [daemon_factory() for _ in range(n_daemons)]
@@ -153,7 +93,7 @@ def test_staleness_one_is_the_delayed_update_exactly(n_daemons, daemon_factory):
         optimizer=trainer.AdamW(lr=3e-3),
         config=trainer.OffloadConfig(shard_bytes=8192, staleness=1),
     ) as opt:
-        losses = _train_offloaded(model, batches, loss_fn, opt)
+        losses = train_offloaded(model, batches, loss_fn, opt)
         assert opt.step_count == STEPS
 
     assert losses[-1] < losses[0]
@@ -166,7 +106,7 @@ def test_staleness_one_failed_step_raises_and_is_submitted_again(daemon_factory,
     client's retries: a later step() raises the daemon's error; once it is back (same port,
     same nvme_dir), calling step() again submits the failed step first, and the run ends
     exactly on the delayed-update reference."""
-    model, batches, loss_fn = _gpt_case()
+    model, batches, loss_fn = gpt_case()
     delayed = copy.deepcopy(model)
     _train_reference_delayed(delayed, batches, loss_fn, torch.optim.AdamW(delayed.parameters(), lr=3e-3, fused=True))
     nvme = str(tmp_path / "nvme")
@@ -198,24 +138,24 @@ def test_staleness_one_failed_step_raises_and_is_submitted_again(daemon_factory,
 
 
 def test_sgd_momentum_through_daemon_matches_torch_fused(daemon):
-    model, batches, loss_fn = _mlp_case()
+    model, batches, loss_fn = mlp_case()
     reference = copy.deepcopy(model)
     torch_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4, fused=True)
-    _train_reference(reference, batches, loss_fn, torch_opt)
+    train_reference(reference, batches, loss_fn, torch_opt)
     with trainer.offload(
         model,
         daemons=[daemon.address],
         optimizer=trainer.SGD(lr=0.05, momentum=0.9, weight_decay=1e-4),
         config=trainer.OffloadConfig(shard_bytes=4096),
     ) as opt:
-        _train_offloaded(model, batches, loss_fn, opt)
+        train_offloaded(model, batches, loss_fn, opt)
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs)
 
 
 def test_lr_schedule_is_applied_per_step(daemon):
     """The trainer owns the schedule; the lr set before step() is the one the daemon uses."""
-    model, batches, loss_fn = _mlp_case()
+    model, batches, loss_fn = mlp_case()
     reference = copy.deepcopy(model)
     torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
     schedule = [1e-2 * (1 - i / STEPS) for i in range(STEPS)]
@@ -241,16 +181,16 @@ def test_lr_schedule_is_applied_per_step(daemon):
 
 def test_second_trainer_resumes_from_daemon_state(daemon):
     """Registering the same spec again attaches to the daemon's current parameters."""
-    model, batches, loss_fn = _mlp_case()
+    model, batches, loss_fn = mlp_case()
     with trainer.offload(
         model,
         daemons=[daemon.address],
         optimizer=trainer.AdamW(lr=1e-2),
         config=trainer.OffloadConfig(shard_bytes=8192),
     ) as opt:
-        _train_offloaded(model, batches[:5], loss_fn, opt)
+        train_offloaded(model, batches[:5], loss_fn, opt)
         trained = [p.detach().clone() for p in model.parameters()]
-    fresh, _, _ = _mlp_case()  # different object, initial values
+    fresh, _, _ = mlp_case()  # different object, initial values
     with trainer.offload(
         fresh,
         daemons=[daemon.address],
@@ -265,7 +205,7 @@ def test_second_trainer_resumes_from_daemon_state(daemon):
 def test_lr_zero_is_honoured_not_replaced_by_the_registered_lr(daemon):
     """lr is optional on the wire: an explicit 0 must freeze the parameters (with weight
     decay 0), not fall back to the registered lr."""
-    model, batches, loss_fn = _mlp_case()
+    model, batches, loss_fn = mlp_case()
     before = [p.detach().clone() for p in model.parameters()]
     with trainer.offload(
         model,
@@ -287,10 +227,10 @@ def test_daemon_without_data_plane_is_used_over_grpc(daemon_factory, tmp_path):
     config = tmp_path / "off.toml"
     config.write_text('[server]\ndata_listen = "off"\n')
     daemon = daemon_factory(config=config)
-    model, batches, loss_fn = _mlp_case()
+    model, batches, loss_fn = mlp_case()
     reference = copy.deepcopy(model)
     torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
-    _train_reference(reference, batches[:10], loss_fn, torch_opt)
+    train_reference(reference, batches[:10], loss_fn, torch_opt)
     with trainer.offload(
         model,
         daemons=[daemon.address],
@@ -298,6 +238,6 @@ def test_daemon_without_data_plane_is_used_over_grpc(daemon_factory, tmp_path):
         config=trainer.OffloadConfig(shard_bytes=8192),
     ) as opt:
         assert not any(isinstance(t, (DataPlaneClient, LocalClient)) for t in opt.client.transports)
-        _train_offloaded(model, batches[:10], loss_fn, opt)
+        train_offloaded(model, batches[:10], loss_fn, opt)
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs)

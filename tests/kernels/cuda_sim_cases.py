@@ -12,9 +12,10 @@ import numba
 if not numba.config.ENABLE_CUDASIM:
     raise RuntimeError("run these with NUMBA_ENABLE_CUDASIM=1 (tests/kernels/test_cuda.py does)")
 
-import kernel_cases as cases  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests.helpers import kernel_cases as cases  # noqa: E402
 
 # the simulator computes in NumPy, which warns where the kernels meet inf - inf on purpose
 pytestmark = pytest.mark.filterwarnings(

@@ -1,15 +1,15 @@
 """kernels/cpu.py (Numba CPU) against the torch reference: bit for bit, and error feedback
-that loses nothing (kernel_cases says what each check asserts)."""
+that loses nothing (tests/helpers/kernel_cases.py says what each check asserts)."""
 
 from __future__ import annotations
 
 import threading
 
-import kernel_cases as cases
 import pytest
 import torch
 
 from ps_offload import kernels
+from tests.helpers import kernel_cases as cases
 
 RATIOS = [0.01, 0.1, 0.5, 1.0]
 

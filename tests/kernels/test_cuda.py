@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kernel_cases as cases
 import pytest
 import torch
+
+from tests.helpers import kernel_cases as cases
 
 HERE = Path(__file__).resolve().parent
 SIM_CASES = 20  # tests in cuda_sim_cases.py; all must run and pass

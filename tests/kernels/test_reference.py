@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 
-import kernel_cases as cases
 import pytest
 import torch
 
 from ps_offload import kernels
 from ps_offload.kernels import BLOCK, reference
+from tests.helpers import kernel_cases as cases
 
 
 def test_onebit_bits_are_lsb_first_with_unused_bits_zero():

@@ -4,12 +4,10 @@ has been trained through, checked against what the trainer knows (plan, paramete
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
@@ -23,31 +21,12 @@ from ps_offload.optimizers import AdamW
 from ps_offload.proto import ps_pb2, ps_pb2_grpc
 from ps_offload.proto.channel import PROTOCOL
 from ps_offload.proto.plan import ShardSlice
+from tests.helpers.admin_cli import admin_json, run_admin
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 # nn.Linear(64, 40): 2600 parameters; 4 KiB shards hold 1024 each, so 3 shards, the last
 # one holding the weight's tail and the bias.
 IN_FEATURES, OUT_FEATURES, SHARD_BYTES = 64, 40, 4096
-
-
-def run_admin(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PS_DAEMON", "COLUMNS")}
-    return subprocess.run(
-        [sys.executable, "-m", "ps_offload.admin", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=timeout,
-    )
-
-
-def admin_json(*args: str) -> object:
-    result = run_admin(*args, "--json")
-    assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
-    return json.loads(result.stdout)  # stdout holds the JSON and nothing else
 
 
 @dataclass

@@ -77,11 +77,11 @@ def _package() -> str:
 
 @pytest.fixture(scope="module")
 def handlers() -> dict[str, grpc.GenericRpcHandler]:
+    from ps_offload.daemon.composition import open_store
     from ps_offload.daemon.rpc import servicer
     from ps_offload.daemon.rpc.staging import StagingPool
-    from ps_offload.daemon.store.shard_store import ShardStore
 
-    store = ShardStore(ram_bytes=1 << 20, default_shard_bytes=4096)
+    store = open_store(ram_bytes=1 << 20, default_shard_bytes=4096)
     return {
         "ParameterServer": servicer.parameter_server_handler(
             servicer.ParameterServerServicer(

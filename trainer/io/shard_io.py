@@ -1,6 +1,6 @@
 """A model's shards on the wire: the initial push or the resume, and each step's pushes and pulls.
 
-`ShardIO` is the offload optimizer's (trainer/optimizer/offload.py) I/O half: one task per shard in a
+`ShardIO` is the offload optimizer's (trainer/offload/whole_model.py) I/O half: one task per shard in a
 thread pool, in forward order, each pushing the shard's gradient (when this process pushes it)
 and then pulling its new version, through the ShardMover (trainer/io/device.py) that gets the
 bytes from and to the trainer's device in the compute dtype.

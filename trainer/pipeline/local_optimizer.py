@@ -1,7 +1,7 @@
 """The one optimizer interface a PipelineTrainer runs over, and its in-process implementation.
 
     StepOptimizer    flat (FlatParams), lr, zero_grad(), step(), synchronize(), close()
-    OffloadOptimizer the daemons apply the update (trainer/optimizer/offload.py)
+    OffloadOptimizer the daemons apply the update (trainer/offload/whole_model.py)
     LocalOptimizer   torch's fused AdamW / SGD in this process (the baseline the daemons
                      are measured against)
 

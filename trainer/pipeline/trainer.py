@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ps_offload.trainer.config import ClientConfig, OffloadConfig, OptimizerConfig, ParallelConfig, expect_config
-from ps_offload.trainer.optimizer.offload import OffloadOptimizer
+from ps_offload.trainer.offload.whole_model import OffloadOptimizer
 from ps_offload.trainer.pipeline.compressed_allreduce import CompressedAllReduce
 from ps_offload.trainer.pipeline.grid import ParallelContext, split_layers
 from ps_offload.trainer.pipeline.local_optimizer import LocalOptimizer, StepOptimizer

@@ -66,7 +66,7 @@ from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig, DeviceConfig, OffloadConfig, OptimizerConfig, expect_config
 from ps_offload.trainer.io.device import ShardMover, byte_view
 from ps_offload.trainer.io.shard_io import ShardIO, first_failure
-from ps_offload.trainer.optimizer.daemon_optimizer import DaemonOptimizer
+from ps_offload.trainer.offload.daemon_optimizer import DaemonOptimizer
 from ps_offload.trainer.stream.apply import PartsApplier
 from ps_offload.trainer.stream.grads import BlockGradients
 from ps_offload.trainer.stream.settings import Streaming
@@ -134,7 +134,7 @@ class StreamedOptimizer(DaemonOptimizer):
         # place: a CPU model's blocks (at fixed addresses over a few reused slots, as many as the
         # window holds blocks), and the host buffers (a GPU's staging).
         self.shared_blocks = share_units(
-            self.units, self.client.host_windows.slot_region, window_bytes=stream.window_bytes
+            self.units, self.client.transports.host_windows.slot_region, window_bytes=stream.window_bytes
         )
         # What a block's forward and backward free (its storage where it is not in slots, and
         # in any case its temporaries: a widened weight, a gradient, a large activation) goes
@@ -150,7 +150,7 @@ class StreamedOptimizer(DaemonOptimizer):
             max(s.numel for s in self.plan),
             config=device_config,
             resizable=True,
-            shared=self.client.shared_host_tensor,
+            shared=self.client.transports.shared_host_tensor,
         )
         share, of = config.push_share
         self._mine = [s for i, s in enumerate(self.plan) if i % of == share]  # the shards this rank pushes
@@ -165,7 +165,7 @@ class StreamedOptimizer(DaemonOptimizer):
         )  # fmt: skip
         self.grads = BlockGradients(
             self.units, client=self.client, mover=self.mover, io=self.io, window_bytes=stream.window_bytes,
-            reduce=reduce_gradient, shared=self.client.shared_host_tensor if self.shared_blocks else None,
+            reduce=reduce_gradient, shared=self.client.transports.shared_host_tensor if self.shared_blocks else None,
         )  # fmt: skip
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
@@ -416,7 +416,7 @@ class StreamedOptimizer(DaemonOptimizer):
             self.applier.apply(step, groups, parts, multiplier, failures)  # (trainer/stream/apply.py)
         self.grads.norms.clear()
         self.step_count = self.window.version = step + 1
-        if self.client.lost and self.config.push_share[1] == 1:
+        if self.client.holders.lost and self.config.push_share[1] == 1:
             # Between steps (every shard applied at step_count, the next backward's parts not
             # begun): a replicated model's lost daemon, back or replaced, is caught up here.
             self.client.repair_lost(self.step_count)

@@ -1,6 +1,6 @@
 """Whether a replicated model's lost daemons answer again, asked off the training thread.
 
-A holder left out (ShardedClient._lose) may come back: a replacement at its address, the same
+A holder left out (ReplicaHolders.lose, trainer/wire/holders.py) may come back: a replacement at its address, the same
 node with its disk wiped, or its old self restarted from its disk. Asking costs a
 registration attempt, and an address that is gone for good answers nothing: the attempt waits
 out its whole timeout. Asked on the training thread, before a step's pushes, that wait was a
@@ -10,7 +10,7 @@ So one thread of its own asks each lost daemon every REPAIR_PROBE_SECONDS, and k
 last answer; the repair between two steps (trainer/wire/replicas.py repair_lost) takes an
 answer that is there and never waits for one. A daemon expected to answer now (a replacement
 the user has just named, `replace_daemon`; one that answered the run's registration,
-adopt_fresh_holders; one whose network the operator has just healed) is asked once on the
+ReplicaHolders.adopt_fresh; one whose network the operator has just healed) is asked once on the
 training thread instead, at the next step boundary, so that it is caught up there as the
 user expects (`expect`).
 

@@ -1,6 +1,8 @@
 """A replicated model (OffloadConfig.replicas) beyond one shard's push and pull: the checks at
 registration (its daemons' optimizer kernels must compute alike; a shard's replicas should not
-share a host), and the repair of a lost daemon's replicas between steps."""
+share a host), and the repair of a lost daemon's replicas between steps. Which holders are
+lost is ps_offload.trainer.wire.holders.ReplicaHolders' to say and to change; a repair asks it
+and tells it."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig
-from ps_offload.trainer.wire.daemon_client import DaemonClient, DaemonError, check_protocol
-from ps_offload.trainer.wire.lost_probe import LostDaemonProbe
+from ps_offload.trainer.wire.daemon_client import DaemonError, check_protocol
+from ps_offload.trainer.wire.holders import ReplicaHolders, id_ranges
+from ps_offload.trainer.wire.transports import Transports
 
 T = TypeVar("T")
 
@@ -34,16 +37,11 @@ class ReplicatedClient(Protocol):
     spec: ps_pb2.ModelSpec
     plan: list[ShardSlice]
     daemons: list[str]
-    clients: list[DaemonClient]
     config: ClientConfig
-    lost: dict[int, str]
-    probe: LostDaemonProbe
-    stale_said: set[int]
     digests: list[str]
-    replaced: set[int]
-    fresh_holders: set[int]
+    transports: Transports
+    holders: ReplicaHolders
 
-    def use_data_plane(self, index: int, response: ps_pb2.RegisterModelResponse) -> None: ...
     def replace_daemon(self, old: str, new: str) -> None: ...
     def pull(self, shard: ShardSlice, *, min_version: int, out: memoryview, tensor: int = ...) -> int: ...
     def call(self, what: str, daemon_index: int, fn: Callable[[], T], *, give_up_seconds: float) -> T: ...
@@ -78,18 +76,6 @@ def check_kernel_digests(daemons: list[str], digests: list[str]) -> None:
         )
 
 
-def id_ranges(ids: list[int]) -> str:
-    """'0-3, 7, 9-10' for [0, 1, 2, 3, 7, 9, 10]."""
-    parts, start = [], None
-    for i, n in enumerate(ids):
-        if start is None:
-            start = n
-        if i + 1 == len(ids) or ids[i + 1] != n + 1:
-            parts.append(f"{start}-{n}" if n != start else f"{n}")
-            start = None
-    return ", ".join(parts)
-
-
 COPY_THREADS = 4  # shards a repair copies at once (each: pulls from a live holder, a STATE push)
 
 
@@ -108,35 +94,12 @@ def _follow_cluster_file(client: ReplicatedClient) -> None:
         return
     if len(listed) != len(client.daemons):
         return
-    if any(listed[i] != address for i, address in enumerate(client.daemons) if i not in client.lost):
+    lost = client.holders.lost
+    if any(listed[i] != address for i, address in enumerate(client.daemons) if i not in lost):
         return
-    for index in sorted(client.lost):
+    for index in sorted(lost):
         if listed[index] != client.daemons[index]:
             client.replace_daemon(client.daemons[index], listed[index])
-
-
-def adopt_fresh_holders(client: ReplicatedClient, fresh: list[int]) -> None:
-    """A replicated model resumed where some daemons did not know it (a replacement in a
-    lost node's place in the daemon list, a node whose disk was wiped): they are left out
-    for now, the model resumes from its other holders, and they are caught up between two
-    steps like a lost daemon back (repair_lost). Raises when a shard has no other holder."""
-    for index in fresh:
-        client.lost[index] = "it held none of the model's values when the run resumed"
-        client.fresh_holders.add(index)
-        client.probe.watch(index, client.daemons[index], client.spec, expect=True)
-    bare = [s.shard_id for s in client.plan if all(i in client.lost for i in s.holders)]
-    if bare:
-        names = [client.daemons[i] for i in fresh]
-        raise RuntimeError(
-            f"daemons {names} did not know model {client.model!r} while the others did, and shards "
-            f"{id_ranges(bare)} were on no other daemon: their state is lost. Restore the model from a snapshot "
-            "(ps-admin snapshot restore) or an export, or re-register it under a new name"
-        )
-    log.warning(
-        "daemons %s hold none of model %r (replacements, or nodes that lost their disk): the run resumes from "
-        "the other replicas, and they are caught up from them between two steps",
-        ", ".join(client.daemons[i] for i in fresh), client.model,
-    )  # fmt: skip
 
 
 def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
@@ -152,14 +115,14 @@ def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
     the daemons repaired."""
     repaired = []
     _follow_cluster_file(client)
-    for index in sorted(client.lost):
-        response = client.probe.take(index)
+    holders = client.holders
+    for index in sorted(holders.lost):
+        response = holders.probe.take(index)
         if response is None:
             continue  # still gone
         address = client.daemons[index]
-        if not response.created and index not in client.fresh_holders:
-            if index not in client.stale_said:
-                client.stale_said.add(index)
+        if not response.created and index not in holders.fresh_holders:
+            if holders.stays_stale(index):
                 log.warning(
                     "daemon %s answers again with its own copy of model %r, some steps behind: it stays left "
                     "out. Delete that copy (ps-admin drop %s --partial --daemon %s) to have it repaired from the "
@@ -168,25 +131,20 @@ def repair_lost(client: ReplicatedClient, version: int) -> list[str]:
                 )  # fmt: skip
             continue
         check_protocol(address, response)
-        live = next(i for i in range(len(client.daemons)) if i not in client.lost)
+        live = next(i for i in range(len(client.daemons)) if i not in holders.lost)
         check_kernel_digests([client.daemons[live], address], [client.digests[live], response.kernel_digest])
-        client.use_data_plane(index, response)
+        client.transports.use_data_plane(index, response, client.plan)
         try:
             copied = _copy_shards(client, index, version)
         except DaemonError as error:  # the replacement failed meanwhile: it stays out, training goes on
             log.warning("repairing daemon %s failed (%s): it stays left out", address, error)
             continue
         client.digests[index] = response.kernel_digest
-        del client.lost[index]
-        client.probe.forget(index)
-        if index in client.replaced:  # the others' copy of the spec learns the new address (ps-admin reads it)
+        if holders.repaired(index):  # a replacement: the others' spec learns its address (ps-admin reads it)
             for other in range(len(client.daemons)):
-                if other not in client.lost and other != index:
+                if other not in holders.lost and other != index:
                     with contextlib.suppress(grpc.RpcError):
-                        client.clients[other].register(client.spec, other, timeout=5.0)
-            client.replaced.discard(index)
-        client.stale_said.discard(index)
-        client.fresh_holders.discard(index)
+                        client.transports.clients[other].register(client.spec, other, timeout=5.0)
         repaired.append(address)
         log.warning(
             "daemon %s repaired: %d shards of model %r copied from their live replicas at step %d; they have all "
@@ -216,7 +174,7 @@ def _copy_shards(client: ReplicatedClient, index: int, version: int) -> int:
                 )
         push = Push.state(client.model, shard.shard_id, view, step=version)
         # Over gRPC: a STATE is (1 + states) times a shard's bytes, more than a local slot holds.
-        grpc_client, seconds = client.clients[index], client.config.rpc_timeout_seconds
+        grpc_client, seconds = client.transports.clients[index], client.config.rpc_timeout_seconds
         client.call(
             push.describe(),
             index,

@@ -1,8 +1,11 @@
 """The trainer's side of the wire: push, pull and wait, ps-lite style.
 
-`DaemonClient` talks to one daemon. `ShardedClient` holds the plan and a client per daemon
-and moves one shard at a time, with deadlines and retries. Retrying is safe: a push is
-applied at most once per (shard, step) and a pull only reads.
+`ShardedClient` registers a model on its daemons, holds the plan, and moves one shard at a
+time, with deadlines and retries; retrying is safe: a push is applied at most once per (shard,
+step) and a pull only reads. It owns two objects, each with its own state: `transports`
+(ps_offload.trainer.wire.transports: which transport reaches each daemon) and `holders`
+(ps_offload.trainer.wire.holders: which holders of a replicated model are lost, replaced,
+fresh, stale), changed only through their methods.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import torch
 from ps_offload.optimizers import plugin_for_spec
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.cluster import check_daemon_list
-from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.plan import ShardSlice, layout_params, plan_model
 from ps_offload.proto.pull import Pull
 from ps_offload.proto.push import Push
@@ -35,12 +37,11 @@ from ps_offload.trainer.wire.daemon_client import (
     check_protocol,
     check_state_dtype_echo,
 )
-from ps_offload.trainer.wire.dataplane_client import DataPlaneClient, DataPlaneError
-from ps_offload.trainer.wire.host_windows import HostWindows, Prepare
-from ps_offload.trainer.wire.local_client import LocalClient, slot_bytes_for
-from ps_offload.trainer.wire.lost_probe import LostDaemonProbe
-from ps_offload.trainer.wire.replicas import adopt_fresh_holders, check_replicas, id_ranges, repair_lost
-from ps_offload.trainer.wire.transport import PullInto, Transport
+from ps_offload.trainer.wire.dataplane_client import DataPlaneError
+from ps_offload.trainer.wire.holders import ReplicaHolders
+from ps_offload.trainer.wire.replicas import check_replicas, repair_lost
+from ps_offload.trainer.wire.transport import PullInto
+from ps_offload.trainer.wire.transports import Transports
 
 log = logging.getLogger(__name__)
 
@@ -54,39 +55,16 @@ class ShardedClient:
         check_daemon_list(daemons)
         self.daemons = list(daemons)
         self.config = config or ClientConfig()
-        self.clients = [self._daemon_client(a) for a in daemons]
+        self.transports = Transports(self.daemons, self.config)
+        self.holders = ReplicaHolders(self.config)
         self.model = ""
         self.plan: list[ShardSlice] = []
         self.created: list[bool] = []
         # The daemons with an NVMe tier: only their Prefetch hints can save a read.
         self.nvme_daemons: set[int] = set()
-        # Per daemon, what carries pulls and pushes: its local endpoint when it is reachable
-        # (the node's own daemon), else its data plane when it has one (and the config allows
-        # them), else the gRPC client.
-        self.transports: list[Transport] = list(self.clients)
-        # Host memory shared with the node's daemons (their local transports): see shared_host_tensor.
-        self.host_windows = HostWindows()
-        # Daemons left out for the rest of the run (a replicated model's holders that stopped
-        # answering), and why: index -> the error.
-        self.lost: dict[int, str] = {}
-        self._losing = threading.Lock()  # one thread leaves a holder out, and says so
-        self.probe = LostDaemonProbe(self.config)  # whether a lost daemon answers again, asked off the step
-        self.stale_said: set[int] = set()  # lost daemons said to be back with stale state
         self.digests: list[str] = []  # each daemon's kernel digest, from its registration
-        self.replaced: set[int] = set()  # lost daemons given a new address (replace_daemon), not yet repaired
-        # Lost daemons this client registered the model on afresh (they hold none of its values):
-        # a repair takes them although their registration now finds the model (adopt_fresh_holders).
-        self.fresh_holders: set[int] = set()
         # A replicated push's copies to the other holders run here, beside the caller's own.
         self._fanout = ThreadPoolExecutor(max_workers=4 * len(daemons), thread_name_prefix="ps-replica-push")
-
-    def _daemon_client(self, address: str) -> DaemonClient:
-        return DaemonClient(
-            address,
-            max_message_bytes=self.config.max_message_bytes,
-            security=self.config.security,
-            dead_peer_seconds=self.config.dead_peer_seconds,
-        )
 
     def register(self, spec: ps_pb2.ModelSpec) -> list[ShardSlice]:
         """Registers on every daemon (the first resolves the shard size when the spec leaves
@@ -102,7 +80,7 @@ class ShardedClient:
         self.model = spec.model
         self.created = []
         digests: list[str] = []
-        for index, client in enumerate(self.clients):
+        for index, client in enumerate(self.transports.clients):
             # Registration waits for a daemon that is down (it may be starting): said after a
             # moment, not only once the first attempt's deadline (30 s) has passed.
             waiting = threading.Timer(UNREACHABLE_AFTER, self._say_unanswered, (index,))
@@ -136,7 +114,7 @@ class ShardedClient:
                 self.nvme_daemons.add(index)
             else:
                 self.nvme_daemons.discard(index)
-            self.use_data_plane(index, response)
+            self.transports.use_data_plane(index, response, self.plan)
         if spec.replicas > 1:
             check_replicas(self.daemons, digests, self.plan)
         self.digests = digests
@@ -145,7 +123,7 @@ class ShardedClient:
     def repair_lost(self, version: int) -> list[str]:
         """Copies a lost daemon's shards back onto it once it answers with none of the model
         (trainer/wire/replicas.py repair_lost); only between steps, every shard at `version`."""
-        return repair_lost(self, version) if self.lost else []
+        return repair_lost(self, version) if self.holders.lost else []
 
     def replace_daemon(self, old: str, new: str) -> None:
         """A lost daemon's replacement at another address: `new` takes `old`'s place in the list
@@ -154,24 +132,19 @@ class ShardedClient:
         if old not in self.daemons:
             raise ValueError(f"{old} is not among this model's daemons ({', '.join(self.daemons)})")
         index = self.daemons.index(old)
-        if index not in self.lost:
+        if index not in self.holders.lost:
             raise ValueError(f"daemon {old} is not lost: only a lost daemon is replaced")
         check_daemon_list([*self.daemons[:index], new, *self.daemons[index + 1 :]])
-        old_client, current = self.clients[index], self.transports[index]
-        self.clients[index] = self.transports[index] = self._daemon_client(new)
-        if current is not old_client:  # its data plane or local client
-            current.close()
-        old_client.close()
         self.daemons[index] = new
+        self.transports.readdress(index, new)
         del self.spec.daemons[:]
         self.spec.daemons.extend(self.daemons)
-        self.probe.watch(index, new, self.spec, expect=True)
-        self.replaced.add(index)
+        self.holders.replaced_by(index, self.spec)
         log.warning("daemon %s replaces lost daemon %s (index %d) for model %r", new, old, index, self.model)
 
     def _say_unanswered(self, index: int) -> None:
         wait = self.config.register_timeout_seconds + self.config.retry_seconds
-        if self.clients[index].serving(timeout=1.0):
+        if self.transports.clients[index].serving(timeout=1.0):
             # It answers: the registration itself takes long (a large model's state is allocated
             # and zeroed, a few GB a second), which is not a daemon gone.
             log.info(
@@ -185,76 +158,6 @@ class ShardedClient:
             self.daemons[index], self.daemons[index], wait,
         )  # fmt: skip
 
-    def use_data_plane(self, index: int, response: ps_pb2.RegisterModelResponse) -> None:
-        current, data_port, endpoint = self.transports[index], response.data_port, response.local_endpoint
-        if not data_port or self.config.transport == "grpc":
-            return
-        if endpoint and self.config.transport in ("auto", "local"):
-            # The slot holds any push or pull of this daemon's largest shard.
-            slot_bytes = slot_bytes_for(max((s.numel for s in self.plan if index in s.holders), default=1))
-            if isinstance(current, LocalClient) and (current.endpoint, current.slot_bytes) == (endpoint, slot_bytes):
-                return
-            local = self._connect_local(index, endpoint, slot_bytes)
-            if local is not None:
-                self._replace(index, local)
-                return
-        if isinstance(current, DataPlaneClient) and current.address[1] == data_port:
-            return
-        host, _ = split_host_port(self.daemons[index])
-        self._replace(
-            index,
-            DataPlaneClient(
-                host,
-                data_port,
-                max_connections=self.config.streams_per_daemon,
-                security=self.config.security,
-                dead_peer_seconds=self.config.dead_peer_seconds,
-            ),
-        )
-
-    def _connect_local(self, index: int, endpoint: str, slot_bytes: int) -> LocalClient | None:
-        """A client of the daemon's local endpoint if this process can reach it (the same host,
-        network namespace and uid), else None: the data plane carries the bytes."""
-        try:
-            return LocalClient(
-                endpoint,
-                slot_bytes=slot_bytes,
-                max_connections=self.config.streams_per_daemon,
-                security=self.config.security,
-                windows=self.host_windows,
-            )
-        except DataPlaneError as error:
-            # Another host or network namespace is the normal case; a refusal is a setting.
-            refused = error.code() == grpc.StatusCode.PERMISSION_DENIED
-            log.log(
-                logging.WARNING if refused else logging.INFO,
-                "daemon %s: local shared-memory transport not usable, using its data plane (one more copy each "
-                "way): %s",
-                self.daemons[index],
-                error,
-            )
-            return None
-
-    def _replace(self, index: int, transport: Transport) -> None:
-        current = self.transports[index]
-        if current not in self.clients:
-            current.close()
-        self.transports[index] = transport
-
-    @property
-    def local(self) -> bool:
-        """Whether a daemon of this model is reached through the local transport."""
-        return any(isinstance(t, LocalClient) for t in self.transports)
-
-    def shared_host_tensor(self, numel: int, dtype: torch.dtype, prepare: Prepare | None = None) -> torch.Tensor | None:
-        """A zeroed host tensor the node's daemon writes pulls into and reads pushes from where
-        they lie (ps_offload.trainer.wire.host_windows); None without a local transport, or
-        when the node's pool (server.local_pool_bytes) has no room: the caller allocates its
-        own, and its bytes go through a copy. `prepare`: as HostWindows.allocate's."""
-        if not self.local:
-            return None
-        return self.host_windows.allocate(numel, dtype, prepare)
-
     def _rediscover(self, index: int, seconds: float) -> None:
         """After the data plane became unreachable: ask the daemon again (RegisterModel is
         idempotent, and a restarted daemon has recovered the model), for its data port or local
@@ -265,10 +168,10 @@ class ShardedClient:
             return
         try:
             # (register may try twice: waiting for the channel, then once more without)
-            response = self.clients[index].register(self.spec, index, timeout=min(2.0, seconds / 2))
+            response = self.transports.clients[index].register(self.spec, index, timeout=min(2.0, seconds / 2))
         except grpc.RpcError:
             return
-        self.use_data_plane(index, response)
+        self.transports.use_data_plane(index, response, self.plan)
 
     def call(
         self,
@@ -296,7 +199,7 @@ class ShardedClient:
                 give_up_at = give_up_at if give_up_at is not None else now + give_up_seconds
                 final = error.code() not in retryable and not busy(error)
                 # (lost: another call left this holder out meanwhile; its retries would only wait)
-                if final or now >= give_up_at or daemon_index in self.lost:
+                if final or now >= give_up_at or daemon_index in self.holders.lost:
                     raise DaemonError(address, what, error) from None
                 log.warning("%s on %s: %s (attempt %d), retrying", what, address, error.code().name, attempt)
                 if isinstance(error, DataPlaneError) and error.code() == grpc.StatusCode.UNAVAILABLE and self.plan:
@@ -317,7 +220,7 @@ class ShardedClient:
         # The holders left out, told to those that answer: their metrics show the shards a
         # replica short (ps_offload.daemon.store.replica_reports); empty again once repaired.
         del header.lost_holders[:]
-        header.lost_holders.extend(sorted(self.lost))
+        header.lost_holders.extend(sorted(self.holders.lost))
         first = self.live_holders(shard)[0]
         answers = self._on_holders(
             shard,
@@ -382,14 +285,7 @@ class ShardedClient:
 
     def live_holders(self, shard: ShardSlice) -> list[int]:
         """The shard's holders not lost, the primary first; raises when none is left."""
-        live = [index for index in shard.holders if index not in self.lost]
-        if not live:
-            lost = "; ".join(f"{self.daemons[i]}: {self.lost[i]}" for i in shard.holders)
-            raise RuntimeError(
-                f"every daemon holding shard {shard.shard_id} of model {self.model!r} is lost ({lost}): its state is "
-                "gone from this job; restore the model from a snapshot (ps-admin snapshot restore)"
-            )
-        return live
+        return self.holders.live(shard, self.daemons, self.model)
 
     def _on_holders(
         self, shard: ShardSlice, what: str, fn: Callable[[int], T], retryable: frozenset, *, every: bool
@@ -409,7 +305,7 @@ class ShardedClient:
             except DaemonError as error:
                 if error.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
-                self._lose(index, error)
+                self.holders.lose(index, str(error), error.code.name, spec=self.spec, plan=self.plan)
                 return None
 
         if every:  # a push: to every holder at once, each on its own thread (the first here)
@@ -431,29 +327,15 @@ class ShardedClient:
 
     def adopt_fresh_holders(self, fresh: list[int]) -> None:
         """Resuming a replicated model that daemons `fresh` did not know: they are left out and
-        caught up between two steps (trainer/wire/replicas.py adopt_fresh_holders)."""
-        adopt_fresh_holders(self, fresh)
-
-    def _lose(self, index: int, error: DaemonError) -> None:
-        """Leaves a holder out for the rest of the run, saying which shards it leaves short."""
-        with self._losing:
-            if index in self.lost:
-                return
-            self.lost[index] = str(error)
-        self.probe.watch(index, self.daemons[index], self.spec)
-        short = [s.shard_id for s in self.plan if index in s.holders]
-        log.warning(
-            "daemon %s is lost (%s): left out for the rest of this run; %d shards of model %r now have one holder "
-            "fewer (%s). Training goes on with their other replicas; replace the daemon to restore them.",
-            self.daemons[index], error.code.name, len(short), self.model, id_ranges(short),
-        )  # fmt: skip
+        caught up between two steps (ReplicaHolders.adopt_fresh)."""
+        self.holders.adopt_fresh(fresh, self.spec, self.plan)
 
     def _by_daemon(self, shard_ids: list[int]) -> list[tuple[int, DaemonClient, list[int]]]:
         """(daemon index, client, its shards in the given order) for live daemons with any."""
         groups = [
             (i, c, [s for s in shard_ids if i in self.plan[s].holders])
-            for i, c in enumerate(self.clients)
-            if i not in self.lost
+            for i, c in enumerate(self.transports.clients)
+            if i not in self.holders.lost
         ]
         return [group for group in groups if group[2]]
 
@@ -475,13 +357,9 @@ class ShardedClient:
                 log.debug("prefetch hint to %s failed: %s", self.daemons[index], error.code().name)
 
     def close(self) -> None:
-        self.probe.close()
+        self.holders.close()
         self._fanout.shutdown(wait=True)
-        for transport in self.transports:
-            if transport not in self.clients:
-                transport.close()
-        for client in self.clients:
-            client.close()
+        self.transports.close()
 
 
 def expected_plan(spec: ps_pb2.ModelSpec, shard_bytes: int) -> list[ShardSlice]:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.errors import InvalidArgument, NotFound
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc import conversions, data_path
 from ps_offload.daemon.rpc.staging import StagingPool
+from ps_offload.daemon.store.push import PushRequest
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.optimizers import AdamW
 from ps_offload.proto import ps_pb2
@@ -17,8 +19,8 @@ NUMEL = 1024
 
 
 def _store() -> ShardStore:
-    store = ShardStore(ram_bytes=1 << 26, default_shard_bytes=NUMEL * 4)
-    store.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamW(lr=0.1), NUMEL * 4, ("d",)), 0)
+    store = open_store(ram_bytes=1 << 26, default_shard_bytes=NUMEL * 4)
+    store.registry.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamW(lr=0.1), NUMEL * 4, ("d",)), 0)
     return store
 
 
@@ -46,7 +48,7 @@ def test_a_push_reads_its_payload_once_and_a_retry_reads_none():
     initial = Payload(values.numpy().tobytes())
     answer = data_path.receive_push(store, _header(0, ps_pb2.PARAMETERS), pool, initial)
     assert (answer.applied, answer.version, initial.views) == (True, 0, [NUMEL * 4])
-    assert torch.equal(store.shard("m", 0).master, values)
+    assert torch.equal(store.registry.shard("m", 0).master, values)
 
     gradient = Payload(torch.ones(NUMEL).numpy().tobytes())
     assert data_path.receive_push(store, _header(0), pool, gradient).version == 1 and gradient.views == [NUMEL * 4]
@@ -78,9 +80,27 @@ def test_a_snapshot_pull_checks_its_dtype_before_its_tensor():
     )  # fmt: skip
 
 
-def test_a_pull_that_must_wait_names_its_shard_and_a_snapshot_pull_never_waits():
+def test_a_checked_pull_carries_its_shard_and_a_snapshot_pull_never_waits():
     store = _store()
-    waits_on = store.pull_waits_on(conversions.pull_request(ps_pb2.PullRequest(model="m", shard_id=0)))
-    assert waits_on is store.shard("m", 0)  # no initial values yet
+    checked = store.check_pull(conversions.pull_request(ps_pb2.PullRequest(model="m", shard_id=0)))
+    assert checked.shard is store.registry.shard("m", 0) and checked.must_wait()  # no initial values yet
     snapshot = conversions.pull_request(ps_pb2.PullRequest(model="m", shard_id=0, snapshot="s"))
-    assert store.pull_waits_on(snapshot) is None
+    assert not store.check_pull(snapshot).must_wait()
+    with pytest.raises(NotFound):  # looked up once, when it is checked
+        store.check_pull(conversions.pull_request(ps_pb2.PullRequest(model="m", shard_id=99)))
+
+
+def test_a_checked_push_carries_its_shard_and_is_not_looked_up_again(monkeypatch):
+    """ShardStore.push takes the CheckedPush's shard: the registry is not asked a second time."""
+    store = _store()
+    push = PushRequest("m", 0, step=0, kind="parameters", nbytes=NUMEL * 4)
+    checked = store.check_push(push)
+    assert checked.shard is store.registry.shard("m", 0) and checked.duplicate is None
+
+    def no_second_lookup(*args):
+        raise AssertionError("the shard was looked up again")
+
+    monkeypatch.setattr(store.registry, "shard", no_second_lookup)
+    monkeypatch.setattr(store.registry, "located", no_second_lookup)
+    result = store.push(checked.with_data(torch.ones(NUMEL)))
+    assert result.applied and result.version == 0

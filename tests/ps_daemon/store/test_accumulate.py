@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, StorageError
 from ps_offload.daemon.model.encodings import parse
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
@@ -22,7 +23,7 @@ from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
 from ps_offload.optimizers import SGD, AdamW, GroupSettings
 from ps_offload.proto import ps_pb2
-from tests.ps_daemon.store.test_compressed_push import _payload
+from tests.helpers.payloads import encoded_payload
 
 NUMEL = 3072  # 'w' (2000, group 0) and 'b' (1072, group 1): one 12 KiB shard
 GROUPS = (
@@ -39,10 +40,10 @@ def _grad(seed: int) -> torch.Tensor:
 
 def _store(optimizer=None, files: NvmeFiles | None = None) -> ShardStore:
     """Model 'm' at version 1: initial values, then one RAW gradient."""
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
-    if not store.recover():
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
+    if not store.registry.recover():
         params = (ParamSpec("w", (2000,), group=0), ParamSpec("b", (1072,), group=1))
-        store.register(ModelSpec("m", params, optimizer or AdamW(lr=0.1), NUMEL * 4, ("d",)), 0)
+        store.registry.register(ModelSpec("m", params, optimizer or AdamW(lr=0.1), NUMEL * 4, ("d",)), 0)
         store.push(PushRequest("m", 0, step=0, kind="parameters", data=torch.linspace(-1, 1, NUMEL)))
         store.push(PushRequest("m", 0, step=0, kind="gradient", data=_grad(0)))
     return store
@@ -52,7 +53,7 @@ def _data(encoding: str, grad: torch.Tensor):
     """A parsed payload as the wire hands it to the store: fp32 for RAW, else half values."""
     if encoding == "raw":
         return grad.clone()
-    staging, nbytes = _payload(encoding, grad)
+    staging, nbytes = encoded_payload(encoding, grad)
     return parse(encoding, staging, nbytes, NUMEL, "test")
 
 
@@ -150,18 +151,18 @@ def test_the_header_fields_reach_the_request():
 def test_a_part_is_checked_against_the_shard_before_its_payload_is_read():
     store = _store()
     announced = PushRequest("m", 0, step=1, kind="gradient_part", encoding="bf16", nbytes=2 * NUMEL)
-    assert store.check_push(announced) is None
+    assert store.check_push(announced).duplicate is None
     with pytest.raises(InvalidArgument, match="BF16: 3072 2-byte values"):
         store.check_push(PushRequest("m", 0, step=1, kind="gradient_part", encoding="bf16", nbytes=4 * NUMEL))
     with pytest.raises(FailedPrecondition, match="expects part 0"):
         store.check_push(PushRequest("m", 0, step=1, kind="gradient_part", part=1, nbytes=4 * NUMEL))
     _part(store, 1, 0, _grad(1))
-    ack = store.check_push(PushRequest("m", 0, step=1, kind="gradient_part", part=0, nbytes=4 * NUMEL))
+    ack = store.check_push(PushRequest("m", 0, step=1, kind="gradient_part", part=0, nbytes=4 * NUMEL)).duplicate
     assert ack is not None and not ack.applied and ack.version == 1  # held: its payload need not be read
     assert store.stats_snapshot().pushes_duplicate == 1
     with pytest.raises(FailedPrecondition, match="names 2 parts, the daemon holds 1 parts of that step"):
         store.check_push(PushRequest("m", 0, step=1, kind="apply", nbytes=0, parts=2))
-    assert store.check_push(PushRequest("m", 0, step=1, kind="apply", nbytes=0, parts=1)) is None
+    assert store.check_push(PushRequest("m", 0, step=1, kind="apply", nbytes=0, parts=1)).duplicate is None
     with pytest.raises(InvalidArgument, match="groups has 1 entries, the model has 2"):
         store.check_push(PushRequest("m", 0, step=1, kind="apply", nbytes=0, parts=1, groups=GROUPS[:1]))
 
@@ -183,13 +184,13 @@ def test_one_part_and_its_apply_equal_one_gradient_push(encoding, settings):
     for step in (1, 2):
         grad = _grad(step) * (2.0**16 if "grad_multiplier" in settings else 1.0)
         assert _part(parts, step, 0, grad, encoding).applied
-        assert parts.shard("m", 0).version == step  # a part is no update
+        assert parts.registry.shard("m", 0).version == step  # a part is no update
         ack = _apply(parts, step, 1, **settings)
         assert ack.applied and ack.version == step + 1
         whole.push(PushRequest("m", 0, step=step, kind="gradient", encoding=encoding, data=_data(encoding, grad),
                                **settings))  # fmt: skip
         _assert_same(_state(parts), _state(whole))
-    assert parts.shard("m", 0).parts.values is None  # freed
+    assert parts.registry.shard("m", 0).parts.values is None  # freed
     assert parts.stats_snapshot().pushes_applied == whole.stats_snapshot().pushes_applied == 3
 
 
@@ -204,8 +205,8 @@ def test_parts_are_summed_in_fp32_in_part_order(optimizer, encoding):
     assert not torch.equal(total, widened[0] + (widened[1] + widened[2]))  # the order shows
     for k, g in enumerate(grads):
         assert _part(parts, 1, k, g, encoding).applied
-    assert parts.shard("m", 0).parts.held == 3
-    assert torch.equal(parts.shard("m", 0).parts.values, total)
+    assert parts.registry.shard("m", 0).parts.held == 3
+    assert torch.equal(parts.registry.shard("m", 0).parts.values, total)
     assert _apply(parts, 1, 3).applied
     whole.push(PushRequest("m", 0, step=1, kind="gradient", data=total))
     _assert_same(_state(parts), _state(whole))
@@ -215,10 +216,10 @@ def test_a_resent_part_or_apply_changes_nothing():
     store, reference = _store(), _store()
     grads = [_grad(20), _grad(21)]
     _part(store, 1, 0, grads[0])
-    before = store.shard("m", 0).parts.values.clone()
+    before = store.registry.shard("m", 0).parts.values.clone()
     ack = _part(store, 1, 0, _grad(99))  # the same part again (other bytes: they must be ignored)
     assert not ack.applied and ack.version == 1
-    assert torch.equal(store.shard("m", 0).parts.values, before)
+    assert torch.equal(store.registry.shard("m", 0).parts.values, before)
     _part(store, 1, 1, grads[1])
     assert not _part(store, 1, 1, grads[1]).applied and not _part(store, 1, 0, grads[0]).applied
     assert _apply(store, 1, 2).applied
@@ -228,7 +229,7 @@ def test_a_resent_part_or_apply_changes_nothing():
     ack = _part(store, 1, 0, grads[0])  # a part of a step applied already
     assert not ack.applied and ack.version == 2
     _assert_same(_state(store), after)
-    assert store.shard("m", 0).parts.values is None
+    assert store.registry.shard("m", 0).parts.values is None
     reference.push(PushRequest("m", 0, step=1, kind="gradient", data=grads[0] + grads[1]))
     _assert_same(_state(store), _state(reference))
     assert store.stats_snapshot().pushes_duplicate == 5
@@ -252,7 +253,7 @@ def test_out_of_order_parts_and_wrong_counts_are_refused_and_change_nothing():
     with pytest.raises(InvalidArgument, match="groups has 1 entries"):
         _apply(store, 1, 1, groups=GROUPS[:1])
     _assert_same(_state(store), _state(reference))
-    assert store.shard("m", 0).parts.held == 1
+    assert store.registry.shard("m", 0).parts.held == 1
     _part(store, 1, 1, _grad(31))
     _apply(store, 1, 2)
     reference.push(PushRequest("m", 0, step=1, kind="gradient", data=_grad(30) + _grad(31)))
@@ -260,11 +261,11 @@ def test_out_of_order_parts_and_wrong_counts_are_refused_and_change_nothing():
 
 
 def test_parts_need_initial_values():
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4)
-    store.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamW(), NUMEL * 4, ("d",)), 0)
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4)
+    store.registry.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamW(), NUMEL * 4, ("d",)), 0)
     with pytest.raises(FailedPrecondition, match="push its initial parameters before gradients"):
         _part(store, 0, 0, _grad(1))
-    assert store.shard("m", 0).parts.values is None
+    assert store.registry.shard("m", 0).parts.values is None
 
 
 @pytest.mark.parametrize("kind", ["gradient", "momentum"])
@@ -275,7 +276,7 @@ def test_an_update_of_the_step_drops_its_parts(kind):
     extra = dict(variance_frozen_at=1) if kind == "momentum" else {}
     for target in (store, reference):
         assert target.push(PushRequest("m", 0, step=1, kind=kind, data=_grad(42), **extra)).applied
-    assert store.shard("m", 0).parts.values is None
+    assert store.registry.shard("m", 0).parts.values is None
     ack = _apply(store, 1, 2)  # the step is applied: the parts' APPLY is a duplicate
     assert not ack.applied and ack.version == 2
     _assert_same(_state(store), _state(reference))
@@ -288,7 +289,7 @@ def test_an_update_of_the_step_drops_its_parts(kind):
 def test_a_part_0_over_a_sum_of_another_step_starts_over():
     """Not reachable through pushes (an update drops older sums); a leftover must not be added to."""
     store, reference = _store(), _store()
-    parts = store.shard("m", 0).parts
+    parts = store.registry.shard("m", 0).parts
     parts.step, parts.held, parts.values = 0, 2, torch.full((NUMEL,), 7.0)
     with pytest.raises(FailedPrecondition, match="expects part 0"):
         _part(store, 1, 1, _grad(50))
@@ -343,7 +344,7 @@ def test_parts_stay_while_the_shard_is_evicted_and_apply_commits(tmp_path):
     tier_admin.evict(store, "m", 0)
     _part(store, 1, 0, _grad(80), "bf16")
     _part(store, 1, 1, _grad(81), "bf16")
-    assert store.shard("m", 0).tier == "nvme"  # a part needs neither the values nor RAM for them
+    assert store.registry.shard("m", 0).tier == "nvme"  # a part needs neither the values nor RAM for them
     tier_admin.evict(store, "m", 0)
     assert _apply(store, 1, 2, groups=GROUPS).applied
     total = _data("bf16", _grad(80)).decompress(torch.empty(NUMEL)) + _data("bf16", _grad(81)).decompress(
@@ -374,7 +375,7 @@ def test_a_failed_commit_keeps_the_parts_for_a_retry(tmp_path, monkeypatch):
         _apply(store, 1, 1)
     monkeypatch.undo()
     _assert_same(_state(store), before)
-    assert store.shard("m", 0).parts.held == 1
+    assert store.registry.shard("m", 0).parts.held == 1
     assert _apply(store, 1, 1).applied
     reference.push(PushRequest("m", 0, step=1, kind="gradient", data=_grad(90)))
     _assert_same(_state(store), _state(reference))
@@ -428,7 +429,7 @@ def test_a_disk_without_room_for_the_sum_refuses_part_0_and_changes_nothing(tmp_
     with pytest.raises(ResourceExhausted, match="no room for a 12288-byte gradient accumulator in .*accumulators"):
         _part(store, 1, 0, _grad(110))
     monkeypatch.undo()
-    assert store.shard("m", 0).parts.held == 0 and list((tmp_path / "accumulators").iterdir()) == []
+    assert store.registry.shard("m", 0).parts.held == 0 and list((tmp_path / "accumulators").iterdir()) == []
     _assert_same(_state(store), before)
     store.close()
     store.files.close()

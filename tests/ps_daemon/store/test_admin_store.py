@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.errors import NotFound
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.store import inspection, tier_admin
@@ -26,9 +27,9 @@ def _store(tmp_path=None, *, shards: int = 2) -> ShardStore:
     if tmp_path is not None:
         # One spare slot: the slot a commit frees is the very next commit's.
         files = NvmeFiles(tmp_path, io=DirectIO(threads=2, block_bytes=PAGE), fsync=False, spare_slots=1)
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
     spec = ModelSpec("m", (ParamSpec("w", (shards * NUMEL,)),), SGD(lr=0.1), NUMEL * 4, ("d",))
-    store.register(spec, 0)
+    store.registry.register(spec, 0)
     for shard_id in range(shards):
         store.push(
             PushRequest("m", shard_id, step=0, kind="parameters", data=torch.full((NUMEL,), float(shard_id)), lr=None)
@@ -37,7 +38,7 @@ def _store(tmp_path=None, *, shards: int = 2) -> ShardStore:
 
 
 def _step(store: ShardStore, shard_id: int) -> None:
-    version = store.shard("m", shard_id).version
+    version = store.registry.shard("m", shard_id).version
     store.push(PushRequest("m", shard_id, step=version, kind="gradient", data=torch.ones(NUMEL), lr=None))
 
 
@@ -57,7 +58,7 @@ def _interleave(monkeypatch, store: ShardStore, commits_during: int) -> list[int
         if len(readers) < commits_during:
             _step(store, 0)
             _step(store, 1)
-        readers.append(store.shard("m", 0).readers)
+        readers.append(store.registry.shard("m", 0).readers)
         return real(model, slot, expected, buffer)
 
     monkeypatch.setattr(store.files, "check_slot", check_slot)
@@ -71,14 +72,14 @@ def test_verify_reads_every_committed_shard_back_and_leaves_the_tiers_alone(tmp_
         assert tier_admin.evict(store, "m", 2).tier == "nvme"
         read_before = store.files.bytes_read
         shards = inspection.shards_to_verify(store, "m")
-        assert inspection.verify_bytes(store.files, shards) == 3 * (PAGE + store.shard("m", 0).arena_bytes)
+        assert inspection.verify_bytes(store.files, shards) == 3 * (PAGE + store.registry.shard("m", 0).arena_bytes)
         verdicts = list(inspection.verify(store.files, shards))
         assert [(v.shard_id, v.status, v.version, v.tier) for v in verdicts] == [
             (0, "ok", 0, "ram"), (1, "ok", 1, "ram"), (2, "ok", 0, "nvme"),
         ]  # fmt: skip
-        assert all(v.bytes_read == PAGE + store.shard("m", 0).arena_bytes for v in verdicts)
+        assert all(v.bytes_read == PAGE + store.registry.shard("m", 0).arena_bytes for v in verdicts)
         # Nothing was loaded: shard 2 is still on NVMe, and the tier read nothing.
-        assert store.shard("m", 2).tier == "nvme" and store.files.bytes_read == read_before
+        assert store.registry.shard("m", 2).tier == "nvme" and store.files.bytes_read == read_before
     finally:
         _close(store)
 
@@ -103,7 +104,7 @@ def test_a_shard_committed_during_every_read_is_held_still_for_the_last(tmp_path
         verdict = next(inspection.verify(store.files, inspection.shards_to_verify(store, "m")))
         assert (verdict.status, verdict.version) == ("ok", VERIFY_ATTEMPTS), verdict.detail
         assert readers == [0] * VERIFY_ATTEMPTS + [1]  # the last read under a read hold, as a pull's
-        assert store.shard("m", 0).readers == 0  # and released
+        assert store.registry.shard("m", 0).readers == 0  # and released
     finally:
         _close(store)
 
@@ -112,7 +113,7 @@ def test_verify_names_a_shard_that_was_never_committed(tmp_path):
     store = _store(tmp_path)
     try:
         spec = ModelSpec("fresh", (ParamSpec("w", (NUMEL,)),), SGD(lr=0.1), NUMEL * 4, ("d",))
-        store.register(spec, 0)
+        store.registry.register(spec, 0)
         (verdict,) = inspection.verify(store.files, inspection.shards_to_verify(store, "fresh"))
         assert verdict.status == "not_at_rest" and "never pushed" in verdict.detail
         every_shard = inspection.shards_to_verify(store)
@@ -138,19 +139,19 @@ def test_histogram_counts_finite_values_in_equal_bins():
     values = torch.arange(NUMEL, dtype=torch.float32)
     values[:2] = torch.tensor([math.nan, -math.inf])
     store.push(PushRequest("m", 0, step=0, kind="parameters", data=values, lr=None))
-    stats = inspection.value_stats(store, store.shard("m", 0), bins=4)
+    stats = inspection.value_stats(store, store.registry.shard("m", 0), bins=4)
     assert (stats.histogram_low, stats.histogram_high) == (2.0, NUMEL - 1.0)
     assert sum(stats.histogram) == NUMEL - 2 and len(stats.histogram) == 4
     assert stats.histogram == tuple(int(c) for c in torch.histc(values[2:].double(), 4, 2.0, NUMEL - 1.0))
     assert stats.nan_count == 1 and stats.min == -math.inf  # min/max keep the infinities
-    assert inspection.value_stats(store, store.shard("m", 0)).histogram == ()  # only when asked for
+    assert inspection.value_stats(store, store.registry.shard("m", 0)).histogram == ()  # only when asked for
 
     store.push(PushRequest("m", 0, step=0, kind="parameters", data=torch.full((NUMEL,), 0.5), lr=None))
-    one = inspection.value_stats(store, store.shard("m", 0), bins=4)
+    one = inspection.value_stats(store, store.registry.shard("m", 0), bins=4)
     assert (one.histogram, one.histogram_low, one.histogram_high) == ((NUMEL,), 0.5, 0.5)
 
     store.push(PushRequest("m", 0, step=0, kind="parameters", data=torch.full((NUMEL,), math.nan), lr=None))
-    assert inspection.value_stats(store, store.shard("m", 0), bins=4).histogram == ()
+    assert inspection.value_stats(store, store.registry.shard("m", 0), bins=4).histogram == ()
 
 
 def test_verify_of_an_unknown_model_names_the_known_ones():

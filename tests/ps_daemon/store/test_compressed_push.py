@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps_offload import kernels
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument
 from ps_offload.daemon.model.encodings import check_size, parse
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.store.push import PushRequest
-from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.optimizers import SGD, AdamW
 from ps_offload.proto.payloads import onebit_nbytes
+from tests.helpers.payloads import encoded_payload
 
 # Two parameters with different weight decay in one 12 KiB shard (3072 elements), and a
 # second, partial shard of 928: blocks start at each shard's first element.
@@ -24,8 +24,8 @@ NUMELS = (3072, 928)
 
 
 def _store(optimizer, name="m"):
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=SHARD_BYTES)
-    store.register(ModelSpec(name, PARAMS, optimizer, SHARD_BYTES, ("d",)), 0)
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=SHARD_BYTES)
+    store.registry.register(ModelSpec(name, PARAMS, optimizer, SHARD_BYTES, ("d",)), 0)
     torch.manual_seed(0)
     initial = torch.randn(sum(NUMELS))
     for shard_id, (start, n) in enumerate(zip((0, NUMELS[0]), NUMELS, strict=True)):
@@ -39,36 +39,19 @@ def _grad(n, step):
     return torch.randn(n, generator=torch.Generator().manual_seed(10 * step + n)) * (1 + step)
 
 
-def _payload(encoding: str, grad: torch.Tensor) -> torch.Tensor:
-    """The bytes a trainer would send, in an fp32 staging buffer as the daemon receives them."""
-    if encoding == "onebit":
-        bits, scales = kernels.onebit_compress(grad, None)
-        raw = torch.cat([scales.view(torch.uint8), bits])
-    elif encoding in ("bf16", "fp16"):
-        raw = kernels.cast_compress(grad, None, torch.bfloat16 if encoding == "bf16" else torch.float16)
-        raw = raw.view(torch.uint8)
-    else:
-        indices, values = kernels.topk_compress(grad, None, 0.05)
-        raw = torch.cat([torch.tensor([indices.numel()], dtype=torch.int32).view(torch.uint8),
-                         indices.view(torch.uint8), values.view(torch.uint8)])  # fmt: skip
-    staging = torch.zeros((raw.numel() + 3) // 4)
-    staging.view(torch.uint8)[: raw.numel()] = raw
-    return staging, raw.numel()
-
-
 def _apply(store, encoding, shard_id, step, grad, name="m", kind="gradient", variance_frozen_at=None):
-    staging, nbytes = _payload(encoding, grad)
+    staging, nbytes = encoded_payload(encoding, grad)
     n = NUMELS[shard_id]
     check_size(encoding, nbytes, n, "test")
     frozen = dict(variance_frozen_at=variance_frozen_at)
     header = PushRequest(name, shard_id, step=step, kind=kind, nbytes=nbytes, encoding=encoding, **frozen)
-    assert store.check_push(header) is None
+    assert store.check_push(header).duplicate is None
     data = parse(encoding, staging, nbytes, n, "t")
     return store.push(PushRequest(name, shard_id, step=step, kind=kind, data=data, lr=0.01, **frozen))
 
 
 def _state(store, name="m"):
-    shards = store.model(name).shards.values()
+    shards = store.registry.model(name).shards.values()
     return [t.clone() for s in shards for t in (s.master, *s.optimizer.state)]
 
 
@@ -82,7 +65,7 @@ def test_compressed_gradients_apply_exactly_what_raw_would(encoding):
     for step in range(3):
         for shard_id, n in enumerate(NUMELS):
             grad = _grad(n, step)
-            staging, nbytes = _payload(encoding, grad)
+            staging, nbytes = encoded_payload(encoding, grad)
             decompressed = parse(encoding, staging, nbytes, n, "t").decompress(torch.empty(n))
             assert _apply(ours, encoding, shard_id, step, grad).applied
             raw.push(PushRequest("m", shard_id, step=step, kind="gradient", data=decompressed, lr=0.01))
@@ -103,11 +86,11 @@ def test_onebit_momentum_is_fused_and_matches_the_decompressed_momentum():
     ours, raw = _store(AdamW(weight_decay=0.1)), _store(AdamW(weight_decay=0.1))
     _warm_up(ours, 3)
     _warm_up(raw, 3)
-    frozen = [s.optimizer.state[1].clone() for s in ours.model("m").shards.values()]
+    frozen = [s.optimizer.state[1].clone() for s in ours.registry.model("m").shards.values()]
     for step in range(3, 6):
         for shard_id, n in enumerate(NUMELS):
             momentum = _grad(n, step) * 1e-2
-            staging, nbytes = _payload("onebit", momentum)
+            staging, nbytes = encoded_payload("onebit", momentum)
             payload = parse("onebit", staging, nbytes, n, "t")
             result = _apply(ours, "onebit", shard_id, step, momentum, kind="momentum", variance_frozen_at=3)
             assert result.applied and result.version == step + 1
@@ -115,9 +98,9 @@ def test_onebit_momentum_is_fused_and_matches_the_decompressed_momentum():
             raw.push(
                 PushRequest("m", shard_id, step=step, kind="momentum", data=decompressed, lr=0.01, variance_frozen_at=3)
             )
-            m = ours.shard("m", shard_id).optimizer.state[0]
+            m = ours.registry.shard("m", shard_id).optimizer.state[0]
             assert torch.equal(m, decompressed)
-    for shard, v in zip(ours.model("m").shards.values(), frozen, strict=True):
+    for shard, v in zip(ours.registry.model("m").shards.values(), frozen, strict=True):
         assert torch.equal(shard.optimizer.state[1], v)
     for a, b in zip(_state(ours), _state(raw), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -162,10 +145,10 @@ def test_compressed_retry_of_an_applied_step_changes_nothing():
     store = _store(AdamW())
     assert _apply(store, "onebit", 0, 0, _grad(3072, 0)).version == 1
     before = _state(store)
-    staging, nbytes = _payload("onebit", _grad(3072, 7))  # a retry carrying other bytes
+    staging, nbytes = encoded_payload("onebit", _grad(3072, 7))  # a retry carrying other bytes
     ack = store.check_push(
         PushRequest("m", 0, step=0, kind="gradient", nbytes=nbytes, dtype="float32", encoding="onebit")
-    )
+    ).duplicate
     assert ack is not None and not ack.applied and ack.version == 1  # answered before the payload
     late = store.push(
         PushRequest("m", 0, step=0, kind="gradient", data=parse("onebit", staging, nbytes, 3072, "t"), lr=0.01)
@@ -200,8 +183,8 @@ def test_wrong_sizes_are_refused_naming_the_shard_and_what_it_needs(encoding, nb
 
 
 def test_compressed_parameters_are_refused():
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=SHARD_BYTES)
-    store.register(ModelSpec("m", PARAMS, AdamW(), SHARD_BYTES, ("d",)), 0)
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=SHARD_BYTES)
+    store.registry.register(ModelSpec("m", PARAMS, AdamW(), SHARD_BYTES, ("d",)), 0)
     with pytest.raises(InvalidArgument, match="PARAMETERS must be RAW float32.*ONEBIT"):
         store.check_push(PushRequest("m", 0, step=0, kind="parameters", nbytes=onebit_nbytes(3072), encoding="onebit"))
 

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument
 from ps_offload.daemon.model.spec import MAX_LR, MAX_WEIGHT_DECAY, ModelSpec, ParamSpec, spec_from_dict, spec_to_dict
 from ps_offload.daemon.rpc import conversions
@@ -42,20 +43,20 @@ def _spec(groups=(0, 1), optimizer=None, name="m") -> ModelSpec:
     ],
 )
 def test_a_gap_in_the_group_numbers_is_refused_at_registration(groups, message):
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4)
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4)
     with pytest.raises(InvalidArgument, match="model 'm': ") as info:
-        store.register(_spec(groups), 0)
+        store.registry.register(_spec(groups), 0)
     assert message in str(info.value)
-    assert store.models() == []
+    assert store.registry.models() == []
 
 
 def test_groups_are_part_of_the_spec_and_of_its_json():
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4)
-    assert store.register(_spec((0, 1)), 0)[1]
-    assert not store.register(_spec((0, 1)), 0)[1]  # idempotent
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4)
+    assert store.registry.register(_spec((0, 1)), 0)[1]
+    assert not store.registry.register(_spec((0, 1)), 0)[1]  # idempotent
     with pytest.raises(FailedPrecondition, match="parameter 'p0' was"):
-        store.register(_spec((1, 0)), 0)
-    assert store.model("m").shards[0].optimizer.group_count == 2
+        store.registry.register(_spec((1, 0)), 0)
+    assert store.registry.model("m").shards[0].optimizer.group_count == 2
     spec = _spec((0, 1, 2))
     assert spec_from_dict(spec_to_dict(spec)) == spec and spec.group_count == 3
     written_before_groups = spec_to_dict(spec)
@@ -125,15 +126,15 @@ def test_the_bounds_themselves_are_accepted():
     edge = GroupSettings(lr=MAX_LR, weight_decay=MAX_WEIGHT_DECAY, beta1=0.0, beta2=0.0, eps=1e-300)
     zero = GroupSettings(lr=0.0, weight_decay=0.0, beta1=math.nextafter(1, 0), beta2=0.5, eps=1.0)
     push = PushRequest("m", 0, step=0, kind="gradient", nbytes=4 * NUMEL, groups=(edge, zero), grad_multiplier=1e-30)
-    assert _store(AdamW(lr=0.1)).check_push(push) is None
+    assert _store(AdamW(lr=0.1)).check_push(push).duplicate is None
 
 
 # -- a push on its shard: the store refuses it before anything changes ---------------------
 
 
 def _store(optimizer) -> ShardStore:
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4)
-    store.register(_spec((0, 1), optimizer), 0)
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4)
+    store.registry.register(_spec((0, 1), optimizer), 0)
     store.push(PushRequest("m", 0, step=0, kind="parameters", data=torch.linspace(-1, 1, NUMEL)))
     return store
 
@@ -174,7 +175,7 @@ SGD_CASES = [
 )
 def test_groups_that_do_not_fit_the_model_are_refused_and_change_nothing(optimizer, groups, message):
     store = _store(optimizer)
-    shard = store.shard("m", 0)
+    shard = store.registry.shard("m", 0)
     before = [t.clone() for t in (shard.master, *shard.optimizer.state)]
     announced = PushRequest("m", 0, step=0, kind="gradient", nbytes=4 * NUMEL, groups=groups)
     with pytest.raises(InvalidArgument, match="push to shard 0 of model 'm'") as info:

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.errors import InvalidArgument
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc import conversions, data_path
@@ -22,32 +23,10 @@ from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
 from ps_offload.optimizers import SGD, AdamW
 from ps_offload.proto import ps_pb2
+from tests.helpers.rounding_edges import EDGE_FLOATS, EDGE_NAN_BITS, edge_values
 
 NARROW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 NUMEL = 1024  # one shard of 4 KiB
-
-EDGE_FLOATS = [
-    0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, -1.0, 0.1, -3.14159,
-    # bf16 keeps 8 significant bits: each of these is halfway, and goes to the even neighbour
-    1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), -(1 + 3 * 2**-8), 257.0, 259.0, 1 + 2**-8 + 2**-20,
-    # fp16 keeps 11: the same for it
-    1 + 2**-11, 1 + 3 * 2**-11, 2049.0, 2051.0, -2049.0, 1 + 2**-11 + 2**-20,
-    # fp16's largest is 65504; 65520 is the tie with 65536, which is past it: inf
-    65504.0, 65519.0, 65520.0, -65520.0, 70000.0, 1e10, 3.0e38,
-    # fp16 subnormals (2**-24 the smallest), ties among them, and below them
-    2**-24, 2**-25, 3 * 2**-25, 5 * 2**-25, 2**-14 - 2**-24, 2**-14, 6e-8, 1e-7, -(2**-24), 1e-9,
-    # fp32 subnormals (bf16 has them too), and fp32's largest, which bf16 rounds to inf
-    1e-40, -1e-40, 2**-149, 3.4028234663852886e38, -3.4028234663852886e38,
-]  # fmt: skip
-EDGE_NAN_BITS = [0x7F800001, 0xFFC00000, 0x7FC00001, 0x7FFFFFFF]  # signalling, negative, with payloads
-
-
-def edge_values() -> torch.Tensor:
-    """fp32 values that exercise bf16 and fp16 rounding: ties either way, overflow to inf,
-    subnormals, NaNs (with payloads and signs), infinities and signed zeros."""
-    floats = torch.tensor(EDGE_FLOATS, dtype=torch.float32)
-    nans = torch.tensor(EDGE_NAN_BITS, dtype=torch.int64).to(torch.int32).view(torch.float32)
-    return torch.cat([floats, nans])
 
 
 def test_edge_values_round_as_written_down():
@@ -112,9 +91,9 @@ def test_only_master_pulls_may_travel_narrow():
 
 
 def _store(optimizer=None, files=None, values: torch.Tensor | None = None) -> ShardStore:
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
     spec = ModelSpec("m", (ParamSpec("w", (NUMEL,)),), optimizer or SGD(lr=0.1), NUMEL * 4, ("d",))
-    store.register(spec, 0)
+    store.registry.register(spec, 0)
     values = _values() if values is None else values
     store.push(PushRequest("m", 0, step=0, kind="parameters", data=values, lr=None))
     return store
@@ -127,7 +106,7 @@ def _values() -> torch.Tensor:
 @pytest.mark.parametrize("dtype", NARROW)
 def test_a_narrow_pull_is_rounded_under_the_hold_and_counts_the_bytes_sent(dtype):
     store, values, pool = _store(), _values(), StagingPool(max_bytes=1 << 20)
-    shard = store.shard("m", 0)
+    shard = store.registry.shard("m", 0)
     with store.pull(PullRequest("m", 0), timeout=1) as (fp32, version):
         assert fp32.dtype == torch.float32 and shard.readers == 1  # fp32: streamed under the hold
     assert store.stats.bytes_pulled == 4 * NUMEL and store.stats.pulls == 1
@@ -154,7 +133,7 @@ def test_the_rounding_happens_while_the_shard_is_held(monkeypatch):
     import ps_offload.daemon.store.pull_rounding as pull_rounding
 
     store = _store()
-    shard, seen = store.shard("m", 0), []
+    shard, seen = store.registry.shard("m", 0), []
     real = pull_rounding.round_into
 
     def round_into(values, buffer, dtype):
@@ -194,7 +173,7 @@ def test_a_refused_pull_holds_and_counts_nothing(tensor, dtype, message):
         with store.pull(PullRequest("m", 0, tensor=tensor, dtype=dtype), timeout=1):
             pass
     assert message in str(info.value)
-    assert store.stats.pulls == 0 and store.stats.bytes_pulled == 0 and store.shard("m", 0).readers == 0
+    assert store.stats.pulls == 0 and store.stats.bytes_pulled == 0 and store.registry.shard("m", 0).readers == 0
     with store.pull(PullRequest("m", 0, tensor=tensor), timeout=1) as (state, _):
         assert state.dtype == torch.float32  # in fp32 it is served
 

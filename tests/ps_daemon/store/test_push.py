@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.errors import DataLoss, InvalidArgument
 from ps_offload.daemon.model.spec import MAX_LR, ModelSpec, ParamSpec
 from ps_offload.daemon.store.pull import PullRequest
@@ -48,15 +49,15 @@ def _store(tmp_path=None) -> ShardStore:
     files = None
     if tmp_path is not None:
         files = NvmeFiles(tmp_path, io=DirectIO(threads=2, block_bytes=PAGE), fsync=False, spare_slots=1)
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
-    store.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamW(lr=0.1), NUMEL * 4, ("d",)), 0)
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=NUMEL * 4, files=files)
+    store.registry.register(ModelSpec("m", (ParamSpec("w", (NUMEL,)),), AdamW(lr=0.1), NUMEL * 4, ("d",)), 0)
     store.push(PushRequest("m", 0, step=0, kind="parameters", data=torch.ones(NUMEL)))
     store.push(PushRequest("m", 0, step=0, kind="gradient", data=torch.linspace(-1, 1, NUMEL)))
     return store
 
 
 def _failing_midway(monkeypatch, store: ShardStore) -> None:
-    shard = store.shard("m", 0)
+    shard = store.registry.shard("m", 0)
     real = shard.optimizer.apply
 
     def apply(master, grad, lr, groups=(), *, multiplier=None, out=None):
@@ -69,7 +70,7 @@ def _failing_midway(monkeypatch, store: ShardStore) -> None:
 
 def test_a_failed_update_goes_back_to_the_committed_version_on_nvme(monkeypatch, tmp_path):
     store = _store(tmp_path)
-    shard = store.shard("m", 0)
+    shard = store.registry.shard("m", 0)
     before = [t.clone() for t in (shard.master, *shard.optimizer.state)]
     _failing_midway(monkeypatch, store)
     with pytest.raises(RuntimeError, match="injected"):
@@ -88,7 +89,7 @@ def test_a_push_carrying_its_pull_writes_the_new_version_there_and_on_failure_th
     them, written in the update's own pass; when the update fails, the values the shard went
     back to, so the trainer never keeps a version that was not committed."""
     store = _store(tmp_path)
-    shard = store.shard("m", 0)
+    shard = store.registry.shard("m", 0)
     target = torch.full((NUMEL,), 9.0, dtype=dtype)
     result = store.push(PushRequest("m", 0, step=1, kind="gradient", data=torch.ones(NUMEL)), pull_into=target)
     assert result.applied and result.pulled and result.version == 2

@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.errors import FailedPrecondition, InvalidArgument
 from ps_offload.daemon.model.kernel_digest import kernel_digest
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec, spec_from_dict, spec_to_dict
-from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.optimizers import AdamW
 
 SHARD_NUMEL = 1024
@@ -24,8 +24,8 @@ def _spec(replicas: int, daemons: int = 3) -> ModelSpec:
 
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_a_daemon_holds_its_primaries_and_the_replicas_placed_on_it(index):
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=SHARD_NUMEL * 4)
-    model, created = store.register(_spec(2), index)
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=SHARD_NUMEL * 4)
+    model, created = store.registry.register(_spec(2), index)
     assert created
     held = {s.shard_id for s in model.plan if index in s.holders}
     assert set(model.shards) == held
@@ -35,14 +35,14 @@ def test_a_daemon_holds_its_primaries_and_the_replicas_placed_on_it(index):
 
 def test_more_replicas_than_daemons_is_refused_at_registration():
     with pytest.raises(InvalidArgument, match="3 replicas of each shard need as many daemons; the list has 2"):
-        ShardStore(ram_bytes=1 << 30, default_shard_bytes=SHARD_NUMEL * 4).register(_spec(3, daemons=2), 0)
+        open_store(ram_bytes=1 << 30, default_shard_bytes=SHARD_NUMEL * 4).registry.register(_spec(3, daemons=2), 0)
 
 
 def test_the_same_model_with_another_replica_count_is_refused():
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=SHARD_NUMEL * 4)
-    store.register(_spec(2), 0)
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=SHARD_NUMEL * 4)
+    store.registry.register(_spec(2), 0)
     with pytest.raises(FailedPrecondition, match="replicas was 2, now 1"):
-        store.register(_spec(1), 0)
+        store.registry.register(_spec(1), 0)
 
 
 def test_the_spec_keeps_its_replicas_on_disk_and_older_records_read_as_one():

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store.shard import ARENA_STAGGER, arena_nbytes
-from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.optimizers import SGD, AdamW
 
 
 def _shard(optimizer, numel=4096):
-    store = ShardStore(ram_bytes=1 << 30, default_shard_bytes=numel * 4)
-    model, _ = store.register(ModelSpec("m", (ParamSpec("w", (numel,)),), optimizer, numel * 4, ("d",)), 0)
+    store = open_store(ram_bytes=1 << 30, default_shard_bytes=numel * 4)
+    model, _ = store.registry.register(ModelSpec("m", (ParamSpec("w", (numel,)),), optimizer, numel * 4, ("d",)), 0)
     return store, model.shards[0]
 
 

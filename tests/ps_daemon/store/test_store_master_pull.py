@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc.staging import StagingPool
@@ -21,7 +22,7 @@ from ps_offload.daemon.store.shard import arena_nbytes
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
 from ps_offload.optimizers import AdamW
-from tests.ps_daemon.tiers.format2 import downgrade_to_format_2
+from tests.helpers.nvme_files import downgrade_to_format_2
 
 NUMEL = 1024  # one 4 KiB page of master values per shard; AdamW's arena is 14 KiB
 SHARDS = 3
@@ -34,12 +35,12 @@ def _store(directory, *, files: NvmeFiles | None = None, ram_shards: int = 2) ->
     if files is None and directory is not None:
         files = NvmeFiles(directory, io=DirectIO(threads=2, block_bytes=PAGE), fsync=False, spare_slots=1)
     ram = ram_shards * arena_nbytes(NUMEL, AdamW()) if files is not None else 1 << 30
-    return ShardStore(ram_bytes=ram, default_shard_bytes=NUMEL * 4, files=files, prefetch_depth=0)
+    return open_store(ram_bytes=ram, default_shard_bytes=NUMEL * 4, files=files, prefetch_depth=0)
 
 
 def _register(store: ShardStore) -> None:
     spec = ModelSpec("m", (ParamSpec("w", (SHARDS * NUMEL,)),), AdamW(lr=0.01), NUMEL * 4, ("d",))
-    store.register(spec, 0)
+    store.registry.register(spec, 0)
     values = torch.randn(SHARDS * NUMEL, generator=torch.Generator().manual_seed(0))
     for shard_id in range(SHARDS):
         data = values[shard_id * NUMEL : (shard_id + 1) * NUMEL].clone()
@@ -51,7 +52,7 @@ def _gradient(shard_id: int, step: int) -> torch.Tensor:
 
 
 def _step(store: ShardStore, shard_id: int) -> None:
-    step = store.shard("m", shard_id).version
+    step = store.registry.shard("m", shard_id).version
     store.push(PushRequest("m", shard_id, step=step, kind="gradient", data=_gradient(shard_id, step), lr=None))
 
 
@@ -80,7 +81,7 @@ def _bits(values: torch.Tensor) -> torch.Tensor:
 
 
 def _tiers(store: ShardStore) -> list[str]:
-    return [store.shard("m", s).tier for s in range(SHARDS)]
+    return [store.registry.shard("m", s).tier for s in range(SHARDS)]
 
 
 def _tier_use(store: ShardStore) -> tuple:
@@ -123,7 +124,7 @@ def test_a_resident_shard_is_pulled_from_ram_and_other_tensors_load_the_shard(tm
         # Optimizer state is pulled to resume from, rarely: it loads the shard as before.
         with store.pull(PullRequest("m", 0, tensor="exp_avg"), timeout=5) as (exp_avg, version):
             assert version == 1 and torch.count_nonzero(exp_avg) > 0
-        assert store.shard("m", 0).tier == "ram" and store.stats_snapshot().tier_misses == misses + 1
+        assert store.registry.shard("m", 0).tier == "ram" and store.stats_snapshot().tier_misses == misses + 1
         assert store.stats_snapshot().nvme_master_reads == 0
     finally:
         _close(store)
@@ -132,7 +133,7 @@ def test_a_resident_shard_is_pulled_from_ram_and_other_tensors_load_the_shard(tm
 def test_the_read_ends_the_hold_and_its_buffer_comes_from_the_pool_and_goes_back(tmp_path):
     store = _trained(tmp_path)
     pool = StagingPool(max_bytes=1 << 20)
-    shard = store.shard("m", 0)
+    shard = store.registry.shard("m", 0)
     try:
         with store.pull(PullRequest("m", 0), timeout=5, scratch=pool.borrow) as (sent, version):
             # Sent from this pull's copy: an update goes ahead meanwhile and does not change it.
@@ -156,7 +157,7 @@ def test_a_commit_waits_for_the_read_and_other_commits_cannot_take_its_slot(tmp_
     never into the slot being read. The pull gets the version it reports."""
     store = _trained(tmp_path, ram_shards=SHARDS)
     files = store.files
-    expected = store.shard("m", 2).master.clone()
+    expected = store.registry.shard("m", 2).master.clone()
     tier_admin.evict(store, "m", 2)
     committed = files.committed_slot("m", 2)
     reading, release, pulled = threading.Event(), threading.Event(), []
@@ -180,14 +181,14 @@ def test_a_commit_waits_for_the_read_and_other_commits_cannot_take_its_slot(tmp_
             _step(store, 1)
             assert files.committed_slot("m", 2) is committed and committed[0] not in files.files["m"].free
         time.sleep(0.2)
-        assert pusher.is_alive() and store.shard("m", 2).version == 1
+        assert pusher.is_alive() and store.registry.shard("m", 2).version == 1
         release.set()
         puller.join(10)
         pusher.join(10)
         assert not puller.is_alive() and not pusher.is_alive()
         ((values, version),) = pulled
         assert version == 1 and torch.equal(_bits(values), _bits(expected))
-        assert store.shard("m", 2).version == 2 and store.stats_snapshot().nvme_master_reads == 1
+        assert store.registry.shard("m", 2).version == 2 and store.stats_snapshot().nvme_master_reads == 1
     finally:
         release.set()
         _close(store)
@@ -197,10 +198,10 @@ def test_pulls_racing_updates_and_evictions_get_one_committed_version(tmp_path):
     steps = 12
     reference = _store(None)  # RAM only: the master values of every version
     _register(reference)
-    expected = [reference.shard("m", 0).master.clone()]
+    expected = [reference.registry.shard("m", 0).master.clone()]
     for _ in range(steps):
         _step(reference, 0)
-        expected.append(reference.shard("m", 0).master.clone())
+        expected.append(reference.registry.shard("m", 0).master.clone())
 
     store = _store(tmp_path, ram_shards=1)
     _register(store)
@@ -246,7 +247,7 @@ def test_pulls_racing_updates_and_evictions_get_one_committed_version(tmp_path):
 def test_a_pull_for_a_version_not_committed_yet_waits_for_it(tmp_path):
     store = _trained(tmp_path)
     try:
-        assert store.shard("m", 0).tier == "nvme"
+        assert store.registry.shard("m", 0).tier == "nvme"
         with pytest.raises(DeadlineExceeded, match="waited for version 2"):
             with store.pull(PullRequest("m", 0, min_version=2), timeout=0.2):
                 pass
@@ -258,7 +259,7 @@ def test_a_pull_for_a_version_not_committed_yet_waits_for_it(tmp_path):
         _step(store, 0)
         waiting.join(10)
         ((values, version),) = pulled
-        assert version == 2 and torch.equal(values, store.shard("m", 0).master)
+        assert version == 2 and torch.equal(values, store.registry.shard("m", 0).master)
     finally:
         _close(store)
 
@@ -278,7 +279,7 @@ def test_a_corrupt_master_region_is_data_loss_for_that_shard_only(tmp_path):
             _pull(store, 0)
         with pytest.raises(DataLoss, match="shard 0 of model 'm' is corrupt"):  # and stays refused
             _pull(store, 0, "bfloat16")
-        assert store.shard("m", 1).tier == "nvme" and store.stats_snapshot().shards_corrupt == 1
+        assert store.registry.shard("m", 1).tier == "nvme" and store.stats_snapshot().shards_corrupt == 1
         assert _pull(store, 1)[1] == 1 and _pull(store, 2)[1] == 1  # on NVMe, and in RAM
         assert store.stats_snapshot().nvme_master_reads == 1  # shard 1's; the failed read is not counted
     finally:
@@ -293,31 +294,35 @@ def test_a_slot_of_format_2_loads_the_shard_whole_until_its_next_commit(tmp_path
 
     store = _store(tmp_path)
     try:
-        assert store.recover() == SHARDS and _tiers(store) == ["nvme"] * SHARDS
+        assert store.registry.recover() == SHARDS and _tiers(store) == ["nvme"] * SHARDS
         values, version = _pull(store, 0)
         assert version == 1 and torch.equal(values, before)
         stats = store.stats_snapshot()
-        assert (stats.nvme_master_reads, stats.tier_misses) == (0, 1) and store.shard("m", 0).tier == "ram"
+        assert (stats.nvme_master_reads, stats.tier_misses) == (0, 1) and store.registry.shard("m", 0).tier == "ram"
         _step(store, 0)  # committed in format 3
         tier_admin.evict(store, "m", 0)
         values, version = _pull(store, 0)
-        assert version == 2 and store.stats_snapshot().nvme_master_reads == 1 and store.shard("m", 0).tier == "nvme"
+        assert (
+            version == 2
+            and store.stats_snapshot().nvme_master_reads == 1
+            and store.registry.shard("m", 0).tier == "nvme"
+        )
     finally:
         _close(store)
 
 
 def test_after_a_restart_the_shards_are_pulled_from_disk_as_they_were(tmp_path):
     store = _trained(tmp_path, ram_shards=SHARDS)
-    before = [store.shard("m", s).master.clone() for s in range(SHARDS)]
+    before = [store.registry.shard("m", s).master.clone() for s in range(SHARDS)]
     _close(store)
     store = _store(tmp_path)
     try:
-        assert store.recover() == SHARDS
+        assert store.registry.recover() == SHARDS
         for shard_id in range(SHARDS):
             values, version = _pull(store, shard_id, "float32")
             assert version == 1 and torch.equal(_bits(values), _bits(before[shard_id]))
         assert store.stats_snapshot().nvme_master_reads == SHARDS and _tiers(store) == ["nvme"] * SHARDS
         _step(store, 1)  # and training goes on from there
-        assert store.shard("m", 1).version == 2
+        assert store.registry.shard("m", 1).version == 2
     finally:
         _close(store)

@@ -20,7 +20,7 @@ from ps_offload.daemon.tiers.nvme import (
     aligned_empty,
 )
 from ps_offload.optimizers import SGD
-from tests.ps_daemon.tiers.format2 import downgrade_to_format_2, format_2_header
+from tests.helpers.nvme_files import downgrade_to_format_2, format_2_header
 
 SHARDS = 2
 ARENA = 3 * PAGE

@@ -58,7 +58,7 @@ def test_only_a_lost_daemon_of_the_list_is_replaced():
             client.replace_daemon("127.0.0.1:9", "127.0.0.1:3")
         with pytest.raises(ValueError, match="daemon 127.0.0.1:1 is not lost: only a lost daemon is replaced"):
             client.replace_daemon("127.0.0.1:1", "127.0.0.1:3")
-        client.lost[0] = "gone"
+        client.holders.lost[0] = "gone"
         with pytest.raises(ValueError, match="repeat"):  # the new list would name 127.0.0.1:2 twice
             client.replace_daemon("127.0.0.1:1", "127.0.0.1:2")
         assert client.daemons == ["127.0.0.1:1", "127.0.0.1:2"]  # nothing changed

@@ -1,4 +1,4 @@
-"""ForwardWaits (trainer/optimizer/forward_waits.py) on its own: which shards each module's
+"""ForwardWaits (trainer/offload/forward_waits.py) on its own: which shards each module's
 forward waits for, recorded by the callbacks, for models whose modules read a child's
 parameters without calling it."""
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ps_offload.trainer.optimizer.forward_waits import ForwardWaits
+from ps_offload.trainer.offload.forward_waits import ForwardWaits
 
 
 class Recorder:

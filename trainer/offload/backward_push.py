@@ -100,7 +100,7 @@ class BackwardPushes:
         return dict(self.parts)
 
     def rebind(self, flat: FlatParams) -> None:
-        """The optimizer adopted the model's new tensors (ps_offload.trainer.optimizer.
+        """The optimizer adopted the model's new tensors (ps_offload.trainer.offload.
         param_binding): hook those, and count this step's early parts, made from the old
         buffer, as unusable (the step is pushed whole, replacing them). What the daemons hold
         (`skipped`) is kept."""

@@ -17,7 +17,7 @@ rounds from its master as `Tensor.to` does. So a bf16 model trained here equals,
 one trained in process with an fp32 master copy and torch.optim.AdamW(fused=True).
 
 It is a torch.optim.Optimizer: `param_groups` (lr, betas, eps, weight_decay; SGD's momentum
-and dampening) go to the daemons with every step (trainer/optimizer/param_groups.py), so torch's LR
+and dampening) go to the daemons with every step (trainer/offload/param_groups.py), so torch's LR
 schedulers and Hugging Face's Trainer drive it as they drive torch.optim.AdamW.
 `clip_grad_norm_` on the model works as usual: the gradients are read at `step()`.
 
@@ -29,7 +29,7 @@ with an NVMe tier is told which of its shards the next step pushes first
 (`ClientConfig.prefetch_hints`), so it reads them back while the trainer computes.
 
 float16 parameters get dynamic loss scaling (`opt.scale_loss(loss).backward()`,
-trainer/optimizer/loss_scale.py): a step with an inf or a NaN in its gradients is skipped, nothing
+trainer/offload/loss_scale.py): a step with an inf or a NaN in its gradients is skipped, nothing
 is pushed and no version moves.
 
 `state_dict()` has torch's shape ("state", "param_groups") and names, under "ps_offload", the
@@ -76,18 +76,18 @@ from ps_offload.trainer.io.device import WIRE_DTYPES, ShardMover
 from ps_offload.trainer.io.flat import FlatParams
 from ps_offload.trainer.io.push_compression import PushCompressor, check_compression
 from ps_offload.trainer.io.shard_io import ShardIO, StepSettings, first_error
-from ps_offload.trainer.optimizer.audit import ParityAudit, check_auditable
-from ps_offload.trainer.optimizer.backward_push import BackwardPushes
-from ps_offload.trainer.optimizer.daemon_optimizer import DaemonOptimizer, check_uniform
-from ps_offload.trainer.optimizer.forward_waits import ForwardWaits
-from ps_offload.trainer.optimizer.loss_scale import found_inf
-from ps_offload.trainer.optimizer.param_binding import ParamBinding, ParameterChanged
+from ps_offload.trainer.offload.audit import ParityAudit, check_auditable
+from ps_offload.trainer.offload.backward_push import BackwardPushes
+from ps_offload.trainer.offload.daemon_optimizer import DaemonOptimizer, check_uniform
+from ps_offload.trainer.offload.forward_waits import ForwardWaits
+from ps_offload.trainer.offload.loss_scale import found_inf
+from ps_offload.trainer.offload.param_binding import ParamBinding, ParameterChanged
 
 log = logging.getLogger(__name__)
 
 
 class OffloadOptimizer(DaemonOptimizer):
-    """A torch.optim.Optimizer (trainer/optimizer/daemon_optimizer.py), and a StepOptimizer
+    """A torch.optim.Optimizer (trainer/offload/daemon_optimizer.py), and a StepOptimizer
     (trainer/pipeline/local_optimizer.py), whose state and update live on the daemons."""
 
     def __init__(
@@ -131,7 +131,7 @@ class OffloadOptimizer(DaemonOptimizer):
         )  # fmt: skip
         share, of = config.push_share
 
-        self.flat = FlatParams(named, shared=self.client.shared_host_tensor)
+        self.flat = FlatParams(named, shared=self.client.transports.shared_host_tensor)
         if self.flat.numel != self.plan[-1].end:
             raise RuntimeError(
                 f"the flat buffers hold {self.flat.numel} elements, the shard plan {self.plan[-1].end}: "
@@ -140,7 +140,10 @@ class OffloadOptimizer(DaemonOptimizer):
         self.params = self.flat.params
         self._device_config = device
         self.mover = ShardMover(
-            self.flat.values, max(s.numel for s in self.plan), config=device, shared=self.client.shared_host_tensor
+            self.flat.values,
+            max(s.numel for s in self.plan),
+            config=device,
+            shared=self.client.transports.shared_host_tensor,
         )
         self.staleness = config.staleness
         self.io = ShardIO(
@@ -162,7 +165,7 @@ class OffloadOptimizer(DaemonOptimizer):
         self._any_rank = any_rank
         if self.staleness:  # where the pulls land and the pushes are read: shared with the node's daemon too
             self._next_params, self._sent_grads = (
-                FlatParams.buffer_like(self.flat.values, self.client.shared_host_tensor) for _ in range(2)
+                FlatParams.buffer_like(self.flat.values, self.client.transports.shared_host_tensor) for _ in range(2)
             )
         # staleness=1: the step whose pushes and pulls are under way, (step, its groups,
         # multiplier, futures); futures None means they failed and are to be submitted again.
@@ -174,7 +177,7 @@ class OffloadOptimizer(DaemonOptimizer):
         # Checked at every step: the model still trains with the tensors updated here.
         self._binding = ParamBinding(model, [n for n, _ in named], self.flat)
         self.step_count = self.io.attach(self.flat.values)
-        self.audit = ParityAudit(self, config)  # every config.audit_every steps (trainer/optimizer/audit.py)
+        self.audit = ParityAudit(self, config)  # every config.audit_every steps (trainer/offload/audit.py)
         self._clip_coefficient: float | None = None  # from clip_grad_norm_, for the next step
         self._backward_pushes: BackwardPushes | None = None
         if config.push_in_backward:
@@ -190,7 +193,7 @@ class OffloadOptimizer(DaemonOptimizer):
 
     def _install_forward_hooks(self, model: nn.Module) -> ForwardWaits:
         """Each module's forward waits for the pulls of the shards it reads
-        (trainer/optimizer/forward_waits.py: its own parameters', and those of children it
+        (trainer/offload/forward_waits.py: its own parameters', and those of children it
         reads without calling them)."""
         position = {id(p): i for i, p in enumerate(self.params)}
         own = {}
@@ -295,7 +298,7 @@ class OffloadOptimizer(DaemonOptimizer):
             multiplier = float(torch.tensor(clip if multiplier is None else clip * multiplier, dtype=torch.float32))
         if not self.staleness:
             self.synchronize()
-        if self.client.lost and not parts and self.config.push_share[1] == 1:
+        if self.client.holders.lost and not parts and self.config.push_share[1] == 1:
             # Between steps: no push in flight, every shard at step_count (a replicated model's
             # lost daemon, back or replaced, gets its shards copied before this step's pushes).
             # With pushes in backward this step's parts are out already: see the end of step().
@@ -327,7 +330,7 @@ class OffloadOptimizer(DaemonOptimizer):
         self.step_count = step + 1
         self._finish_step()
         self.io.hint_after(list(pulls.values()))
-        if self.client.lost and self._backward_pushes is not None and self.config.push_share[1] == 1:
+        if self.client.holders.lost and self._backward_pushes is not None and self.config.push_share[1] == 1:
             # Every shard acknowledged at step_count and the next parts not yet begun (the
             # next backward pushes them): the one point between steps in this mode.
             self.client.repair_lost(self.step_count)
@@ -362,7 +365,7 @@ class OffloadOptimizer(DaemonOptimizer):
         """Adopts the model's new tensors when its parameters were moved, cast or re-created
         with the values they had here (model.to(), .cuda(), .to(dtype), load_state_dict(
         assign=True) of the same weights, a wrapper); raises ParameterChanged, before any
-        push, for what cannot be followed. See ps_offload.trainer.optimizer.param_binding."""
+        push, for what cannot be followed. See ps_offload.trainer.offload.param_binding."""
         changes = self._binding.changes()
         if not changes:
             return

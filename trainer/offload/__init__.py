@@ -1,7 +1,7 @@
 """The torch.optim.Optimizer whose state lives on the daemons, and its parts. `offload()`
 itself is ps_offload.trainer.api.
 
-    offload            OffloadOptimizer: the whole model on the trainer; step, hooks, delayed update
+    whole_model        OffloadOptimizer: the whole model on the trainer; step, hooks, delayed update
     daemon_optimizer   DaemonOptimizer: what it shares with the streamed one (the torch.optim face,
                        registration, groups, state_dict, loss scaler)
     param_groups       param groups <-> PushHeader.groups; refuses what the daemons cannot follow

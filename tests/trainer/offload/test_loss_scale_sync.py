@@ -1,4 +1,4 @@
-"""trainer/optimizer/loss_scale.py: scaling the loss takes no device sync (the scale reaches the kernel as
+"""trainer/offload/loss_scale.py: scaling the loss takes no device sync (the scale reaches the kernel as
 a CPU scalar, not through a copy to the device, which waits for the stream), and computes what
 GradScaler's spelling computes. The one sync a loss-scaled step keeps is found_inf's."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ps_offload.trainer.config import LossScaling
-from ps_offload.trainer.optimizer.loss_scale import LossScaler, found_inf
+from ps_offload.trainer.offload.loss_scale import LossScaler, found_inf
 
 
 def test_the_scaled_loss_and_its_gradients_are_gradscalers():

@@ -15,7 +15,7 @@ does nothing, without a word. So every `step()` asks, before anything is pushed:
 
 That is a dict lookup and a pointer comparison per name: microseconds for hundreds of
 parameters. What the optimizer then does with a change (adopt the new tensors, or refuse
-naming the parameter and what changed) is ps_offload.trainer.optimizer.offload's; this module only
+naming the parameter and what changed) is ps_offload.trainer.offload.whole_model's; this module only
 finds the changes and says what they are.
 """
 

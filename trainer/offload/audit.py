@@ -129,7 +129,7 @@ def check_auditable(config: OffloadConfig, compression: CompressionConfig, optim
 
 
 class ParityAudit:
-    """The audits of one OffloadOptimizer (trainer/optimizer/offload.py): step() calls `before_push`
+    """The audits of one OffloadOptimizer (trainer/offload/whole_model.py): step() calls `before_push`
     before its pushes and `after_step` once they were acknowledged."""
 
     def __init__(self, opt: object, config: OffloadConfig) -> None:

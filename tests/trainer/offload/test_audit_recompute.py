@@ -1,9 +1,10 @@
-"""The parity audit's recompute (trainer/optimizer/audit.py: torch.optim over the shard's kernel runs)
+"""The parity audit's recompute (trainer/offload/audit.py: torch.optim over the shard's kernel runs)
 equals the daemon's optimizer (ps_daemon/model/optimizer.py) bit for bit at any shard cut, and its
 comparison counts what differs. No daemon: the daemon's ShardOptimizer runs here."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -15,7 +16,7 @@ from ps_offload.optimizers import fused as fused_module
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import KernelRun, layout_params, plan_shards, segments_of
 from ps_offload.trainer import SGD, AdamW
-from ps_offload.trainer.optimizer.audit import difference, recompute
+from ps_offload.trainer.offload.audit import difference, recompute
 
 # Odd sizes (1, 7, 13, 91, 333, 4329, 2331 elements), so every shard size below cuts
 # parameters off the kernels' 8-element blocks.
@@ -44,7 +45,9 @@ def _settings(kind: str, step: int) -> list[dict]:
 
 def _run(kind: str, shard_numel: int, *, naive: bool = False) -> list[tuple[int, int, str]]:
     """Steps every shard with the daemon's optimizer and, from the same state, with the
-    audit's recompute; returns (step, shard, tensor) of every difference."""
+    audit's recompute; returns (step, shard, tensor) of every difference. `naive`: the
+    recompute alone steps each parameter piece as one tensor, ignoring the kernel runs (the
+    daemon's step must not see that: uncalibrated, it steps over the same kernel runs)."""
     layouts = layout_params([(name, shape, None) for name, shape in SHAPES])
     total = sum(layout.numel for layout in layouts)
     if kind == "adamw":
@@ -72,10 +75,11 @@ def _run(kind: str, shard_numel: int, *, naive: bool = False) -> list[tuple[int,
             piece = master[shard.offset : shard.end]
             before = [piece.clone(), *(s.clone() for s in daemon.state)]
             daemon.apply(piece, grad[shard.offset : shard.end], 0.0, [GroupSettings(**s) for s in settings])
-            expected = recompute(
-                optimizer, shard, layouts, GROUP_OF, before, grad[shard.offset : shard.end].clone(), step,
-                [ps_pb2.GroupHyperparams(**s) for s in settings],
-            )  # fmt: skip
+            with _naive_runs() if naive else contextlib.nullcontext():
+                expected = recompute(
+                    optimizer, shard, layouts, GROUP_OF, before, grad[shard.offset : shard.end].clone(), step,
+                    [ps_pb2.GroupHyperparams(**s) for s in settings],
+                )  # fmt: skip
             for name, got, want in zip(("master", "state0", "state1"), [piece, *daemon.state], expected, strict=False):
                 if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
                     differences.append((step, shard.shard_id, name))
@@ -88,10 +92,16 @@ def test_recompute_equals_the_daemons_optimizer_at_any_cut(kind, shard_numel):
     assert _run(kind, shard_numel) == []
 
 
-def test_a_recompute_that_ignores_the_kernel_runs_differs(monkeypatch):
+@contextlib.contextmanager
+def _naive_runs():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_module, "kernel_runs", lambda segment: [KernelRun(segment.shard_start, segment.numel)])
+        yield
+
+
+def test_a_recompute_that_ignores_the_kernel_runs_differs():
     """What the audit would report if it stepped each parameter piece as its own tensor."""
-    monkeypatch.setattr(fused_module, "kernel_runs", lambda segment: [KernelRun(segment.shard_start, segment.numel)])
-    assert _run("adamw", 1000) != []
+    assert _run("adamw", 1000, naive=True) != []
 
 
 def test_difference_counts_bits_or_what_exceeds_the_tolerance():

@@ -1,6 +1,6 @@
 """A model moved, cast or re-created after offload(): the optimizer adopts the new tensors and
 trains them exactly as if nothing had moved, or refuses before anything is pushed, naming the
-parameter and what changed (ps_offload.trainer.optimizer.param_binding; issue: `model.to()` after the
+parameter and what changed (ps_offload.trainer.offload.param_binding; issue: `model.to()` after the
 optimizer was built used to leave the model computing with tensors nobody updated)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 import ps_offload
 from ps_offload.trainer.io.device import byte_view
-from ps_offload.trainer.optimizer.param_binding import ParameterChanged
+from ps_offload.trainer.offload.param_binding import ParameterChanged
 
 _names = itertools.count()
 

@@ -59,7 +59,7 @@ class GroupTracker:
 
     def follow(self, param_groups: list[dict]) -> None:
         """Takes the groups' parameters as they are now: the optimizer adopted the model's new
-        tensors for the registered ones (ps_offload.trainer.optimizer.param_binding), one for one."""
+        tensors for the registered ones (ps_offload.trainer.offload.param_binding), one for one."""
         self.members = [[id(p) for p in group["params"]] for group in param_groups]
 
     def hyperparams(self, param_groups: list[dict]) -> list[ps_pb2.GroupHyperparams]:

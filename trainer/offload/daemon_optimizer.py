@@ -1,12 +1,12 @@
 """What the two daemon-backed optimizers share: the torch.optim.Optimizer face and the
 registration of a model with the daemons.
 
-    OffloadOptimizer   the whole model stays on the trainer (trainer/optimizer/offload.py)
+    OffloadOptimizer   the whole model stays on the trainer (trainer/offload/whole_model.py)
     StreamedOptimizer  only a window of blocks does (trainer/stream/optimizer.py)
 
 Both are a torch.optim.Optimizer whose `param_groups` travel with every step (trainer/
-optimizer/param_groups.py), whose `state_dict()` names the model and the version on the daemons, and
-whose float16 models get dynamic loss scaling (trainer/optimizer/loss_scale.py). A subclass sets `io`
+offload/param_groups.py), whose `state_dict()` names the model and the version on the daemons, and
+whose float16 models get dynamic loss scaling (trainer/offload/loss_scale.py). A subclass sets `io`
 (a ShardIO: its byte count and host buffers are reported here) and `step_count`, and defines
 `synchronize()`.
 """
@@ -30,8 +30,8 @@ from ps_offload.trainer.config import (
     expect_config,
 )
 from ps_offload.trainer.io.device import WIRE_DTYPES
-from ps_offload.trainer.optimizer.loss_scale import LossScaler
-from ps_offload.trainer.optimizer.param_groups import GroupTracker, defaults_of, initial_groups
+from ps_offload.trainer.offload.loss_scale import LossScaler
+from ps_offload.trainer.offload.param_groups import GroupTracker, defaults_of, initial_groups
 from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 log = logging.getLogger(__name__)
