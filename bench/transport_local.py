@@ -4,7 +4,7 @@ local endpoint, `streams_per_daemon` connections and as many threads, as Offload
 uses), against the physical bound: one in-process torch `copy_` of the same 256 MiB (as many
 threads as torch gives it).
 
-The trainer's buffer is a window shared with the daemon (ShardedClient.shared_host_tensor, as
+The trainer's buffer is a window shared with the daemon (Transports.shared_host_tensor, as
 OffloadOptimizer's flat buffers are): a pull is one copy, by the daemon under the shard's read
 hold, straight into it; a push (PARAMETERS: no optimizer step) one copy, by the daemon, from
 it into the master values. So each moves the bytes once, as the bound does; what the ratio

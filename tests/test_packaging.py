@@ -62,7 +62,7 @@ def test_wheel_installs_one_import_name(wheel: Path):
         names = set(archive.namelist())
     for module in (
         "trainer",
-        *(f"trainer/{p}" for p in ("wire", "io", "optimizer", "stream", "pipeline")),
+        *(f"trainer/{p}" for p in ("wire", "io", "offload", "stream", "pipeline")),
         "daemon",
         *(f"daemon/{p}" for p in ("tiers", "model", "store", "rpc", "dataplane")),
         "admin",

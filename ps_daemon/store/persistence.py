@@ -85,7 +85,7 @@ def read_master(files: ShardFiles, shard: Shard, slot: int, header: Any, buffer:
 
 
 def _corrupt(shard: Shard, exc: CorruptShard) -> DataLoss:
-    """Marks the shard corrupt at rest, refused from now on (ShardStore.shard), and returns
+    """Marks the shard corrupt at rest, refused from now on (ModelRegistry.shard), and returns
     the error that says so."""
     shard.corrupt = (
         f"shard {shard.slice.shard_id} of model {shard.model!r} is corrupt on disk ({exc}); "

@@ -127,7 +127,7 @@ class Shard:
         self.writers_waiting = 0
         self.corrupt = ""  # why the shard's bytes on disk cannot be trusted; "" when fine
         self.rolled_back = False  # corrupt because its newest header is gone (tiers.version_floors)
-        self.dropped = False  # its model was dropped (ShardStore.drop): every wait and hold ends NOT_FOUND
+        self.dropped = False  # its model was dropped (ModelRegistry.drop): every wait and hold ends NOT_FOUND
         # Data plane pulls parked for a version (min_version, wake), woken by notify_locked.
         self.watchers: list[tuple[int, Callable[[], None]]] = []
         # The step being pushed in parts (its own lock; in RAM even while the arena is not).

@@ -9,6 +9,8 @@ Nothing here is collected (no test_ functions).
                    its spec, gradients and fused torch.optim twin
   kernel_cases     the checks every backend of kernels/ must pass against the torch reference
   metrics          a daemon serving Prometheus metrics, and its samples scraped
+  site_first       installed packages before the repository's folders on sys.path (PyPI's kernels
+                   for transformers, not kernels/)
   mixed_precision  bf16/fp16 MLP training: the fp32-master reference and the bit-for-bit check
   nvme_files       a daemon's NVMe files from outside: committed slots, flipped bytes, format 2
   odd_shapes       the model whose shard cuts fall at odd offsets inside parameters

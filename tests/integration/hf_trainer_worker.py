@@ -12,6 +12,10 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.site_first import site_packages_first
+
+site_packages_first()  # before transformers looks for PyPI's `kernels`
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

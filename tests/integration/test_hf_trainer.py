@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.site_first import site_packages_first
+
+site_packages_first()  # before transformers looks for PyPI's `kernels`
 pytest.importorskip("transformers", reason="transformers is in the dev extra")
 
 ROOT = Path(__file__).resolve().parents[2]
