@@ -82,7 +82,7 @@ class Daemon:
             words = raw.view(torch.float32) if raw.numel() % 4 == 0 else None
             answer = data_path.receive_push(
                 self.store, header, self.staging, _never, in_place=lambda n, w=words: w,
-                pull_into=out if self.fused_pull else None,
+                pull_into=(lambda numel, o=out: o) if self.fused_pull else None,
             )  # fmt: skip
             if not answer.pulled:  # the pull, rounded into its place as the local transport does
                 pull = PullRequest("bench", shard.shard_id, min_version=self.step + 1, dtype=WIRE[self.dtype])
