@@ -10,7 +10,8 @@ imports the contract package (ps_offload.proto) and nothing from the daemon.
     client            the Admin client: channels via ClientSecurity, one AdminError line per failed RPC
     views             responses as plain dicts (what --json prints) and the tables built from them
     export            `ps-admin export`: every shard pulled from its daemons, written as safetensors
-    snapshots         snapshots across a model's daemons (all or none), and restore onto a re-cut plan
+    snapshots         snapshots across a model's daemons (all or none); which holder each shard is read from
+    snapshot_restore  a snapshot restored onto a re-cut plan (loads torch, so apart from snapshots)
     snapshot_files    a snapshot exported into a directory (safetensors, a manifest with crc32c),
                       resumable, and restored from one
     replicas          `ps-admin replicas MODEL`: each shard's holders and versions; the degraded ones

@@ -28,11 +28,18 @@ NameArg = Annotated[str, typer.Argument(help="The snapshot's name (A-Z a-z 0-9 .
 
 
 def _work():
-    """snapshots.py, imported when a command runs: it loads torch, which costs every other
-    ps-admin command ~2 s of start-up."""
+    """snapshots.py (take, list, delete), imported when a command runs."""
     from ps_offload.admin import snapshots
 
     return snapshots
+
+
+def _restore():
+    """snapshot_restore.py, imported late: it loads torch (~3 s of start-up), which take, list
+    and delete do not pay."""
+    from ps_offload.admin import snapshot_restore
+
+    return snapshot_restore
 
 
 def _files():
@@ -126,7 +133,7 @@ def restore(
             row = _run(lambda: _files().restore_from(from_dir, model, name, targets, progress=progress, **options))
         else:
             sources = unique_daemons(daemon)
-            row = _run(lambda: _work().restore(model, name, sources, targets, progress=progress, **options))
+            row = _run(lambda: _restore().restore(model, name, sources, targets, progress=progress, **options))
     if as_json:
         views.print_json(row)
     else:

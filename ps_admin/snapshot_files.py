@@ -20,7 +20,7 @@ Resumable: a file is written under a temporary name and renamed, and a part whos
 there (the same model, snapshot and step in their metadata) is kept by a run that follows an
 interrupted one. The manifest comes last, so a directory without one is not an export (yet).
 A restore checks every file's crc32c before anything is registered, then registers the model
-afresh on the targets and pushes its shards as STATE (snapshots.restore_into): bit for bit
+afresh on the targets and pushes its shards as STATE (snapshot_restore.restore_into): bit for bit
 what the daemons held.
 """
 
@@ -36,7 +36,7 @@ import torch
 from google.protobuf import json_format
 from rich.progress import Progress
 
-from ps_offload.admin import snapshots
+from ps_offload.admin import snapshot_restore, snapshots
 from ps_offload.admin.client import AdminError, owners
 from ps_offload.optimizers import state_tensors
 from ps_offload.proto import ps_pb2
@@ -110,7 +110,8 @@ def export(
         raise AdminError(f"cannot write {out}: {exc.strerror or exc}") from None
     parts = _parts(info.params, part_bytes)
     metadata = {"format": FORMAT, "model": model, "snapshot": name, "step": str(step)}
-    source = snapshots.OldShards(model, name, snapshots.plan_of(info.shards), sources, [t for _, t in states], timeout)
+    plan = snapshots.plan_of(info.shards)
+    source = snapshot_restore.OldShards(model, name, plan, sources, [t for _, t in states], timeout)
     task = progress.add_task(f"export {model}/{name}", total=info.total_numel * 4 * len(kinds))
     files, written = {}, 0
     for number, indices in enumerate(parts, 1):
@@ -252,9 +253,9 @@ def restore_from(
     states = len(state_tensors(spec))
     if manifest["tensors"] != ["master", *(kind for kind, _ in state_tensors(spec))]:
         raise AdminError(f"{directory}: its tensors {manifest['tensors']} do not match its optimizer")
-    target = snapshots.Target(spec, targets, new_name=new_name, shard_bytes=shard_bytes)
+    target = snapshot_restore.Target(spec, targets, new_name=new_name, shard_bytes=shard_bytes)
     source = _FileParams(directory, manifest)
-    row = snapshots.restore_into(
+    row = snapshot_restore.restore_into(
         target, manifest["step"], source, manifest["total_numel"], states, timeout=timeout, progress=progress
     )
     return {"from": model, "snapshot": name, "directory": str(directory), **row}

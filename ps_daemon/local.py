@@ -23,10 +23,13 @@ class LocalDaemon:
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
         launcher: tuple[str, ...] = (),
+        wait: bool = True,
     ) -> None:
         """`env`: variables added to the daemon's environment (the fault injections' settings).
         `host`: the address it listens on; `launcher`: a command it runs under (`ip netns exec
-        NAME` for the network fault tests: bench/netns.py)."""
+        NAME` for the network fault tests: bench/netns.py). `wait=False` returns at once: call
+        `wait_listening()` before `address` (several daemons then start side by side, each
+        paying torch's ~3 s import at once rather than in turn)."""
         self.host = host
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
@@ -43,15 +46,26 @@ class LocalDaemon:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **env} if env else None,
             )  # fmt: skip
-        deadline = time.monotonic() + start_timeout
-        while not port_file.exists():
+        self._port_file, self._deadline = port_file, time.monotonic() + start_timeout
+        self._start_timeout = start_timeout
+        self.port: int | None = None
+        if wait:
+            self.wait_listening()
+
+    def wait_listening(self) -> LocalDaemon:
+        """Returns once the daemon listens (its port file written); raises with its log if it
+        exited or did not start in time."""
+        while self.port is None:
+            if self._port_file.exists():
+                self.port = int(self._port_file.read_text())
+                break
             if self.process.poll() is not None:
                 raise RuntimeError(f"ps-daemon exited with {self.process.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
+            if time.monotonic() > self._deadline:
                 self.process.kill()
-                raise RuntimeError(f"ps-daemon did not start in {start_timeout:.0f}s:\n{self.log()}")
+                raise RuntimeError(f"ps-daemon did not start in {self._start_timeout:.0f}s:\n{self.log()}")
             time.sleep(0.05)
-        self.port = int(port_file.read_text())
+        return self
 
     @property
     def address(self) -> str:

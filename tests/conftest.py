@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -14,21 +14,39 @@ import trustme
 from ps_offload.daemon.local import LocalDaemon
 
 
-@pytest.fixture
-def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., LocalDaemon]]:
-    """Starts daemons (extra `ps-daemon serve` flags, an optional config file) and kills
-    whatever is still running at the end of the test."""
-    started: list[LocalDaemon] = []
+class DaemonFactory:
+    """Starts daemons for one test (extra `ps-daemon serve` flags, an optional config file)
+    and kills whatever is still running at its end."""
 
-    def factory(*extra: str, config: Path | None = None) -> LocalDaemon:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.started: list[LocalDaemon] = []
+
+    def _spawn(self, extra: Sequence[str], config: Path | None) -> LocalDaemon:
         flags = [*extra, *(["--config", str(config)] if config is not None else [])]
-        daemon = LocalDaemon(tmp_path / f"daemon{len(started)}", *flags)
-        started.append(daemon)
+        daemon = LocalDaemon(self.tmp_path / f"daemon{len(self.started)}", *flags, wait=False)
+        self.started.append(daemon)
         return daemon
 
+    def __call__(self, *extra: str, config: Path | None = None) -> LocalDaemon:
+        return self._spawn(extra, config).wait_listening()
+
+    def together(self, flag_lists: Sequence[Sequence[str]], config: Path | None = None) -> list[LocalDaemon]:
+        """One daemon per list of flags, started side by side: a test's start-up pays one
+        daemon's import time, not one per daemon."""
+        spawned = [self._spawn(flags, config) for flags in flag_lists]
+        return [daemon.wait_listening() for daemon in spawned]
+
+    def kill_all(self) -> None:
+        for daemon in self.started:
+            daemon.kill()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
+    factory = DaemonFactory(tmp_path)
     yield factory
-    for daemon in started:
-        daemon.kill()
+    factory.kill_all()
 
 
 @pytest.fixture

@@ -121,7 +121,9 @@ class _Tiny(torch.nn.Module):
 @pytest.mark.slow
 def test_the_ps_admin_block_runs_line_by_line(daemon_factory, tmp_path):
     line, text = block_holding("sh", "ps-admin models")
-    d, d2, e, e2 = (daemon_factory("--nvme-dir", str(tmp_path / f"nvme{i}"), "--create-nvme-dir") for i in range(4))
+    d, d2, e, e2 = daemon_factory.together(
+        [("--nvme-dir", str(tmp_path / f"nvme{i}"), "--create-nvme-dir") for i in range(4)]
+    )
     torch.manual_seed(0)
     model = _Tiny()
     with trainer.offload(

@@ -19,7 +19,7 @@ DEAD_PEER_SECONDS = 2.0
 def nvme_daemons(daemon_factory, tmp_path, n=3):
     """(n daemons, each on an NVMe directory of its own, those directories)."""
     dirs = [tmp_path / f"nvme{i}" for i in range(n)]
-    return [daemon_factory("--nvme-dir", str(d), "--create-nvme-dir") for d in dirs], dirs
+    return daemon_factory.together([("--nvme-dir", str(d), "--create-nvme-dir") for d in dirs]), dirs
 
 
 def offload_replicated(model, daemons, **client):

@@ -23,7 +23,7 @@ def test_pushing_during_backward_trains_exactly_as_pushing_after(dtype, transpor
     # fp16: an overflow at step 4 skips a step whose parts were already pushed.
     overflow_at = 4 if scaling else -1
     masters, _, _ = mixed.train_reference(reference, batches, scaler=scaling, overflow_at=overflow_at)
-    daemons = [daemon_factory(), daemon_factory()]
+    daemons = daemon_factory.together([(), ()])
     with mixed.offload_pushing_in_backward(
         model, daemons, loss_scaling=scaling, client=trainer.ClientConfig(transport=transport)
     ) as opt:
@@ -52,7 +52,7 @@ def test_the_optimizers_clip_keeps_the_early_parts_and_equals_torchs_clip(transp
     model, batches = mixed.case(torch.float32)
     reference = copy.deepcopy(model)
     masters, _, _ = mixed.train_reference(reference, batches)  # clips with torch's clip_grad_norm_(1.0)
-    daemons = [daemon_factory(), daemon_factory()]
+    daemons = daemon_factory.together([(), ()])
     with mixed.offload_pushing_in_backward(model, daemons, client=trainer.ClientConfig(transport=transport)) as opt:
         used = []
         for batch in batches:

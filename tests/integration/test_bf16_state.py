@@ -87,7 +87,7 @@ def test_bf16_state_equals_torch_optim_on_the_bf16_parameters(n_daemons, shard_b
     torch_opt = _torch_optimizer(reference)
     _train(reference, batches, torch_opt, clip=clip)
 
-    daemons = [daemon_factory() for _ in range(n_daemons)]
+    daemons = daemon_factory.together([()] * n_daemons)
     with trainer.offload(
         model,
         daemons=[d.address for d in daemons],

@@ -39,7 +39,7 @@ def test_half_precision_through_daemons_equals_fp32_master_in_process(
     scaling = trainer.LossScaling(growth_interval=3) if dtype == torch.float16 else None
     masters, _, _ = mixed.train_reference(reference, batches, scaler=scaling)
 
-    daemons = [daemon_factory() for _ in range(n_daemons)]
+    daemons = daemon_factory.together([()] * n_daemons)
     with trainer.offload(
         model,
         daemons=[d.address for d in daemons],

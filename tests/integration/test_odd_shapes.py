@@ -71,7 +71,7 @@ SHARD_BYTES = (4096, 8192, 12288)
 def test_odd_shapes_through_daemons_match_torch_fused(n_daemons, daemon_factory):
     # Every case on the same daemons, one model name each: starting a daemon costs more than
     # training this model.
-    daemons = [daemon_factory() for _ in range(n_daemons)]
+    daemons = daemon_factory.together([()] * n_daemons)
     for kind in ("adamw", "sgd"):
         for shard_bytes in SHARD_BYTES:
             model, batches, loss_fn = odd_case()

@@ -25,7 +25,10 @@ def _train(opt, model, batches) -> None:
         opt.step()
 
 
-def test_a_snapshot_with_a_holder_lost_is_taken_exported_and_restored_onto_replicas(daemon_factory, tmp_path):
+def _take_with_a_holder_lost(daemon_factory, tmp_path):
+    """Trains on 3 daemons, loses one for good at LOST_AT, takes snapshot "cut" at CUT on the
+    holders left and trains on to STEPS; returns (the daemons, torch's parameters after STEPS,
+    the batches)."""
     model, batches = classifier_case()
     batches = batches[:STEPS]
     reference = fused_adamw_reference(model, batches)
@@ -47,24 +50,37 @@ def test_a_snapshot_with_a_holder_lost_is_taken_exported_and_restored_onto_repli
         _train(opt, model, batches[CUT:])  # the run goes on past the cut
         opt.synchronize()
     assert_same_parameters(model, reference)
+    return daemons, reference, batches
 
+
+def _restore_and_resume(daemon_factory, tmp_path, source: list[str], reference, batches) -> None:
+    """Restores "cut" from `source` (ps-admin flags) onto 3 fresh daemons: every replica
+    written at one version, and training resumed there ends where torch's does."""
+    targets = daemon_factory.together([("--nvme-dir", str(tmp_path / f"to{i}"), "--create-nvme-dir") for i in range(3)])
+    addresses = [flag for d in targets for flag in ("--to", d.address)]
+    restored = admin_json("snapshot", "restore", "model", "cut", *addresses, *source)
+    assert restored["step"] == CUT
+    report = replicas_report(targets[0].address)  # every replica written, at one version
+    assert report["degraded"] == 0 and all(h["version"] == CUT for r in report["shards"] for h in r["holders"])
+    resumed, _ = classifier_case()
+    with offload_replicated(resumed, targets) as opt:
+        assert opt.step_count == CUT
+        _train(opt, resumed, batches[CUT:])
+        opt.synchronize()
+    assert_same_parameters(resumed, reference)
+
+
+def test_a_snapshot_with_a_holder_lost_is_taken_and_restored_from_its_holders(daemon_factory, tmp_path):
+    daemons, reference, batches = _take_with_a_holder_lost(daemon_factory, tmp_path)
+    _restore_and_resume(daemon_factory, tmp_path, ["--daemon", daemons[0].address], reference, batches)
+
+
+def test_a_snapshot_with_a_holder_lost_is_exported_and_restored_from_the_export(daemon_factory, tmp_path):
+    daemons, reference, batches = _take_with_a_holder_lost(daemon_factory, tmp_path)
     exported = admin_json("snapshot", "export", "model", "cut", "--out", str(tmp_path / "export"),
                           "--daemon", daemons[0].address)  # fmt: skip
     assert exported["step"] == CUT
-    for n, source in enumerate((["--daemon", daemons[0].address], ["--from", str(tmp_path / "export")])):
-        targets = [daemon_factory("--nvme-dir", str(tmp_path / f"to{n}{i}"), "--create-nvme-dir")
-                   for i in range(3)]  # fmt: skip
-        addresses = [flag for d in targets for flag in ("--to", d.address)]
-        restored = admin_json("snapshot", "restore", "model", "cut", *addresses, *source)
-        assert restored["step"] == CUT
-        report = replicas_report(targets[0].address)  # every replica written, at one version
-        assert report["degraded"] == 0 and all(h["version"] == CUT for r in report["shards"] for h in r["holders"])
-        resumed, _ = classifier_case()
-        with offload_replicated(resumed, targets) as opt:
-            assert opt.step_count == CUT
-            _train(opt, resumed, batches[CUT:])
-            opt.synchronize()
-        assert_same_parameters(resumed, reference)
+    _restore_and_resume(daemon_factory, tmp_path, ["--from", str(tmp_path / "export")], reference, batches)
 
 
 def test_a_snapshot_no_live_holder_of_a_shard_can_take_is_refused_and_left_nowhere(daemon_factory, tmp_path):

@@ -79,7 +79,7 @@ def test_a_replacement_catches_up_while_training_runs_then_a_second_loss_is_surv
     # Daemon 0 serves metrics: what an operator's dashboard reads of the degraded shards.
     dirs = [tmp_path / f"nvme{i}" for i in range(3)]
     first, metrics = daemon_with_metrics(daemon_factory, tmp_path, "--nvme-dir", str(dirs[0]), "--create-nvme-dir")
-    daemons = [first, *(daemon_factory("--nvme-dir", str(d), "--create-nvme-dir") for d in dirs[1:])]
+    daemons = [first, *daemon_factory.together([("--nvme-dir", str(d), "--create-nvme-dir") for d in dirs[1:]])]
     with offload_replicated(model, daemons) as opt, caplog.at_level(logging.WARNING):
         assert _replica_metrics(metrics) == (0, 0)
         for step, batch in enumerate(batches):
@@ -234,7 +234,9 @@ def test_a_partitioned_replica_is_survived_and_kept_out_when_the_network_heals(d
             host=ns.ns_ip, launcher=ns.launcher,
         )  # fmt: skip
         try:
-            local = [daemon_factory("--nvme-dir", str(tmp_path / f"nvme{i}"), "--create-nvme-dir") for i in (0, 2)]
+            local = daemon_factory.together(
+                [("--nvme-dir", str(tmp_path / f"nvme{i}"), "--create-nvme-dir") for i in (0, 2)]
+            )
             daemons = [local[0], remote, local[1]]
             with offload_replicated(model, daemons) as opt, caplog.at_level(logging.WARNING):
                 for step, batch in enumerate(batches):

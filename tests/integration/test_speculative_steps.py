@@ -83,7 +83,7 @@ def test_steps_computed_during_backward_are_torchs_whether_adopted_or_redone(
     # computed with the old one, and must be redone.
     lr_after_backward = {s: mixed.LR * (1 + s) for s in range(1, len(batches), 2)} if lr_moves else {}
     masters = _reference(reference, batches, max_norm, lr_after_backward)
-    daemons = [daemon_factory(), daemon_factory()]
+    daemons = daemon_factory.together([(), ()])
     with mixed.offload_pushing_in_backward(model, daemons) as opt:
         for step, batch in enumerate(batches):
             opt.zero_grad()

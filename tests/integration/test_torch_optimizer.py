@@ -65,7 +65,7 @@ def test_torch_schedulers_drive_the_daemons_as_torch_adamw(schedule, daemon_fact
         torch_opt.step()
         torch_sched.step()
 
-    daemons = [daemon_factory(), daemon_factory()]
+    daemons = daemon_factory.together([(), ()])
     with trainer.offload(
         model, daemons=[d.address for d in daemons], no_weight_decay=_no_decay,
         optimizer=trainer.AdamW(lr=3e-3, betas=(0.9, 0.95), eps=1e-7, weight_decay=0.1),

@@ -40,7 +40,7 @@ def test_adamw_through_daemons_matches_torch_fused(case, n_daemons, transport, d
     )
     train_reference(reference, batches, loss_fn, torch_opt)
 
-    daemons = [daemon_factory() for _ in range(n_daemons)]
+    daemons = daemon_factory.together([()] * n_daemons)
     # 8 KiB shards: several shards per daemon, parameters cut across shard boundaries.
     with trainer.offload(
         model,
@@ -86,7 +86,7 @@ def test_staleness_one_is_the_delayed_update_exactly(n_daemons, daemon_factory):
     train_reference(exact, batches, loss_fn, torch.optim.AdamW(exact.parameters(), lr=3e-3, fused=True))
     assert not all(torch.equal(a, b) for a, b in zip(delayed.parameters(), exact.parameters(), strict=True))
 
-    daemons = [daemon_factory() for _ in range(n_daemons)]
+    daemons = daemon_factory.together([()] * n_daemons)
     with trainer.offload(
         model,
         daemons=[d.address for d in daemons],

@@ -78,7 +78,7 @@ def test_adafactor_on_the_daemons_is_torchs_bit_for_bit(tier, daemon_factory, tm
         flags = ("--nvme-dir", str(tmp_path / "nvme"), "--create-nvme-dir", "--ram-bytes", "256KiB")
         daemons = [daemon_factory(*flags, config=config)]
     else:
-        daemons = [daemon_factory(config=config), daemon_factory(config=config)]
+        daemons = daemon_factory.together([(), ()], config=config)
     opt = trainer.offload(
         model, daemons=[d.address for d in daemons], optimizer=trainer.Adafactor(lr=LR, weight_decay=WEIGHT_DECAY),
         no_weight_decay=_no_decay, config=trainer.OffloadConfig(shard_bytes=SHARD_BYTES),

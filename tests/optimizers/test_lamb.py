@@ -115,7 +115,7 @@ def test_lamb_on_the_daemons_is_the_plain_torch_reference_bit_for_bit(tier, daem
         flags = ("--nvme-dir", str(tmp_path / "nvme"), "--create-nvme-dir", "--ram-bytes", "24KiB")
         daemons = [daemon_factory(*flags)]
     else:
-        daemons = [daemon_factory(), daemon_factory()]
+        daemons = daemon_factory.together([(), ()])
     got = _train(model, batches, daemons, replicas=2 if tier == "replicated" else 1)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w), (g - w).abs().max()

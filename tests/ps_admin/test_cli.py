@@ -377,10 +377,12 @@ def test_new_admin_rpcs_answer_bad_input_with_clear_statuses(trained):
         assert stub.GetModel(ps_pb2.GetModelRequest(model="model"), timeout=10).total_numel == trained.flat.numel()
 
 
-def test_the_cli_starts_without_loading_torch():
-    """Every command but export and the snapshot commands answers without torch (~2 s of
-    start-up each, paid by every test and every operator's call)."""
-    probe = "import sys, ps_offload.admin.cli; print(sorted(m for m in ('torch', 'numba') if m in sys.modules))"
+@pytest.mark.parametrize("module", ["ps_offload.admin.cli", "ps_offload.admin.snapshots"])
+def test_the_cli_starts_without_loading_torch(module):
+    """Every command but export and snapshot restore/export answers without torch (~3 s of
+    start-up each, paid by every test and every operator's call): snapshot take, list and
+    delete too."""
+    probe = f"import sys, {module}; print(sorted(m for m in ('torch', 'numba') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
