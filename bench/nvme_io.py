@@ -15,10 +15,12 @@ per-round ratios, ours over the faster peer of that round, target >= 0.9. The ra
 peer alone, and their spread, are in the result file. Needs fio (`make bench` installs it);
 DeepSpeed is the `bench` extra, and a peer that is missing is recorded as missing.
 
-`ours` commits (loads) one shard after another, as a single stream of pushes makes the
-daemon do; `ours_together` commits COMMITTERS at a time, as pushes from several streams or
-ranks do, and they share their fdatasyncs (group commit). Both are timed in the same rounds;
-the headline is `ours`, the other's ratio and the flushes it saved are in the result file.
+`ours` commits (loads) a step's shards at once, as a daemon does when a step's pushes arrive
+from its trainers' streams and ranks: the commits queue and are written as groups, every
+arena of a group in flight together and two fdatasyncs per group
+(ps_daemon/tiers/commit_group.py). `one_at_a_time` commits (loads) one shard after another,
+as a single stream of pushes makes the daemon do. Both are timed in the same rounds; the
+headline is `ours`; the groups it wrote, and `one_at_a_time`'s ratio, are in the result file.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ SHARDS = quick(16, 4)
 SHARD_NUMEL = 5 << 20  # AdamW: arena of 3 x 20 MiB + stagger = 60 MiB; 16 shards = 960 MiB
 ROUNDS = quick(10, 2)  # ABC CBA: 10 rounds = 5 full ABC CBA cycles (a noisy disk: the median steadies)
 IO_THREADS, IO_READ_THREADS, IO_BLOCK = 4, 8, 8 << 20  # ours: DirectIO(...), as the daemon's defaults
-COMMITTERS = 4  # ours_together: shards committed (or loaded) at once
+COMMITTERS = SHARDS  # ours: a step's shards committed (or loaded) at once
 
 
 FIO_BLOCK = 8 << 20
@@ -152,23 +154,28 @@ def main() -> list[dict]:
         file_bytes = layout.size  # every peer's file is as large as our arena file (slots + spares)
         slot_offsets = [slot * layout.slot_bytes + PAGE for slot in range(SHARDS)]
 
-        def ours_write() -> None:
+        def one_at_a_time_write() -> None:
             for i, (_, view) in enumerate(arenas):
                 files.commit("bench", i, view, version=1, initialized=True, numel=SHARD_NUMEL)
 
-        def ours_read() -> None:
+        def one_at_a_time_read() -> None:
             for i, (_, view) in enumerate(arenas):
                 assert files.load("bench", i, view) is not None
 
-        # As the daemon commits and loads when several pushes and prefetches run at once:
-        # COMMITTERS shards at a time, their flushes shared (ps_daemon/tiers/group_sync.py).
+        # As the daemon commits and loads when a step's pushes and prefetches run at once:
+        # COMMITTERS shards at a time, written in groups (ps_daemon/tiers/commit_group.py).
         together = ThreadPoolExecutor(max_workers=COMMITTERS)
+        grouped = {"groups": 0, "commits": 0}
 
-        def ours_together_write() -> None:
+        def ours_write() -> None:
+            groups = files.files["bench"].groups
+            before = groups.groups, groups.commits
             commit = lambda i: files.commit("bench", i, arenas[i][1], version=1, initialized=True, numel=SHARD_NUMEL)  # noqa: E731
             list(together.map(commit, range(SHARDS)))
+            grouped["groups"] += groups.groups - before[0]
+            grouped["commits"] += groups.commits - before[1]
 
-        def ours_together_read() -> None:
+        def ours_read() -> None:
             assert all(together.map(lambda i: files.load("bench", i, arenas[i][1]) is not None, range(SHARDS)))
 
         # A diagnostic, not a contender: the same DirectIO moving the same shards' bytes to the
@@ -191,9 +198,9 @@ def main() -> list[dict]:
                 raw_io.read(raw_fd, view, offset)
 
         fio_path = directory / "fio.dat"
-        writes = {"ours": ours_write, "ours_together": ours_together_write, "bytes_only": bytes_only_write,
+        writes = {"ours": ours_write, "one_at_a_time": one_at_a_time_write, "bytes_only": bytes_only_write,
                   "fio": lambda: fio_seconds(fio_path, "write", io_bytes=total, file_bytes=file_bytes)}  # fmt: skip
-        reads = {"ours": ours_read, "ours_together": ours_together_read, "bytes_only": bytes_only_read,
+        reads = {"ours": ours_read, "one_at_a_time": one_at_a_time_read, "bytes_only": bytes_only_read,
                  "fio": lambda: fio_seconds(fio_path, "read", io_bytes=total, file_bytes=file_bytes)}  # fmt: skip
         ds = None
         if not ds_missing:
@@ -203,22 +210,27 @@ def main() -> list[dict]:
         # Warm-up, untimed: fio lays its whole file out; ours commits twice, which with the
         # spare slots taken in turn writes every slot; DeepSpeed writes its slots once.
         fio_seconds(fio_path, "write", io_bytes=file_bytes, file_bytes=file_bytes)
-        ours_write()
-        ours_write()
+        one_at_a_time_write()
+        one_at_a_time_write()
         bytes_only_write()
+        grouped.update(groups=0, commits=0)
         write_t = interleaved_many(writes, reps=ROUNDS, warmup=1)
         read_t = interleaved_many(reads, reps=ROUNDS, warmup=1)
         together.shutdown()
         flushes = files.files["bench"].flushes
-        # What the flushes cost: two per commit, against a commit's whole time (one after another).
+        # What the flushes cost: two per commit one after another, against such a commit's
+        # whole time; and how the step's commits were grouped (two flushes per group).
         flush_ms = flushes.seconds / max(flushes.flushes, 1) * 1e3
-        commit_ms = median(write_t["ours"]) / SHARDS * 1e3
+        commit_ms = median(write_t["one_at_a_time"]) / SHARDS * 1e3
         shared = {
             "flushes": flushes.flushes,
             "sync_calls": flushes.calls,
             "flush_ms": round(flush_ms, 3),
             "commit_ms": round(commit_ms, 2),
             "flush_share": round(2 * flush_ms / commit_ms, 4),
+            "groups": grouped["groups"],
+            "commits_grouped": grouped["commits"],
+            "commits_per_group": round(grouped["commits"] / max(grouped["groups"], 1), 2),
         }
         if ds is not None:
             ds.close()
@@ -233,7 +245,7 @@ def main() -> list[dict]:
         # Throughput ratios per round: a peer's seconds over ours.
         vs = {who: [p / o for o, p in zip(t["ours"], t[who], strict=True)] for who in peers}
         best = [min(t[who][r] for who in peers) / t["ours"][r] for r in range(ROUNDS)]
-        best_together = [min(t[who][r] for who in peers) / t["ours_together"][r] for r in range(ROUNDS)]
+        best_one = [min(t[who][r] for who in peers) / t["one_at_a_time"][r] for r in range(ROUNDS)]
         faster = max(peers, key=lambda who: gbps[who])
         results.append(
             record(
@@ -245,8 +257,8 @@ def main() -> list[dict]:
                 target=0.9,
                 higher_is_better=True,
                 notes=f"{total >> 20} MiB in {SHARDS} shard slots of a {file_bytes >> 20} MiB arena file, "
-                f"{IO_THREADS} writer and {IO_READ_THREADS} reader threads x {IO_BLOCK >> 20} MiB blocks, fdatasync "
-                "twice per shard; peers in files of "
+                f"{IO_THREADS} writer and {IO_READ_THREADS} reader threads x {IO_BLOCK >> 20} MiB blocks, all "
+                f"{SHARDS} shards committed (loaded) at once, in groups, two fdatasyncs per group; peers in files of "
                 "the same size: fio libaio iodepth 8, bs 8M, end_fsync; DeepSpeed aio handle (block 1 MiB, queue "
                 "depth 32, page-locked buffers, one fdatasync after writes)"
                 + (f" [DeepSpeed missing: {ds_missing}]" if ds_missing else "")
@@ -260,9 +272,9 @@ def main() -> list[dict]:
                     **{f"ratio_vs_{who}": round(median(vs[who]), 3) for who in peers},
                     **{f"ratio_vs_{who}_spread": spread(vs[who]) for who in peers},
                     "peer_missing": {"deepspeed": ds_missing} if ds_missing else {},
-                    # COMMITTERS shards at once (group commit): the same peers, the same rounds.
-                    "ratio_together": round(median(best_together), 3),
-                    "ratio_together_spread": spread(best_together),
+                    # One shard after another (a single stream of pushes): the same peers and rounds.
+                    "ratio_one_at_a_time": round(median(best_one), 3),
+                    "ratio_one_at_a_time_spread": spread(best_one),
                     "committers": COMMITTERS,
                     "flushes_shared": shared,
                     # The same bytes through the same DirectIO without the commit protocol (above).

@@ -142,31 +142,29 @@ def _nvme_io(r: dict) -> str:
         f"against {who} alone {r[f'ratio_vs_{who}']}×" for who in ("fio", "deepspeed") if f"ratio_vs_{who}" in r
     )
     text = f"{r['bytes'] >> 20} MiB: ours {g['ours']} GB/s, {peers} GB/s ({vs})."
-    if "ratio_together" in r:
-        shared = r["flushes_shared"]
+    shared = r.get("flushes_shared", {})
+    if "ratio_one_at_a_time" in r and r["name"] == "nvme_write":
         text += (
-            f" {r['committers']} shards at a time (ours_together: group commit, {shared['flushes']} fdatasyncs for "
-            f"{shared['sync_calls']} commit steps over the run): {g['ours_together']} GB/s, "
-            f"{r['ratio_together']}× the faster peer."
-        )
-    if r["name"] == "nvme_write" and "flush_share" in r.get("flushes_shared", {}):
-        shared = r["flushes_shared"]
-        text += (
-            f" A commit took {shared['commit_ms']} ms, its two fdatasyncs {shared['flush_ms']} ms each on average "
+            f" Ours commits the {r['committers']} shards of a step at once, as a step's pushes arrive: they were "
+            f"written in {shared['groups']} groups over the timed rounds ({shared['commits_per_group']} commits per "
+            f"group, two fdatasyncs per group). One shard after another (one_at_a_time, a single stream of pushes): "
+            f"{g['one_at_a_time']} GB/s, {r['ratio_one_at_a_time']}× the faster peer; such a commit took "
+            f"{shared['commit_ms']} ms, its two fdatasyncs {shared['flush_ms']} ms each "
             f"({100 * shared['flush_share']:.1f}% of it)."
         )
-    if "ratio_to_bytes_only" in r:
-        what = "header and two fdatasyncs per shard" if r["name"] == "nvme_write" else "header and crc32c check"
-        in_flight = 4 if r["name"] == "nvme_write" else 8  # store.io_threads, io_read_threads
+    elif "ratio_one_at_a_time" in r:
         text += (
-            f" What bounds it, measured in the same rounds: the same DirectIO moving the same shards' bytes without "
-            f"the {what} (bytes_only) runs at {g['bytes_only']} GB/s, and ours, with them, "
-            f"at {r['ratio_to_bytes_only']}× of that; bytes_only, still a shard at a time ({in_flight} blocks of 8 MiB "
-            f"in flight, each shard's last blocks alone), is {r['bytes_only_vs_faster_peer']}× the faster peer, which "
-            "submits every shard at once (DeepSpeed: 32 requests in flight) and syncs once. The engine is not it "
-            "(`nvme_engines`: DeepSpeed's handle is no faster than our threads at the same shape). The rest is "
-            "the contract: a version is on disk, header and all, before its push is acknowledged, which "
-            "ZeRO-Infinity's swapper does not promise."
+            f" Ours loads the {r['committers']} shards at once; one after another (one_at_a_time): "
+            f"{g['one_at_a_time']} GB/s, {r['ratio_one_at_a_time']}× the faster peer."
+        )
+    if "ratio_to_bytes_only" in r:
+        what = "headers and fdatasyncs" if r["name"] == "nvme_write" else "headers and crc32c checks"
+        text += (
+            f" What bounds it, measured in the same rounds: the same DirectIO moving the same bytes one shard after "
+            f"another without the {what} (bytes_only) runs at {g['bytes_only']} GB/s, ours at "
+            f"{r['ratio_to_bytes_only']}× of that, and bytes_only at {r['bytes_only_vs_faster_peer']}× the faster "
+            "peer. The rest is the contract: a version is on disk, header and all, before its push is acknowledged, "
+            "which ZeRO-Infinity's swapper does not promise."
         )
     return text
 
@@ -402,9 +400,8 @@ def _nvme_engines(r: dict) -> str:
             "no faster than the threads. So what `nvme_write` / `nvme_read` lose to it is not the engine but what a "
             "commit (a load) does around the bytes: one shard after another, each ending its requests before the "
             "next starts, and a commit's two fdatasyncs and its header (a load's header and crc32c check), where "
-            "the peer submits every shard at once and syncs once. `ours_together` (four commits at once, sharing "
-            "their syncs, as several pushes in flight make the daemon do) closes part of the gap; `nvme_write` and "
-            "`nvme_read` measure the rest (bytes_only)."
+            "the peer submits every shard at once and syncs once. That is what group commit "
+            "(ps_daemon/tiers/commit_group.py) answers: `nvme_write` / `nvme_read` now measure a step's shards at once."
         )
         if "threads_locked" in r["shapes"][next(iter(r["shapes"]))]:
             text += " Page-locked memory alone (`threads_locked`, mlock) makes O_DIRECT slower here, not faster."

@@ -14,7 +14,9 @@ bytes and JSON, whatever the spec says); of the rest of the daemon, only ps_offl
     version_floors      each shard's committed version recorded beside the arena: a damaged header is DATA_LOSS
     snapshot_pins       SnapshotBook: a model's snapshots as pinned slots, checked at recovery
     direct_io           the O_DIRECT engine: aligned buffers, block-split reads and writes, injected errors
-    group_sync          GroupSync: commits running at once share their fdatasyncs (group commit)
+    commit_group        CommitGroups: the commits queued while one group is written go to disk together,
+                        two flushes per group
+    group_sync          GroupSync: flushes requested at once share one fdatasync
     accumulator_files   AccumulatorFiles: the sums of steps pushed in parts, as unlinked files on NVMe
     crash_points        testing aid: SIGKILL at a chosen point of the commit protocol (PS_OFFLOAD_CRASH_AT)
 """

@@ -88,6 +88,40 @@ class DirectIO:
             raise error
         return result
 
+    def write_parts(
+        self, fd: int, parts: list[tuple[memoryview, int]], meanwhile: Callable[[], T] | None = None
+    ) -> tuple[T | None, list[BaseException | None]]:
+        """Writes each (view, offset) of `parts`, every block of all of them queued at once (a
+        group commit's arenas: the disk sees the whole group in flight, not one arena after
+        another), `meanwhile()` running in the calling thread as they are written. Returns its
+        answer and each part's error (None: written); raises only `meanwhile`'s own error,
+        after every block has ended."""
+        submitted: list[list[tuple[memoryview, Future]] | BaseException] = []
+        for view, offset in parts:
+            try:
+                self._check_fault()  # one write per part, as `write` counts
+                submitted.append(self._submit(self._writers, self._write_block, fd, view, offset))
+            except OSError as exc:
+                submitted.append(exc)
+        result, error = None, None
+        try:
+            result = meanwhile() if meanwhile is not None else None
+        except BaseException as exc:
+            error = exc
+        errors: list[BaseException | None] = []
+        for futures in submitted:
+            if isinstance(futures, BaseException):
+                errors.append(futures)
+                continue
+            try:
+                self._wait(futures)
+                errors.append(None)
+            except OSError as exc:
+                errors.append(exc)
+        if error is not None:
+            raise error
+        return result, errors
+
     def read(
         self, fd: int, view: memoryview, offset: int, on_block: Callable[[memoryview], None] | None = None
     ) -> None:

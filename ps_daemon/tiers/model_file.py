@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from ps_offload.daemon.tiers.commit_group import CommitGroups
 from ps_offload.daemon.tiers.group_sync import GroupSync
 from ps_offload.daemon.tiers.slot_header import SlotHeader
 from ps_offload.daemon.tiers.snapshot_pins import SnapshotBook
@@ -53,6 +54,7 @@ class ModelFile:
         flags = os.O_RDWR | os.O_DIRECT | (os.O_CREAT | os.O_TRUNC if create else 0)
         self.fd = os.open(self.path, flags, 0o600)
         self.flushes = GroupSync(self.fd)  # commits running at once share fdatasyncs
+        self.groups = CommitGroups()  # commits waiting meanwhile are written together (commit_group)
         if create:
             self.floors.remove()  # nor its old floors and snapshots
             self.snapshots.remove_file()

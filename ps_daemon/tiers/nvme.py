@@ -11,18 +11,18 @@ spare slots (`store.nvme_spare_slots`, at most N) take the versions being writte
 disk holds the state about once (N + K over N), not twice as a fixed A/B pair per shard
 would, and K bounds how many commits run at once.
 
-Commit protocol (what "committed" means; docs/storage.md). Version v+1 of a shard goes
-into a free slot: (1) the arena bytes, (2) fdatasync, (3) the header (shard id, version,
-crc32c of the bytes and of their master region, its own crc32c), (4) fdatasync. Only then is
-the push acknowledged, and the slot that held v becomes free. Commits running at once share
-their flushes (ps_offload.daemon.tiers.group_sync): each still waits for a flush begun after
-its own write. A crash before (3) leaves the slot's old header, which names another shard or
-an older version, so recovery keeps v; a crash after (3) leaves v+1 complete. A freed slot
-keeps its stale header until it is reused, always older than its shard's newest. Recovery
-therefore reads every slot's header and takes, per shard, the valid header with the newest
-version; if that slot's bytes fail their checksum the shard is corrupt at rest and refused
-with DATA_LOSS, never silently rolled back to an older version the trainer has already moved
-past.
+Commit protocol (what "committed" means; docs/storage.md). Version v+1 of a shard goes into a
+free slot: (1) the arena bytes, (2) fdatasync, (3) the header (shard id, version, crc32c of the
+bytes and of their master region, its own crc32c), (4) fdatasync. Only then is the push
+acknowledged, and the slot that held v becomes free. Commits that arrive while others are being
+written queue and go to disk as one group (ps_offload.daemon.tiers.commit_group): every arena
+of the group, one flush, every header, one flush. A crash before (3) leaves the slot's old
+header, which names another shard or an older version, so recovery keeps v; a crash after (3)
+leaves v+1 complete. A freed slot keeps its stale header until it is reused, always older than
+its shard's newest. Recovery therefore reads every slot's header and takes, per shard, the
+valid header with the newest version; if that slot's bytes fail their checksum the shard is
+corrupt at rest and refused with DATA_LOSS, never silently rolled back to an older version the
+trainer has already moved past.
 
 Reads. `load` reads a committed arena whole (the RAM tier's swap-in); `read_master` reads only
 its master region, for a pull of a shard that is not in RAM (ps_offload.daemon.store.master_pull). The
@@ -52,6 +52,7 @@ from pathlib import Path
 import crc32c
 
 from ps_offload.daemon.tiers import crash_points
+from ps_offload.daemon.tiers.commit_group import PendingCommit
 from ps_offload.daemon.tiers.direct_io import DirectIO
 from ps_offload.daemon.tiers.model_file import FileLayout, ModelFile
 from ps_offload.daemon.tiers.slot_header import (
@@ -329,47 +330,87 @@ class NvmeFiles:
     def commit(
         self, model: str, shard_id: int, arena: memoryview, *, version: int, initialized: bool, numel: int
     ) -> None:
-        """Writes a new committed version of the shard (the protocol in the module doc).
-        `arena` is page-aligned and whole pages long. Raises OSError or NoFreeSlot; the
-        previous committed version is then intact on disk."""
+        """Writes a new committed version of the shard (the protocol in the module doc), with
+        the commits that queued beside it (ps_offload.daemon.tiers.commit_group). `arena` is
+        page-aligned and whole pages long. Raises OSError or NoFreeSlot; the previous committed
+        version is then intact on disk."""
         file = self.files[model]
         slot = file.take_slot(self.slot_timeout)
-        at = file.offset(slot)
-        header_written = False
+        pending = PendingCommit(shard_id, slot, arena, version, initialized, numel)
+        file.groups.run(pending, lambda group: self._write_group(file, group))
+
+    def _write_group(self, file: ModelFile, group: list[PendingCommit]) -> None:
+        """Every arena of the group, one flush, every header, one flush; then each commit's
+        slot becomes its shard's. A commit whose write fails fails alone; a failed flush fails
+        every commit it was to cover."""
         started = time.perf_counter()
         try:
             crash_points.reached("before_data")
             # The checksums are taken in this thread while the I/O threads write the bytes.
-            sums = self.io.write(file.fd, arena, at + PAGE, meanwhile=lambda: checksums(arena, numel))
-            master_bytes, master_crc, data_crc = sums
+            sums, errors = self.io.write_parts(
+                file.fd,
+                [(c.arena, file.offset(c.slot) + PAGE) for c in group],
+                meanwhile=lambda: [checksums(c.arena, c.numel) for c in group],
+            )
+            for c, (master_bytes, master_crc, data_crc), error in zip(group, sums, errors, strict=True):
+                c.error = error
+                c.header = SlotHeader(
+                    c.shard_id, c.version, c.initialized, c.numel, len(c.arena), data_crc, master_bytes, master_crc
+                )
             crash_points.reached("data_written")
-            if self.fsync:
-                file.flushes.sync()  # shared with the commits running beside it (group_sync)
+            written = [c for c in group if c.error is None]
+            if written and self.fsync:
+                self._flush(file, written)  # one flush for every arena of the group
             crash_points.reached("data_synced")
-            header = SlotHeader(shard_id, version, initialized, numel, len(arena), data_crc, master_bytes, master_crc)
-            packed = header.pack()
-            with self._header_lock:
-                self._header[:] = packed + bytes(PAGE - len(packed))
-                header_written = True  # from here the slot may name this version on disk
-                self.io.write(file.fd, self._header, at)
+            for c in written:
+                if c.error is None:
+                    self._write_header(file, c)
             crash_points.reached("header_written")
-            if self.fsync:
-                file.flushes.sync()  # shared with the commits running beside it (group_sync)
+            headed = [c for c in written if c.error is None]
+            if headed and self.fsync:
+                self._flush(file, headed)  # one flush for every header of the group
             crash_points.reached("header_synced")
-        except BaseException:
-            if header_written:
-                # Its header may have reached the disk naming a version newer than the
-                # committed one; reused for another shard and torn by a crash, it would make
-                # recovery pick a corrupt "newest". Leave it out until the next restart.
-                log.error("slot %d of %s is left unused until restart after a failed commit", slot, file.path)
-            else:
-                file.give_back(slot)
-            raise
-        file.committed(shard_id, slot, header)
-        file.floors.raise_to(shard_id, version)
+            for c in headed:
+                if c.error is None:
+                    file.committed(c.shard_id, c.slot, c.header)
+                    file.floors.raise_to(c.shard_id, c.version)
+                    c.committed = True
+        finally:
+            for c in group:
+                if not c.committed:
+                    self._failed(file, c)
+            with self._header_lock:
+                self.bytes_written += sum(len(c.arena) for c in group if c.committed)
+                self.write_seconds += time.perf_counter() - started
+
+    @staticmethod
+    def _flush(file: ModelFile, covered: list[PendingCommit]) -> None:
+        """One fdatasync for `covered`; if it fails, so does each of them."""
+        try:
+            file.flushes.sync()  # shared with any other group's (group_sync)
+        except OSError as exc:
+            for c in covered:
+                c.error = exc
+
+    def _write_header(self, file: ModelFile, c: PendingCommit) -> None:
+        packed = c.header.pack()
         with self._header_lock:
-            self.bytes_written += len(arena)
-            self.write_seconds += time.perf_counter() - started
+            self._header[:] = packed + bytes(PAGE - len(packed))
+            c.header_written = True  # from here the slot may name this version on disk
+            try:
+                self.io.write(file.fd, self._header, file.offset(c.slot))
+            except OSError as exc:
+                c.error = exc
+
+    @staticmethod
+    def _failed(file: ModelFile, c: PendingCommit) -> None:
+        if c.header_written:
+            # Its header may have reached the disk naming a version newer than the committed
+            # one; reused for another shard and torn by a crash, it would make recovery pick a
+            # corrupt "newest". Leave it out until the next restart.
+            log.error("slot %d of %s is left unused until restart after a failed commit", c.slot, file.path)
+        else:
+            file.give_back(c.slot)
 
     def load(self, model: str, shard_id: int, arena: memoryview) -> SlotHeader | None:
         """Reads the committed version into `arena`; None if none was ever committed.

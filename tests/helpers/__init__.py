@@ -5,6 +5,8 @@ Nothing here is collected (no test_ functions).
   admin_cli        `ps-admin` run as a subprocess, its --json read back, verify's verdicts
   data_plane       a model registered over gRPC, with a TCP data-plane client to it
   fuzz_inputs      Hypothesis strategies: any message of proto/ps.proto, hostile numbers and names
+  group_commit     one model's NVMe files committed shard by shard, one byte value per version, and
+                   what recovery finds of them
   group_model      the odd-shaped model in three param groups whose settings change each step,
                    its spec, gradients and fused torch.optim twin
   kernel_cases     the checks every backend of kernels/ must pass against the torch reference
