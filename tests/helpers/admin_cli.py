@@ -12,7 +12,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_admin(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+# The commands that move a model's bytes (export, snapshot export and restore) took more than
+# 30 s on a loaded 2-core CI machine; the rest answer in a few seconds.
+MOVES_BYTES = {("export",), ("snapshot", "export"), ("snapshot", "restore")}
+
+
+def run_admin(*args: str, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    if timeout is None:
+        timeout = 120.0 if args[:1] in MOVES_BYTES or args[:2] in MOVES_BYTES else 30.0
     env = {k: v for k, v in os.environ.items() if k not in ("PS_DAEMON", "COLUMNS")}
     return subprocess.run(
         [sys.executable, "-m", "ps_offload.admin", *args],
