@@ -101,7 +101,7 @@ class DirectIO:
             try:
                 self._check_fault()  # one write per part, as `write` counts
                 submitted.append(self._submit(self._writers, self._write_block, fd, view, offset))
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - this part's error; the others still run
                 submitted.append(exc)
         result, error = None, None
         try:
@@ -116,7 +116,7 @@ class DirectIO:
             try:
                 self._wait(futures)
                 errors.append(None)
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - every part is waited for, whatever one raised
                 errors.append(exc)
         if error is not None:
             raise error
