@@ -126,6 +126,9 @@ class _StoreCollector(Collector):
             "ps_nvme_master_reads", "Pulls of a shard on NVMe that read its master values only", s.nvme_master_reads
         )
         yield _counter("ps_nvme_master_read_bytes", "Bytes those master-only reads took", s.nvme_master_bytes_read)
+        yield _counter(
+            "ps_window_loads", "Master pulls that loaded the whole arena, kept until its update", s.window_loads
+        )
         speculative = CounterMetricFamily(
             "ps_speculative_steps", "Steps computed during backward (push_in_backward), by outcome", labels=["result"]
         )

@@ -15,6 +15,7 @@ ps_offload.daemon.dataplane.
     pull              PullRequest: one pull (tensor, shard, version, dtype), built once from the wire
     pull_rounding     bf16/fp16 pulls: master values rounded as torch's Tensor.to does
     master_pull       master pulls with NVMe: from RAM if resident, else the committed master region on disk
+    residency_window  which master pulls load the whole arena and keep it until the shard's update
     pull_wait         PullWaits: pulls waiting for a version, bounded; a wait ends when its call does
     prefetch          Prefetcher: what the RAM tier loads ahead (trainer hints, the learned push order)
     persistence       the committed copy on NVMe: create, load, commit, roll back a failed update

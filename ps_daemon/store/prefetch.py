@@ -1,5 +1,7 @@
 """What the RAM tier loads ahead: shards a trainer hinted, and the shards that followed the
-one just pushed in the previous step's push order (learned, per model).
+one just pushed in the previous step's push order (learned, per model). The same learned order
+says, for a pull, which shards are updated before the pulled one (`updates_before`), which the
+residency window reads (ps_offload.daemon.store.residency_window).
 
 Both only queue loads (ps_offload.daemon.tiers.ram does them, bounded by its free room); without an
 NVMe tier every shard is resident: the tier queues nothing, and the store learns no order (depth 0).
@@ -45,3 +47,24 @@ class Prefetcher:
             upcoming = previous[previous.index(shard.slice.shard_id) + 1 :]
         shards = shards_of_model()
         self.tier.prefetch([shards[i] for i in upcoming if i in shards], limit=self.depth)
+
+    def updates_before(self, shard: Shard) -> tuple[list[int], list[int]] | None:
+        """(the model's shard ids still to be updated in the step `shard`'s next update is for,
+        in the learned order; of those, the ones updated before `shard`), or None when no order
+        is learned yet or `shard` is not in it. That step is the shard's version: if updates of
+        it have begun, the order is the previous step's less those done; if not, the last
+        step's whole."""
+        step = shard.version
+        with self._lock:
+            learned_step, previous, current = self._orders.get(shard.model, (None, [], []))
+            if learned_step == step:
+                done = set(current)
+                remaining = [i for i in dict.fromkeys(previous) if i not in done]
+            elif learned_step == step - 1:
+                remaining = list(dict.fromkeys(current))
+            else:
+                return None
+        shard_id = shard.slice.shard_id
+        if shard_id not in remaining:
+            return None
+        return remaining, remaining[: remaining.index(shard_id)]

@@ -40,6 +40,7 @@ from ps_offload.daemon.store.pull_wait import PullWait
 from ps_offload.daemon.store.push import CheckedPush, PushRequest, PushResult, check_step_locked
 from ps_offload.daemon.store.registry import ModelRegistry
 from ps_offload.daemon.store.replica_reports import ReplicaHealth, ReplicaReports
+from ps_offload.daemon.store.residency_window import ResidencyWindow
 from ps_offload.daemon.store.shard import Shard, allocate_arena
 from ps_offload.daemon.store.speculation import SpareArenas
 from ps_offload.daemon.store.stats import StatsSnapshot, StoreStats, tier_counts
@@ -74,6 +75,10 @@ class ShardStore:
         )
         self.registry.on_drop.append(self._forget)
         self.prefetcher = Prefetcher(self.tier, depth=prefetch_depth if self.files.at_rest else 0)
+        self.window = ResidencyWindow(
+            self.prefetcher, budget=ram_bytes, shards_of=self.registry.shards_of,
+            models=lambda: len(self.registry.models()),
+        )  # fmt: skip
         self.spares = SpareArenas(speculation_bytes, allocate_arena)
         self.stats = StoreStats()
         self.replica_reports = ReplicaReports()  # trainers' word on lost holders (metrics)
@@ -138,9 +143,16 @@ class ShardStore:
         """pull's (values, version), with what must last while they are sent entered on `sending`."""
         tensor, dtype, min_version = pull.tensor, pull.dtype, pull.min_version
         if tensor == "master" and self.files.at_rest:
-            pulled = pull_master(sending, self.files, self.tier, shard, pull, timeout=timeout, scratch=scratch)
-            if pulled is not None:
-                return pulled
+            upcoming = self.window.holds(shard)
+            if upcoming is not None and not shard.resident:
+                # Loaded whole below and kept until its update (ps_offload.daemon.store.residency_window).
+                self.tier.prefetch(upcoming, limit=0)
+                with self._lock:
+                    self.stats.window_loads += 1
+            else:
+                pulled = pull_master(sending, self.files, self.tier, shard, pull, timeout=timeout, scratch=scratch)
+                if pulled is not None:
+                    return pulled
         if dtype == shard.state_dtype:
             sending.enter_context(self._using(shard, pull=True))
             # The tensor is taken under the hold: a step computed ahead swaps the shard's arena
@@ -251,6 +263,7 @@ class ShardStore:
                 pushes_duplicate=s.pushes_duplicate,
                 optimizer_seconds=s.optimizer_seconds,
                 prefetch_hints=s.prefetch_hints,
+                window_loads=s.window_loads,
                 uptime_seconds=time.monotonic() - s.started,
                 speculative_steps=self.spares.committed,
                 speculative_redone=self.spares.discarded,

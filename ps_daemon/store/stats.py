@@ -20,6 +20,7 @@ class StoreStats:
     pushes_duplicate: int = 0
     optimizer_seconds: float = 0.0
     prefetch_hints: int = 0
+    window_loads: int = 0  # master pulls that loaded the whole arena (ps_offload.daemon.store.residency_window)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -36,6 +37,7 @@ class StatsSnapshot:
     pushes_duplicate: int
     optimizer_seconds: float
     prefetch_hints: int
+    window_loads: int
     uptime_seconds: float
     tier_hits: int
     tier_misses: int

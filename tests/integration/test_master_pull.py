@@ -51,7 +51,12 @@ def _offload(model, address: str):
 
 
 def _daemon(tmp_path: Path, name: str) -> LocalDaemon:
-    return LocalDaemon(tmp_path / name, "--nvme-dir", str(tmp_path / "nvme"))
+    """With no learned order (prefetch_depth 0) there is no residency window: every master pull
+    of a shard on NVMe reads its master region only (the window: test_residency_window in
+    tests/ps_daemon/store)."""
+    config = tmp_path / "no-window.toml"
+    config.write_text("[store]\nprefetch_depth = 0\n")
+    return LocalDaemon(tmp_path / name, "--nvme-dir", str(tmp_path / "nvme"), "--config", str(config))
 
 
 def _admin(address: str, method: str, request):

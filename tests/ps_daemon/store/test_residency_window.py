@@ -1,0 +1,136 @@
+"""The residency window, in the store on real files: in a streamed step (every shard pulled in
+forward order, then pulled and updated in reverse), the shards a backward updates first are
+loaded whole at their forward pull and kept until their update, the rest read their master
+region at the forward pull and their arena once for the backward pull and update together;
+the values are those of a store that holds everything in RAM, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ps_offload.daemon.composition import open_store
+from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
+from ps_offload.daemon.store import tier_admin
+from ps_offload.daemon.store.pull import PullRequest
+from ps_offload.daemon.store.push import PushRequest
+from ps_offload.daemon.store.residency_window import WindowPlan, plan_window
+from ps_offload.daemon.store.shard import arena_nbytes
+from ps_offload.daemon.store.shard_store import ShardStore
+from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
+from ps_offload.optimizers import AdamW
+
+NUMEL = 1024  # one page of master values per shard
+SHARDS = 16
+DEPTH = 2
+ARENA = arena_nbytes(NUMEL, AdamW())
+
+
+def _store(directory, *, ram_shards: int) -> ShardStore:
+    files = None
+    if directory is not None:
+        files = NvmeFiles(directory, io=DirectIO(threads=2, block_bytes=PAGE), fsync=False, spare_slots=2)
+    ram = ram_shards * ARENA if files is not None else 1 << 30
+    return open_store(ram_bytes=ram, default_shard_bytes=NUMEL * 4, files=files, prefetch_depth=DEPTH)
+
+
+def _register(store: ShardStore) -> None:
+    spec = ModelSpec("m", (ParamSpec("w", (SHARDS * NUMEL,)),), AdamW(lr=0.01), NUMEL * 4, ("d",))
+    store.registry.register(spec, 0)
+    values = torch.randn(SHARDS * NUMEL, generator=torch.Generator().manual_seed(0))
+    for shard_id in range(SHARDS):
+        data = values[shard_id * NUMEL : (shard_id + 1) * NUMEL].clone()
+        store.push(PushRequest("m", shard_id, step=0, kind="parameters", data=data, lr=None))
+
+
+def _pull(store: ShardStore, shard_id: int, step: int) -> torch.Tensor:
+    with store.pull(PullRequest("m", shard_id, min_version=step), timeout=30) as (values, version):
+        assert version == step
+        return values.clone()
+
+
+def _forward(store: ShardStore, step: int) -> list[torch.Tensor]:
+    return [_pull(store, shard_id, step) for shard_id in range(SHARDS)]
+
+
+def _backward(store: ShardStore, step: int) -> list[torch.Tensor]:
+    """Each shard from the last pulled again and updated: with _forward, what a streamed
+    trainer asks of its daemon in a step. Returns the values pulled."""
+    pulled = []
+    for shard_id in reversed(range(SHARDS)):
+        pulled.append(_pull(store, shard_id, step))
+        gradient = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * shard_id + step))
+        store.push(PushRequest("m", shard_id, step=step, kind="gradient", data=gradient, lr=None))
+    return pulled
+
+
+def _close(store: ShardStore) -> None:
+    store.close()
+    if store.files is not None:
+        store.files.close()
+
+
+def _load_bytes(store: ShardStore) -> int:
+    """What loading one shard whole reads."""
+    tier_admin.evict(store, "m", 0)
+    before = store.stats_snapshot().nvme_bytes_read
+    tier_admin.load(store, "m", 0)
+    return store.stats_snapshot().nvme_bytes_read - before
+
+
+@pytest.mark.parametrize(("ram_shards", "window_shards"), [(6, 3), (4, 1), (2, 1)])
+def test_a_streamed_step_loads_each_arena_once_and_the_window_keeps_the_last_ones(tmp_path, ram_shards, window_shards):
+    store, reference = _store(tmp_path, ram_shards=ram_shards), _store(None, ram_shards=0)
+    try:
+        for s in (store, reference):
+            _register(s)
+        assert store.window.plan("m").shards == window_shards  # ram_shards less DEPTH + 1
+        load_bytes = _load_bytes(store)
+        for step in range(4):
+            start = store.stats_snapshot()
+            pulled, expected = _forward(store, step), _forward(reference, step)
+            middle = store.stats_snapshot()
+            pulled, expected = pulled + _backward(store, step), expected + _backward(reference, step)
+            end = store.stats_snapshot()
+            for a, b in zip(pulled, expected, strict=True):
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), step
+            if step < 1:
+                continue  # the first step learns the order
+            # Forward: the window's shards (the last pulled) are loaded whole; the others read
+            # their master region, unless the previous step left them in RAM.
+            assert middle.window_loads - start.window_loads == window_shards, step
+            # Backward: no master region is read; the whole step reads no arena twice.
+            assert end.nvme_master_reads == middle.nvme_master_reads, step
+            loads = end.tier_misses + end.prefetched - start.tier_misses - start.prefetched
+            master_reads = end.nvme_master_reads - start.nvme_master_reads
+            assert loads <= SHARDS, step
+            assert end.nvme_bytes_read - start.nvme_bytes_read == loads * load_bytes + master_reads * PAGE, step
+    finally:
+        _close(store)
+        _close(reference)
+
+
+def test_without_a_learned_order_every_master_pull_reads_the_master_only(tmp_path):
+    store = _store(tmp_path, ram_shards=6)
+    try:
+        _register(store)
+        for shard_id in range(SHARDS):
+            tier_admin.evict(store, "m", shard_id)
+        before = store.stats_snapshot()
+        for shard_id in range(SHARDS):
+            _pull(store, shard_id, 0)
+        after = store.stats_snapshot()
+        assert after.window_loads == 0 and after.tier_misses == before.tier_misses
+        assert after.nvme_master_reads == before.nvme_master_reads + SHARDS
+    finally:
+        _close(store)
+
+
+def test_the_window_plan_counts_what_the_tier_keeps_besides_it():
+    arena = 100
+    assert plan_window(10 * arena, [arena] * 20, depth=2, models=1).shards == 7  # 10 less 3
+    assert plan_window(10 * arena, [arena] * 20, depth=2, models=2).shards == 3  # shared
+    assert plan_window(10 * arena, [arena] * 4, depth=2, models=1).shards == 4  # the whole model
+    # The shard updated next is held in the room kept for the update in flight.
+    assert plan_window(3 * arena, [arena] * 20, depth=2, models=1) == WindowPlan(0, 1)
+    assert plan_window(10 * arena, [], depth=2, models=1).shards == 0
