@@ -322,9 +322,23 @@ def _zero_infinity_profile(r: dict) -> str:
         f" Ours per step: forward {phase['forward']} ms, backward {phase['backward']} ms (pushes applied as they "
         f"arrive), step() {phase['step']} ms; the daemon read {daemon['nvme_bytes_read'] / state:.2f}× and wrote "
         f"{daemon['nvme_bytes_written'] / state:.2f}× the AdamW state ({daemon['nvme_master_reads']:.0f} pulls read "
-        f"a master from disk), its I/O threads busy {daemon['nvme_read_seconds']} s reading and "
+        f"a master from disk{_window_loads(daemon)}; {_bytes_per_param(r)}), its I/O threads busy "
+        f"{daemon['nvme_read_seconds']} s reading and "
         f"{daemon['nvme_write_seconds']} s writing, its AdamW {daemon['optimizer_seconds']} s."
     )
+
+
+def _window_loads(daemon: dict) -> str:
+    if "window_loads" not in daemon:
+        return ""  # a result from before the residency window
+    return f", {daemon['window_loads']:.0f} loaded the whole arena for the residency window"
+
+
+def _bytes_per_param(r: dict) -> str:
+    daemon, params = r["ours_daemon_per_step"], r["params"]
+    moved = (daemon["nvme_bytes_read"] + daemon["nvme_bytes_written"]) / params
+    ideal = 2 * r["state_bytes"] / params
+    return f"{moved:.1f} bytes moved per parameter per step, where the state read once and written once is {ideal:.1f}"
 
 
 def _nonfinite_check(r: dict) -> str:

@@ -164,7 +164,7 @@ class Ours:
 
         s = client.stats(self.daemon.address, 10.0)
         names = ("nvme_bytes_read", "nvme_bytes_written", "nvme_read_seconds", "nvme_write_seconds",
-                 "nvme_master_reads", "optimizer_seconds", "tier_misses")  # fmt: skip
+                 "nvme_master_reads", "window_loads", "optimizer_seconds", "tier_misses")  # fmt: skip
         return {name: getattr(s, name) for name in names}
 
     def stats(self) -> dict:

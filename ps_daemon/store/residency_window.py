@@ -16,7 +16,8 @@ and its own fit in the *window*, the pull loads the shard whole (a tier miss, co
 so it is evicted only after the shards needed later (ps_offload.daemon.tiers.ram's victim rule).
 Else the master region alone is read, as before. The shard updated next (a backward's pull
 that prefetch did not reach) is always loaded whole, in the room kept for the update in flight,
-so a backward pull reads its shard once, for the pull and the update both.
+and so is one whose predecessors are all in RAM already (a backward pulls a block's shards
+together): a backward pull reads its shard once, for the pull and the update both.
 
 The window: the RAM tier's budget less room for the prefetch of `depth` shards ahead and one
 update in flight (`depth + 1` of the model's largest arenas), shared evenly among the models
@@ -89,8 +90,12 @@ class ResidencyWindow:
         shards = self._shards_of(shard.model)
         if any(i not in shards for i in remaining):
             return None  # dropped or re-registered meanwhile
-        # The shard updated next always fits: its room is the update in flight's.
+        # The shard updated next always fits: its room is the update in flight's. So does one
+        # whose every predecessor is in RAM already (a backward pulling a block's shards
+        # together): nothing is loaded before its update, so it is evicted only for shards
+        # needed sooner.
         needed = sum(shards[i].arena_bytes for i in before)
-        if before and needed + shard.arena_bytes > self.plan(shard.model).window_bytes:
-            return None
+        if needed + shard.arena_bytes > self.plan(shard.model).window_bytes:
+            if not all(shards[i].resident or shards[i].loading for i in before):
+                return None
         return [shards[i] for i in remaining]

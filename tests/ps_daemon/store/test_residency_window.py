@@ -53,14 +53,17 @@ def _forward(store: ShardStore, step: int) -> list[torch.Tensor]:
     return [_pull(store, shard_id, step) for shard_id in range(SHARDS)]
 
 
-def _backward(store: ShardStore, step: int) -> list[torch.Tensor]:
-    """Each shard from the last pulled again and updated: with _forward, what a streamed
-    trainer asks of its daemon in a step. Returns the values pulled."""
+def _backward(store: ShardStore, step: int, block: int) -> list[torch.Tensor]:
+    """From the last, each block of `block` shards pulled again, then its shards updated: with
+    _forward, what a streamed trainer asks of its daemon in a step. Returns the values pulled."""
     pulled = []
-    for shard_id in reversed(range(SHARDS)):
-        pulled.append(_pull(store, shard_id, step))
-        gradient = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * shard_id + step))
-        store.push(PushRequest("m", shard_id, step=step, kind="gradient", data=gradient, lr=None))
+    order = list(reversed(range(SHARDS)))
+    for at in range(0, SHARDS, block):
+        shard_ids = order[at : at + block]
+        pulled += [_pull(store, shard_id, step) for shard_id in shard_ids]
+        for shard_id in shard_ids:
+            gradient = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * shard_id + step))
+            store.push(PushRequest("m", shard_id, step=step, kind="gradient", data=gradient, lr=None))
     return pulled
 
 
@@ -78,8 +81,12 @@ def _load_bytes(store: ShardStore) -> int:
     return store.stats_snapshot().nvme_bytes_read - before
 
 
-@pytest.mark.parametrize(("ram_shards", "window_shards"), [(6, 3), (4, 1), (2, 1)])
-def test_a_streamed_step_loads_each_arena_once_and_the_window_keeps_the_last_ones(tmp_path, ram_shards, window_shards):
+@pytest.mark.parametrize(
+    ("ram_shards", "window_shards", "block"), [(6, 3, 1), (4, 1, 1), (2, 1, 1), (6, 3, 2), (4, 1, 2)]
+)
+def test_a_streamed_step_loads_each_arena_once_and_the_window_keeps_the_last_ones(
+    tmp_path, ram_shards, window_shards, block
+):
     store, reference = _store(tmp_path, ram_shards=ram_shards), _store(None, ram_shards=0)
     try:
         for s in (store, reference):
@@ -90,7 +97,7 @@ def test_a_streamed_step_loads_each_arena_once_and_the_window_keeps_the_last_one
             start = store.stats_snapshot()
             pulled, expected = _forward(store, step), _forward(reference, step)
             middle = store.stats_snapshot()
-            pulled, expected = pulled + _backward(store, step), expected + _backward(reference, step)
+            pulled, expected = pulled + _backward(store, step, block), expected + _backward(reference, step, block)
             end = store.stats_snapshot()
             for a, b in zip(pulled, expected, strict=True):
                 assert torch.equal(a.view(torch.int32), b.view(torch.int32)), step
@@ -99,7 +106,8 @@ def test_a_streamed_step_loads_each_arena_once_and_the_window_keeps_the_last_one
             # Forward: the window's shards (the last pulled) are loaded whole; the others read
             # their master region, unless the previous step left them in RAM.
             assert middle.window_loads - start.window_loads == window_shards, step
-            # Backward: no master region is read; the whole step reads no arena twice.
+            # Backward: no master region is read (a block's shards after the first are loaded
+            # whole once the first is in RAM); the whole step reads no arena twice.
             assert end.nvme_master_reads == middle.nvme_master_reads, step
             loads = end.tier_misses + end.prefetched - start.tier_misses - start.prefetched
             master_reads = end.nvme_master_reads - start.nvme_master_reads
