@@ -338,7 +338,14 @@ def _bytes_per_param(r: dict) -> str:
     daemon, params = r["ours_daemon_per_step"], r["params"]
     moved = (daemon["nvme_bytes_read"] + daemon["nvme_bytes_written"]) / params
     ideal = 2 * r["state_bytes"] / params
-    return f"{moved:.1f} bytes moved per parameter per step, where the state read once and written once is {ideal:.1f}"
+    text = f"{moved:.1f} bytes moved per parameter per step, where the state read once and written once is {ideal:.1f}"
+    if "ours_window" in r:
+        window = r["ours_window"]
+        text += (
+            f" and, with the residency window this RAM tier allows ({window['window_bytes'] / 2**20:.0f} MiB, "
+            f"{window['window_shards']} of {window['shards']} shards), {window['bound_bytes_per_param']}"
+        )
+    return text
 
 
 def _nonfinite_check(r: dict) -> str:

@@ -310,6 +310,7 @@ def compare(name: str, size: Size) -> dict:
             "nvme_bytes": {system: stats[system]["nvme_bytes"] for system in CONTENDERS},
             "ours_phase_ms": stats["ours"]["phase_ms"],
             "ours_daemon_per_step": stats["ours"]["daemon_per_step"],
+            "ours_window": stats["ours"]["window"],
             "init_seconds": init_seconds,
             "first_loss": first,
             "last_loss": {system: round(losses[system][-1], 5) for system in CONTENDERS},

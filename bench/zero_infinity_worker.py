@@ -97,6 +97,7 @@ class Ours:
         from ps_offload import trainer
 
         self.nvme_dir = spec["nvme_dir"]
+        self.ram_bytes = spec["ours"]["ram_bytes"]
         self.daemon = BenchDaemon(
             "--nvme-dir", self.nvme_dir, "--ram-bytes", str(spec["ours"]["ram_bytes"]),
             "--shard-bytes", str(spec["ours"]["shard_bytes"]),
@@ -176,11 +177,26 @@ class Ours:
             "daemon_peak_rss_bytes": _peak_rss(self.daemon.process.pid),
             "nvme_bytes": _du(self.nvme_dir),
             "block_pulls": dict(self.opt.stats),
+            "window": self._window(),
             # Where a step goes: the trainer's phases, and the daemon's work per step (its I/O
             # seconds are summed over its I/O threads).
             "phase_ms": {k: round(1000 * v / max(self.steps, 1), 1) for k, v in self.phases.items()},
             "daemon_per_step": per_step,
         }
+
+    def _window(self) -> dict:
+        """The daemon's residency window for this model (ps_offload.daemon.store.residency_window)
+        and the bytes per parameter a step must move with it: AdamW's 12 read and 12 written
+        for every parameter, and 4 more read (its forward's master) for those outside it."""
+        from ps_offload.daemon.store.residency_window import plan_window
+        from ps_offload.daemon.store.shard import arena_nbytes
+        from ps_offload.optimizers import AdamW
+
+        arenas = [arena_nbytes(s.numel, AdamW()) for s in self.opt.plan]
+        plan = plan_window(self.ram_bytes, arenas, depth=2, models=1)
+        outside = max(0.0, 1 - plan.window_bytes / sum(arenas))
+        return {"shards": len(arenas), "window_bytes": plan.window_bytes, "window_shards": plan.shards,
+                "bound_bytes_per_param": round(24 + 4 * outside, 2)}  # fmt: skip
 
     def close(self) -> None:
         self.opt.close()

@@ -22,7 +22,8 @@ Nothing here is collected (no test_ functions).
   replication      replicated models over NVMe daemons, one lost for good, `ps-admin replicas`
   rounding_edges   fp32 values at the edges of bf16 and fp16 rounding
   snapshots        the MLP run snapshot tests cut at step CUT, and its resumption check
-  specs            one-parameter SGD and AdamW model specs with known plans
+  specs            one-parameter SGD and AdamW model specs with known plans; one registered in a
+                   ShardStore directly
   streamed_gpt     the tiny GPT streamed through daemons, and its in-process twin
   training         MLP and GPT cases, the in-process and offloaded loops, the no-decay rule
   waiting          polling a predicate or a daemon's Stats until it holds, at most 60 s

@@ -1,5 +1,6 @@
 """Model specs the daemon tests register by hand: one fp32 parameter "w" under SGD or AdamW,
-cut into a few small shards, so that each test knows its plan without asking."""
+cut into a few small shards, so that each test knows its plan without asking; and such a model
+registered in a ShardStore directly, its initial values pushed (register_in_store)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,20 @@ def adamw_spec():
         shard_bytes=ADAMW_SHARD_BYTES,
         daemons=["d0"],
     )
+
+
+def register_in_store(store, *, shards: int, numel: int, model: str = "m") -> None:
+    """An AdamW (lr 0.01) model of `shards` shards of `numel` fp32 each, registered in the
+    ShardStore `store` as daemon 0 of one, its initial values (seeded) pushed."""
+    import torch
+
+    from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
+    from ps_offload.daemon.store.push import PushRequest
+    from ps_offload.optimizers import AdamW
+
+    spec = ModelSpec(model, (ParamSpec("w", (shards * numel,)),), AdamW(lr=0.01), numel * 4, ("d",))
+    store.registry.register(spec, 0)
+    values = torch.randn(shards * numel, generator=torch.Generator().manual_seed(0))
+    for shard_id in range(shards):
+        data = values[shard_id * numel : (shard_id + 1) * numel].clone()
+        store.push(PushRequest(model, shard_id, step=0, kind="parameters", data=data, lr=None))

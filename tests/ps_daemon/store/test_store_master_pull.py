@@ -13,7 +13,6 @@ import torch
 
 from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.errors import DataLoss, DeadlineExceeded, FailedPrecondition
-from ps_offload.daemon.model.spec import ModelSpec, ParamSpec
 from ps_offload.daemon.rpc.staging import StagingPool
 from ps_offload.daemon.store import tier_admin
 from ps_offload.daemon.store.pull import PullRequest
@@ -23,6 +22,7 @@ from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
 from ps_offload.optimizers import AdamW
 from tests.helpers.nvme_files import downgrade_to_format_2
+from tests.helpers.specs import register_in_store
 
 NUMEL = 1024  # one 4 KiB page of master values per shard; AdamW's arena is 14 KiB
 SHARDS = 3
@@ -39,12 +39,7 @@ def _store(directory, *, files: NvmeFiles | None = None, ram_shards: int = 2) ->
 
 
 def _register(store: ShardStore) -> None:
-    spec = ModelSpec("m", (ParamSpec("w", (SHARDS * NUMEL,)),), AdamW(lr=0.01), NUMEL * 4, ("d",))
-    store.registry.register(spec, 0)
-    values = torch.randn(SHARDS * NUMEL, generator=torch.Generator().manual_seed(0))
-    for shard_id in range(SHARDS):
-        data = values[shard_id * NUMEL : (shard_id + 1) * NUMEL].clone()
-        store.push(PushRequest("m", shard_id, step=0, kind="parameters", data=data, lr=None))
+    register_in_store(store, shards=SHARDS, numel=NUMEL)
 
 
 def _gradient(shard_id: int, step: int) -> torch.Tensor:
