@@ -49,14 +49,17 @@ def plan_window(budget: int, arenas: list[int], *, depth: int, models: int) -> W
     bytes shared by `models` models, prefetching `depth` shards ahead."""
     if not arenas:
         return WindowPlan(0, 0)
-    room = (budget - (depth + 1) * max(arenas)) // max(models, 1)
-    window = max(room, 0)
+    window = _window_bytes(budget, max(arenas), depth=depth, models=models)
     taken = held = 0
     for nbytes in sorted(arenas, reverse=True):
         if taken + nbytes > window:
             break
         taken, held = taken + nbytes, held + 1
     return WindowPlan(window, max(held, 1))  # the shard updated next is always held
+
+
+def _window_bytes(budget: int, largest_arena: int, *, depth: int, models: int) -> int:
+    return max((budget - (depth + 1) * largest_arena) // max(models, 1), 0)
 
 
 class ResidencyWindow:
@@ -95,7 +98,9 @@ class ResidencyWindow:
         # together): nothing is loaded before its update, so it is evicted only for shards
         # needed sooner.
         needed = sum(shards[i].arena_bytes for i in before)
-        if needed + shard.arena_bytes > self.plan(shard.model).window_bytes:
+        largest = max(s.arena_bytes for s in shards.values())
+        window = _window_bytes(self.budget, largest, depth=self.prefetcher.depth, models=self._models())
+        if needed + shard.arena_bytes > window:
             if not all(shards[i].resident or shards[i].loading for i in before):
                 return None
         return [shards[i] for i in remaining]
