@@ -48,17 +48,28 @@ def _forward(store: ShardStore, step: int) -> list[torch.Tensor]:
     return [_pull(store, shard_id, step) for shard_id in range(SHARDS)]
 
 
-def _backward(store: ShardStore, step: int, block: int) -> list[torch.Tensor]:
+def _backward(store: ShardStore, step: int, block: int, *, racing: bool = False) -> list[torch.Tensor]:
     """From the last, each block of `block` shards pulled again, then its shards updated: with
-    _forward, what a streamed trainer asks of its daemon in a step. Returns the values pulled."""
-    pulled = []
+    _forward, what a streamed trainer asks of its daemon in a step. Returns the values pulled.
+    `racing`: as a trainer that prefetches, the next block is pulled before this one's pushes,
+    and a block's shards in the order that is the race's worst case (the one updated last
+    first, before its sibling's pull reaches the tier)."""
     order = list(reversed(range(SHARDS)))
-    for at in range(0, SHARDS, block):
-        shard_ids = order[at : at + block]
-        pulled += [_pull(store, shard_id, step) for shard_id in shard_ids]
+    blocks = [order[at : at + block] for at in range(0, SHARDS, block)]
+
+    def pull_block(shard_ids: list[int]) -> list[torch.Tensor]:
+        return [_pull(store, shard_id, step) for shard_id in (reversed(shard_ids) if racing else shard_ids)]
+
+    pulled = pull_block(blocks[0])
+    for at, shard_ids in enumerate(blocks):
+        following = blocks[at + 1] if at + 1 < len(blocks) else []
+        if racing:
+            pulled += pull_block(following)
         for shard_id in shard_ids:
             gradient = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * shard_id + step))
             store.push(PushRequest("m", shard_id, step=step, kind="gradient", data=gradient, lr=None))
+        if not racing:
+            pulled += pull_block(following)
     return pulled
 
 
@@ -77,10 +88,12 @@ def _load_bytes(store: ShardStore) -> int:
 
 
 @pytest.mark.parametrize(
-    ("ram_shards", "window_shards", "block"), [(6, 3, 1), (4, 1, 1), (2, 1, 1), (6, 3, 2), (4, 1, 2)]
+    ("ram_shards", "window_shards", "block", "racing"),
+    [(6, 3, 1, False), (4, 1, 1, False), (2, 1, 1, False), (6, 3, 2, False), (4, 1, 2, False)]
+    + [(6, 3, 2, True), (4, 1, 2, True), (5, 2, 2, True)],
 )
 def test_a_streamed_step_loads_each_arena_once_and_the_window_keeps_the_last_ones(
-    tmp_path, ram_shards, window_shards, block
+    tmp_path, ram_shards, window_shards, block, racing
 ):
     store, reference = _store(tmp_path, ram_shards=ram_shards), _store(None, ram_shards=0)
     try:
@@ -92,7 +105,8 @@ def test_a_streamed_step_loads_each_arena_once_and_the_window_keeps_the_last_one
             start = store.stats_snapshot()
             pulled, expected = _forward(store, step), _forward(reference, step)
             middle = store.stats_snapshot()
-            pulled, expected = pulled + _backward(store, step, block), expected + _backward(reference, step, block)
+            pulled += _backward(store, step, block, racing=racing)
+            expected += _backward(reference, step, block, racing=racing)
             end = store.stats_snapshot()
             for a, b in zip(pulled, expected, strict=True):
                 assert torch.equal(a.view(torch.int32), b.view(torch.int32)), step
