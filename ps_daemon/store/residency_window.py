@@ -16,11 +16,8 @@ and its own fit in the *window*, the pull loads the shard whole (a tier miss, co
 so it is evicted only after the shards needed later (ps_offload.daemon.tiers.ram's victim rule).
 Else the master region alone is read, as before. The shard updated next (a backward's pull
 that prefetch did not reach) is always loaded whole, in the room kept for the update in flight,
-and so is one whose predecessors are all in RAM already, or, for a backward's pull (the
-shard's second master pull at this version), all but `depth` arenas of them when they and it
-fit the model's share of the tier at once (a backward pulls a block's shards together, and a
-sibling's pull may ask before the one updated first has reached the tier): a backward pull
-reads its shard once, for the pull and the update both.
+and so is one whose predecessors are all in RAM already (a backward pulls a block's shards
+together): a backward pull reads its shard once, for the pull and the update both.
 
 The window: the RAM tier's budget less room for the prefetch of `depth` shards ahead and one
 update in flight (`depth + 1` of the model's largest arenas), shared evenly among the models
@@ -30,8 +27,6 @@ trainer changed its order) every master pull reads the master only.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -80,11 +75,6 @@ class ResidencyWindow:
         registered here."""
         self.prefetcher = prefetcher
         self.budget = budget
-        # Each shard's version at its last master pull: a second pull at one version is a
-        # backward's (a forward's pull of a shard past the window must not take the room the
-        # backward's sibling rule below counts on). Weak: a dropped model's shards leave it.
-        self._pulled_at: weakref.WeakKeyDictionary[Shard, int] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
         self._shards_of = shards_of
         self._models = models
 
@@ -95,9 +85,7 @@ class ResidencyWindow:
     def holds(self, shard: Shard) -> list[Shard] | None:
         """The shards still to be updated, in the learned order, when the window holds `shard`
         from now to its update (the caller loads it whole and makes that the tier's order of
-        upcoming use); None when its pull should read the master only. Notes the pull, as
-        `pulled` does."""
-        again = self.pulled(shard)
+        upcoming use); None when its pull should read the master only."""
         order = self.prefetcher.updates_before(shard)
         if order is None:
             return None
@@ -105,31 +93,14 @@ class ResidencyWindow:
         shards = self._shards_of(shard.model)
         if any(i not in shards for i in remaining):
             return None  # dropped or re-registered meanwhile
+        # The shard updated next always fits: its room is the update in flight's. So does one
+        # whose every predecessor is in RAM already (a backward pulling a block's shards
+        # together): nothing is loaded before its update, so it is evicted only for shards
+        # needed sooner.
         needed = sum(shards[i].arena_bytes for i in before)
         largest = max(s.arena_bytes for s in shards.values())
-        depth, models = self.prefetcher.depth, self._models()
-        if needed + shard.arena_bytes <= _window_bytes(self.budget, largest, depth=depth, models=models):
-            return [shards[i] for i in remaining]
-        # Past the window: a backward's pull. The shard updated next always fits: its room is
-        # the update in flight's. So does one whose every predecessor is in RAM already: nothing
-        # is loaded before its update, so it is evicted only for shards needed sooner. And so
-        # does a backward's (a second pull at this version) whose predecessors not yet in RAM
-        # are at most `depth` arenas, when they all fit the model's share of the tier at once
-        # with it: a block's shards are pulled
-        # together, and the pull of the one updated first may reach the tier after its
-        # sibling's asks here (each of them would otherwise read its master region now and its
-        # arena again for its update).
-        missing = sum(shards[i].arena_bytes for i in before if not (shards[i].resident or shards[i].loading))
-        if missing and (
-            not again or missing > depth * largest or needed + shard.arena_bytes > self.budget // max(models, 1)
-        ):
-            return None
+        window = _window_bytes(self.budget, largest, depth=self.prefetcher.depth, models=self._models())
+        if needed + shard.arena_bytes > window:
+            if not all(shards[i].resident or shards[i].loading for i in before):
+                return None
         return [shards[i] for i in remaining]
-
-    def pulled(self, shard: Shard) -> bool:
-        """Notes a master pull of `shard` (resident or not); whether one was seen before at the
-        version this one is for: a backward's pull, after its forward's."""
-        with self._lock:
-            again = self._pulled_at.get(shard) == shard.version
-            self._pulled_at[shard] = shard.version
-        return again

@@ -143,11 +143,8 @@ class ShardStore:
         """pull's (values, version), with what must last while they are sent entered on `sending`."""
         tensor, dtype, min_version = pull.tensor, pull.dtype, pull.min_version
         if tensor == "master" and self.files.at_rest:
-            if shard.resident:  # served from RAM by pull_master: no window to ask, only the pull to note
-                self.window.pulled(shard)
-                upcoming = None
-            else:
-                upcoming = self.window.holds(shard)
+            # (A resident shard is served from RAM by pull_master: no window to ask.)
+            upcoming = None if shard.resident else self.window.holds(shard)
             if upcoming is not None:
                 # Loaded whole below and kept until its update (ps_offload.daemon.store.residency_window):
                 # limit=0 queues no load, it only makes the learned order the tier's upcoming use.
