@@ -63,6 +63,7 @@ DeepSpeed 0.19.8 on this CPU-only machine: what it took.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import select
@@ -260,11 +261,13 @@ def compare(name: str, size: Size) -> dict:
             warm = {system: w.ask(f"steps {size.warmup}")["losses"] for system, w in workers.items()}
             seconds: dict[str, list[float]] = {system: [] for system in SYSTEMS}
             losses: dict[str, list[float]] = {system: [] for system in SYSTEMS}
+            usage: dict[str, collections.Counter] = {system: collections.Counter() for system in SYSTEMS}
             for pair in range(size.pairs):
                 for system in SYSTEMS if pair % 2 == 0 else SYSTEMS[::-1]:  # ABC CBA
                     answer = workers[system].ask(f"steps {size.steps_per_block}")
                     seconds[system].append(answer["seconds"] / size.steps_per_block)
                     losses[system] += answer["losses"]
+                    usage[system].update(answer["usage"])
             stats = {system: w.ask("stats") for system, w in workers.items()}
         finally:
             for w in workers.values():
@@ -309,6 +312,11 @@ def compare(name: str, size: Size) -> dict:
             "ours_peak_rss_split": {k: stats["ours"][k] for k in ("trainer_peak_rss_bytes", "daemon_peak_rss_bytes")},
             "nvme_bytes": {system: stats[system]["nvme_bytes"] for system in CONTENDERS},
             "ours_phase_ms": stats["ours"]["phase_ms"],
+            "ours_freed_memory": stats["ours"]["freed_memory"],
+            # Each system's own process (ours: the trainer, not its daemon), per step.
+            "process_per_step": {
+                system: _per_step(usage[system], size.pairs * size.steps_per_block) for system in SYSTEMS
+            },  # fmt: skip
             "ours_daemon_per_step": stats["ours"]["daemon_per_step"],
             "ours_window": stats["ours"]["window"],
             "init_seconds": init_seconds,
@@ -317,6 +325,11 @@ def compare(name: str, size: Size) -> dict:
             "threads": THREADS,
         },
     )
+
+
+def _per_step(usage: collections.Counter, steps: int) -> dict:
+    ms = {f"{kind}_ms": round(1000 * usage[f"{kind}_s"] / steps, 1) for kind in ("user", "system")}
+    return {**ms, "minor_faults": round(usage["minor_faults"] / steps)}
 
 
 def _deepspeed_version() -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import sys
 import time
@@ -166,7 +167,9 @@ class Ours:
         s = client.stats(self.daemon.address, 10.0)
         names = ("nvme_bytes_read", "nvme_bytes_written", "nvme_read_seconds", "nvme_write_seconds",
                  "nvme_master_reads", "window_loads", "optimizer_seconds", "tier_misses")  # fmt: skip
-        return {name: getattr(s, name) for name in names}
+        ticks = open(f"/proc/{self.daemon.process.pid}/stat").read().rsplit(")", 1)[1].split()[11:13]
+        cpu = {"cpu_seconds": sum(int(t) for t in ticks) / os.sysconf("SC_CLK_TCK")}  # user + system, all threads
+        return {**{name: getattr(s, name) for name in names}, **cpu}
 
     def stats(self) -> dict:
         now, before = self._daemon_stats(), self.daemon_at_start or {}
@@ -181,6 +184,7 @@ class Ours:
             # Where a step goes: the trainer's phases, and the daemon's work per step (its I/O
             # seconds are summed over its I/O threads).
             "phase_ms": {k: round(1000 * v / max(self.steps, 1), 1) for k, v in self.phases.items()},
+            "freed_memory": "returned to the kernel" if self.opt.returns_freed else "kept in malloc's heap",
             "daemon_per_step": per_step,
         }
 
@@ -312,6 +316,13 @@ class ComputeOnly:
 SYSTEMS = {"ours": Ours, "deepspeed": DeepSpeed, "compute": ComputeOnly}
 
 
+def _usage_since(before) -> dict:
+    """This process's CPU seconds (all its threads) and page faults since `before`."""
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    return {"user_s": now.ru_utime - before.ru_utime, "system_s": now.ru_stime - before.ru_stime,
+            "minor_faults": now.ru_minflt - before.ru_minflt}  # fmt: skip
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -339,12 +350,14 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             if command[0] == "steps":
                 losses = []
+                usage = resource.getrusage(resource.RUSAGE_SELF)
                 started = time.perf_counter()
                 for _ in range(int(command[1])):
                     losses.append(system.step(*batch(spec, step)))
                     step += 1
                 system.settle()
-                _reply(fd, {"seconds": time.perf_counter() - started, "losses": losses})
+                seconds = time.perf_counter() - started
+                _reply(fd, {"seconds": seconds, "losses": losses, "usage": _usage_since(usage)})
             elif command[0] == "stats":
                 _reply(fd, system.stats())
             elif command[0] == "quit":

@@ -60,7 +60,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from ps_offload.proto import ps_pb2
-from ps_offload.proto.memory import return_freed_blocks
+from ps_offload.proto.memory import mem_available, return_freed_blocks
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.push import Push
 from ps_offload.trainer.config import ClientConfig, DeviceConfig, OffloadConfig, OptimizerConfig, expect_config
@@ -136,15 +136,22 @@ class StreamedOptimizer(DaemonOptimizer):
         self.shared_blocks = share_units(
             self.units, self.client.transports.host_windows.slot_region, window_bytes=stream.window_bytes
         )
-        # What a block's forward and backward free (its storage where it is not in slots, and
-        # in any case its temporaries: a widened weight, a gradient, a large activation) goes
-        # back to the kernel (ps_proto/memory.py). Kept in malloc's heap instead, between small
-        # allocations that live on until backward, it stays resident, and RSS grows with the
-        # depth: measured on the scale run's blocks (n_embd 2560, bf16), peak RSS 1.50 GB at 6
-        # blocks and 1.81 at 12 without this, 1.31 and 1.35 with it (3.78 GiB at 54 without).
-        # Its cost, faults on activations over 2 MiB, was within the spread of stream_overhead's
-        # step.
-        return_freed_blocks()
+        # What a block's forward and backward free (its temporaries: a widened weight, a
+        # gradient, a large activation) goes back to the kernel (ps_proto/memory.py) where the
+        # host is short of memory: kept in malloc's heap, between small allocations that live
+        # on until backward, it stays resident, and RSS grows with the depth (the scale run's
+        # blocks, n_embd 2560, bf16: peak RSS 1.50 GB at 6 blocks and 1.81 at 12 kept, 1.31
+        # and 1.35 returned; 3.78 GiB at 54 kept). Returned, every such allocation faults a page
+        # at a time when written: 550k faults and 1.6-1.9 s of system time in a 7 s step of
+        # zero_infinity_large's trainer. Streaming.returns_freed decides.
+        model_bytes = sum(unit.nbytes for unit in self.units)
+        self.returns_freed = stream.returns_freed(model_bytes, mem_available())
+        if self.returns_freed:
+            return_freed_blocks()
+        log.info(
+            "streamed model of %d MiB: freed host memory %s", model_bytes >> 20,
+            "goes back to the kernel" if self.returns_freed else "stays in malloc's heap",
+        )  # fmt: skip
         self.mover = ShardMover(
             like,
             max(s.numel for s in self.plan),

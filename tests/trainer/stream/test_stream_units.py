@@ -122,3 +122,16 @@ def test_streaming_settings_are_checked_where_they_are_written():
         trainer.Streaming(blocks=list(model.blocks), window_bytes=0)
     with pytest.raises(ValueError, match="micro_batches"):
         trainer.Streaming(blocks=list(model.blocks), micro_batches=2)
+    for wrong in (1, "yes"):
+        with pytest.raises(ValueError, match="return_freed must be True, False or None"):
+            trainer.Streaming(blocks=list(model.blocks), return_freed=wrong)
+
+
+def test_freed_memory_stays_in_the_heap_only_where_a_quarter_of_what_is_free_holds_the_model():
+    blocks = list(TinyGPT(CONFIG).blocks)
+    decide = trainer.Streaming(blocks=blocks)
+    assert not decide.returns_freed(1 << 30, 4 << 30)  # its rise fits a quarter
+    assert decide.returns_freed((1 << 30) + 1, 4 << 30)
+    assert decide.returns_freed(1, None)  # not known: as before
+    assert trainer.Streaming(blocks=blocks, return_freed=False).returns_freed(1 << 40, 1 << 20) is False
+    assert trainer.Streaming(blocks=blocks, return_freed=True).returns_freed(1, 1 << 40) is True
