@@ -167,7 +167,7 @@ class Ours:
         s = client.stats(self.daemon.address, 10.0)
         names = ("nvme_bytes_read", "nvme_bytes_written", "nvme_read_seconds", "nvme_write_seconds",
                  "nvme_master_reads", "window_loads", "optimizer_seconds", "tier_misses")  # fmt: skip
-        ticks = open(f"/proc/{self.daemon.process.pid}/stat").read().rsplit(")", 1)[1].split()[11:13]
+        ticks = Path(f"/proc/{self.daemon.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]
         cpu = {"cpu_seconds": sum(int(t) for t in ticks) / os.sysconf("SC_CLK_TCK")}  # user + system, all threads
         return {**{name: getattr(s, name) for name in names}, **cpu}
 
