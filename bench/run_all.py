@@ -279,6 +279,13 @@ def _stream_overhead(r: dict) -> str:
             if name in cpu
         )  # fmt: skip
         text += f" CPU per step (what bounds it, both processes on the same two cores): {used}."
+    if requests := r.get("daemon_requests_per_step"):
+        each = "; ".join(
+            f"{name} {n} a step, {r['daemon_cpu_ms_per_request'][name]} ms of daemon CPU each"
+            for name, n in requests.items()
+            if name in ("unstreamed", "streamed")
+        )
+        text += f" The daemon's requests (pulls and pushes): {each}."
     return text
 
 
@@ -324,7 +331,21 @@ def _zero_infinity_profile(r: dict) -> str:
         f"{daemon['nvme_bytes_written'] / state:.2f}× the AdamW state ({daemon['nvme_master_reads']:.0f} pulls read "
         f"a master from disk{_window_loads(daemon)}; {_bytes_per_param(r)}), its I/O threads busy "
         f"{daemon['nvme_read_seconds']} s reading and "
-        f"{daemon['nvme_write_seconds']} s writing, its AdamW {daemon['optimizer_seconds']} s."
+        f"{daemon['nvme_write_seconds']} s writing, its AdamW {daemon['optimizer_seconds']} s.{_cores_busy(r)}"
+    )
+
+
+def _cores_busy(r: dict) -> str:
+    """Ours' CPU per step, trainer and daemon, against what the cores give a step."""
+    daemon, processes = r["ours_daemon_per_step"], r.get("process_per_step", {})
+    if "cpu_seconds" not in daemon or "ours" not in processes:
+        return ""  # a result from before the daemon's CPU was recorded
+    trainer = (processes["ours"]["user_ms"] + processes["ours"]["system_ms"]) / 1000
+    cores = r["threads"] * r["ms_per_step"]["ours"] / 1000
+    used = trainer + daemon["cpu_seconds"]
+    return (
+        f" CPU per step: the trainer {trainer:.2f} s and the daemon {daemon['cpu_seconds']:.2f} s, {used:.2f} of the "
+        f"{cores:.2f} s its {r['threads']} cores give a step ({used / cores:.0%} busy)."
     )
 
 

@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from bench.common import BenchDaemon, ProcessCpu, median, quick, record, spread
+from bench.common import BenchDaemon, ProcessCpu, daemon_stats, median, quick, record, spread
 from ps_offload import trainer
+from ps_offload.proto import ps_pb2
 from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=quick(8, 2), n_head=4, n_embd=quick(256, 64))
@@ -85,8 +86,13 @@ def main() -> dict:
         # contender -> (trainer, daemon) CPU over its timed steps: where a miss's time goes
         cpu: dict[str, tuple[ProcessCpu, ProcessCpu]] = {}
         cpu_steps: dict[str, int] = {}
+        requests: dict[str, int] = {}  # contender -> the daemon's pulls and pushes over its timed steps
+
+        def served(stats: ps_pb2.StatsResponse) -> int:
+            return stats.pulls + stats.pushes_applied - stats.pulls_carried  # a carried pull rides on its push
 
         def steps(model, opt, name: str = "") -> float:
+            served_before = served(daemon_stats(daemon.address)) if name else 0  # (before the CPU count)
             before = ProcessCpu.of(), ProcessCpu.of(daemon.process.pid)
             started = time.perf_counter()
             split = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -108,6 +114,7 @@ def main() -> dict:
                 trainer_total, daemon_total = cpu.get(name, (ProcessCpu(0.0, 0.0, 0),) * 2)
                 cpu[name] = (trainer_total + trainer_cpu, daemon_total + daemon_cpu)
                 cpu_steps[name] = cpu_steps.get(name, 0) + len(batches)
+                requests[name] = requests.get(name, 0) + served(daemon_stats(daemon.address)) - served_before
             for phase, seconds in split.items():
                 phases.setdefault(name, {}).setdefault(phase, []).append(seconds / len(batches))
             return elapsed
@@ -151,6 +158,12 @@ def main() -> dict:
                     for who, c in zip(("trainer", "daemon"), pair, strict=True)
                 }
                 for name, pair in cpu.items()
+            },
+            # The daemon's requests (pulls and pushes, an APPLY counted as a push) per step, and
+            # its CPU per request: a streamed step pulls each block twice and pushes it in parts.
+            "daemon_requests_per_step": {name: round(n / cpu_steps[name], 1) for name, n in requests.items()},
+            "daemon_cpu_ms_per_request": {
+                name: round(1000 * cpu[name][1].seconds / max(1, requests[name]), 2) for name in requests
             },
             # Where a step's time goes (medians over the rounds): what a miss is made of.
             "phase_ms": {
