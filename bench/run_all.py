@@ -278,7 +278,7 @@ def _stream_overhead(r: dict) -> str:
             for name in ("unstreamed", "streamed")
             if name in cpu
         )  # fmt: skip
-        text += f" CPU per step (what bounds it, both processes on the same two cores): {used}."
+        text += f" CPU per step (both processes on the same two cores): {used}."
     if requests := r.get("daemon_requests_per_step"):
         each = "; ".join(
             f"{name} {n} a step, {r['daemon_cpu_ms_per_request'][name]} ms of daemon CPU each"
