@@ -319,7 +319,10 @@ class ClientConfig:
     release's opt-in); "tcp": the data plane (else gRPC), never shared memory; "grpc": always
     gRPC (the Pull and Push RPCs)."""
     streams_per_daemon: int = 2
-    """Concurrent push/pull calls per daemon."""
+    """Concurrent push/pull calls per daemon, for each of a trainer's pools: pulls and pushes run
+    on pools of their own (a streamed model's prefetching pulls beside its backward's pushes),
+    so a daemon sees up to twice this at once, and the trainer keeps that many connections to
+    it open (`connections_per_daemon`)."""
     prefetch_hints: bool = True
     """After each step's pulls, tell every daemon which of its shards the next step pushes
     first (all of them, in push order; the daemon loads as many as its RAM tier has room
@@ -332,6 +335,14 @@ class ClientConfig:
     TLS) and the bearer token file, for daemons configured with [tls] and [auth]. The
     default reads the environment ps-admin reads ($PS_TLS_CA_FILE, $PS_TOKEN_FILE, ...:
     ClientSecurity.from_environment); with none of it set, plaintext without a token."""
+
+    @property
+    def connections_per_daemon(self) -> int:
+        """Connections to one daemon's data plane or local endpoint kept open between calls:
+        as many as the trainer makes at once (`streams_per_daemon`). Fewer, and every burst of
+        pulls beside pushes closed some at release to open them again moments later (a thread,
+        a session and a slot on the daemon each; docs/benchmarks.md, stream_overhead)."""
+        return 2 * self.streams_per_daemon
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "local", "tcp", "grpc"):

@@ -140,6 +140,36 @@ def test_a_pull_waits_for_its_version_up_to_its_deadline(daemon):
     client.close()
 
 
+def test_the_pool_keeps_the_connections_its_pulls_and_pushes_use_at_once(daemon):
+    """Pulls and pushes run on pools of their own, each up to streams_per_daemon calls: the
+    client keeps that many connections between bursts instead of closing some at release and
+    opening them again for the next burst (a daemon thread, a session and a slot each)."""
+    model = "bursts"
+    client = _register(daemon.address, model, streams_per_daemon=2)
+    local = client.transports[0]
+    assert type(local) is LocalClient
+    opened = []  # connections opened by each burst
+    for version in (1, 2):  # pulls that each hold a connection until a push lands, and the push
+        before = local.connections_opened
+        outs = [torch.empty(NUMEL) for _ in range(2 * client.config.streams_per_daemon - 1)]  # pulls, then a push
+        pull = Pull.of(model, 0, min_version=version)
+        waiters = [
+            threading.Thread(target=local.pull_into, args=(pull,), kwargs={"out": tensor_bytes(o), "timeout": 120})
+            for o in outs
+        ]
+        for waiter in waiters:
+            waiter.start()
+        count = len(waiters)
+        until(lambda count=count: local.connections_in_use == count, what=f"{count} pulls waiting")
+        client.push(client.plan[0], Push.gradient(model, 0, tensor_bytes(torch.ones(NUMEL)), step=version - 1))
+        for waiter in waiters:
+            waiter.join(180)
+        assert all(torch.equal(o, outs[0]) for o in outs) and not outs[0].isnan().any()
+        opened.append(local.connections_opened - before)
+    assert opened[0] >= 1 and opened[1] == 0, opened  # the first burst grew the pool; the second found it
+    client.close()
+
+
 # -- who cannot use it --------------------------------------------------------------------------
 
 # Started as root, for the interpreter lives where only root may read; it becomes uid 65534

@@ -145,6 +145,7 @@ class LocalClient:
         self.bytes_in_place = 0
         self.bytes_copied = 0
         self.pulls_carried = 0  # pushes whose answer said the new version was written where asked (pull_into)
+        self.connections_opened = 0  # over its life: a pool too small for its callers opens them again and again
         self._windows = windows or HostWindows()
         # Proven here, not assumed: a daemon on another host or namespace, or of another uid,
         # fails this connect, and the caller uses the data plane instead.
@@ -162,6 +163,7 @@ class LocalClient:
             raise DataPlaneError(exc.code(), f"local endpoint {self.endpoint}: {exc.details()}") from None
         with self._lock:
             self._open += 1
+            self.connections_opened += 1
             first = self._open == 1  # the first, or the daemon let go of the windows with the last
             if first:
                 self._attached.clear()
@@ -173,6 +175,12 @@ class LocalClient:
                 self._closed(conn)
                 raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"local endpoint {self.endpoint}: {exc}") from None
         return conn
+
+    @property
+    def connections_in_use(self) -> int:
+        """Connections lent to calls now (open less idle)."""
+        with self._lock:
+            return self._open - self._idle.qsize()
 
     def _closed(self, conn: _Connection) -> None:
         conn.close()

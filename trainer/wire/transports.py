@@ -77,7 +77,7 @@ class Transports:
             DataPlaneClient(
                 host,
                 data_port,
-                max_connections=self.config.streams_per_daemon,
+                max_connections=self.config.connections_per_daemon,
                 security=self.config.security,
                 dead_peer_seconds=self.config.dead_peer_seconds,
             ),
@@ -90,7 +90,7 @@ class Transports:
             return LocalClient(
                 endpoint,
                 slot_bytes=slot_bytes,
-                max_connections=self.config.streams_per_daemon,
+                max_connections=self.config.connections_per_daemon,
                 security=self.config.security,
                 windows=self.host_windows,
             )
