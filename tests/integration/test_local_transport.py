@@ -142,8 +142,8 @@ def test_a_pull_waits_for_its_version_up_to_its_deadline(daemon):
 
 def test_the_pool_keeps_the_connections_its_pulls_and_pushes_use_at_once(daemon):
     """Pulls and pushes run on pools of their own, each up to streams_per_daemon calls: the
-    client keeps that many connections between bursts instead of closing some at release and
-    opening them again for the next burst (a daemon thread, a session and a slot each)."""
+    client keeps twice that many connections between bursts instead of closing some at release
+    and opening them again for the next burst (a daemon thread, a session and a slot each)."""
     model = "bursts"
     client = _register(daemon.address, model, streams_per_daemon=2)
     local = client.transports[0]
@@ -153,8 +153,13 @@ def test_the_pool_keeps_the_connections_its_pulls_and_pushes_use_at_once(daemon)
         before = local.connections_opened
         outs = [torch.empty(NUMEL) for _ in range(2 * client.config.streams_per_daemon - 1)]  # pulls, then a push
         pull = Pull.of(model, 0, min_version=version)
+        versions: list[int] = []
         waiters = [
-            threading.Thread(target=local.pull_into, args=(pull,), kwargs={"out": tensor_bytes(o), "timeout": 120})
+            threading.Thread(
+                target=lambda o=o, pull=pull, versions=versions: versions.append(
+                    local.pull_into(pull, out=tensor_bytes(o), timeout=120)
+                )
+            )
             for o in outs
         ]
         for waiter in waiters:
@@ -164,7 +169,7 @@ def test_the_pool_keeps_the_connections_its_pulls_and_pushes_use_at_once(daemon)
         client.push(client.plan[0], Push.gradient(model, 0, tensor_bytes(torch.ones(NUMEL)), step=version - 1))
         for waiter in waiters:
             waiter.join(180)
-        assert all(torch.equal(o, outs[0]) for o in outs) and not outs[0].isnan().any()
+        assert versions == [version] * len(outs) and all(torch.equal(o, outs[0]) for o in outs)
         opened.append(local.connections_opened - before)
     assert opened[0] >= 1 and opened[1] == 0, opened  # the first burst grew the pool; the second found it
     client.close()
