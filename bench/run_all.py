@@ -385,15 +385,18 @@ def _daemon_update_bf16_state(r: dict) -> str:
     low, high = r["time_vs_fp32_state_spread"]["min"], r["time_vs_fp32_state_spread"]["max"]
     return (
         "The daemon steps bf16 state in one pass (kernels/bf16_state_step.py: p, m, v and the gradient read as bf16, "
-        "the fp32 update, p, m, v and the pull written as bf16, bit for bit as torch's fused kernel on bf16 tensors). "
+        "the fp32 update, p, m, v and the pull written as bf16, bit for bit as torch's fused kernel on bf16 tensors; "
+        "without a grad multiplier the gradient's round trip through fp32 and back, the identity, is skipped: the "
+        "ratio was 0.753 on 2026-12-06 before). "
         "By bytes alone the ratio would stop at the target: per element torch's bf16 step reads p, g, m and v and "
         "writes p, m and v (14); ours adds the non-finite check's read of the gradient (2) and the pull it writes "
         f"(2): 14/18 = 0.78. Neither side is bound by memory here (torch's moves {14 * n / peer_s / 1e9:.1f} GB/s). "
         f"Against the same update with fp32 state in the same rounds ({r['fp32_state_ms']} ms), bf16 state takes "
-        f"{r['time_vs_fp32_state']}× the time (paired {low}–{high}) for 18 bytes an element against 32: both passes "
-        f"run at the cores' arithmetic rate, not memory's (ours moves {18 * n / ours_s / 1e9:.1f} GB/s, the "
-        f"fp32 state's {32 * n / wide_s / 1e9:.1f} GB/s), so on these 2 cores bf16 state halves what a step holds, "
-        "writes to NVMe and reads back far more than it shortens a RAM-resident update."
+        f"{r['time_vs_fp32_state']}× the time (paired {low}–{high}) for 18 bytes an element against 32 (ours "
+        f"moves {18 * n / ours_s / 1e9:.1f} GB/s, the fp32 state's {32 * n / wide_s / 1e9:.1f} GB/s): bf16 state "
+        "runs at the cores' arithmetic rate (a widening and a rounding per value), not memory's, so on these 2 "
+        "cores it halves what a step holds, writes to NVMe and reads back far more than it shortens a RAM-resident "
+        "update."
     )
 
 
@@ -411,7 +414,9 @@ def _daemon_update(r: dict) -> str:
         "kernels; `bf16_pull_apart` is the same with the pull as a call of its own). What bounds it is bytes: per "
         "element torch's step moves 28 (an fp32 gradient, then p, m and v read and written); ours 30 (a bf16 "
         "gradient, p, m and v, the bf16 pull and the read its write allocates first) and the check's 2, so a "
-        "memory-bound host caps the ratio near 28/32 = 0.875 with the check on." + _half_threads(cases)
+        "memory-bound host caps the ratio near 28/32 = 0.875 with the check on. (`sgd` was 0.372 on 2026-12-06 "
+        "before its loops that also write the pull were unswitched on momentum by hand: a store under a condition "
+        "kept LLVM from vectorizing them.)" + _half_threads(cases)
     )
 
 

@@ -121,10 +121,11 @@ def test_all_finite_finds_a_nan_or_an_infinity_anywhere(dtype, bad, where):
 
 @pytest.mark.parametrize("out_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "sgd_without_momentum"])
 def test_the_new_values_also_land_in_out_as_to_dtype_rounds_them(out_dtype, grad_dtype, optimizer):
     """`out` (the pull a push carries with it): the stepped values rounded as Tensor.to, in the
-    same pass when it has the gradient's dtype, after it when not; the step itself unchanged."""
+    same pass when it has the gradient's dtype, after it when not; the step itself unchanged
+    (each of SGD's loops, with momentum and without, emits in a loop of its own)."""
     calibration = step_calibration.calibration()
     total = sum(SIZES)
     split = _cut_tasks(SIZES, [777, 5000], calibration.vector)
@@ -136,9 +137,10 @@ def test_the_new_values_also_land_in_out_as_to_dtype_rounds_them(out_dtype, grad
             fused_step.adamw_(split, state[0], grad, state[1], state[2], step=2, lr=1e-3, beta1=0.9, beta2=0.999,
                               eps=1e-8, weight_decay=0.1, tail=calibration.adamw_tail, out=out)  # fmt: skip
         else:
-            fused_step.sgd_(split, state[0], grad, state[1], lr=0.05, weight_decay=0.01, momentum=0.9,
-                            dampening=0.0, nesterov=True, first_step=False, tail=calibration.sgd_tail,
-                            out=out)  # fmt: skip
+            momentum = 0.9 if optimizer == "sgd" else 0.0
+            fused_step.sgd_(split, state[0], grad, state[1] if momentum else None, lr=0.05, weight_decay=0.01,
+                            momentum=momentum, dampening=0.0, nesterov=bool(momentum), first_step=False,
+                            tail=calibration.sgd_tail, out=out)  # fmt: skip
         runs.append((state, out))
     (plain, _), (state, out) = runs
     assert all(torch.equal(a, b) for a, b in zip(plain, state, strict=True))
