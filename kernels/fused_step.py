@@ -287,36 +287,54 @@ _SGD = (_sgd_f32, _sgd_bf16, _sgd_f16)
 
 
 @numba.njit(inline="always", **JIT)
-def _peak_magnitude(bits, magnitude):
-    # A max of unsigned lanes: one vector instruction per load (a count of matches would
-    # widen every lane to 64 bits and run at a third of memory speed).
-    peak = bits.dtype.type(0)
-    for i in range(bits.shape[0]):
-        peak = max(peak, bits[i] & magnitude)
-    return peak
+def _exponent_carries(words, exponent, carry):
+    # Per lane, (bits & exponent) + carry sets the lane's top bit exactly when every exponent
+    # bit is set (the lane's top bit is clear after the mask and the sum never leaves the lane),
+    # so an OR of 64-bit words holds the answer for 4 (or 2) lanes at a time: 3 cheap ops per
+    # load. (A max of 16-bit lanes, the check before, read about half as fast on one core.)
+    seen = np.uint64(0)
+    for i in range(words.shape[0]):
+        seen |= (words[i] & exponent) + carry
+    return seen
 
 
 @numba.njit(parallel=True, **JIT)
-def _peaks(bits, magnitude, peaks):
-    n = bits.shape[0]
-    for t in prange(peaks.shape[0]):
-        peaks[t] = _peak_magnitude(bits[t * TASK : min(n, (t + 1) * TASK)], magnitude)
+def _carries(words, exponent, carry, seen):
+    n = seen.shape[0]
+    for t in prange(n):
+        seen[t] = _exponent_carries(words[t * TASK : min(words.shape[0], (t + 1) * TASK)], exponent, carry)
 
 
-# A value is a NaN or an infinity when its exponent bits are all set: when its bits without
-# the sign are at least those of +inf.
-_INFINITY = {torch.float32: (torch.uint32, 0x7FFFFFFF, 0x7F800000), torch.bfloat16: (torch.uint16, 0x7FFF, 0x7F80),
-             torch.float16: (torch.uint16, 0x7FFF, 0x7C00)}  # fmt: skip
+# A value is a NaN or an infinity when its exponent bits are all set: (bits view, its exponent
+# bits, the lowest of them, the sign bit) per dtype, each repeated across a 64-bit word below.
+_INFINITY = {torch.float32: (torch.uint32, 0x7F800000, 0x00800000, 0x80000000),
+             torch.bfloat16: (torch.uint16, 0x7F80, 0x0080, 0x8000),
+             torch.float16: (torch.uint16, 0x7C00, 0x0400, 0x8000)}  # fmt: skip
+
+
+def _repeat(lane: int, bits: int) -> np.uint64:
+    return np.uint64(sum(lane << shift for shift in range(0, 64, bits)))
 
 
 def all_finite(values: torch.Tensor) -> bool:
     """Whether no element of the flat fp32, bf16 or fp16 `values` is a NaN or an infinity:
-    their bits, all cores, one read at memory speed (the daemon's non-finite check)."""
-    kind, magnitude, infinity = _INFINITY[values.dtype]
+    their bits, all cores, one read at memory speed (the daemon's non-finite check). The
+    elements before the first 8-byte boundary and after the last are checked apart."""
+    kind, exponent, lowest, sign = _INFINITY[values.dtype]
     bits = values.view(kind).numpy()
-    peaks = np.zeros(max(1, -(-bits.shape[0] // TASK)), dtype=bits.dtype)
-    launch(_peaks, bits, bits.dtype.type(magnitude), peaks)
-    return int(peaks.max()) < infinity
+    size = bits.itemsize
+    head = min(bits.shape[0], (-bits.ctypes.data % 8) // size)
+    body_end = head + (bits.shape[0] - head) // (8 // size) * (8 // size)
+    edges = np.concatenate([bits[:head], bits[body_end:]])
+    if edges.size and bool(((edges & exponent) == exponent).any()):
+        return False
+    if body_end == head:
+        return True
+    words = bits[head:body_end].view(np.uint64)
+    seen = np.zeros(-(-words.shape[0] // TASK), dtype=np.uint64)
+    lanes = 8 * size
+    launch(_carries, words, _repeat(exponent, lanes), _repeat(lowest, lanes), seen)
+    return not int(np.bitwise_or.reduce(seen)) & int(_repeat(sign, lanes))
 
 
 def tasks(pieces: Sequence[tuple[int, int, int]]) -> np.ndarray:

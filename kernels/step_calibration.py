@@ -112,8 +112,7 @@ def _calibrate() -> Calibration | None:
     probe = _Probe()
     adamw = next(((v, t) for v in VECTORS for t in ADAMW_TAILS if probe.adamw_matches(v, t)), None)
     sgd = next(((v, t) for v in VECTORS for t in SGD_TAILS if probe.sgd_matches(v, t)), None)
-    for dtype in (torch.float32, torch.bfloat16):  # the non-finite check's two kernels (16 and 32 bits)
-        fused_step.all_finite(torch.zeros(1, dtype=dtype))
+    fused_step.all_finite(torch.zeros(8))  # the non-finite check's kernel (one, over 64-bit words)
     if adamw is None or sgd is None or adamw[0] != sgd[0]:
         return None
     bf16_state = probe.bf16_state_matches(*adamw)

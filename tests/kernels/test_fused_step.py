@@ -117,6 +117,26 @@ def test_all_finite_finds_a_nan_or_an_infinity_anywhere(dtype, bad, where):
     assert fused_step.all_finite(values)
     values[where] = bad
     assert not fused_step.all_finite(values)
+    if where:  # from the second element on: another split into head, words and tail
+        assert not fused_step.all_finite(values[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_all_finite_judges_every_16_bit_pattern_in_every_lane(dtype):
+    """The check reads 64-bit words (4 lanes of 16 bits), and the elements before the first
+    8-byte boundary and after the last apart: every finite pattern passes, and each NaN and
+    infinity pattern is found in each lane of a word, in the head and in the tail."""
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = torch.isfinite(patterns)
+    assert fused_step.all_finite(patterns[finite])
+    values = torch.zeros(4 * 64 + 3, dtype=dtype)  # torch's storage is 64-byte aligned
+    shifted = values[1:]  # 3 elements before its first 8-byte boundary, 2 after its last
+    for bad in patterns[~finite]:
+        for at in (4 * 10, 4 * 10 + 1, 4 * 10 + 2, 4 * 10 + 3, 0, 2, shifted.numel() - 1):
+            shifted[at] = bad
+            assert not fused_step.all_finite(shifted), (at, bad)
+            shifted[at] = 0.0
+    assert fused_step.all_finite(shifted)
 
 
 @pytest.mark.parametrize("out_dtype", GRAD_DTYPES, ids=str)
