@@ -33,7 +33,8 @@ A shard's pieces of parameters come as (start, end, tail_from) ranges (`tasks`):
 shard cut falls inside a parameter changes nothing, the element's place in its parameter
 alone decides body or tail, as in torch.optim's call on the whole parameter.
 
-The gradient is widened in registers (bf16: a shift; fp16: kernels/rounding.py, exact) and
+The gradient is widened in registers (bf16: a shift; fp16: the CPU's conversion, HARDWARE_HALF,
+or kernels/rounding.py; exact) and
 multiplied by the step's grad multiplier as `torch.mul(grad, fp32 scalar)` would (one fp32
 product). Parallel over tasks of TASK elements (prange); each task's element loop vectorizes.
 One kernel per gradient dtype, one compiled form each (an out, or its stand-in, always of the
@@ -44,12 +45,14 @@ daemon's off its pushes' path.
 from __future__ import annotations
 
 import math
+import platform
 import threading
 from collections.abc import Callable, Sequence
 
 import numba
 import numpy as np
 import torch
+from llvmlite import binding, ir
 from numba import prange, types
 from numba.core.extending import intrinsic
 
@@ -98,12 +101,44 @@ def fma32(typingctx, a, b, c):
     return sig, codegen
 
 
+# The CPU converts fp16 itself (x86's F16C, every AVX2 part; arm64): LLVM's fpext / fptrunc
+# then become one vector instruction, where kernels/rounding.py's forms take a dozen and halve
+# the vector width. The same instructions torch's Vectorized<Half> converts with, so the bits,
+# a NaN's payload included, are torch's. Elsewhere LLVM would call a runtime helper Numba does
+# not link: the integer forms stay.
+HARDWARE_HALF = platform.machine().lower() in ("aarch64", "arm64") or bool(
+    binding.get_host_cpu_features().get("f16c", False)
+)
+
+
+@intrinsic
+def _half_to_f32(typingctx, bits):
+    """The fp16 with bits `bits` (uint16) as float32: exact."""
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f32_to_half(typingctx, x):
+    """fp16 bits of float32 `x`, rounded to nearest even (the current rounding mode)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
 @numba.njit(inline="always", **JIT)
 def _widen(g, i, kind):
     if kind == 0:
         return np.float32(g[i])
     if kind == 1:  # in 32-bit lanes (kernels/rounding.py's int64 forms halve the vector width)
         return np.uint32(np.uint32(g[i]) << np.uint32(16)).view(np.float32)
+    if HARDWARE_HALF:
+        return _half_to_f32(np.uint16(g[i]))
     return np.uint32(_f16_to_f32(np.int64(g[i]))).view(np.float32)
 
 
@@ -124,6 +159,8 @@ def _emit(out, i, x, out_kind):
         out[i] = x
     elif out_kind == 2:
         out[i] = to_bf16(x)
+    elif out_kind == 3 and HARDWARE_HALF:
+        out[i] = _f32_to_half(np.float32(x))
     elif out_kind == 3:
         out[i] = np.uint16(_f32_to_f16(np.int64(np.float32(x).view(np.uint32))))
 

@@ -139,6 +139,32 @@ def test_all_finite_judges_every_16_bit_pattern_in_every_lane(dtype):
     assert fused_step.all_finite(shifted)
 
 
+def test_fp16_gradients_widen_and_fp16_pulls_round_as_torch_converts_every_value():
+    """fp16 in and out (kernels/fused_step.py HARDWARE_HALF: the CPU's conversions where it has
+    them): every finite fp16 gradient pattern widens exactly (a step of lr 1 from zero gives 0 - g), and
+    fp32 values of every kind (subnormal in fp16, past its largest, ties, NaN) round into the
+    pull as Tensor.to(torch.float16) rounds them."""
+    calibration = step_calibration.calibration()
+    grad = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    grad = grad[torch.isfinite(grad)]
+    param, out = torch.zeros(grad.numel()), torch.empty(grad.numel(), dtype=torch.float16)
+    split = fused_step.tasks([(0, grad.numel(), grad.numel())])
+    sgd = dict(weight_decay=0.0, momentum=0.0, dampening=0.0, nesterov=False, first_step=True,
+               tail=calibration.sgd_tail)  # fmt: skip
+    fused_step.sgd_(split, param, grad, None, lr=1.0, out=out, **sgd)
+    want = torch.zeros(grad.numel()) - grad.float()  # (0 - g: the step's fma(g, -1, 0), signed zeros alike)
+    assert torch.equal(param.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(out.view(torch.int16), want.to(torch.float16).view(torch.int16))
+    bits = torch.randint(-(1 << 31), 1 << 31, (1 << 18,), generator=torch.Generator().manual_seed(3), dtype=torch.int64)
+    param = torch.cat([bits.to(torch.int32).view(torch.float32), torch.tensor([65504.0, 65520.0, 65519.996, 2.0**-25,
+                      2.0**-24 * 1.5, -(2.0**-25) * 1.0000001, math.nan, -math.inf])])  # fmt: skip
+    out = torch.empty(param.numel(), dtype=torch.float16)
+    split = fused_step.tasks([(0, param.numel(), param.numel())])
+    fused_step.sgd_(split, param, torch.zeros(param.numel(), dtype=torch.float16), None, lr=1.0, out=out, **sgd)
+    kept = slice(None) if fused_step.HARDWARE_HALF else ~torch.isnan(param)  # (else a NaN becomes 0x7E00)
+    assert torch.equal(out[kept].view(torch.int16), param[kept].to(torch.float16).view(torch.int16))
+
+
 @pytest.mark.parametrize("out_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd", "sgd_without_momentum"])
