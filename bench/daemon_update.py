@@ -10,7 +10,8 @@ SGD) with fused=True, stepping the same parameters with fp32 gradients in place:
 own bound for that update. Both with the same threads (torch's and Numba's set alike).
 
 Cases: `bf16` (AdamW, bf16 gradients in, bf16 pulls out: a bf16 model's step; the issue's
-target >= 0.95), `fp32` (AdamW, RAW gradients, fp32 pulls) and `sgd` (momentum 0.9, bf16).
+target >= 0.95), `fp32` (AdamW, RAW gradients, fp32 pulls), `fp16` (AdamW, fp16 in and out: an
+fp16 model's step) and `sgd` (momentum 0.9, bf16).
 Interleaved ABBA; ratio = median of the per-pair ratios of the peer's time to ours (higher is
 better). The model: 16 parameters of 2M elements and 16 of odd sizes (cut mid-block by the
 shard plan), 33.6M parameters, 403 MB of AdamW state.
@@ -45,8 +46,8 @@ from ps_offload.proto import ps_pb2
 SHAPES = [(quick(2 << 20, 1 << 16),)] * 16 + [(quick(97_531, 3_001) + 17 * i,) for i in range(16)]
 REPS = quick(12, 4)
 SHARD_BYTES = 64 << 20
-ENCODING = {torch.float32: ps_pb2.RAW, torch.bfloat16: ps_pb2.BF16}
-WIRE = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+ENCODING = {torch.float32: ps_pb2.RAW, torch.bfloat16: ps_pb2.BF16, torch.float16: ps_pb2.FP16}
+WIRE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class Daemon:
@@ -141,6 +142,7 @@ def main() -> list[dict]:
         "bf16": _case("adamw", torch.bfloat16, init, grads, fused_pull=True, threads=threads),
         "bf16_pull_apart": _case("adamw", torch.bfloat16, init, grads, fused_pull=False, threads=threads),
         "fp32": _case("adamw", torch.float32, init, grads, fused_pull=True, threads=threads),
+        "fp16": _case("adamw", torch.float16, init, grads, fused_pull=True, threads=threads),
         "sgd": _case("sgd", torch.bfloat16, init, grads, fused_pull=True, threads=threads),
     }
     if threads > 1:  # store.optimizer_threads' effect: half the threads, both sides

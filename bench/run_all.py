@@ -416,7 +416,9 @@ def _daemon_update(r: dict) -> str:
         "gradient, p, m and v, the bf16 pull and the read its write allocates first) and the check's 2, so a "
         "memory-bound host caps the ratio near 28/32 = 0.875 with the check on. (`sgd` was 0.372 on 2026-12-06 "
         "before its loops that also write the pull were unswitched on momentum by hand: a store under a condition "
-        "kept LLVM from vectorizing them.)" + _half_threads(cases)
+        "kept LLVM from vectorizing them.) `fp16` converts with the CPU's own instructions (F16C), where bf16's "
+        "rounding is integer arithmetic with a NaN select in every lane (this CPU has no bf16 conversion): on "
+        "these cores the one pass runs near its arithmetic rate, so that conversion shows." + _half_threads(cases)
     )
 
 
