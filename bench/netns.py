@@ -26,7 +26,7 @@ def unavailable() -> str:
         return "network namespaces need root"
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "iproute2 (ip, tc) is not installed"
-    probe = "ps-probe"
+    probe = f"ps-probe-{os.getpid()}"  # (a fixed name: two test workers probing at once, one of them skipped)
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"ip netns add failed: {made.stderr.strip()}"
