@@ -340,9 +340,9 @@ class ClientConfig:
     def connections_per_daemon(self) -> int:
         """Connections to one daemon's data plane or local endpoint kept open between calls:
         as many as the trainer makes at once, `streams_per_daemon` pulls beside as many pushes.
-        Fewer, and every burst of
-        pulls beside pushes closed some at release to open them again moments later (a thread,
-        a session and a slot on the daemon each; docs/benchmarks.md, stream_overhead)."""
+        Fewer, and every burst of pulls beside pushes closed some at release to open them again
+        moments later (a thread, a session and a slot on the daemon each; docs/benchmarks.md,
+        stream_overhead)."""
         return 2 * self.streams_per_daemon
 
     def __post_init__(self) -> None:
