@@ -30,7 +30,10 @@ def build_tiers(files: NvmeFiles | None, *, ram_bytes: int) -> Tiers:
     shard resident for good, nothing surviving a restart."""
     if files is None:
         return Tiers(NoShardFiles(), RamOnlyTier(), RamSums())
-    residency = RamTier(budget=ram_bytes, allocate=allocate_arena, load=functools.partial(load_into, files))
+    residency = RamTier(
+        budget=ram_bytes, allocate=allocate_arena, load=functools.partial(load_into, files),
+        read_ahead_bytes=files.io.read_depth_bytes,
+    )  # fmt: skip
     return Tiers(files, residency, AccumulatorFiles(files.dir))  # sums: the page cache over unlinked files
 
 

@@ -26,6 +26,9 @@ class DirectIO:
         self.block_bytes = round_up(block_bytes)
         readers = threads if read_threads is None else read_threads
         self._readers = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="nvme-read")
+        self.read_depth_bytes = readers * self.block_bytes
+        """The bytes the readers have in flight when all are busy: what a prefetch keeps
+        loading at once (ps_offload.daemon.tiers.ram) to keep the disk as busy as a single large read."""
         self._writers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme-write")
         self._fault = _injected_write_fault()
 

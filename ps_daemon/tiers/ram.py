@@ -8,7 +8,10 @@ buffers are kept for reuse (O_DIRECT needs page-aligned memory, and fresh pages 
 count against the budget like resident ones, so resident + pooled never exceeds it.
 
 Prefetch takes an order of upcoming use (a trainer's hint, or the order the daemon saw last
-step) and loads the first shards of it that are not resident, as far as room allows. That
+step) and loads the first shards of it that are not resident, as far as room allows, in that
+order, several at once: while the loads in flight hold fewer than `read_ahead_bytes` (the
+NVMe readers' blocks in flight, ps_offload.daemon.tiers.direct_io), the next one starts, so a
+step's small shards keep the disk as deep in reads as one large shard does. That
 order also chooses what to evict: first the least recently used shard that is not upcoming
 (already pushed this step), then the upcoming shard needed last; a prefetch never evicts a
 shard needed before the one it loads, nor one an earlier prefetch brought in that nobody
@@ -35,11 +38,14 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from ps_offload.daemon.errors import ResourceExhausted
 from ps_offload.daemon.tiers.tier import TierStats
 
 log = logging.getLogger(__name__)
+
+MAX_PREFETCH_LOADS = 8  # shards loading at once, however small (each is a load call, a thread)
 
 
 class TierFull(ResourceExhausted):
@@ -55,9 +61,11 @@ class RamTier:
         allocate: Callable[[int], object],
         load: Callable[[object, object], None],
         wait_timeout: float = 60.0,
+        read_ahead_bytes: int = 0,
     ) -> None:
         """allocate(nbytes) -> buffer; load(shard, buffer) attaches the buffer to the shard
-        and reads its committed version into it (raising on failure)."""
+        and reads its committed version into it (raising on failure). `read_ahead_bytes`:
+        prefetch loads start while those in flight hold fewer bytes (0: one at a time)."""
         self.budget = budget
         self._allocate = allocate
         self._load = load
@@ -71,6 +79,9 @@ class RamTier:
         self._protected: set[object] = set()  # prefetched, not used yet
         self._upcoming: dict[str, dict[object, int]] = {}  # per model: shard -> position in its order
         self._queue: deque = deque()
+        self.read_ahead_bytes = read_ahead_bytes
+        self._loads, self._loading_bytes = 0, 0  # prefetch loads in flight, and their arenas' bytes
+        self._loaders = ThreadPoolExecutor(max_workers=MAX_PREFETCH_LOADS, thread_name_prefix="prefetch-load")
         self._prefetcher = threading.Thread(target=self._prefetch_loop, name="prefetch", daemon=True)
         self._stopping = False
         self._prefetcher.start()
@@ -285,7 +296,7 @@ class RamTier:
     def _prefetch_loop(self) -> None:
         while True:
             with self.cond:
-                while not self._queue and not self._stopping:
+                while not self._stopping and not (self._queue and self._room_to_load_locked()):
                     self.cond.wait()
                 if self._stopping:
                     return
@@ -301,16 +312,28 @@ class RamTier:
                     continue
                 shard.loading = True
                 shard.pins += 1
-            try:
-                self._fill(shard, buffer)
-            except Exception as exc:  # noqa: BLE001 - a failed prefetch is retried by the access
-                log.warning("prefetch of shard %s failed: %s", shard.slice.shard_id, exc)
-                continue
+                self._loads, self._loading_bytes = self._loads + 1, self._loading_bytes + shard.arena_bytes
+            self._loaders.submit(self._prefetch_one, shard, buffer)
+
+    def _room_to_load_locked(self) -> bool:
+        """Under cond: whether another prefetch load may start (one always may)."""
+        return self._loads == 0 or (self._loads < MAX_PREFETCH_LOADS and self._loading_bytes < self.read_ahead_bytes)
+
+    def _prefetch_one(self, shard, buffer: object) -> None:
+        try:
+            self._fill(shard, buffer)
+        except Exception as exc:  # noqa: BLE001 - a failed prefetch is retried by the access
+            log.warning("prefetch of shard %s failed: %s", shard.slice.shard_id, exc)
             with self.cond:
-                shard.pins -= 1
-                self._protected.add(shard)
-                self.stats.prefetched += 1
+                self._loads, self._loading_bytes = self._loads - 1, self._loading_bytes - shard.arena_bytes
                 self.cond.notify_all()
+            return
+        with self.cond:
+            self._loads, self._loading_bytes = self._loads - 1, self._loading_bytes - shard.arena_bytes
+            shard.pins -= 1
+            self._protected.add(shard)
+            self.stats.prefetched += 1
+            self.cond.notify_all()
 
     # -- what the store reads -----------------------------------------------------------
 
@@ -326,4 +349,6 @@ class RamTier:
         with self.cond:
             self._stopping = True
             self.cond.notify_all()
+            self.cond.wait_for(lambda: self._loads == 0, 5)  # loads in flight read files about to close
         self._prefetcher.join(5)
+        self._loaders.shutdown(wait=False)

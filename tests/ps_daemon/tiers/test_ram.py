@@ -56,7 +56,7 @@ def _settle(tier: RamTier) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         with tier.cond:
-            if not tier._queue and not any(s.loading for s in tier.lru):
+            if not tier._queue and tier._loads == 0:
                 return
         time.sleep(0.01)
 
@@ -148,6 +148,48 @@ def test_prefetch_limit_loads_only_the_first_missing_shards():
     assert tier.prefetch(shards, limit=2) == 2
     _settle(tier)
     assert _resident(tier) == {0, 1}
+    tier.close()
+
+
+def _counting_tier(read_ahead_bytes: int, *, together: int = 0):
+    """A tier of 4 slots whose loads count how many run at once (`peak`); the first
+    `together` of them wait for each other (a load that waits alone fails after 5 s)."""
+    seen = {"now": 0, "peak": 0}
+    lock, meet = threading.Lock(), threading.Barrier(max(together, 1))
+
+    def load(shard, buffer):
+        with lock:
+            seen["now"] += 1
+            seen["peak"] = max(seen["peak"], seen["now"])
+        try:
+            if shard.slice.shard_id < together:
+                meet.wait(5)
+            shard.buffer = buffer
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    tier = RamTier(budget=4 * ARENA, allocate=lambda n: bytearray(n), load=load, read_ahead_bytes=read_ahead_bytes)
+    return tier, seen
+
+
+def test_prefetch_keeps_loads_in_flight_up_to_the_read_ahead_bytes():
+    tier, seen = _counting_tier(2 * ARENA, together=2)
+    shards = [FakeShard(i) for i in range(4)]
+    assert tier.prefetch(shards) == 4
+    _settle(tier)
+    # The first two loaded together (or they would have failed), never three at once.
+    assert _resident(tier) == {0, 1, 2, 3} and tier.stats.prefetched == 4 and seen["peak"] == 2
+    assert not any(s.pins or s.loading for s in shards) and tier._loading_bytes == 0
+    tier.close()
+
+
+def test_without_read_ahead_prefetch_loads_one_shard_at_a_time():
+    tier, seen = _counting_tier(0)
+    shards = [FakeShard(i) for i in range(4)]
+    tier.prefetch(shards)
+    _settle(tier)
+    assert _resident(tier) == {0, 1, 2, 3} and seen["peak"] == 1
     tier.close()
 
 
