@@ -217,6 +217,33 @@ class ProcessCpu:
         return ProcessCpu(self.user + other.user, self.system + other.system, self.minor_faults + other.minor_faults)
 
 
+@dataclass(frozen=True)
+class CoreTimes:
+    """The whole machine's CPU time so far, all cores, in clock ticks (/proc/stat): idle (idle
+    and iowait) and total; subtract two to get how busy the cores were between them, whatever
+    ran (the trainer, the daemon, anything else on the host)."""
+
+    idle: int
+    total: int
+
+    @classmethod
+    def now(cls) -> CoreTimes:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]  # user .. steal (guest is in user)
+        return cls(ticks[3] + ticks[4], sum(ticks))
+
+    def __sub__(self, other: CoreTimes) -> CoreTimes:
+        return CoreTimes(self.idle - other.idle, self.total - other.total)
+
+    def __add__(self, other: CoreTimes) -> CoreTimes:
+        return CoreTimes(self.idle + other.idle, self.total + other.total)
+
+    @property
+    def busy(self) -> float:
+        """The share of the cores' time that was not idle."""
+        return 1.0 - self.idle / self.total if self.total else 0.0
+
+
 class BenchDaemon(LocalDaemon):
     """A local daemon in a temporary directory that is removed when it stops."""
 

@@ -286,6 +286,19 @@ def _stream_overhead(r: dict) -> str:
             if name in ("unstreamed", "streamed")
         )
         text += f" The daemon's requests (pulls and pushes): {each}."
+    if "ratio_block_shards" in r:
+        low, high = r["ratio_block_shards_spread"]["min"], r["ratio_block_shards_spread"]["max"]
+        text += (
+            f" With one shard a block on both sides (a third of the streamed step's requests): "
+            f"{r['ratio_block_shards']}× ({low}–{high})."
+        )
+    if busy := r.get("cores_busy"):
+        shares = "; ".join(
+            f"{name}: " + ", ".join(f"{phase} {round(100 * v)}%" for phase, v in busy[name].items())
+            for name in ("unstreamed", "streamed")
+            if name in busy
+        )
+        text += f" The machine's cores busy, by phase: {shares}."
     return text
 
 

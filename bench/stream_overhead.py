@@ -6,7 +6,9 @@ A step = forward, backward, optimizer step, for one micro-batch. Ratio = the str
 time (prefetch on, a window of 2 blocks, the default micro_batches=0: parts applied at step())
 over the unstreamed one; target <= 1.15 (issue 25). Also reported, each against the same unstreamed
 rounds: no prefetch (each block pulled when its hook needs it), and micro_batches=1 (each
-block applied by the daemon as it is pushed, during backward).
+block applied by the daemon as it is pushed, during backward). And one more pair, interleaved in
+the same rounds: both trainers with shards of BLOCK_SHARD_BYTES, so that each block is one shard
+(a third of the streamed step's requests): what fewer, larger requests would buy.
 
 What streaming adds per step: every block pulled twice (forward and backward; the unstreamed
 trainer pulls once) and its gradient copied out of `.grad` into a flat buffer; what prefetch
@@ -19,7 +21,7 @@ import time
 
 import torch
 
-from bench.common import BenchDaemon, ProcessCpu, daemon_stats, median, quick, record, spread
+from bench.common import BenchDaemon, CoreTimes, ProcessCpu, daemon_stats, median, quick, record, spread
 from ps_offload import trainer
 from ps_offload.proto import ps_pb2
 from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
@@ -29,6 +31,7 @@ BATCH = 8
 STEPS_PER_ROUND = quick(5, 2)
 ROUNDS = quick(8, 2)
 SHARD_BYTES = 1 << 20
+BLOCK_SHARD_BYTES = 4 << 20  # at least a block's bytes (3.2 MB): one shard a block
 LR = 1e-3
 
 
@@ -65,21 +68,24 @@ def main() -> dict:
         "streamed": {"prefetch": True},
         "streamed_no_prefetch": {"prefetch": False},
         "streamed_apply_on_push": {"prefetch": True, "micro_batches": 1},
+        "streamed_block_shards": {"prefetch": True},
     }
+    peer_of = {name: "unstreamed" for name in contenders} | {"streamed_block_shards": "unstreamed_block_shards"}
+
+    def shard_bytes(name: str) -> int:
+        return BLOCK_SHARD_BYTES if name.endswith("_block_shards") else SHARD_BYTES
+
     with BenchDaemon() as daemon:
         common = {"daemons": [daemon.address], "optimizer": trainer.AdamW(lr=LR), "no_weight_decay": _no_decay}
         runs = {}
-        whole = TinyGPT(CONFIG)
-        whole.load_state_dict(initial)
-        runs["unstreamed"] = (
-            whole,
-            trainer.offload(
-                whole, config=trainer.OffloadConfig(model_name="unstreamed", shard_bytes=SHARD_BYTES), **common
-            ),  # fmt: skip
-        )
+        for name in sorted(set(peer_of.values())):
+            whole = TinyGPT(CONFIG)
+            whole.load_state_dict(initial)
+            config = trainer.OffloadConfig(model_name=name, shard_bytes=shard_bytes(name))
+            runs[name] = (whole, trainer.offload(whole, config=config, **common))
         for name, kwargs in contenders.items():
             model, stream = _streamed_model(initial, kwargs)
-            config = trainer.OffloadConfig(model_name=name, shard_bytes=SHARD_BYTES)
+            config = trainer.OffloadConfig(model_name=name, shard_bytes=shard_bytes(name))
             runs[name] = (model, trainer.offload(model, config=config, stream=stream, **common))
 
         phases: dict[str, dict[str, list[float]]] = {}  # contender -> phase -> seconds per step
@@ -87,6 +93,8 @@ def main() -> dict:
         cpu: dict[str, tuple[ProcessCpu, ProcessCpu]] = {}
         cpu_steps: dict[str, int] = {}
         requests: dict[str, int] = {}  # contender -> the daemon's pulls and pushes over its timed steps
+        # contender -> phase -> the machine's core time over its timed steps: how busy the cores were
+        cores: dict[str, dict[str, CoreTimes]] = {}
 
         def served(stats: ps_pb2.StatsResponse) -> int:
             return stats.pulls + stats.pushes_applied - stats.pulls_carried  # a carried pull rides on its push
@@ -96,17 +104,21 @@ def main() -> dict:
             before = ProcessCpu.of(), ProcessCpu.of(daemon.process.pid)
             started = time.perf_counter()
             split = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+            busy = cores.setdefault(name, {phase: CoreTimes(0, 0) for phase in split})
             for x, y in batches:
-                t0 = time.perf_counter()
+                c0, t0 = CoreTimes.now(), time.perf_counter()
                 _, loss = model(x, y)
-                t1 = time.perf_counter()
+                c1, t1 = CoreTimes.now(), time.perf_counter()
                 loss.backward()
-                t2 = time.perf_counter()
+                c2, t2 = CoreTimes.now(), time.perf_counter()
                 opt.step()
                 opt.zero_grad()
+                c3, t3 = CoreTimes.now(), time.perf_counter()
                 split["forward"] += t1 - t0
                 split["backward"] += t2 - t1
-                split["step"] += time.perf_counter() - t2
+                split["step"] += t3 - t2
+                for phase, (a, b) in zip(split, ((c0, c1), (c1, c2), (c2, c3)), strict=True):
+                    busy[phase] += b - a
             elapsed = (time.perf_counter() - started) / len(batches)
             if name:
                 trainer_cpu = ProcessCpu.of() - before[0]
@@ -130,7 +142,7 @@ def main() -> dict:
         for _, opt in runs.values():
             opt.close()
     n_params = sum(p.numel() for p in reference.parameters())
-    paired = {name: [s / u for s, u in zip(times[name], times["unstreamed"], strict=True)] for name in contenders}
+    paired = {name: [s / u for s, u in zip(times[name], times[peer_of[name]], strict=True)] for name in contenders}
     ms = {name: round(1000 * median(t), 2) for name, t in times.items()}
     return record(
         "stream_overhead",
@@ -145,6 +157,9 @@ def main() -> dict:
             "ms_per_step": ms,
             "ratio_no_prefetch": round(median(paired["streamed_no_prefetch"]), 3),
             "ratio_apply_on_push": round(median(paired["streamed_apply_on_push"]), 3),
+            # Both trainers with one shard a block: the streamed step's requests cut to a third.
+            "ratio_block_shards": round(median(paired["streamed_block_shards"]), 3),
+            "ratio_block_shards_spread": spread(paired["streamed_block_shards"]),
             "pull_stats": stats,
             # CPU per step of the trainer and the daemon, user and system, and their minor page
             # faults: the two share the machine's cores, so this is what a step's time is made of.
@@ -165,6 +180,13 @@ def main() -> dict:
             "daemon_cpu_ms_per_request": {
                 name: round(1000 * cpu[name][1].seconds / max(1, requests[name]), 2) for name in requests
             },
+            # The share of the machine's core time that was busy in each phase (whatever ran):
+            # below 1, a phase leaves cores idle that its work could have used.
+            "cores_busy": {
+                name: {phase: round(t.busy, 3) for phase, t in by_phase.items()}
+                for name, by_phase in cores.items()
+                if name
+            },
             # Where a step's time goes (medians over the rounds): what a miss is made of.
             "phase_ms": {
                 name: {phase: round(1000 * median(v), 1) for phase, v in split.items()}
@@ -173,8 +195,9 @@ def main() -> dict:
             },
         },
         notes=f"{n_params / 1e6:.2f}M-param GPT ({CONFIG.n_layer} blocks, n_embd {CONFIG.n_embd}), fp32, batch "
-        f"{BATCH} x {CONFIG.block_size}, window 2 blocks, one local daemon, shards of {SHARD_BYTES} B; {ROUNDS} "
-        f"rounds of {STEPS_PER_ROUND} steps, order alternating; ratio: median of per-round ratios",
+        f"{BATCH} x {CONFIG.block_size}, window 2 blocks, one local daemon, shards of {SHARD_BYTES} B (the "
+        f"_block_shards pair: {BLOCK_SHARD_BYTES} B); {ROUNDS} rounds of {STEPS_PER_ROUND} steps, order alternating; "
+        "ratio: median of per-round ratios",
     )
 
 

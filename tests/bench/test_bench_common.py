@@ -1,5 +1,5 @@
-"""The benchmarks' shared machinery: ABC CBA interleaving, the CPU and page-fault counts, and
-the doc's generated parts."""
+"""The benchmarks' shared machinery: ABC CBA interleaving, the CPU and page-fault counts, the
+machine's busy cores, and the doc's generated parts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import time
 
 from bench import run_all
-from bench.common import ProcessCpu, interleaved_many, spread
+from bench.common import CoreTimes, ProcessCpu, interleaved_many, spread
 
 
 def test_interleaved_many_alternates_the_order_and_takes_reported_seconds():
@@ -56,3 +56,19 @@ def test_process_cpu_counts_this_processes_work_and_its_page_faults():
     assert used.seconds >= 0.04 and used.user >= 0 and used.system >= 0
     assert ProcessCpu.of(os.getpid()).seconds >= ProcessCpu.of().seconds - 0.1  # by pid, the same process
     pages.close()
+
+
+def test_core_times_count_a_spinning_thread_as_busy_and_the_whole_machine_in_the_total():
+    cores = os.cpu_count() or 1
+    before, process_before = CoreTimes.now(), ProcessCpu.of()
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:
+        pass
+    used, spent = CoreTimes.now() - before, ProcessCpu.of() - process_before
+    ticks = os.sysconf("SC_CLK_TCK")
+    # The total counts every core's time: at least the spin's own, and its busy part at least
+    # what this process used (less a tick per core of rounding), whatever else ran meanwhile.
+    assert used.total >= spent.seconds * ticks - cores
+    assert (used.total - used.idle) >= spent.seconds * ticks - 2 * cores
+    assert 0.0 < used.busy <= 1.0
+    assert CoreTimes(0, 0).busy == 0.0 and CoreTimes(1, 4).busy == 0.75
