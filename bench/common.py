@@ -229,7 +229,13 @@ class CoreTimes:
     @classmethod
     def now(cls) -> CoreTimes:
         with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:9]]  # user .. steal (guest is in user)
+            return cls.of_line(f.readline())
+
+    @classmethod
+    def of_line(cls, line: str) -> CoreTimes:
+        """From /proc/stat's first line: "cpu user nice system idle iowait irq softirq steal guest
+        guest_nice" (guest time is counted in user already)."""
+        ticks = [int(v) for v in line.split()[1:9]]
         return cls(ticks[3] + ticks[4], sum(ticks))
 
     def __sub__(self, other: CoreTimes) -> CoreTimes:

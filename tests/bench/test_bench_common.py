@@ -72,3 +72,9 @@ def test_core_times_count_a_spinning_thread_as_busy_and_the_whole_machine_in_the
     assert (used.total - used.idle) >= spent.seconds * ticks - 2 * cores
     assert 0.0 < used.busy <= 1.0
     assert CoreTimes(0, 0).busy == 0.0 and CoreTimes(1, 4).busy == 0.75
+
+
+def test_core_times_take_idle_and_iowait_as_idle_and_leave_guest_time_out_of_the_total():
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    times = CoreTimes.of_line("cpu  100 2 30 400 50 6 7 8 90 10\n")
+    assert times == CoreTimes(idle=450, total=603)  # guest (90, 10) is inside user already
