@@ -320,19 +320,18 @@ class RamTier:
         return self._loads == 0 or (self._loads < MAX_PREFETCH_LOADS and self._loading_bytes < self.read_ahead_bytes)
 
     def _prefetch_one(self, shard, buffer: object) -> None:
+        loaded = False
         try:
-            self._fill(shard, buffer)
+            self._fill(shard, buffer)  # (unpins the shard itself when it fails)
+            loaded = True
         except Exception as exc:  # noqa: BLE001 - a failed prefetch is retried by the access
             log.warning("prefetch of shard %s failed: %s", shard.slice.shard_id, exc)
-            with self.cond:
-                self._loads, self._loading_bytes = self._loads - 1, self._loading_bytes - shard.arena_bytes
-                self.cond.notify_all()
-            return
         with self.cond:
             self._loads, self._loading_bytes = self._loads - 1, self._loading_bytes - shard.arena_bytes
-            shard.pins -= 1
-            self._protected.add(shard)
-            self.stats.prefetched += 1
+            if loaded:
+                shard.pins -= 1
+                self._protected.add(shard)
+                self.stats.prefetched += 1
             self.cond.notify_all()
 
     # -- what the store reads -----------------------------------------------------------

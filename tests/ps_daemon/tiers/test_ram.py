@@ -193,6 +193,26 @@ def test_without_read_ahead_prefetch_loads_one_shard_at_a_time():
     tier.close()
 
 
+def test_a_failed_prefetch_load_leaves_the_shard_unpinned_and_the_next_loads_going():
+    def load(shard, buffer):
+        if shard.slice.shard_id == 1:
+            raise OSError("read failed")
+        shard.buffer = buffer
+
+    tier = RamTier(budget=4 * ARENA, allocate=lambda n: bytearray(n), load=load, read_ahead_bytes=2 * ARENA)
+    shards = [FakeShard(i) for i in range(4)]
+    assert tier.prefetch(shards) == 4
+    _settle(tier)
+    # Shard 1 is not resident and holds no pin or room; the others loaded past it.
+    assert _resident(tier) == {0, 2, 3} and tier.stats.prefetched == 3
+    assert not any(s.pins or s.loading for s in shards) and tier.used == 3 * ARENA
+    assert tier._loads == 0 and tier._loading_bytes == 0
+    with tier.use(shards[0]):  # a prefetched shard is used where it is
+        pass
+    assert tier.stats.hits == 1
+    tier.close()
+
+
 def test_use_if_resident_pins_a_resident_shard_and_leaves_one_on_nvme_where_it_is():
     tier = _tier(1)
     on_nvme, resident = FakeShard(0), FakeShard(1)
