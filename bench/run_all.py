@@ -299,6 +299,14 @@ def _stream_overhead(r: dict) -> str:
             if name in busy
         )
         text += f" The machine's cores busy, by phase: {shares}."
+    if split := r.get("overhead_split_ms", {}).get("streamed"):
+        waits = split["waits"]
+        text += (
+            f" What streaming adds to a step: {split['wall']} ms of wall time; {split['cpu']} ms of CPU, trainer and "
+            f"daemon together ({split['cpu_over_cores']} ms spread over the cores); the training thread waited "
+            f"{waits['pull_wait']} ms for pulls, {waits['push_wait']} ms for pushes and {waits['apply']} ms for "
+            f"step()'s APPLY round (the peer's whole step phase: {split['peer_step_phase']} ms)."
+        )
     return text
 
 

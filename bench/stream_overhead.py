@@ -12,11 +12,15 @@ the same rounds: both trainers with shards of BLOCK_SHARD_BYTES, so that each bl
 
 What streaming adds per step: every block pulled twice (forward and backward; the unstreamed
 trainer pulls once) and its gradient copied out of `.grad` into a flat buffer; what prefetch
-hides is the pulls' latency behind the previous block's compute.
+hides is the pulls' latency behind the previous block's compute. The result file splits the
+added time (`overhead_split_ms`): wall, CPU of both processes, and the training thread's
+waits on the wire (the streamed optimizer's `stats`), so a miss says whether it is latency
+left unhidden or CPU work on the shared cores.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -95,12 +99,16 @@ def main() -> dict:
         requests: dict[str, int] = {}  # contender -> the daemon's pulls and pushes over its timed steps
         # contender -> phase -> the machine's core time over its timed steps: how busy the cores were
         cores: dict[str, dict[str, CoreTimes]] = {}
+        # streamed contender -> the seconds its training thread waited on the wire over its timed
+        # steps (StreamedOptimizer.stats): for pulls, for pushes, for step()'s APPLY round
+        waited: dict[str, dict[str, float]] = {}
 
         def served(stats: ps_pb2.StatsResponse) -> int:
             return stats.pulls + stats.pushes_applied - stats.pulls_carried  # a carried pull rides on its push
 
         def steps(model, opt, name: str = "") -> float:
             served_before = served(daemon_stats(daemon.address)) if name else 0  # (before the CPU count)
+            waits_before = dict(opt.stats) if name in contenders else {}
             before = ProcessCpu.of(), ProcessCpu.of(daemon.process.pid)
             started = time.perf_counter()
             split = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -127,6 +135,10 @@ def main() -> dict:
                 cpu[name] = (trainer_total + trainer_cpu, daemon_total + daemon_cpu)
                 cpu_steps[name] = cpu_steps.get(name, 0) + len(batches)
                 requests[name] = requests.get(name, 0) + served(daemon_stats(daemon.address)) - served_before
+                for key, value in waits_before.items():
+                    if key.endswith("_seconds"):
+                        total = waited.setdefault(name, {})
+                        total[key] = total.get(key, 0.0) + opt.stats[key] - value
             for phase, seconds in split.items():
                 phases.setdefault(name, {}).setdefault(phase, []).append(seconds / len(batches))
             return elapsed
@@ -144,6 +156,7 @@ def main() -> dict:
     n_params = sum(p.numel() for p in reference.parameters())
     paired = {name: [s / u for s, u in zip(times[name], times[peer_of[name]], strict=True)] for name in contenders}
     ms = {name: round(1000 * median(t), 2) for name, t in times.items()}
+    cpu_ms = {name: 1000 * (t.seconds + d.seconds) / cpu_steps[name] for name, (t, d) in cpu.items()}
     return record(
         "stream_overhead",
         ours=ms["streamed"],
@@ -186,6 +199,24 @@ def main() -> dict:
                 name: {phase: round(t.busy, 3) for phase, t in by_phase.items()}
                 for name, by_phase in cores.items()
                 if name
+            },
+            # What streaming adds to a step over its peer's (ms): wall time; CPU time, the trainer's
+            # and the daemon's together, and that spread over the machine's cores (the least wall
+            # time it could take with nothing else running); and the training thread's waits on
+            # the wire (pulls, pushes, step()'s APPLY round, over the peer's step phase): latency
+            # prefetch and the window did not hide.
+            "overhead_split_ms": {
+                name: {
+                    "wall": round(ms[name] - ms[peer_of[name]], 1),
+                    "cpu": round(cpu_ms[name] - cpu_ms[peer_of[name]], 1),
+                    "cpu_over_cores": round((cpu_ms[name] - cpu_ms[peer_of[name]]) / (os.cpu_count() or 1), 1),
+                    "waits": {
+                        key.removesuffix("_seconds"): round(1000 * v / cpu_steps[name], 1)
+                        for key, v in waited[name].items()
+                    },  # fmt: skip
+                    "peer_step_phase": round(1000 * median(phases[peer_of[name]]["step"]), 1),
+                }
+                for name in contenders
             },
             # Where a step's time goes (medians over the rounds): what a miss is made of.
             "phase_ms": {

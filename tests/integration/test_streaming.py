@@ -52,10 +52,10 @@ def _streamed(
     )  # fmt: skip
     losses, norms = [], []
     with opt:
-        for micro_batches in batches:
-            for idx, targets in micro_batches:
+        for step_batches in batches:
+            for idx, targets in step_batches:
                 _, loss = model(idx, targets)
-                (loss / len(micro_batches)).backward()
+                (loss / len(step_batches)).backward()
                 losses.append(loss.item())
                 assert all(not u.allocated for u in opt.units if u.streamed), "a block stayed after backward"
             if clip is not None:
@@ -67,6 +67,8 @@ def _streamed(
         assert opt.stats["peak_block_bytes"] <= max(window_blocks, 1) * block_bytes
         if prefetch and window_blocks > 1:
             assert opt.stats["prefetched"] > 0
+        # step()'s APPLY rounds are timed where there are any (parts applied at step()).
+        assert (opt.stats["apply_seconds"] > 0) == (micro_batches == 0)
         # The node's daemon, through windows of its pool by default: the blocks (a CPU model's)
         # and the staging buffers.
         assert opt.shared_blocks

@@ -11,7 +11,8 @@ data-parallel replicas, only this replica's share of the shards): as GRADIENT_PA
 (accumulated on the daemons, applied by APPLY), or with `groups` as a GRADIENT (applied on
 arrival). Buffers still waiting for their pushes are bounded by `window_bytes`: past it, the
 oldest pushes are waited for, so a slow wire paces backward instead of filling memory.
-Pushes run on threads of their own, beside the pulls'.
+Pushes run on threads of their own, beside the pulls'; the time the caller waits for them is
+counted (`wait_seconds`).
 
 For clipping, the first pass of a step also keeps each parameter's 2-norm as torch's
 clip_grad_norm_ takes it (`torch._foreach_norm` of the gradient), by parameter index.
@@ -20,6 +21,7 @@ clip_grad_norm_ takes it (`torch._foreach_norm` of the gradient), by parameter i
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -68,6 +70,9 @@ class BlockGradients:
         # Each unit's pushes, with their buffer (its bytes count against window_bytes).
         self._pushes: collections.deque[tuple[list[Future], torch.Tensor]] = collections.deque()
         self._failures: list[BaseException] = []
+        # Seconds the caller's thread waited for pushes: the window full of gradients still on
+        # their way (a wire slower than backward), or step() draining the last ones.
+        self.wait_seconds = 0.0
         self.shared = shared
         self._spare: dict[int, list[torch.Tensor]] = collections.defaultdict(list)  # by numel: shared, unused
         self._owned: set[int] = set()  # data_ptr of the shared buffers
@@ -86,6 +91,10 @@ class BlockGradients:
 
     def _done(self, pushes: list[Future], buffer: torch.Tensor) -> list[BaseException]:
         """Waits for a unit's pushes; a shared buffer is then free for another."""
+        if not all(p.done() for p in pushes):
+            started = time.perf_counter()
+            wait(pushes)
+            self.wait_seconds += time.perf_counter() - started
         failures = _failures(pushes)
         if buffer.data_ptr() in self._owned:
             self._spare[buffer.numel()].append(buffer)

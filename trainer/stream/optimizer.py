@@ -52,6 +52,7 @@ one backward pass; each is refused at offload() or at the call.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -185,15 +186,26 @@ class StreamedOptimizer(DaemonOptimizer):
         self._pass_groups: list[ps_pb2.GroupHyperparams] | None = None  # micro_batches=1: this pass's settings
         self._push_failures: list[BaseException] = []
         self._clip_coefficient: float | None = None  # from clip_grad_norm_, for the next step
+        self._apply_seconds = 0.0  # step()'s APPLY rounds, in all (stats)
         self.step_count = self._attach(stream.init)
         self.say_if_resumed()
         self.window.version = self.step_count
         self._hooks = self._install_hooks(model)
 
     @property
-    def stats(self) -> dict[str, int]:
-        """Block pulls prefetched and waited for, and the most block bytes held at once."""
-        return self.window.stats
+    def stats(self) -> dict[str, float]:
+        """Block pulls prefetched and made when a hook needed them, the most block bytes held at
+        once, and the seconds this process's training thread waited on the wire since the start:
+        for pulls (pull_wait_seconds: latency prefetch did not hide), for pushes (push_wait_seconds:
+        gradients waiting past window_bytes, and step() draining the last ones), and for step()'s
+        APPLY round (apply_seconds: the daemons' update, when micro_batches=0). What a step takes
+        beyond its compute and these waits is CPU work: the trainer's and, on a shared host, the
+        daemon's (docs/trainer.md)."""
+        return {
+            **self.window.stats,
+            "push_wait_seconds": self.grads.wait_seconds,
+            "apply_seconds": self._apply_seconds,
+        }
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -420,7 +432,11 @@ class StreamedOptimizer(DaemonOptimizer):
         else:
             clip, self._clip_coefficient = self._clip_coefficient, None
             multiplier = None if clip is None and self._gradient_scale == 1.0 else (clip or 1.0) * self._gradient_scale
-            self.applier.apply(step, groups, parts, multiplier, failures)  # (trainer/stream/apply.py)
+            started = time.perf_counter()
+            try:
+                self.applier.apply(step, groups, parts, multiplier, failures)  # (trainer/stream/apply.py)
+            finally:
+                self._apply_seconds += time.perf_counter() - started
         self.grads.norms.clear()
         self.step_count = self.window.version = step + 1
         if self.client.holders.lost and self.config.push_share[1] == 1:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
 
@@ -58,8 +59,11 @@ class BlockWindow:
         self.order = [u for u in units if u.streamed]  # refined by the first forward
         self._recording: list[StreamUnit] | None = []
         # Block pulls started ahead of use and when a hook needed them; the most bytes of
-        # blocks held at once.
-        self.stats = {"prefetched": 0, "on_demand": 0, "peak_block_bytes": 0}
+        # blocks held at once; the seconds the caller's thread waited for pulls (a block or the
+        # resident parameters needed before their pulls were done: latency prefetch did not hide).
+        self.stats: dict[str, float] = {
+            "prefetched": 0, "on_demand": 0, "peak_block_bytes": 0, "pull_wait_seconds": 0.0,
+        }  # fmt: skip
 
     # -- the prefetch order ----------------------------------------------------------------
 
@@ -112,7 +116,7 @@ class BlockWindow:
     def ready(self, unit: StreamUnit) -> None:
         """Waits until the unit's values are here (fetching it first if need be)."""
         pulls = self.fetch(unit)
-        wait(pulls)
+        self._wait(pulls)
         self._restore_version(unit, forget=False)
         wait_all(pulls)
 
@@ -143,7 +147,7 @@ class BlockWindow:
         with self._lock:
             pulls = self._pulls.pop(unit.index, None)
         if pulls is not None:
-            wait(pulls)  # a pull still writing must not land in freed memory
+            self._wait(pulls)  # a pull still writing must not land in freed memory
         self._restore_version(unit, forget=True)
         unit.release()
 
@@ -214,9 +218,19 @@ class BlockWindow:
                 with self._lock:
                     pulls = self._pulls.pop(unit.index, None)
                 if pulls is not None:
-                    wait(pulls)
+                    self._wait(pulls)
                     self._restore_version(unit, forget=True)
                     wait_all(pulls)
+
+    def _wait(self, pulls: list[Future]) -> None:
+        """Waits for `pulls` to finish, counting the time in stats["pull_wait_seconds"]."""
+        if all(p.done() for p in pulls):
+            return
+        started = time.perf_counter()
+        wait(pulls)
+        waited = time.perf_counter() - started
+        with self._lock:
+            self.stats["pull_wait_seconds"] += waited
 
 
 def wait_all(futures: list[Future]) -> list:

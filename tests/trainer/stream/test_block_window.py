@@ -1,5 +1,6 @@
 """BlockWindow's pulls, with a stand-in for the wire: what autograd sees of a block pulled
-again (its version counter), and the window's bound on prefetch."""
+again (its version counter), the window's bound on prefetch, and the time the caller waited
+for pulls."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from ps_offload.proto.plan import ShardSlice
+from ps_offload.trainer.stream import window as window_module
 from ps_offload.trainer.stream.units import stream_units
 from ps_offload.trainer.stream.window import BlockWindow
 
@@ -115,6 +117,46 @@ def test_backward_hints_the_block_past_the_window_once_a_backward():
     assert window.client.hinted == [[s.shard_id for s in units[0].shards]]
     window.prefetch_first()  # a step ended: the next backward hints again
     assert not window._hinted
+    for unit in units:
+        window.release(unit)
+    pool.shutdown()
+
+
+class GatedPulls:
+    """A mover whose pulls wait until `gate` is set."""
+
+    wire_dtype = 0
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def mark_compute(self) -> None:
+        return None
+
+    def pull(self, buffer, shard, after, fill) -> int:
+        assert self.gate.wait(timeout=60)
+        return fill(memoryview(b""))
+
+
+def test_the_wait_for_a_pull_not_done_is_counted_and_a_done_one_costs_nothing(monkeypatch):
+    """ready() on a block whose pull is still on the wire counts the wait in
+    stats["pull_wait_seconds"]; on one whose pull finished first, it counts nothing."""
+    _, units, window, pool = _window(shards_per_unit=1)
+    window.mover = mover = GatedPulls()
+    real_wait = window_module.wait
+
+    def wait_then_open(futures):  # the pull may finish only once the caller is waiting for it
+        mover.gate.set()
+        return real_wait(futures)
+
+    monkeypatch.setattr(window_module, "wait", wait_then_open)
+    window.ready(units[0])
+    waited = window.stats["pull_wait_seconds"]
+    assert waited > 0
+    for future in window.fetch(units[1]):  # the gate is open: this pull finishes before ready()
+        future.result(timeout=60)
+    window.ready(units[1])
+    assert window.stats["pull_wait_seconds"] == waited
     for unit in units:
         window.release(unit)
     pool.shutdown()
