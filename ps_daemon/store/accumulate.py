@@ -4,7 +4,8 @@ shard, the fp32 sum of the parts received so far, until APPLY steps the optimize
 A trainer pushes a shard's gradient as soon as backward has produced it, or once per backward
 pass when it accumulates several, and applies the step when it knows the step's settings
 (APPLY's groups, lr and grad_multiplier: a clip or the loss scale). Part 0 widens its payload
-(RAW, BF16 or FP16; exact) into a new fp32 accumulator, a copy rather than an add to zeros, so
+(RAW, BF16 or FP16; exact) into an fp32 accumulator, a copy over every value rather than an add
+to zeros, so
 that one part and its APPLY are bit-identical to a GRADIENT push of that payload. Part i > 0 is
 widened into a buffer of its own and added, `acc += part` in fp32, and only as the next part:
 the sum is ((p0 + p1) + p2) + ... whatever order the parts' pushes raced in.
@@ -12,12 +13,15 @@ the sum is ((p0 + p1) + p2) + ... whatever order the parts' pushes raced in.
 Invariants (one GradientParts per shard, changed only under its `lock`): `values` holds the
 sum of parts 0..held-1 of `step` (fp32, the shard's numel), or is None with held 0. It is for
 the shard's step in progress: an update of the shard (APPLY's, a GRADIENT push's, which
-replaces the parts, or a MOMENTUM push's) drops an accumulator of an older step once the update
-is committed, and a part 0 finding one of another step starts over. So a daemon holds at most
-one accumulator per shard. Without an NVMe tier it lives in RAM, beside the shard's arena:
-counted in the store's ram_bytes_used but not bounded by the RAM tier's budget. With one, it
-is a file-backed mapping on the NVMe tier (ps_daemon/tiers/accumulator_files.py: the kernel
-pages it out under memory pressure), so sums as large as a model larger than RAM fit. Either
+replaces the parts, or a MOMENTUM push's) ends an accumulator of an older step once the update
+is committed, and a part 0 finding one of another step starts over. An ended accumulator's
+memory is kept (`kept`) for the next step's part 0 to write over, so a trainer pushing parts
+every step costs the kernel no fresh pages each step; an update that applies no parts frees it.
+So a daemon holds at most one accumulator per shard, in use or kept. Without an NVMe tier it
+lives in RAM, beside the shard's arena: counted in the store's ram_bytes_used (kept or not) but
+not bounded by the RAM tier's budget. With one, it is a file-backed mapping on the NVMe tier
+(ps_daemon/tiers/accumulator_files.py: the kernel pages it out under memory pressure), so sums
+as large as a model larger than RAM fit. Either
 way it is kept while the shard is evicted to NVMe (a part needs neither the shard's values nor
 its residency), and lost on a restart (APPLY then answers that no parts are held, and the
 trainer sends them again).
@@ -55,6 +59,11 @@ class GradientParts:
         self.held = 0
         self.values: torch.Tensor | None = None
         self.speculation: Speculation | None = None  # the step computed ahead from `values`
+        # The last applied step's sum, kept for the next step's part 0 to write over (new_sum):
+        # a fresh one would be new pages, each faulted in and zeroed by the kernel every step
+        # (a 64 MiB shard's sum is mmapped by malloc, 16384 faults). Freed by an update that
+        # applies no parts (the trainer stopped pushing parts) and when the model goes.
+        self.kept: torch.Tensor | None = None
         self._sums = sums
 
     @property
@@ -62,13 +71,24 @@ class GradientParts:
         return self._sums.in_ram
 
     def new_sum(self, numel: int) -> torch.Tensor:
-        """Room for a step's sum (part 0 is widened into it)."""
-        return self._sums.allocate(numel)
+        """Room for a step's sum (part 0 is widened into it, over every value): the kept one
+        when there is one, else a new one."""
+        with self.lock:
+            kept, self.kept = self.kept, None
+        return kept if kept is not None and kept.numel() == numel else self._sums.allocate(numel)
 
     @property
     def nbytes(self) -> int:
-        values = self.values  # read once: no lock for a figure in the stats
-        return 0 if values is None else values.numel() * values.element_size()
+        """The bytes of the sum held and of the one kept (read without the lock: a figure)."""
+        return sum(t.numel() * t.element_size() for t in (self.values, self.kept) if t is not None)
+
+    def release_locked(self) -> int:
+        """Under `lock`: frees the sum (and its step computed ahead) and the kept one; returns
+        their bytes."""
+        self.discard_speculation_locked()
+        freed = self.nbytes
+        self.values, self.held, self.kept = None, 0, None
+        return freed
 
     def held_for(self, step: int) -> int:
         """Parts of `step` held (under `lock`)."""
@@ -115,12 +135,15 @@ class GradientParts:
         return self.values, push.grad_multiplier
 
     def drop_applied_locked(self, version: int) -> None:
-        """Under `lock`, once an update to `version` is committed: frees an accumulator of a
-        step now applied, and a speculation of one."""
+        """Under `lock`, once an update to `version` is committed: an accumulator of a step now
+        applied is done (kept for the next step's part 0), and a speculation of one is
+        discarded. An update that applied no parts frees the kept one: parts have stopped."""
         if self.speculation is not None and self.speculation.step < version:
             self.discard_speculation_locked()
         if self.values is not None and self.step < version:
-            self.values, self.held = None, 0
+            self.kept, self.values, self.held = self.values, None, 0
+        elif self.values is None:
+            self.kept = None
 
     def discard_speculation_locked(self) -> None:
         """Under `lock`: the step computed ahead is not to be used (its spare goes back)."""

@@ -57,7 +57,5 @@ def release_sums(shards: list[Shard]) -> int:
     freed = 0
     for shard in shards:
         with shard.parts.lock:
-            shard.parts.discard_speculation_locked()
-            freed += shard.parts.nbytes
-            shard.parts.values, shard.parts.held = None, 0
+            freed += shard.parts.release_locked()
     return freed

@@ -300,7 +300,9 @@ def test_a_part_0_over_a_sum_of_another_step_starts_over():
     _assert_same(_state(store), _state(reference))
 
 
-def test_the_sum_counts_in_ram_used_while_held():
+def test_the_sum_counts_in_ram_used_while_held_and_while_kept():
+    """A sum counts while its step is pushed, and after its APPLY while it is kept for the next
+    step's; an update that applies no parts frees it."""
     store = _store()
     used = store.stats_snapshot().ram_bytes_used
     _part(store, 1, 0, _grad(60))
@@ -308,8 +310,28 @@ def test_the_sum_counts_in_ram_used_while_held():
     _part(store, 1, 1, _grad(61))
     assert store.stats_snapshot().ram_bytes_used == used + NUMEL * 4
     _apply(store, 1, 2)
-    assert store.stats_snapshot().ram_bytes_used == used
+    assert store.stats_snapshot().ram_bytes_used == used + NUMEL * 4  # kept
     assert store.stats_snapshot().bytes_pushed == 4 * NUMEL * 4  # parameters, a gradient, two parts
+    store.push(PushRequest("m", 0, step=2, kind="gradient", data=_grad(62)))
+    assert store.stats_snapshot().ram_bytes_used == used
+
+
+@pytest.mark.parametrize("encoding", ["raw", "bf16"])
+def test_the_next_step_writes_its_sum_over_the_kept_one_and_nothing_of_it_remains(encoding):
+    """Step 2's part 0 goes into step 1's sum's memory (no fresh pages), over every value: step
+    2 equals a GRADIENT push of its own part, bit for bit, though step 1's sum was larger."""
+    store, reference = _store(), _store()
+    parts = store.registry.shard("m", 0).parts
+    _part(store, 1, 0, _grad(70) * 1e3)
+    _part(store, 1, 1, _grad(71) * 1e3)
+    _apply(store, 1, 2)
+    reference.push(PushRequest("m", 0, step=1, kind="gradient", data=_grad(70) * 1e3 + _grad(71) * 1e3))
+    kept = parts.kept.data_ptr()
+    _part(store, 2, 0, _grad(72), encoding)
+    assert parts.values.data_ptr() == kept and parts.kept is None
+    _apply(store, 2, 1)
+    reference.push(PushRequest("m", 0, step=2, kind="gradient", data=_data(encoding, _grad(72)), encoding=encoding))
+    _assert_same(_state(store), _state(reference))
 
 
 def test_racing_copies_of_one_part_add_it_once():
@@ -397,7 +419,8 @@ def _accumulator_mappings(directory) -> list[int]:
 def test_with_an_nvme_tier_the_sum_lives_on_it_not_in_ram(tmp_path):
     """The sum is a mapping of an unlinked file under the NVMe directory (the kernel can page
     it out), not RAM: ram_bytes_used does not move, no file is left in the directory, and the
-    mapping is gone once the APPLY is committed; the step equals a GRADIENT push of the sum."""
+    mapping is kept once the APPLY is committed (for the next step's sum) and gone after an
+    update that applies no parts; the step equals a GRADIENT push of the sum."""
     stale = tmp_path / "accumulators" / "7.f32"
     stale.parent.mkdir()
     stale.write_bytes(b"\0" * 64)  # left by a killed daemon: cleared at start
@@ -411,9 +434,12 @@ def test_with_an_nvme_tier_the_sum_lives_on_it_not_in_ram(tmp_path):
     assert list(directory.iterdir()) == []  # unlinked once mapped
     assert store.stats_snapshot().ram_bytes_used == used
     assert _apply(store, 1, 2).applied
-    assert _accumulator_mappings(directory) == []
+    assert sum(_accumulator_mappings(directory)) >= NUMEL * 4  # kept for step 2's part 0
     reference.push(PushRequest("m", 0, step=1, kind="gradient", data=_grad(100) + _grad(101)))
     _assert_same(_state(store), _state(reference))
+    for target in (store, reference):
+        assert target.push(PushRequest("m", 0, step=2, kind="gradient", data=_grad(102))).applied
+    assert _accumulator_mappings(directory) == []
     store.close()
     store.files.close()
 
