@@ -5,10 +5,9 @@ A trainer pushes a shard's gradient as soon as backward has produced it, or once
 pass when it accumulates several, and applies the step when it knows the step's settings
 (APPLY's groups, lr and grad_multiplier: a clip or the loss scale). Part 0 widens its payload
 (RAW, BF16 or FP16; exact) into an fp32 accumulator, a copy over every value rather than an add
-to zeros, so
-that one part and its APPLY are bit-identical to a GRADIENT push of that payload. Part i > 0 is
-widened into a buffer of its own and added, `acc += part` in fp32, and only as the next part:
-the sum is ((p0 + p1) + p2) + ... whatever order the parts' pushes raced in.
+to zeros, so that one part and its APPLY are bit-identical to a GRADIENT push of that payload.
+Part i > 0 is widened into a buffer of its own and added, `acc += part` in fp32, and only as
+the next part: the sum is ((p0 + p1) + p2) + ... whatever order the parts' pushes raced in.
 
 Invariants (one GradientParts per shard, changed only under its `lock`): `values` holds the
 sum of parts 0..held-1 of `step` (fp32, the shard's numel), or is None with held 0. It is for
