@@ -20,10 +20,9 @@ So a daemon holds at most one accumulator per shard, in use or kept. Without an 
 lives in RAM, beside the shard's arena: counted in the store's ram_bytes_used (kept or not) but
 not bounded by the RAM tier's budget. With one, it is a file-backed mapping on the NVMe tier
 (ps_daemon/tiers/accumulator_files.py: the kernel pages it out under memory pressure), so sums
-as large as a model larger than RAM fit. Either
-way it is kept while the shard is evicted to NVMe (a part needs neither the shard's values nor
-its residency), and lost on a restart (APPLY then answers that no parts are held, and the
-trainer sends them again).
+as large as a model larger than RAM fit. Either way it is kept while the shard is evicted to
+NVMe (a part needs neither the shard's values nor its residency), and lost on a restart (APPLY
+then answers that no parts are held, and the trainer sends them again).
 
 A part 0 sent with `speculate` may also have been stepped ahead into a spare arena
 (`speculation`, ps_offload.daemon.store.speculation): it is for the sum as it is, so anything
