@@ -135,10 +135,11 @@ def main() -> dict:
                 cpu[name] = (trainer_total + trainer_cpu, daemon_total + daemon_cpu)
                 cpu_steps[name] = cpu_steps.get(name, 0) + len(batches)
                 requests[name] = requests.get(name, 0) + served(daemon_stats(daemon.address)) - served_before
-                for key, value in waits_before.items():
-                    if key.endswith("_seconds"):
-                        total = waited.setdefault(name, {})
-                        total[key] = total.get(key, 0.0) + opt.stats[key] - value
+                if waits_before:
+                    waits_after, total = opt.stats, waited.setdefault(name, {})
+                    for key, value in waits_before.items():
+                        if key.endswith("_seconds"):
+                            total[key] = total.get(key, 0.0) + waits_after[key] - value
             for phase, seconds in split.items():
                 phases.setdefault(name, {}).setdefault(phase, []).append(seconds / len(batches))
             return elapsed

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -330,6 +331,15 @@ class _PullPlace:
             self._asked = True
             self.target = self._held.enter_context(self._mover.pull_target(self._params, self._shard))
         return PullInto(self.target.view, self._mover.wire_dtype) if self.target is not None else None
+
+
+def blocked_wait(futures: list[Future]) -> float:
+    """Waits for `futures` to finish; the seconds the caller was blocked (0.0 when all had)."""
+    if all(f.done() for f in futures):
+        return 0.0
+    started = time.perf_counter()
+    wait(futures)
+    return time.perf_counter() - started
 
 
 def first_error(futures: list[Future]) -> BaseException | None:

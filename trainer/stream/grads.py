@@ -21,7 +21,6 @@ clip_grad_norm_ takes it (`torch._foreach_norm` of the gradient), by parameter i
 from __future__ import annotations
 
 import collections
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -31,7 +30,7 @@ from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.push import Push
 from ps_offload.trainer.io.device import ShardMover
-from ps_offload.trainer.io.shard_io import ShardIO
+from ps_offload.trainer.io.shard_io import ShardIO, blocked_wait
 from ps_offload.trainer.stream.units import StreamUnit
 from ps_offload.trainer.wire.host_windows import SharedAllocator
 from ps_offload.trainer.wire.sharded_client import ShardedClient
@@ -91,10 +90,7 @@ class BlockGradients:
 
     def _done(self, pushes: list[Future], buffer: torch.Tensor) -> list[BaseException]:
         """Waits for a unit's pushes; a shared buffer is then free for another."""
-        if not all(p.done() for p in pushes):
-            started = time.perf_counter()
-            wait(pushes)
-            self.wait_seconds += time.perf_counter() - started
+        self.wait_seconds += blocked_wait(pushes)
         failures = _failures(pushes)
         if buffer.data_ptr() in self._owned:
             self._spare[buffer.numel()].append(buffer)

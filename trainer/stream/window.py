@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
 
@@ -29,7 +28,7 @@ import torch
 
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.io.device import ShardMover
-from ps_offload.trainer.io.shard_io import first_error
+from ps_offload.trainer.io.shard_io import blocked_wait, first_error
 from ps_offload.trainer.stream.units import StreamUnit
 from ps_offload.trainer.wire.sharded_client import ShardedClient
 
@@ -224,13 +223,9 @@ class BlockWindow:
 
     def _wait(self, pulls: list[Future]) -> None:
         """Waits for `pulls` to finish, counting the time in stats["pull_wait_seconds"]."""
-        if all(p.done() for p in pulls):
-            return
-        started = time.perf_counter()
-        wait(pulls)
-        waited = time.perf_counter() - started
-        with self._lock:
-            self.stats["pull_wait_seconds"] += waited
+        if waited := blocked_wait(pulls):
+            with self._lock:
+                self.stats["pull_wait_seconds"] += waited
 
 
 def wait_all(futures: list[Future]) -> list:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ps_offload.proto.plan import ShardSlice
-from ps_offload.trainer.stream import grads as grads_module
+from ps_offload.trainer.io import shard_io
 from ps_offload.trainer.stream.grads import BlockGradients
 from ps_offload.trainer.stream.units import stream_units
 
@@ -71,13 +71,13 @@ def _push(grads: BlockGradients, unit) -> None:
 
 def test_a_full_window_of_gradients_waits_for_the_oldest_pushes_and_counts_the_wait(monkeypatch):
     units, daemon, grads = _gradients(window_units=1)
-    real_wait = grads_module.wait
+    real_wait = shard_io.wait
 
     def wait_then_open(futures):  # the pushes may finish only once the caller is waiting
         daemon.gate.set()
         return real_wait(futures)
 
-    monkeypatch.setattr(grads_module, "wait", wait_then_open)
+    monkeypatch.setattr(shard_io, "wait", wait_then_open)
     _push(grads, units[0])
     assert grads.wait_seconds == 0  # one unit's gradient fits the window: no wait
     _push(grads, units[1])  # two do not: the first unit's pushes are waited for
@@ -85,7 +85,6 @@ def test_a_full_window_of_gradients_waits_for_the_oldest_pushes_and_counts_the_w
     assert len(grads._pushes) == 1
     waited = grads.wait_seconds
     assert waited > 0
-    grads.pool.submit(lambda: None).result(timeout=60)
     for future in grads._pushes[0][0]:
         future.result(timeout=60)  # the second unit's push is done before the drain
     assert grads.drain() == []

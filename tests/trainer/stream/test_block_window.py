@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ps_offload.proto.plan import ShardSlice
-from ps_offload.trainer.stream import window as window_module
+from ps_offload.trainer.io import shard_io
 from ps_offload.trainer.stream.units import stream_units
 from ps_offload.trainer.stream.window import BlockWindow
 
@@ -143,13 +143,13 @@ def test_the_wait_for_a_pull_not_done_is_counted_and_a_done_one_costs_nothing(mo
     stats["pull_wait_seconds"]; on one whose pull finished first, it counts nothing."""
     _, units, window, pool = _window(shards_per_unit=1)
     window.mover = mover = GatedPulls()
-    real_wait = window_module.wait
+    real_wait = shard_io.wait
 
     def wait_then_open(futures):  # the pull may finish only once the caller is waiting for it
         mover.gate.set()
         return real_wait(futures)
 
-    monkeypatch.setattr(window_module, "wait", wait_then_open)
+    monkeypatch.setattr(shard_io, "wait", wait_then_open)
     window.ready(units[0])
     waited = window.stats["pull_wait_seconds"]
     assert waited > 0
