@@ -51,10 +51,7 @@ def keepalive_options(dead_peer_seconds: float) -> list[tuple[str, int]]:
 # comes to need what older daemons lack, and the oldest daemon protocol its trainer accepts.
 # 2: a data plane push's payload comes with its length, a local push always names its place
 # and length (issue 39: a payload longer than its header was applied); 1 and 2 cannot mix.
-# 3: the local transport takes a DataBatch (a block's pulls or pushes in one frame); a trainer
-# sends one only to a daemon of protocol BATCH_PROTOCOL or later, so 2 and 3 mix.
-PROTOCOL = 3
-BATCH_PROTOCOL = 3
+PROTOCOL = 2
 MIN_DAEMON_PROTOCOL = 2
 
 # Trailing metadata of a RESOURCE_EXHAUSTED that only says "busy now" (too many calls from one

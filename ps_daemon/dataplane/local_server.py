@@ -62,7 +62,7 @@ import torch
 
 from ps_offload.daemon.config import ServerConfig
 from ps_offload.daemon.dataplane.local_pool import LocalPool
-from ps_offload.daemon.dataplane.requests import DATA_METHODS, batch_refusal, pushes_in
+from ps_offload.daemon.dataplane.requests import DATA_METHODS
 from ps_offload.daemon.errors import InvalidArgument, PsError
 from ps_offload.daemon.rpc import conversions, data_path
 from ps_offload.daemon.rpc.server_security import TokenCheck
@@ -237,7 +237,7 @@ class LocalServer:
             sock.settimeout(None)  # then it may idle between steps as long as it likes
             while not self.stopping:
                 request, fds = session.receive()
-                pushing = pushes_in(request)
+                pushing = request.WhichOneof("kind") == "push"
                 with self._cond:
                     self._pushing += pushing
                 try:
@@ -264,61 +264,38 @@ class LocalServer:
                 self.pool.leave(session.client)
 
     def _serve(self, session: _Session, request: ps_pb2.DataRequest, fds: list[int]) -> bool:
-        """Answers one frame; False when the connection cannot be trusted any more."""
-        if request.WhichOneof("kind") == "batch" and not fds:
-            answer, keep = self._batch(session, request)
-        else:
-            answer, keep = self._answer(session, request, request.authorization, fds)
-        send_message(session.sock, answer)
-        return keep
-
-    def _batch(self, session: _Session, frame: ps_pb2.DataRequest) -> tuple[ps_pb2.DataResponse, bool]:
-        """A DataBatch: checked whole before any of it is served, then each request in turn,
-        answered as if it had come alone; after an internal error, the rest are not served."""
-        refusal = batch_refusal(frame.batch)
-        if refusal is not None:
-            return ps_pb2.DataResponse(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=refusal), True
-        answers, keep = [], True
-        for request in frame.batch.requests:
-            if keep:
-                answer, keep = self._answer(session, request, frame.authorization, [])
-            else:
-                answer = ps_pb2.DataResponse(
-                    code=grpc.StatusCode.ABORTED.value[0],
-                    message="not served: an earlier request of the batch failed with an internal error; send it again",
-                )
-            answers.append(answer)
-        return ps_pb2.DataResponse(batch=ps_pb2.DataBatchAnswer(answers=answers)), keep
-
-    def _answer(
-        self, session: _Session, request: ps_pb2.DataRequest, authorization: str, fds: list[int]
-    ) -> tuple[ps_pb2.DataResponse, bool]:
-        """One request's answer, and whether the connection can still be trusted."""
+        """Answers one request; False when the connection cannot be trusted any more."""
         kind, code, started = request.WhichOneof("kind"), grpc.StatusCode.OK, time.perf_counter()
+        sock = session.sock
         try:
             if kind == "attach":
                 self._attach(session, request.attach, fds)
-                return ps_pb2.DataResponse(), True
+                send_message(sock, ps_pb2.DataResponse())
+                return True
             if fds:
                 _close_fds(fds)
                 raise InvalidArgument(f"a {kind or 'DataRequest'} frame carries no descriptors; {len(fds)} came")
             if kind in DATA_METHODS and self.token is not None:
-                refusal = self.token.refusal(DATA_METHODS[kind], authorization or None)
+                refusal = self.token.refusal(DATA_METHODS[kind], request.authorization or None)
                 if refusal is not None:
                     raise from_status(*refusal)
             if kind == "pull":
-                return ps_pb2.DataResponse(shard=self._pull(session, request)), True
-            if kind == "push":
-                return ps_pb2.DataResponse(push=self._push(session, request)), True
-            raise InvalidArgument("a DataRequest must carry a pull, a push, a batch or an attach")
+                send_message(sock, ps_pb2.DataResponse(shard=self._pull(session, request)))
+            elif kind == "push":
+                send_message(sock, ps_pb2.DataResponse(push=self._push(session, request)))
+            else:
+                raise InvalidArgument("a DataRequest must carry a pull, a push or an attach")
+            return True
         except PsError as exc:
             code = status_of(exc)
-            return ps_pb2.DataResponse(code=code.value[0], message=str(exc)), True
+            send_message(sock, ps_pb2.DataResponse(code=code.value[0], message=str(exc)))
+            return True
         except Exception as exc:  # noqa: BLE001 - answered, logged, connection closed
             code = grpc.StatusCode.INTERNAL
             log.exception("local transport request failed")
             message = f"internal error: {type(exc).__name__}: {exc}"
-            return ps_pb2.DataResponse(code=code.value[0], message=message), False
+            send_message(sock, ps_pb2.DataResponse(code=code.value[0], message=message))
+            return False
         finally:
             if self.observe is not None and kind in DATA_METHODS:
                 self.observe(f"Local/{kind.capitalize()}", code, time.perf_counter() - started)

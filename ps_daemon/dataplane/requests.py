@@ -39,27 +39,6 @@ log = logging.getLogger(__name__)
 DATA_METHODS = {"pull": method_path("ParameterServer", "Pull"), "push": method_path("ParameterServer", "Push")}
 """A DataRequest's kind -> the gRPC method it stands for (the token rule and the metrics name it so)."""
 
-MAX_BATCH_REQUESTS = 256
-"""The most requests one DataBatch may hold (the local transport's; a trainer sends a block's)."""
-
-
-def batch_refusal(batch: ps_pb2.DataBatch) -> str | None:
-    """Why a DataBatch cannot be served (checked before any of it is), or None."""
-    count = len(batch.requests)
-    if not 0 < count <= MAX_BATCH_REQUESTS:
-        return f"a DataBatch holds 1 to {MAX_BATCH_REQUESTS} requests; this one holds {count}"
-    for index, request in enumerate(batch.requests):
-        kind = request.WhichOneof("kind")
-        if kind not in DATA_METHODS:
-            return f"a DataBatch holds pulls and pushes only; its request {index} is {kind or 'empty'}"
-    return None
-
-
-def pushes_in(request: ps_pb2.DataRequest) -> bool:
-    """Whether a frame carries a push (alone or in its batch): a stopping daemon waits for it."""
-    kind = request.WhichOneof("kind")
-    return kind == "push" or (kind == "batch" and any(r.HasField("push") for r in request.batch.requests))
-
 
 class Stream(Protocol):
     """A connection as a worker sees it: its socket (blocking, with the stall timeout) and the

@@ -62,31 +62,22 @@ def _versions(opt: trainer.StreamedOptimizer) -> list[int]:
 
 class Acks:
     """The answers to the optimizer's pushes (kind, step, part, shard id -> PushResponse), as
-    its ShardedClient returns them, one by one or in batches, and a condition to wait on them."""
+    its ShardedClient returns them, and a condition to wait on them."""
 
     def __init__(self, opt: trainer.StreamedOptimizer) -> None:
         self.seen: dict[tuple[int, int, int, int], ps_pb2.PushResponse] = {}
         self.cond = threading.Condition()
-        push, push_batch = opt.client.push, opt.client.push_batch
+        push = opt.client.push
 
         def recorded(shard, sent, **carried):
             ack = push(shard, sent, **carried)
-            self._record([(shard, sent, ack)])
+            header = sent.header
+            with self.cond:
+                self.seen[header.kind, header.step, header.part, shard.shard_id] = ack
+                self.cond.notify_all()
             return ack
 
-        def recorded_batch(shards, pushes):
-            acks = push_batch(shards, pushes)
-            self._record([x for x in zip(shards, pushes, acks, strict=True) if not isinstance(x[2], Exception)])
-            return acks
-
-        opt.client.push, opt.client.push_batch = recorded, recorded_batch
-
-    def _record(self, answered: list) -> None:
-        with self.cond:
-            for shard, sent, ack in answered:
-                header = sent.header
-                self.seen[header.kind, header.step, header.part, shard.shard_id] = ack
-            self.cond.notify_all()
+        opt.client.push = recorded
 
     def wait_parts(self, step: int, part: int, shards: int) -> None:
         """Until every shard's part `part` of `step` is acknowledged."""
@@ -184,43 +175,27 @@ class LostAnswer(grpc.RpcError):
 
 def _lose_answers(opt: trainer.StreamedOptimizer, chosen: set[tuple[int, int, int, int]]) -> list:
     """For each chosen push (kind, step, part, shard id), the first attempt reaches the daemon
-    and is applied, but the client is told it timed out (sent alone: its answer; in a batch:
-    the whole batch's); its own retry then sends the same push again. Returns the (key, first
-    answer, resent answer) of each, filled as they happen."""
+    and is applied, but the client is told it timed out; its own retry then sends the same
+    push again. Returns the (key, first answer, resent answer) of each, filled as they happen."""
     resent, pending = [], set(chosen)
-
-    def seen(sent, ack) -> bool:
-        """Records a chosen push's answer; whether it is to be lost."""
-        header = sent.header
-        if header.check_only:  # the check before the APPLYs: not one of the chosen
-            return False
-        key = (header.kind, header.step, header.part, header.shard_id)
-        if key in pending:
-            pending.discard(key)
-            resent.append([key, ack])
-            return True
-        if key in chosen:
-            resent[[k for k, *_ in resent].index(key)].append(ack)
-        return False
-
     for transport in opt.client.transports:
-        push, push_batch = transport.push, getattr(transport, "push_batch", None)
+        push = transport.push
 
         def losing(sent, *, timeout, pull_into=None, _push=push):
             ack = _push(sent, timeout=timeout, pull_into=pull_into)
-            if seen(sent, ack):
+            header = sent.header
+            if header.check_only:  # the check before the APPLYs: not one of the chosen
+                return ack
+            key = (header.kind, header.step, header.part, header.shard_id)
+            if key in pending:
+                pending.discard(key)
+                resent.append([key, ack])
                 raise LostAnswer()
+            if key in chosen:
+                resent[[k for k, *_ in resent].index(key)].append(ack)
             return ack
 
-        def losing_batch(pushes, *, timeout, _push_batch=push_batch):
-            acks = _push_batch(pushes, timeout=timeout)
-            if any([seen(sent, ack) for sent, ack in zip(pushes, acks, strict=True)]):
-                raise LostAnswer()  # the client sends each of the batch's pushes again, alone
-            return acks
-
         transport.push = losing
-        if push_batch is not None:
-            transport.push_batch = losing_batch
     return resent
 
 

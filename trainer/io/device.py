@@ -314,15 +314,6 @@ class ShardMover:
         with self.buffers.spare(shard.numel) as host:
             yield None if host is None else PullTarget(byte_view(host), host, buffer[shard.offset : shard.end], self)
 
-    def in_place_views(self, buffer: torch.Tensor, shards: list[ShardSlice], *, pull: bool) -> list[memoryview] | None:
-        """The bytes of `buffer`'s slices for `shards`, where pulls write (`pull`) or pushes
-        read them in place, all at once (a batch of requests names them together); None when
-        staged: each shard goes through a host buffer of its own (`pull`, `host_view`)."""
-        if self.staged:
-            return None
-        view = self._in_place_view if pull else byte_view
-        return [view(buffer[s.offset : s.end]) for s in shards]
-
     def pull(self, buffer: torch.Tensor, shard: ShardSlice, after: object, fill: Callable[[memoryview], int]) -> int:
         """Lets `fill` write the shard's bytes (in the compute dtype) and puts them into
         `buffer`'s slice; returns what `fill` returned (the version pulled)."""

@@ -68,41 +68,20 @@ class PartsApplier:
     def _round(
         self, step: int, groups: list, parts: int, multiplier: float | None, *, check_only: bool
     ) -> tuple[list[ShardSlice], list[BaseException]]:
-        """APPLY (or its check) on every shard, a daemon's shards that can go together in one
-        request (ShardedClient.batch_groups); returns the shards that took it, and the failures."""
-        runs = [[self.shards[i] for i in run] for run in self.client.batch_groups(self.shards)]
-        rounds = [self.pool.submit(self._apply, run, step, groups, parts, multiplier, check_only) for run in runs]
-        wait(rounds)
-        taken, failures = [], []
-        for run, answers in zip(runs, (f.result() for f in rounds), strict=True):
-            for shard, answer in zip(run, answers, strict=True):
-                if isinstance(answer, BaseException):
-                    failures.append(answer)
-                else:
-                    taken.append(shard)
-        return taken, failures
+        """APPLY (or its check) on every shard; returns the shards that took it, and the failures."""
+        applies = [self.pool.submit(self._apply, s, step, groups, parts, multiplier, check_only) for s in self.shards]
+        wait(applies)
+        taken = [s for s, f in zip(self.shards, applies, strict=True) if not f.exception()]
+        return taken, [f.exception() for f in applies if f.exception() is not None]
 
     def _apply(
-        self, shards: list[ShardSlice], step: int, groups: list, parts: int, multiplier: float | None, check_only: bool
-    ) -> list[ps_pb2.PushResponse | BaseException]:
-        pushes = [
-            Push.apply(
-                self.client.model,
-                shard.shard_id,
-                step=step,
-                parts=parts,
-                groups=groups,
-                grad_multiplier=multiplier,
-                check_only=check_only,
-            )  # fmt: skip
-            for shard in shards
-        ]
-        if len(shards) > 1:
-            return self.client.push_batch(shards, pushes)
-        try:
-            return [self.client.push(shards[0], pushes[0])]
-        except Exception as error:  # noqa: BLE001 - the caller's, per shard
-            return [error]
+        self, shard: ShardSlice, step: int, groups: list, parts: int, multiplier: float | None, check_only: bool
+    ) -> ps_pb2.PushResponse:
+        push = Push.apply(
+            self.client.model, shard.shard_id, step=step, parts=parts, groups=groups, grad_multiplier=multiplier,
+            check_only=check_only,
+        )  # fmt: skip
+        return self.client.push(shard, push)
 
     def lost(self, step: int, errors: list[BaseException], what: str) -> BaseException:
         """StepLost when a daemon refused for want of the step's parts; else the error itself."""

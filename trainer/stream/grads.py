@@ -30,7 +30,7 @@ from ps_offload.proto import ps_pb2
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.proto.push import Push
 from ps_offload.trainer.io.device import ShardMover
-from ps_offload.trainer.io.shard_io import ShardIO, blocked_wait, first_failure
+from ps_offload.trainer.io.shard_io import ShardIO, blocked_wait
 from ps_offload.trainer.stream.units import StreamUnit
 from ps_offload.trainer.wire.host_windows import SharedAllocator
 from ps_offload.trainer.wire.sharded_client import ShardedClient
@@ -123,53 +123,22 @@ class BlockGradients:
             self.reduce(buffer)
         after = self.mover.mark_compute()
         mine = [s for s in unit.shards if s.shard_id in self.io.pushes]
-        pushes = self._submit(unit, mine, step, part, groups, buffer, after)
+        pushes = [self.pool.submit(self._push, unit, s, step, part, groups, buffer, after) for s in mine]
         self._pushed.add(unit.index)
         self._pushes.append((pushes, buffer))
         while len(self._pushes) > 1 and sum(b.numel() * b.element_size() for _, b in self._pushes) > self.window_bytes:
             self._failures.extend(self._done(*self._pushes.popleft()))
 
-    def _submit(
-        self, unit: StreamUnit, shards: list[ShardSlice], step: int, part: int, groups: list | None, buffer, after
-    ) -> list[Future]:
-        """The unit's pushes, started in the pool: its shards one daemon holds alone, reached
-        over its local transport, in one request (ShardedClient.batch_groups), the others each
-        in their own."""
-        views = self.mover.in_place_views(buffer, [unit.local(s) for s in shards], pull=False)
-        if views is None:
-            return [self.pool.submit(self._push, unit, s, step, part, groups, buffer, after) for s in shards]
-        pushes = []
-        for run in self.client.batch_groups(shards, views):
-            if len(run) == 1:
-                pushes.append(self.pool.submit(self._push, unit, shards[run[0]], step, part, groups, buffer, after))
-            else:
-                batch = [(shards[i], views[i]) for i in run]
-                pushes.append(self.pool.submit(self._push_batch, batch, step, part, groups))
-        return pushes
-
     def _push(
         self, unit: StreamUnit, shard: ShardSlice, step: int, part: int, groups: list | None, buffer, after: object
     ) -> ps_pb2.PushResponse:
-        with self.mover.host_view(buffer, unit.local(shard), after) as data:
-            return self.io.counted(self.client.push(shard, self._push_of(shard, data, step, part, groups)), len(data))
-
-    def _push_batch(
-        self, batch: list[tuple[ShardSlice, memoryview]], step: int, part: int, groups: list | None
-    ) -> None:
-        shards = [shard for shard, _ in batch]
-        answers = self.client.push_batch(shards, [self._push_of(s, data, step, part, groups) for s, data in batch])
-        failures = [a for a in answers if isinstance(a, BaseException)]
-        for (_, data), answer in zip(batch, answers, strict=True):
-            if not isinstance(answer, BaseException):
-                self.io.counted(answer, len(data))
-        if failures:
-            raise first_failure(failures)
-
-    def _push_of(self, shard: ShardSlice, data: memoryview, step: int, part: int, groups: list | None) -> Push:
         model, encoding = self.client.model, self.mover.gradient_encoding
-        if groups is not None:  # applied on arrival, with these settings
-            return Push.gradient(model, shard.shard_id, data, step=step, encoding=encoding, groups=groups)
-        return Push.gradient_part(model, shard.shard_id, data, step=step, part=part, encoding=encoding)
+        with self.mover.host_view(buffer, unit.local(shard), after) as data:
+            if groups is not None:  # applied on arrival, with these settings
+                push = Push.gradient(model, shard.shard_id, data, step=step, encoding=encoding, groups=groups)
+            else:
+                push = Push.gradient_part(model, shard.shard_id, data, step=step, part=part, encoding=encoding)
+            return self.io.counted(self.client.push(shard, push), len(data))
 
     def unpushed(self) -> list[StreamUnit]:
         """The units whose gradient of this pass has not been pushed (the pass ends)."""

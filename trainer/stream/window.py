@@ -80,36 +80,14 @@ class BlockWindow:
     # -- pulls ---------------------------------------------------------------------------
 
     def submit_pulls(self, unit: StreamUnit, version: int) -> list[Future]:
-        """The unit's pulls, started in the pool: its shards one daemon holds alone, reached over
-        its local transport, in one request (ShardedClient.batch_groups), the others each in
-        their own."""
         after = self.mover.mark_compute()
-        views = self.mover.in_place_views(unit.values, [unit.local(s) for s in unit.shards], pull=True)
-        if views is None:
-            return [self.pool.submit(self._pull, unit, s, version, after) for s in unit.shards]
-        pulls = []
-        for run in self.client.batch_groups(unit.shards, views):
-            if len(run) == 1:
-                pulls.append(self.pool.submit(self._pull, unit, unit.shards[run[0]], version, after))
-            else:
-                shards, outs = [unit.shards[i] for i in run], [views[i] for i in run]
-                pulls.append(self.pool.submit(self._pull_batch, shards, outs, version))
-        return pulls
+        return [self.pool.submit(self._pull, unit, s, version, after) for s in unit.shards]
 
     def _pull(self, unit: StreamUnit, shard: ShardSlice, version: int, after: object) -> int:
         got = self.mover.pull(
             unit.values, unit.local(shard), after,
             lambda into: self.client.pull(shard, min_version=version, out=into, dtype=self.mover.wire_dtype),
         )  # fmt: skip
-        return self._check_version(shard, got, version)
-
-    def _pull_batch(self, shards: list[ShardSlice], outs: list[memoryview], version: int) -> int:
-        versions = self.client.pull_batch(shards, outs, min_version=version, dtype=self.mover.wire_dtype)
-        for shard, got in zip(shards, versions, strict=True):
-            self._check_version(shard, got, version)
-        return version
-
-    def _check_version(self, shard: ShardSlice, got: int, version: int) -> int:
         if got != version:
             raise RuntimeError(
                 f"shard {shard.shard_id} of {self.client.model!r} is at version {got}, this trainer at {version}: "

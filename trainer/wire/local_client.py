@@ -129,11 +129,8 @@ class LocalClient:
         security: ClientSecurity | None = None,
         connect_timeout: float = 10.0,
         windows: HostWindows | None = None,
-        batches: bool = False,
     ) -> None:
-        """`batches`: the daemon takes a DataBatch (its protocol is BATCH_PROTOCOL or later)."""
         self.endpoint = endpoint
-        self.takes_batches = batches
         self.slot_bytes = slot_bytes
         self.client_id = uuid.uuid4().hex  # the daemon keys this process's windows by it
         self._max = max_connections
@@ -148,8 +145,6 @@ class LocalClient:
         self.bytes_in_place = 0
         self.bytes_copied = 0
         self.pulls_carried = 0  # pushes whose answer said the new version was written where asked (pull_into)
-        self.batches_sent = 0  # DataBatch frames (each a block's pulls or pushes, or an APPLY round)
-        self.batched_pulls = 0  # pulls served in them
         self.connections_opened = 0  # over its life: a pool too small for its callers opens them again and again
         self._windows = windows or HostWindows()
         # Proven here, not assumed: a daemon on another host or namespace, or of another uid,
@@ -311,71 +306,6 @@ class LocalClient:
                 self.pulls_carried += 1
         return answer
 
-    def in_windows(self, views: list[memoryview]) -> bool:
-        """Whether a batch may carry requests for these bytes: a daemon that takes batches, and
-        every view empty or in a window it holds (a batch has no slot to share among them)."""
-        return self.takes_batches and all(not len(v) or self._ref(memoryview(v).cast("B")) is not None for v in views)
-
-    def pull_batch(self, pulls: list[tuple[Pull, memoryview]], *, timeout: float) -> list[int | DataPlaneError]:
-        """Each pull into its view (in a window: `in_windows`), in one DataBatch; per pull its
-        version, or the error it was answered with. A failure of the whole batch raises."""
-        requests, views = [], []
-        for pull, out in pulls:
-            view = memoryview(out).cast("B")
-            request = pull_request(pull.request, timeout, "")
-            if len(view):
-                request.local.CopyFrom(self._windowed(view))
-            requests.append(request)
-            views.append(view)
-        answers = self._batch(requests, timeout)
-        results: list[int | DataPlaneError] = []
-        for (pull, _), view, answer in zip(pulls, views, answers, strict=True):
-            if answer.code:
-                results.append(_error(answer))
-                continue
-            try:
-                check_pull_header(answer.shard, len(view), pull.dtype, f"shard {pull.shard_id}")
-            except PullStreamError as exc:  # the plan is wrong: as pull_into, the connection is not trusted
-                raise DataPlaneError(grpc.StatusCode.INTERNAL, str(exc)) from None
-            self._count(ps_pb2.LocalRef(), len(view))
-            with self._lock:
-                self.batched_pulls += 1
-            results.append(answer.shard.version)
-        return results
-
-    def push_batch(self, pushes: list[Push], *, timeout: float) -> list[ps_pb2.PushResponse | DataPlaneError]:
-        """The pushes (their payloads in windows: `in_windows`) in one DataBatch; per push its
-        answer, or the error it was answered with. A failure of the whole batch raises."""
-        requests = []
-        for push in pushes:
-            data = memoryview(push.data).cast("B")
-            place = self._windowed(data) if len(data) else ps_pb2.LocalRef(window=0, offset=0, nbytes=0)
-            requests.append(ps_pb2.DataRequest(push=push.header, local=place))
-        answers = self._batch(requests, timeout)
-        for push, answer in zip(pushes, answers, strict=True):
-            if not answer.code:
-                self._count(ps_pb2.LocalRef(), len(memoryview(push.data).cast("B")))
-        return [_error(a) if a.code else a.push for a in answers]
-
-    def _windowed(self, view: memoryview) -> ps_pb2.LocalRef:
-        ref = self._ref(view)
-        if ref is None:
-            raise ValueError("a batched request's bytes must lie in a window this daemon holds (in_windows)")
-        return ref
-
-    def _batch(self, requests: list[ps_pb2.DataRequest], timeout: float) -> list[ps_pb2.DataResponse]:
-        """One DataBatch's answers, one per request. The whole batch under one request's
-        deadline: its requests are served one after another, each a copy in memory."""
-        frame = ps_pb2.DataRequest(batch=ps_pb2.DataBatch(requests=requests), authorization=self._authorization)
-        with self._connection(timeout + 5.0, fence=True) as conn:  # (windows: fenced as any request on them)
-            send_message(conn.sock, frame)
-            answers = _answer(conn.sock).batch.answers
-            if len(answers) != len(requests):
-                raise FrameError(f"a DataBatch of {len(requests)} requests was answered {len(answers)} times")
-        with self._lock:
-            self.batches_sent += 1
-        return list(answers)
-
     def _count(self, ref: ps_pb2.LocalRef | None, nbytes: int) -> None:
         with self._lock:
             if ref is None:
@@ -393,9 +323,5 @@ def _answer(sock: socket.socket) -> ps_pb2.DataResponse:
     """The daemon's answer; a status it answered with raises DataPlaneError (the connection stays usable)."""
     response = recv_message(sock, ps_pb2.DataResponse)
     if response.code:
-        raise _error(response)
+        raise DataPlaneError(STATUS_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message)
     return response
-
-
-def _error(response: ps_pb2.DataResponse) -> DataPlaneError:
-    return DataPlaneError(STATUS_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message)

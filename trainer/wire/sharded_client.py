@@ -39,7 +39,6 @@ from ps_offload.trainer.wire.daemon_client import (
 )
 from ps_offload.trainer.wire.dataplane_client import DataPlaneError
 from ps_offload.trainer.wire.holders import ReplicaHolders
-from ps_offload.trainer.wire.local_client import LocalClient
 from ps_offload.trainer.wire.replicas import check_replicas, repair_lost
 from ps_offload.trainer.wire.transport import PullInto
 from ps_offload.trainer.wire.transports import Transports
@@ -47,10 +46,6 @@ from ps_offload.trainer.wire.transports import Transports
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-LOCAL_BATCH = 16
-"""The most requests a trainer puts in one DataBatch: a block's shards are usually fewer; a
-batch is served one request after another under one request's deadline."""
 
 
 class ShardedClient:
@@ -217,7 +212,15 @@ class ShardedClient:
         holder of the shard; they answer alike, or the replicas have diverged (an error).
         `pull_into`: where the shard's new version should go too, asked of the first live
         holder only (the one a pull would read); the answer's `pulled` says it is there."""
-        self._address(shard, push)
+        header = push.header
+        if (header.model, header.shard_id) != (self.model, shard.shard_id):
+            raise ValueError(
+                f"a push for {header.model!r} shard {header.shard_id} sent as shard {shard.shard_id} of {self.model!r}"
+            )
+        # The holders left out, told to those that answer: their metrics show the shards a
+        # replica short (ps_offload.daemon.store.replica_reports); empty again once repaired.
+        del header.lost_holders[:]
+        header.lost_holders.extend(sorted(self.holders.lost))
         first = self.live_holders(shard)[0]
         answers = self._on_holders(
             shard,
@@ -238,17 +241,6 @@ class ShardedClient:
         if answer.pulled and index != first:  # (never: only the first was asked)
             answer.pulled = False
         return answer
-
-    def _address(self, shard: ShardSlice, push: Push) -> None:
-        header = push.header
-        if (header.model, header.shard_id) != (self.model, shard.shard_id):
-            raise ValueError(
-                f"a push for {header.model!r} shard {header.shard_id} sent as shard {shard.shard_id} of {self.model!r}"
-            )
-        # The holders left out, told to those that answer: their metrics show the shards a
-        # replica short (ps_offload.daemon.store.replica_reports); empty again once repaired.
-        del header.lost_holders[:]
-        header.lost_holders.extend(sorted(self.holders.lost))
 
     def pull(
         self,
@@ -276,65 +268,6 @@ class ShardedClient:
                 f"below the {min_version} it asked for: a daemon fault; stop and report it"
             )
         return version
-
-    def batch_groups(self, shards: list[ShardSlice], views: list[memoryview] | None = None) -> list[list[int]]:
-        """`shards` (by position) in the order to send them: runs of two or more that go in one
-        local DataBatch (unreplicated shards of one daemon reached over its local transport,
-        their bytes `views` in its windows; at most LOCAL_BATCH), the others one by one."""
-        batchable: dict[int, list[int]] = {}
-        alone: list[list[int]] = []
-        for i, shard in enumerate(shards):
-            transport = self.transports[shard.daemon_index]
-            if (
-                len(shard.holders) == 1
-                and isinstance(transport, LocalClient)
-                and transport.in_windows([views[i]] if views is not None else [])
-            ):
-                batchable.setdefault(shard.daemon_index, []).append(i)
-            else:
-                alone.append([i])
-        runs = [group[k : k + LOCAL_BATCH] for group in batchable.values() for k in range(0, len(group), LOCAL_BATCH)]
-        return [run for run in runs if len(run) > 1] + [[run[0]] for run in runs if len(run) == 1] + alone
-
-    def pull_batch(
-        self, shards: list[ShardSlice], outs: list[memoryview], *, min_version: int, dtype: int = ps_pb2.FLOAT32
-    ) -> list[int]:
-        """The master values of `shards` (one batch_groups run) pulled into `outs`, in one
-        DataBatch; a shard it did not serve, or all of them when it failed as a whole, is pulled
-        on its own (`pull`, with its retries). Returns their versions."""
-        local = self.transports[shards[0].daemon_index]
-        pulls = [Pull.of(self.model, s.shard_id, min_version=min_version, dtype=dtype) for s in shards]
-        try:
-            answers = local.pull_batch(list(zip(pulls, outs, strict=True)), timeout=self.config.rpc_timeout_seconds)
-        except grpc.RpcError:
-            answers = [None] * len(shards)
-        return [
-            answer if isinstance(answer, int) and answer >= min_version
-            else self.pull(shard, min_version=min_version, out=out, dtype=dtype)
-            for shard, out, answer in zip(shards, outs, answers, strict=True)
-        ]  # fmt: skip
-
-    def push_batch(self, shards: list[ShardSlice], pushes: list[Push]) -> list[ps_pb2.PushResponse | BaseException]:
-        """`pushes` to `shards` (one batch_groups run) in one DataBatch; a push it did not
-        serve, or all of them when it failed as a whole, is sent on its own (`push`, with its
-        retries: a push is applied at most once). Per push its answer, or the error it ended in."""
-        for shard, push in zip(shards, pushes, strict=True):
-            self._address(shard, push)
-        local = self.transports[shards[0].daemon_index]
-        try:
-            answers = local.push_batch(pushes, timeout=self.config.rpc_timeout_seconds)
-        except grpc.RpcError:
-            answers = [None] * len(shards)
-        results: list[ps_pb2.PushResponse | BaseException] = []
-        for shard, push, answer in zip(shards, pushes, answers, strict=True):
-            if isinstance(answer, ps_pb2.PushResponse):
-                results.append(answer)
-                continue
-            try:
-                results.append(self.push(shard, push))
-            except Exception as error:  # noqa: BLE001 - the caller's, per push
-                results.append(error)
-        return results
 
     def pull_each(self, shard: ShardSlice, *, min_version: int, tensor: int) -> dict[int, tuple[int, torch.Tensor]]:
         """The shard's `tensor` (fp32) from every live holder at once: holder index -> (its

@@ -18,7 +18,6 @@ import grpc
 import torch
 
 from ps_offload.proto import ps_pb2
-from ps_offload.proto.channel import BATCH_PROTOCOL
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.config import ClientConfig
@@ -64,11 +63,9 @@ class Transports:
         if endpoint and self.config.transport in ("auto", "local"):
             # The slot holds any push or pull of this daemon's largest shard.
             slot_bytes = slot_bytes_for(max((s.numel for s in plan if index in s.holders), default=1))
-            batches = response.protocol >= BATCH_PROTOCOL
             if isinstance(current, LocalClient) and (current.endpoint, current.slot_bytes) == (endpoint, slot_bytes):
-                current.takes_batches = batches  # (a daemon restarted at another release)
                 return
-            local = self._connect_local(index, endpoint, slot_bytes, batches)
+            local = self._connect_local(index, endpoint, slot_bytes)
             if local is not None:
                 self._carry(index, local)
                 return
@@ -86,7 +83,7 @@ class Transports:
             ),
         )
 
-    def _connect_local(self, index: int, endpoint: str, slot_bytes: int, batches: bool) -> LocalClient | None:
+    def _connect_local(self, index: int, endpoint: str, slot_bytes: int) -> LocalClient | None:
         """A client of the daemon's local endpoint if this process can reach it (the same host,
         network namespace and uid), else None: the data plane carries the bytes."""
         try:
@@ -96,7 +93,6 @@ class Transports:
                 max_connections=self.config.connections_per_daemon,
                 security=self.config.security,
                 windows=self.host_windows,
-                batches=batches,
             )
         except DataPlaneError as error:
             # Another host or network namespace is the normal case; a refusal is a setting.

@@ -35,9 +35,6 @@ class HostMover:
     def mark_compute(self) -> None:
         return None
 
-    def in_place_views(self, buffer, shards, *, pull):
-        return None  # as when staged: each shard's push on its own
-
     @contextlib.contextmanager
     def host_view(self, buffer, shard, after):
         yield memoryview(buffer[shard.offset : shard.end].numpy()).cast("B")

@@ -28,9 +28,6 @@ class ConcurrentWrites:
     def mark_compute(self) -> None:
         return None
 
-    def in_place_views(self, buffer, shards, *, pull):
-        return None  # as when staged: each shard's pull on its own
-
     def pull(self, buffer, shard, after, fill) -> int:
         version = fill(memoryview(b""))
         self.barrier.wait(timeout=30)
@@ -135,9 +132,6 @@ class GatedPulls:
 
     def mark_compute(self) -> None:
         return None
-
-    def in_place_views(self, buffer, shards, *, pull):
-        return None  # as when staged: each shard's pull on its own
 
     def pull(self, buffer, shard, after, fill) -> int:
         assert self.gate.wait(timeout=60)
