@@ -292,6 +292,14 @@ def _stream_overhead(r: dict) -> str:
             f" With one shard a block on both sides (a third of the streamed step's requests): "
             f"{r['ratio_block_shards']}× ({low}–{high})."
         )
+    if "ratio_idle_daemon" in r:
+        low, high = r["ratio_idle_daemon_spread"]["min"], r["ratio_idle_daemon_spread"]["max"]
+        own = r["idle_daemon_step_ratio"]
+        text += (
+            f' Both on a daemon at SCHED_IDLE (`server.scheduling = "idle"`): {r["ratio_idle_daemon"]}× '
+            f"({low}–{high}); each step on it against the same trainer's on the default daemon: streamed "
+            f"{own['streamed']}×, unstreamed {own['unstreamed']}×."
+        )
     if busy := r.get("cores_busy"):
         shares = "; ".join(
             f"{name}: " + ", ".join(f"{phase} {round(100 * v)}%" for phase, v in busy[name].items())

@@ -6,9 +6,10 @@ A step = forward, backward, optimizer step, for one micro-batch. Ratio = the str
 time (prefetch on, a window of 2 blocks, the default micro_batches=0: parts applied at step())
 over the unstreamed one; target <= 1.15 (issue 25). Also reported, each against the same unstreamed
 rounds: no prefetch (each block pulled when its hook needs it), and micro_batches=1 (each
-block applied by the daemon as it is pushed, during backward). And one more pair, interleaved in
+block applied by the daemon as it is pushed, during backward). And two more pairs, interleaved in
 the same rounds: both trainers with shards of BLOCK_SHARD_BYTES, so that each block is one shard
-(a third of the streamed step's requests): what fewer, larger requests would buy.
+(a third of the streamed step's requests): what fewer, larger requests would buy; and both
+trainers on a second daemon whose threads yield the cores (server.scheduling = "idle").
 
 What streaming adds per step: every block pulled twice (forward and backward; the unstreamed
 trainer pulls once) and its gradient copied out of `.grad` into a flat buffer; what prefetch
@@ -20,8 +21,11 @@ left unhidden or CPU work on the shared cores.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -73,24 +77,37 @@ def main() -> dict:
         "streamed_no_prefetch": {"prefetch": False},
         "streamed_apply_on_push": {"prefetch": True, "micro_batches": 1},
         "streamed_block_shards": {"prefetch": True},
+        "streamed_idle_daemon": {"prefetch": True},
     }
-    peer_of = {name: "unstreamed" for name in contenders} | {"streamed_block_shards": "unstreamed_block_shards"}
+    peer_of = {name: "unstreamed" for name in contenders} | {
+        "streamed_block_shards": "unstreamed_block_shards",
+        "streamed_idle_daemon": "unstreamed_idle_daemon",
+    }
 
     def shard_bytes(name: str) -> int:
         return BLOCK_SHARD_BYTES if name.endswith("_block_shards") else SHARD_BYTES
 
-    with BenchDaemon() as daemon:
-        common = {"daemons": [daemon.address], "optimizer": trainer.AdamW(lr=LR), "no_weight_decay": _no_decay}
+    with contextlib.ExitStack() as stack:
+        idle_config = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ps-bench-"))) / "idle.toml"
+        idle_config.write_text('[server]\nscheduling = "idle"\n')
+        default_daemon = stack.enter_context(BenchDaemon())
+        idle_daemon = stack.enter_context(BenchDaemon("--config", str(idle_config)))
         runs = {}
+        daemon_of = {}  # contender -> the daemon it trains through
+
+        def common(name: str) -> dict:
+            daemon = daemon_of[name] = idle_daemon if name.endswith("_idle_daemon") else default_daemon
+            return {"daemons": [daemon.address], "optimizer": trainer.AdamW(lr=LR), "no_weight_decay": _no_decay}
+
         for name in sorted(set(peer_of.values())):
             whole = TinyGPT(CONFIG)
             whole.load_state_dict(initial)
             config = trainer.OffloadConfig(model_name=name, shard_bytes=shard_bytes(name))
-            runs[name] = (whole, trainer.offload(whole, config=config, **common))
+            runs[name] = (whole, trainer.offload(whole, config=config, **common(name)))
         for name, kwargs in contenders.items():
             model, stream = _streamed_model(initial, kwargs)
             config = trainer.OffloadConfig(model_name=name, shard_bytes=shard_bytes(name))
-            runs[name] = (model, trainer.offload(model, config=config, stream=stream, **common))
+            runs[name] = (model, trainer.offload(model, config=config, stream=stream, **common(name)))
 
         phases: dict[str, dict[str, list[float]]] = {}  # contender -> phase -> seconds per step
         # contender -> (trainer, daemon) CPU over its timed steps: where a miss's time goes
@@ -107,6 +124,7 @@ def main() -> dict:
             return stats.pulls + stats.pushes_applied - stats.pulls_carried  # a carried pull rides on its push
 
         def steps(model, opt, name: str = "") -> float:
+            daemon = daemon_of[name] if name else default_daemon
             served_before = served(daemon_stats(daemon.address)) if name else 0  # (before the CPU count)
             waits_before = dict(opt.stats) if name in contenders else {}
             before = ProcessCpu.of(), ProcessCpu.of(daemon.process.pid)
@@ -174,6 +192,15 @@ def main() -> dict:
             # Both trainers with one shard a block: the streamed step's requests cut to a third.
             "ratio_block_shards": round(median(paired["streamed_block_shards"]), 3),
             "ratio_block_shards_spread": spread(paired["streamed_block_shards"]),
+            # Both trainers on a daemon at SCHED_IDLE (server.scheduling): whether the daemon's
+            # work taking a core in the middle of the trainer's torch ops is what the step adds.
+            "ratio_idle_daemon": round(median(paired["streamed_idle_daemon"]), 3),
+            "ratio_idle_daemon_spread": spread(paired["streamed_idle_daemon"]),
+            # Each trainer on the idle daemon against itself on the default one, round by round.
+            "idle_daemon_step_ratio": {
+                kind: round(median([a / b for a, b in zip(times[f"{kind}_idle_daemon"], times[kind], strict=True)]), 3)
+                for kind in ("streamed", "unstreamed")
+            },
             "pull_stats": stats,
             # CPU per step of the trainer and the daemon, user and system, and their minor page
             # faults: the two share the machine's cores, so this is what a step's time is made of.
@@ -228,8 +255,8 @@ def main() -> dict:
         },
         notes=f"{n_params / 1e6:.2f}M-param GPT ({CONFIG.n_layer} blocks, n_embd {CONFIG.n_embd}), fp32, batch "
         f"{BATCH} x {CONFIG.block_size}, window 2 blocks, one local daemon, shards of {SHARD_BYTES} B (the "
-        f"_block_shards pair: {BLOCK_SHARD_BYTES} B); {ROUNDS} rounds of {STEPS_PER_ROUND} steps, order alternating; "
-        "ratio: median of per-round ratios",
+        f"_block_shards pair: {BLOCK_SHARD_BYTES} B; the _idle_daemon pair: a second daemon at SCHED_IDLE); {ROUNDS} "
+        f"rounds of {STEPS_PER_ROUND} steps, order alternating; ratio: median of per-round ratios",
     )
 
 

@@ -16,6 +16,6 @@ the other modules here) -> dataplane -> rpc -> store -> model, tiers -> base (er
     systemd       sd_notify, the watchdog thread, journald log priorities
     local         LocalDaemon: a daemon subprocess on a free port (demo, tests, bench)
     ownership     what a daemon owns alone: its nvme_dir (flock, dropped with the process) and its ports
-    cpus          server.cpus and store.optimizer_threads: the CPUs its threads run on
+    cpus          server.cpus, server.scheduling and store.optimizer_threads: the CPUs its threads run on, and how
     health_port   server.health_listen: grpc.health.v1 alone in plaintext, for probes that cannot speak TLS
 """

@@ -100,6 +100,14 @@ class ServerConfig:
     taskset -c and systemd's CPUAffinity=): on a host shared with trainers, the rest are
     theirs. Empty: those it was started with (its cgroup's cpuset, CPUAffinity=, taskset). A
     CPU it may not run on refuses to start."""
+    scheduling: str = "normal"
+    """How the daemon's threads share their CPUs with the rest of the host. "normal": as any
+    process does. "idle": every thread at Linux's SCHED_IDLE (systemd's CPUSchedulingPolicy=idle),
+    so a core runs the daemon only when no other thread wants it. For a daemon on the cores of
+    the compute it serves (a CPU trainer on a small host): a trainer's torch ops run on all its
+    cores and each waits for its slowest thread, so the daemon taking one of them mid-op stalls
+    the whole op, where the time the trainer waits on the daemon hands it the cores. Not where
+    other work keeps every core busy: the daemon would then get almost none."""
     insecure: bool = False
     """Serve plaintext on an address other than loopback anyway (no [tls]: gradients,
     parameters and any token travel in clear). Without it such a daemon refuses to start;
@@ -241,6 +249,9 @@ REMOVED_KEYS: dict[str, str] = {
     ),
 }
 
+SCHEDULING = ("normal", "idle")
+"""server.scheduling's values."""
+
 _SIZE_FIELDS = {
     "max_message_bytes",
     "ram_bytes",
@@ -370,6 +381,10 @@ def validate(config: DaemonConfig) -> DaemonConfig:
                 f"server.local_group: no group named {config.server.local_group!r} on this host (groupadd --system "
                 f"{config.server.local_group}, and add the trainers' users to it)"
             ) from None
+    if config.server.scheduling not in SCHEDULING:
+        raise ConfigError(
+            f"server.scheduling must be one of {', '.join(map(repr, SCHEDULING))}, got {config.server.scheduling!r}"
+        )
     if config.server.cpus:
         try:
             parse_cpu_list(config.server.cpus)

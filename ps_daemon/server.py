@@ -513,7 +513,7 @@ def run(config: DaemonConfig, *, reload: Callable[[], DaemonConfig] | None = Non
     # recovering, and a SIGTERM then is served after start() (the drain finds nothing).
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, on_signal)
-    cpus.apply(cpus.plan(config.server.cpus, config.store.optimizer_threads))  # (OSError: a CPU not ours)
+    cpus.apply(cpus.plan(config.server.cpus, config.store.optimizer_threads, config.server.scheduling))  # (OSError)
     interval = systemd.watchdog_interval()
     daemon = Daemon(config, watchdog=interval is not None)
     daemon.start()

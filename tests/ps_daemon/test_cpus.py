@@ -1,5 +1,6 @@
-"""server.cpus and store.optimizer_threads (ps_daemon/cpus.py): the list's format, the default
-that leaves a core per GPU of the host, and a real daemon confined to the CPUs named."""
+"""server.cpus, server.scheduling and store.optimizer_threads (ps_daemon/cpus.py): the list's
+format, the default that leaves a core per GPU of the host, and a real daemon confined to the
+CPUs named, its threads at the policy named."""
 
 from __future__ import annotations
 
@@ -31,6 +32,20 @@ def test_a_bad_cpu_list_is_refused_at_load(tmp_path, text, says):
     assert says in str(refused.value)
 
 
+def test_an_unknown_scheduling_is_refused_at_load(tmp_path):
+    path = tmp_path / "daemon.toml"
+    path.write_text('[server]\nscheduling = "low"\n')
+    with pytest.raises(ConfigError, match="server.scheduling must be one of 'normal', 'idle', got 'low'"):
+        load_config(path)
+
+
+def test_the_plan_says_whether_the_threads_yield():
+    assert not cpus.plan("", 1).idle
+    assert not cpus.plan("", 1, "normal").idle
+    assert cpus.plan("", 1, "idle").idle
+    assert cpus.plan("", 1, "idle").describe().endswith(", 1 optimizer threads, at SCHED_IDLE")
+
+
 def test_the_optimizer_leaves_a_core_per_gpu_of_the_host(monkeypatch):
     allowed = frozenset(os.sched_getaffinity(0))
     monkeypatch.setattr(cpus, "host_gpus", lambda: 0)
@@ -46,6 +61,17 @@ def test_a_cpu_the_daemon_may_not_run_on_is_named():
     outside = max(os.sched_getaffinity(0)) + 1
     with pytest.raises(OSError, match=f"names CPUs {outside} this daemon may not run on"):
         cpus.plan(str(outside), 0)
+
+
+def _policies(pid: int) -> set[int]:
+    """Each thread's scheduling policy (os.SCHED_OTHER, os.SCHED_IDLE, ...)."""
+    found = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found.add(os.sched_getscheduler(int(tid)))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    return found
 
 
 def _allowed_cpus(pid: int) -> set[str]:
@@ -65,7 +91,23 @@ def test_every_thread_of_a_daemon_runs_on_its_cpus(tmp_path):
     daemon = LocalDaemon(tmp_path / "d", "--config", str(config))
     try:
         assert _allowed_cpus(daemon.process.pid) == {str(first)}
-        assert f"running on 1 CPUs ({first}), 1 optimizer threads" in daemon.log()
+        assert f"running on 1 CPUs ({first}), 1 optimizer threads\n" in daemon.log()
+        assert _policies(daemon.process.pid) == {os.SCHED_OTHER}  # server.scheduling's default
+    finally:
+        daemon.stop()
+
+
+def test_every_thread_of_an_idle_daemon_is_at_sched_idle(tmp_path):
+    """Set in the main thread before the servers start, and inherited by every thread they
+    start (gRPC's, the data plane's, the local transport's, the optimizer's)."""
+    config = tmp_path / "daemon.toml"
+    config.write_text('[server]\nscheduling = "idle"\n[store]\noptimizer_threads = 1\n')
+    daemon = LocalDaemon(tmp_path / "d", "--config", str(config))
+    try:
+        threads = os.listdir(f"/proc/{daemon.process.pid}/task")
+        assert len(threads) > 3
+        assert _policies(daemon.process.pid) == {os.SCHED_IDLE}
+        assert "1 optimizer threads, at SCHED_IDLE" in daemon.log()
     finally:
         daemon.stop()
 
