@@ -105,9 +105,11 @@ class ServerConfig:
     process does. "idle": every thread at Linux's SCHED_IDLE (systemd's CPUSchedulingPolicy=idle),
     so a core runs the daemon only when no other thread wants it. For a daemon on the cores of
     the compute it serves (a CPU trainer on a small host): a trainer's torch ops run on all its
-    cores and each waits for its slowest thread, so the daemon taking one of them mid-op stalls
-    the whole op, where the time the trainer waits on the daemon hands it the cores. Not where
-    other work keeps every core busy: the daemon would then get almost none."""
+    cores and each waits for its slowest thread, so the daemon taking one of them mid-op can
+    stall the whole op, while the time the trainer waits on the daemon hands it the cores
+    (measured: stream_overhead's idle_daemon_step_ratio, docs/benchmarks.md). Not where other
+    work keeps every core busy: the daemon, its watchdog pings included, would then get almost
+    none."""
     insecure: bool = False
     """Serve plaintext on an address other than loopback anyway (no [tls]: gradients,
     parameters and any token travel in clear). Without it such a daemon refuses to start;
