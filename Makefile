@@ -19,12 +19,14 @@ kernels: $(STAMP)
 demo: $(STAMP) kernels
 	$(PY) examples/demo.py
 
-# systemd-analyze checks the unit files (tests/ps_daemon/test_systemd_units.py); installed
-# from Debian when this user may, else those tests skip and say why. The suite runs on one
+# systemd-analyze checks the unit files (tests/ps_daemon/test_systemd_units.py) and fio runs
+# in bench-scale's smoke test (tests/bench/test_scale.py); installed from Debian when this user
+# may, else those tests skip and say why. The suite runs on one
 # pytest worker per core, at most 4 (pytest-xdist; most tests wait on daemons in other
 # processes), a test file to a worker so that module fixtures are shared.
 test: $(STAMP) kernels
 	command -v systemd-analyze >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd) || echo "systemd-analyze not installed"
+	command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio) || echo "fio not installed"
 	$(PY) -m pytest -q --numprocesses auto --maxprocesses 4 --dist loadfile
 
 # The benchmarks' peers: fio (NVMe), iperf3 (loopback TCP) and libaio-dev (DeepSpeed's async
