@@ -361,6 +361,42 @@ def _zero_infinity_profile(r: dict) -> str:
         f"a master from disk{_window_loads(daemon)}; {_bytes_per_param(r)}), its I/O threads busy "
         f"{daemon['nvme_read_seconds']} s reading and "
         f"{daemon['nvme_write_seconds']} s writing, its AdamW {daemon['optimizer_seconds']} s.{_cores_busy(r)}"
+        f"{_commits_and_disk(r)}{_added_cpu(r)}"
+    )
+
+
+def _commits_and_disk(r: dict) -> str:
+    """Group commit per step, the disk's busy share, and what the trainer waited for."""
+    daemon = r["ours_daemon_per_step"]
+    if "nvme_flushes" not in daemon:
+        return ""  # a result from before the daemon counted its flushes
+    busy, waits = r["disk_busy_share"], r["ours_waits_ms_per_step"]
+    return (
+        f" Commits per step: {daemon['nvme_commits']:.0f} in {daemon['nvme_commit_groups']:.0f} groups, "
+        f"{daemon['nvme_flushes']:.0f} flushes taking {daemon['nvme_flush_seconds']} s (DeepSpeed's writes flush "
+        f"nothing: the disk saw {r['disk_flushes_per_step']['deepspeed']} flushes a step in its blocks, "
+        f"{r['disk_flushes_per_step']['ours']} in ours). The disk had I/O in flight {busy['ours']:.0%} of our "
+        f"steps' time and {busy['deepspeed']:.0%} of DeepSpeed's. The trainer waited {waits['push_wait']} ms a step "
+        f"for pushes and {waits['pull_wait']} ms for pulls."
+    )
+
+
+def _added_cpu(r: dict) -> str:
+    """The CPU ours adds to the compute's own (the trainer's beyond the compute process's, and
+    the daemon's) against the time it adds: near 1, that CPU ran on cores the compute needed."""
+    daemon, processes = r["ours_daemon_per_step"], r.get("process_per_step", {})
+    if "cpu_seconds" not in daemon or "compute" not in processes:
+        return ""
+    cpu = {k: (processes[k]["user_ms"] + processes[k]["system_ms"]) for k in ("ours", "compute")}
+    added_cpu = cpu["ours"] - cpu["compute"] + 1000 * daemon["cpu_seconds"]
+    added_time = r["ms_per_step"]["ours"] - r["ms_per_step"]["compute"]
+    busy = cpu["compute"] / r["ms_per_step"]["compute"] / r["threads"]
+    return (
+        f" Ours adds {added_time:.0f} ms a step to the compute's and {added_cpu:.0f} ms of CPU (the trainer's "
+        f"{cpu['ours'] - cpu['compute']:.0f} beyond the compute process's, the daemon's "
+        f"{1000 * daemon['cpu_seconds']:.0f}): {added_cpu / added_time:.2f} ms of CPU per ms added. The compute "
+        f"alone keeps its {r['threads']} cores {busy:.0%} busy (its threads spinning included), so what else runs "
+        "takes their time from it."
     )
 
 

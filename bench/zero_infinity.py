@@ -77,7 +77,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import REPO, median, quick, record, spread
+from bench.common import REPO, DiskTicks, median, quick, record, spread
 from bench.nvme_io import deepspeed_missing
 from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
 
@@ -262,9 +262,13 @@ def compare(name: str, size: Size) -> dict:
             seconds: dict[str, list[float]] = {system: [] for system in SYSTEMS}
             losses: dict[str, list[float]] = {system: [] for system in SYSTEMS}
             usage: dict[str, collections.Counter] = {system: collections.Counter() for system in SYSTEMS}
+            disk = {system: DiskTicks(0, 0) for system in SYSTEMS}  # the disk under tmp, in each one's blocks
             for pair in range(size.pairs):
                 for system in SYSTEMS if pair % 2 == 0 else SYSTEMS[::-1]:  # ABC CBA
+                    before = DiskTicks.of(tmp)
                     answer = workers[system].ask(f"steps {size.steps_per_block}")
+                    if before is not None:
+                        disk[system] += DiskTicks.of(tmp) - before
                     seconds[system].append(answer["seconds"] / size.steps_per_block)
                     losses[system] += answer["losses"]
                     usage[system].update(answer["usage"])
@@ -318,6 +322,16 @@ def compare(name: str, size: Size) -> dict:
                 system: _per_step(usage[system], size.pairs * size.steps_per_block) for system in SYSTEMS
             },  # fmt: skip
             "ours_daemon_per_step": stats["ours"]["daemon_per_step"],
+            "ours_waits_ms_per_step": stats["ours"]["waits_ms_per_step"],
+            # The share of each one's time the disk under the bench had I/O in flight (io_ticks),
+            # and the flushes it saw per step (our commits' fdatasyncs; DeepSpeed's writes sync
+            # nothing).
+            "disk_busy_share": {
+                s: round(disk[s].busy_ms / 1000 / sum(seconds[s]) / size.steps_per_block, 3) for s in SYSTEMS
+            },  # fmt: skip
+            "disk_flushes_per_step": {
+                s: round(disk[s].flushes / (size.pairs * size.steps_per_block), 2) for s in SYSTEMS
+            },  # fmt: skip
             "ours_window": stats["ours"]["window"],
             "init_seconds": init_seconds,
             "first_loss": first,

@@ -133,6 +133,12 @@ class Ours:
         self.steps = 0
         self.seen = 0
         self.daemon_at_start: dict | None = None
+        self.waits_at_start: dict = {}
+
+    def _waits(self) -> dict:
+        """The trainer's waits so far: for pulls prefetch did not hide, and for pushes (the
+        backward's window of pushes in flight, and step()'s wait for the last ones)."""
+        return {k: self.opt.stats[k] for k in ("pull_wait_seconds", "push_wait_seconds")}
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.seen += 1
@@ -140,6 +146,7 @@ class Ours:
             return self._step(x, y)
         if self.daemon_at_start is None:
             self.daemon_at_start = self._daemon_stats()
+            self.waits_at_start = self._waits()
         return self._step(x, y, profile=True)
 
     def _step(self, x: torch.Tensor, y: torch.Tensor, profile: bool = False) -> float:
@@ -166,7 +173,8 @@ class Ours:
 
         s = client.stats(self.daemon.address, 10.0)
         names = ("nvme_bytes_read", "nvme_bytes_written", "nvme_read_seconds", "nvme_write_seconds",
-                 "nvme_master_reads", "window_loads", "optimizer_seconds", "tier_misses")  # fmt: skip
+                 "nvme_master_reads", "window_loads", "optimizer_seconds", "tier_misses", "nvme_commits",
+                 "nvme_commit_groups", "nvme_flushes", "nvme_flush_seconds")  # fmt: skip
         ticks = Path(f"/proc/{self.daemon.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]
         cpu = {"cpu_seconds": sum(int(t) for t in ticks) / os.sysconf("SC_CLK_TCK")}  # user + system, all threads
         return {**{name: getattr(s, name) for name in names}, **cpu}
@@ -186,6 +194,10 @@ class Ours:
             "phase_ms": {k: round(1000 * v / max(self.steps, 1), 1) for k, v in self.phases.items()},
             "freed_memory": "returned to the kernel" if self.opt.returns_freed else "kept in malloc's heap",
             "daemon_per_step": per_step,
+            "waits_ms_per_step": {
+                k.removesuffix("_seconds"): round(1000 * (v - self.waits_at_start.get(k, 0)) / max(self.steps, 1), 1)
+                for k, v in self._waits().items()
+            },
         }
 
     def _window(self) -> dict:

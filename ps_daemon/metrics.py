@@ -126,6 +126,10 @@ class _StoreCollector(Collector):
             "ps_nvme_master_reads", "Pulls of a shard on NVMe that read its master values only", s.nvme_master_reads
         )
         yield _counter("ps_nvme_master_read_bytes", "Bytes those master-only reads took", s.nvme_master_bytes_read)
+        yield _counter("ps_nvme_commits", "Shard versions made durable on NVMe", s.nvme_commits)
+        yield _counter("ps_nvme_commit_groups", "Group commits those went to disk in", s.nvme_commit_groups)
+        yield _counter("ps_nvme_flushes", "fdatasyncs of commits (one may cover several groups)", s.nvme_flushes)
+        yield _counter("ps_nvme_flush_seconds", "Time in those fdatasyncs", s.nvme_flush_seconds)
         yield _counter(
             "ps_window_loads", "Master pulls that loaded the whole arena, kept until its update", s.window_loads
         )

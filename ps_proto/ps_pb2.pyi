@@ -405,7 +405,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read", "nvme_bytes_written", "ram_bytes_budget", "nvme_bytes_allocated", "nvme_bytes_capacity", "shards_in_ram", "shards_on_nvme", "shards_corrupt", "nvme_write_seconds", "nvme_read_seconds", "nvme_master_reads", "nvme_master_bytes_read", "pulls_waiting", "pulls_refused_waiting", "data_connections", "data_pulls_waiting", "data_connections_refused", "local_connections", "local_connections_refused", "local_pool_bytes", "local_pool_bytes_used", "clients", "daemon_version", "pulls_carried", "speculative_steps", "speculative_redone", "speculation_bytes", "window_loads")
+    __slots__ = ("models", "shards", "ram_bytes_used", "bytes_pulled", "bytes_pushed", "pulls", "pushes_applied", "pushes_duplicate", "optimizer_seconds", "uptime_seconds", "prefetch_hints", "tier_hits", "tier_misses", "prefetched", "evictions", "nvme_bytes_read", "nvme_bytes_written", "ram_bytes_budget", "nvme_bytes_allocated", "nvme_bytes_capacity", "shards_in_ram", "shards_on_nvme", "shards_corrupt", "nvme_write_seconds", "nvme_read_seconds", "nvme_master_reads", "nvme_master_bytes_read", "pulls_waiting", "pulls_refused_waiting", "data_connections", "data_pulls_waiting", "data_connections_refused", "local_connections", "local_connections_refused", "local_pool_bytes", "local_pool_bytes_used", "clients", "daemon_version", "pulls_carried", "speculative_steps", "speculative_redone", "speculation_bytes", "window_loads", "nvme_commits", "nvme_commit_groups", "nvme_flushes", "nvme_flush_seconds")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     RAM_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -449,6 +449,10 @@ class StatsResponse(_message.Message):
     SPECULATIVE_REDONE_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     WINDOW_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NVME_COMMITS_FIELD_NUMBER: _ClassVar[int]
+    NVME_COMMIT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NVME_FLUSHES_FIELD_NUMBER: _ClassVar[int]
+    NVME_FLUSH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     models: int
     shards: int
     ram_bytes_used: int
@@ -492,7 +496,11 @@ class StatsResponse(_message.Message):
     speculative_redone: int
     speculation_bytes: int
     window_loads: int
-    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., ram_bytes_budget: _Optional[int] = ..., nvme_bytes_allocated: _Optional[int] = ..., nvme_bytes_capacity: _Optional[int] = ..., shards_in_ram: _Optional[int] = ..., shards_on_nvme: _Optional[int] = ..., shards_corrupt: _Optional[int] = ..., nvme_write_seconds: _Optional[float] = ..., nvme_read_seconds: _Optional[float] = ..., nvme_master_reads: _Optional[int] = ..., nvme_master_bytes_read: _Optional[int] = ..., pulls_waiting: _Optional[int] = ..., pulls_refused_waiting: _Optional[int] = ..., data_connections: _Optional[int] = ..., data_pulls_waiting: _Optional[int] = ..., data_connections_refused: _Optional[int] = ..., local_connections: _Optional[int] = ..., local_connections_refused: _Optional[int] = ..., local_pool_bytes: _Optional[int] = ..., local_pool_bytes_used: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientPath, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., pulls_carried: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., speculative_redone: _Optional[int] = ..., speculation_bytes: _Optional[int] = ..., window_loads: _Optional[int] = ...) -> None: ...
+    nvme_commits: int
+    nvme_commit_groups: int
+    nvme_flushes: int
+    nvme_flush_seconds: float
+    def __init__(self, models: _Optional[int] = ..., shards: _Optional[int] = ..., ram_bytes_used: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., bytes_pushed: _Optional[int] = ..., pulls: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., optimizer_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., prefetch_hints: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., prefetched: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., ram_bytes_budget: _Optional[int] = ..., nvme_bytes_allocated: _Optional[int] = ..., nvme_bytes_capacity: _Optional[int] = ..., shards_in_ram: _Optional[int] = ..., shards_on_nvme: _Optional[int] = ..., shards_corrupt: _Optional[int] = ..., nvme_write_seconds: _Optional[float] = ..., nvme_read_seconds: _Optional[float] = ..., nvme_master_reads: _Optional[int] = ..., nvme_master_bytes_read: _Optional[int] = ..., pulls_waiting: _Optional[int] = ..., pulls_refused_waiting: _Optional[int] = ..., data_connections: _Optional[int] = ..., data_pulls_waiting: _Optional[int] = ..., data_connections_refused: _Optional[int] = ..., local_connections: _Optional[int] = ..., local_connections_refused: _Optional[int] = ..., local_pool_bytes: _Optional[int] = ..., local_pool_bytes_used: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientPath, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., pulls_carried: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., speculative_redone: _Optional[int] = ..., speculation_bytes: _Optional[int] = ..., window_loads: _Optional[int] = ..., nvme_commits: _Optional[int] = ..., nvme_commit_groups: _Optional[int] = ..., nvme_flushes: _Optional[int] = ..., nvme_flush_seconds: _Optional[float] = ...) -> None: ...
 
 class ClientPath(_message.Message):
     __slots__ = ("client", "transport", "connections", "shared_bytes")

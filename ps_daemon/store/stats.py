@@ -49,6 +49,10 @@ class StatsSnapshot:
     nvme_write_seconds: float
     nvme_master_reads: int
     nvme_master_bytes_read: int
+    nvme_commits: int
+    nvme_commit_groups: int
+    nvme_flushes: int
+    nvme_flush_seconds: float
     ram_bytes_budget: int
     nvme_bytes_allocated: int
     nvme_bytes_capacity: int
@@ -77,6 +81,10 @@ def tier_counts(files: ShardFiles, tier: ResidencyTier, ram_bytes: int, shards: 
         nvme_write_seconds=files.write_seconds,
         nvme_master_reads=files.master_reads,
         nvme_master_bytes_read=files.master_bytes_read,
+        nvme_commits=files.commits,
+        nvme_commit_groups=files.commit_groups,
+        nvme_flushes=files.flushes,
+        nvme_flush_seconds=files.flush_seconds,
         tier_hits=t.hits,
         tier_misses=t.misses,
         prefetched=t.prefetched,

@@ -22,9 +22,12 @@ from collections.abc import Callable
 
 
 class GroupSync:
-    def __init__(self, fd: int, flush: Callable[[int], None] = os.fdatasync) -> None:
+    def __init__(
+        self, fd: int, flush: Callable[[int], None] = os.fdatasync, on_flush: Callable[[float], None] | None = None
+    ) -> None:
         self.fd = fd
         self._flush = flush
+        self._on_flush = on_flush  # given each flush's seconds, once it returned (the daemon's totals)
         self._cond = threading.Condition()
         self._started = 0  # flushes begun, numbered from 1
         self._finished = 0  # the newest flush done (they run one at a time, in order)
@@ -57,7 +60,10 @@ class GroupSync:
                     error = exc
                 finally:
                     self._cond.acquire()
-                    self.seconds += time.perf_counter() - started
+                    took = time.perf_counter() - started
+                    self.seconds += took
+                    if self._on_flush is not None:
+                        self._on_flush(took)
                     self._running = False
                     self._finished = number
                     self.flushes += 1

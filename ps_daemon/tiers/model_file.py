@@ -8,6 +8,7 @@ import os
 import threading
 import urllib.parse
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,15 @@ class ModelFile:
     """One model's arena file: which slot holds each shard's committed version, and which
     slots are free. `active` and `free` change under `cond`."""
 
-    def __init__(self, directory: Path, model: str, layout: FileLayout, *, create: bool) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        model: str,
+        layout: FileLayout,
+        *,
+        create: bool,
+        on_flush: Callable[[float], None] | None = None,
+    ) -> None:
         self.path = directory / f"{urllib.parse.quote(model, safe='')}.arena"  # (NvmeFiles.arena_path)
         self.floors = VersionFloors(self.path.with_suffix(".versions"))  # read by NvmeFiles.open_model
         self.snapshots = SnapshotBook(self.path.with_suffix(".snapshots"))  # read there too
@@ -53,7 +62,7 @@ class ModelFile:
         # and recording the spec) must not lend its old headers to the new model.
         flags = os.O_RDWR | os.O_DIRECT | (os.O_CREAT | os.O_TRUNC if create else 0)
         self.fd = os.open(self.path, flags, 0o600)
-        self.flushes = GroupSync(self.fd)  # commits running at once share fdatasyncs
+        self.flushes = GroupSync(self.fd, on_flush=on_flush)  # commits running at once share fdatasyncs
         self.groups = CommitGroups()  # commits waiting meanwhile are written together (commit_group)
         if create:
             self.floors.remove()  # nor its old floors and snapshots

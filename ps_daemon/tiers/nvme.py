@@ -128,6 +128,12 @@ class NvmeFiles:
         # summed over threads: with several in flight, more than the elapsed time.
         self.write_seconds = 0.0
         self.read_seconds = 0.0
+        # Group commit: commits made durable, the groups they went in, the fdatasyncs of
+        # commits and their time (ps_offload.daemon.tiers.commit_group, group_sync).
+        self.commits = 0
+        self.commit_groups = 0
+        self.flushes = 0
+        self.flush_seconds = 0.0
         self._floor_writer = FloorWriter(lambda: [f.floors for f in list(self.files.values())], floor_seconds)
 
     @property
@@ -155,7 +161,7 @@ class NvmeFiles:
                 f"shard and {layout.slots - len(arena_bytes)} spare); store.nvme_bytes is {self.capacity} and "
                 f"{self.bytes_allocated} are taken"
             )
-        file = ModelFile(self.dir, spec["model"], layout, create=True)
+        file = ModelFile(self.dir, spec["model"], layout, create=True, on_flush=self._flushed)
         try:
             self._write_record(spec["model"], spec_to_json(spec, daemon_index, layout))
         except BaseException:
@@ -279,7 +285,7 @@ class NvmeFiles:
         reading every slot's header (not the bytes: a model may be larger than RAM).
         Returns the header of each shard that has one, and why each shard whose newest header
         is older than its recorded floor (version_floors) cannot be trusted."""
-        file = ModelFile(self.dir, spec.model, layout, create=False)
+        file = ModelFile(self.dir, spec.model, layout, create=False, on_flush=self._flushed)
         newest: dict[int, tuple[int, SlotHeader]] = {}
         headers: dict[int, SlotHeader | None] = {}  # every slot's, for the snapshots' check
         for slot in range(layout.slots):
@@ -382,6 +388,13 @@ class NvmeFiles:
             with self._header_lock:
                 self.bytes_written += sum(len(c.arena) for c in group if c.committed)
                 self.write_seconds += time.perf_counter() - started
+                self.commits += sum(c.committed for c in group)
+                self.commit_groups += 1
+
+    def _flushed(self, seconds: float) -> None:
+        with self._header_lock:
+            self.flushes += 1
+            self.flush_seconds += seconds
 
     @staticmethod
     def _flush(file: ModelFile, covered: list[PendingCommit]) -> None:

@@ -53,7 +53,8 @@ class NoShardFiles:
     at_rest = False
     files = MappingProxyType({})
     bytes_allocated = capacity = bytes_read = bytes_written = master_reads = master_bytes_read = 0
-    read_seconds = write_seconds = 0.0
+    commits = commit_groups = flushes = 0
+    read_seconds = write_seconds = flush_seconds = 0.0
 
     def create_model(self, spec: dict, daemon_index: int, arena_bytes: dict[int, int]) -> None:
         return None

@@ -164,6 +164,10 @@ class ShardFiles(Protocol):
     write_seconds: float
     master_reads: int
     master_bytes_read: int
+    commits: int  # group commit: versions made durable, their groups, fdatasyncs and their time
+    commit_groups: int
+    flushes: int
+    flush_seconds: float
 
     def create_model(self, spec: dict, daemon_index: int, arena_bytes: dict[int, int]) -> object: ...
 

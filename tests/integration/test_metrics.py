@@ -90,6 +90,10 @@ def test_nvme_bytes_and_seconds_and_tiers(daemon_factory, tmp_path):
     arena = m[("ps_nvme_written_bytes_total", ())] / (shards * (STEPS + 1))  # every version committed
     assert arena >= 12 * numel / shards  # master, m and v of a shard (and the arena's stagger)
     assert m[("ps_nvme_write_seconds_total", ())] > 0
+    commits, groups = m[("ps_nvme_commits_total", ())], m[("ps_nvme_commit_groups_total", ())]
+    assert commits == shards * (STEPS + 1) and 1 <= groups <= commits
+    assert m[("ps_nvme_flushes_total", ())] == 2 * groups  # one model's groups run one at a time
+    assert m[("ps_nvme_flush_seconds_total", ())] > 0
     assert m[("ps_shards", (("tier", "nvme"),))] == 1 and m[("ps_shards", (("tier", "ram"),))] == shards - 1
     assert m[("ps_tier_bytes", (("tier", "nvme"),))] > 0
 

@@ -56,7 +56,7 @@ def test_commits_queued_during_a_group_are_the_next_group_and_share_its_two_flus
         release.wait(timeout=60)  # the first group's first flush waits for the others to queue
         os.fdatasync(fd)
 
-    file.flushes = GroupSync(file.fd, flush=held_flush)
+    file.flushes = GroupSync(file.fd, flush=held_flush, on_flush=files._flushed)
     first = _threads(lambda s: commit(files, s, 1), [0])
     with groups.arrival:
         assert groups.arrival.wait_for(lambda: groups.arrived == 1, timeout=60)
@@ -70,8 +70,20 @@ def test_commits_queued_during_a_group_are_the_next_group_and_share_its_two_flus
     # flush pair per commit would be 12.
     assert (groups.groups, groups.commits) == (2, SHARDS)
     assert file.flushes.flushes == 4
+    # The daemon's own counters (ps-admin stats, ps_nvme_*_total) say the same.
+    assert (files.commits, files.commit_groups, files.flushes) == (SHARDS, 2, 4) and files.flush_seconds > 0
     files.close()
     assert recovered(tmp_path) == dict.fromkeys(range(SHARDS), 1)
+
+
+def test_commits_one_at_a_time_are_groups_of_one_with_two_flushes_each(tmp_path):
+    files = create_files(tmp_path)
+    for shard in range(SHARDS):
+        commit(files, shard, 1)
+    # What the counters show an operator when a daemon's pushes arrive one by one: a group and
+    # two flushes per commit, none shared.
+    assert (files.commits, files.commit_groups, files.flushes) == (SHARDS, SHARDS, 2 * SHARDS)
+    files.close()
 
 
 def test_a_write_that_fails_fails_its_commit_alone(tmp_path, monkeypatch):

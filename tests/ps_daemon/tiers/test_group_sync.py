@@ -85,10 +85,12 @@ def _during_a_held_flush(disk: Disk, sync: GroupSync, waiting: int, *, fail_next
 
 def test_commits_that_arrive_during_a_flush_share_the_next_one():
     disk = Disk()
-    sync = GroupSync(3, flush=disk.flush)
+    told: list[float] = []  # what the daemon's counters are given (ps_nvme_flushes_total)
+    sync = GroupSync(3, flush=disk.flush, on_flush=told.append)
     results, errors = _during_a_held_flush(disk, sync, 6)
     assert not errors and results == [True] * 7  # each saw a flush begun after its call end
     assert sync.flushes == 2  # 7 commits, 2 flushes: the one running, and one for the six
+    assert len(told) == 2 and sum(told) == pytest.approx(sync.seconds) and min(told) > 0
 
 
 def test_every_caller_waits_for_a_flush_begun_after_it_under_contention():
