@@ -1,5 +1,5 @@
 """The benchmarks' shared machinery: ABC CBA interleaving, the CPU and page-fault counts, the
-machine's busy cores, and the doc's generated parts."""
+machine's busy cores, the disk's busy time and flushes, and the doc's generated parts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import time
 
 from bench import run_all
-from bench.common import CoreTimes, ProcessCpu, interleaved_many, spread
+from bench.common import CoreTimes, DiskTicks, ProcessCpu, interleaved_many, spread
 
 
 def test_interleaved_many_alternates_the_order_and_takes_reported_seconds():
@@ -78,3 +78,22 @@ def test_core_times_take_idle_and_iowait_as_idle_and_leave_guest_time_out_of_the
     # user nice system idle iowait irq softirq steal guest guest_nice
     times = CoreTimes.of_line("cpu  100 2 30 400 50 6 7 8 90 10\n")
     assert times == CoreTimes(idle=450, total=603)  # guest (90, 10) is inside user already
+
+
+def test_disk_ticks_read_io_ticks_and_flushes_from_each_kernels_stat_layout():
+    # reads: ios merges sectors ms; writes: the same; in_flight io_ticks time_in_queue;
+    # discards: 4 fields (4.18 on); flushes: ios ms (5.5 on)
+    newest = (
+        "476160 68606 378052962 2114922 364093 445971 350698184 1747260 0 524596 4067308 "
+        "229369 46 56951704 57756 83819 147369"
+    )
+    assert DiskTicks.of_line(newest + "\n") == DiskTicks(busy_ms=524596, flushes=83819)
+    oldest = " ".join(newest.split()[:11])  # before 4.18: no discards, no flushes
+    assert DiskTicks.of_line(oldest) == DiskTicks(busy_ms=524596, flushes=0)
+    span = DiskTicks.of_line(newest) - DiskTicks(busy_ms=524000, flushes=83800)
+    assert span + span == DiskTicks(busy_ms=1192, flushes=38)
+
+
+def test_disk_ticks_are_none_where_no_block_device_holds_the_path():
+    assert DiskTicks.of("/dev/shm") is None  # tmpfs
+    assert DiskTicks.of("/proc") is None
