@@ -93,7 +93,11 @@ def rates(last: dict[str, Any], first: dict[str, Any] | None = None) -> dict[str
     prefetch_hit_rate: of the shards read from NVMe, the share read ahead of use (prefetched)
     rather than when a pull or push asked for it (a miss). A prefetched shard evicted before
     its use still counts as read ahead. ram_hit_rate: of all uses, the share that found the
-    shard resident (a pull right after its push always does). None without NVMe reads."""
+    shard resident (a pull right after its push always does). None without NVMe reads.
+
+    commits_per_group: how many shard versions one group commit (one pair of flushes) made
+    durable on average; flushes_per_commit: the fdatasyncs each commit cost (2 when commits
+    come one at a time; less as more share a group). None without commits."""
 
     def delta(key: str) -> float:
         return last[key] - (first[key] if first else 0)
@@ -101,6 +105,7 @@ def rates(last: dict[str, Any], first: dict[str, Any] | None = None) -> dict[str
     seconds = delta("uptime_seconds")
     per_second = (lambda key: delta(key) / seconds) if seconds > 0 else (lambda key: None)
     prefetched, misses, hits = delta("prefetched"), delta("tier_misses"), delta("tier_hits")
+    commits, groups = delta("nvme_commits"), delta("nvme_commit_groups")
     return {
         "rates_since": "interval" if first else "start",
         "rates_seconds": seconds,
@@ -110,6 +115,8 @@ def rates(last: dict[str, Any], first: dict[str, Any] | None = None) -> dict[str
         "bytes_out_per_second": per_second("bytes_pulled"),
         "prefetch_hit_rate": prefetched / (prefetched + misses) if prefetched + misses else None,
         "ram_hit_rate": hits / (hits + misses) if hits + misses else None,
+        "commits_per_group": commits / groups if groups else None,
+        "flushes_per_commit": delta("nvme_flushes") / commits if commits else None,
     }
 
 

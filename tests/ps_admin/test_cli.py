@@ -251,14 +251,19 @@ def test_stats_rates_since_start_and_over_an_interval(trained):
 
 def test_stats_rates_from_counters():
     first = {"uptime_seconds": 10.0, "pushes_applied": 5, "pulls": 5, "bytes_pushed": 100, "bytes_pulled": 50}
-    first.update(prefetched=0, tier_misses=0, tier_hits=0)
+    first.update(prefetched=0, tier_misses=0, tier_hits=0, nvme_commits=4, nvme_commit_groups=4, nvme_flushes=8)
     last = {"uptime_seconds": 12.0, "pushes_applied": 9, "pulls": 13, "bytes_pushed": 300, "bytes_pulled": 50}
-    last.update(prefetched=3, tier_misses=1, tier_hits=6)
+    last.update(prefetched=3, tier_misses=1, tier_hits=6, nvme_commits=10, nvme_commit_groups=6, nvme_flushes=12)
     r = views.rates(last, first)
     assert (r["rates_seconds"], r["pushes_per_second"], r["pulls_per_second"]) == (2.0, 2.0, 4.0)
     assert (r["bytes_in_per_second"], r["bytes_out_per_second"]) == (100.0, 0.0)
     assert r["prefetch_hit_rate"] == 0.75 and r["ram_hit_rate"] == 6 / 7
-    assert views.rates(last)["pushes_per_second"] == 9 / 12.0
+    assert r["commits_per_group"] == 3.0 and r["flushes_per_commit"] == 4 / 6  # 6 commits in 2 groups
+    since_start = views.rates(last)
+    assert since_start["pushes_per_second"] == 9 / 12.0
+    assert (since_start["commits_per_group"], since_start["flushes_per_commit"]) == (10 / 6, 1.2)
+    idle = dict(last, nvme_commits=0, nvme_commit_groups=0, nvme_flushes=0)  # a RAM-only daemon
+    assert views.rates(idle)["commits_per_group"] is None and views.rates(idle)["flushes_per_commit"] is None
 
 
 # -- models ----------------------------------------------------------------------------
