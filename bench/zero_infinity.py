@@ -12,8 +12,11 @@ same torch thread count (every core) and OMP_NUM_THREADS. After warm-up steps, t
 alternating blocks of steps, ABBA (the first of a pair alternates), each block ending with
 what its steps left in flight waited for. Ratio = DeepSpeed's step time over ours in each
 pair of blocks (our step rate over theirs, higher is better), median over the pairs, target
->= 1.5 (issue 25). The first step's losses of the two must agree (the same model, values and batch),
-and are in the result file with the step times, peak RSS and bytes on disk of each side.
+>= 1.5 (issue 25). At the small size a fourth process in the same rounds trains ours on a daemon
+with `store.fsync = false` (`durable_over_unsynced`): DeepSpeed's swapped state is never synced,
+so this says what our durability at every acknowledgement costs against it. The first step's
+losses of the two must agree (the same model, values and batch), and are in the result file
+with the step times, peak RSS and bytes on disk of each side.
 
     python -m bench.zero_infinity             # both sizes (PS_BENCH_QUICK=1: tiny ones)
     python -m bench.zero_infinity small       # one of them
@@ -88,6 +91,8 @@ STATE_BYTES_PER_PARAM = 12  # AdamW: fp32 master, m and v
 CONTENDERS = ("ours", "deepspeed")
 # Interleaved with them, not a contender: forward and backward alone in RAM (the bound).
 SYSTEMS = (*CONTENDERS, "compute")
+# Where a size asks for it, ours not durable across a power cut, as DeepSpeed's state is not.
+UNSYNCED = "ours_unsynced"
 
 
 @dataclass(frozen=True)
@@ -100,13 +105,15 @@ class Size:
     warmup: int = 2
     ram_fraction: float = 0.25
     """Our daemon's RAM tier, as a fraction of the AdamW state."""
+    unsynced: bool = False
+    """Also ours with store.fsync = false in the same rounds (what durability costs ours)."""
 
 
 SIZES = {
     # ~21M parameters (the issue's figure), 0.25 GB of AdamW state.
     "small": Size(
         GPTConfig(vocab_size=quick(4096, 256), block_size=64, n_layer=quick(6, 2), n_head=8, n_embd=quick(512, 64)),
-        shard_bytes=quick(4 << 20, 64 << 10), steps_per_block=quick(4, 2), pairs=quick(6, 2),
+        shard_bytes=quick(4 << 20, 64 << 10), steps_per_block=quick(4, 2), pairs=quick(6, 2), unsynced=True,
     ),
     # ~206M parameters, 2.5 GB of AdamW state.
     "large": Size(
@@ -247,11 +254,13 @@ def compare(name: str, size: Size) -> dict:
     params = n_params(size.gpt)
     state = STATE_BYTES_PER_PARAM * params
     ram_bytes = int(size.ram_fraction * state)
+    # The unsynced one beside ours in every round (ABCD DCBA), as ours is beside DeepSpeed.
+    systems = (UNSYNCED, *SYSTEMS) if size.unsynced else SYSTEMS
     with tempfile.TemporaryDirectory(prefix="ps-bench-zi-", dir=REPO) as tmp:
         workers: dict[str, Worker] = {}
         try:
             init_seconds = {}
-            for system in SYSTEMS:  # one at a time: each init takes both cores
+            for system in systems:  # one at a time: each init takes both cores
                 nvme = Path(tmp) / system
                 nvme.mkdir()
                 spec = run_spec(size.gpt, nvme, batch=BATCH, ram_bytes=ram_bytes, shard_bytes=size.shard_bytes,
@@ -259,12 +268,12 @@ def compare(name: str, size: Size) -> dict:
                 workers[system] = Worker(system, spec, Path(tmp) / f"{system}.log")
                 init_seconds[system] = workers[system].ask(None)["init_seconds"]
             warm = {system: w.ask(f"steps {size.warmup}")["losses"] for system, w in workers.items()}
-            seconds: dict[str, list[float]] = {system: [] for system in SYSTEMS}
-            losses: dict[str, list[float]] = {system: [] for system in SYSTEMS}
-            usage: dict[str, collections.Counter] = {system: collections.Counter() for system in SYSTEMS}
-            disk = {system: DiskTicks(0, 0) for system in SYSTEMS}  # the disk under tmp, in each one's blocks
+            seconds: dict[str, list[float]] = {system: [] for system in systems}
+            losses: dict[str, list[float]] = {system: [] for system in systems}
+            usage: dict[str, collections.Counter] = {system: collections.Counter() for system in systems}
+            disk = {system: DiskTicks(0, 0) for system in systems}  # the disk under tmp, in each one's blocks
             for pair in range(size.pairs):
-                for system in SYSTEMS if pair % 2 == 0 else SYSTEMS[::-1]:  # ABC CBA
+                for system in systems if pair % 2 == 0 else systems[::-1]:  # ABC CBA
                     before = DiskTicks.of(tmp)
                     answer = workers[system].ask(f"steps {size.steps_per_block}")
                     if before is not None:
@@ -302,13 +311,16 @@ def compare(name: str, size: Size) -> dict:
         f"on NVMe (defaults but stage3_max_reuse_distance 0), DeepSpeedCPUAdam; each in its own process, "
         f"{THREADS} torch threads and OMP_NUM_THREADS={THREADS}; {size.warmup} warm-up steps, then {size.pairs} "
         f"pairs of {size.steps_per_block}-step blocks, ABC CBA with forward and backward alone in RAM (compute, the "
-        "bound); ratio: median of per-pair DeepSpeed/ours step times",
+        "bound)"
+        + (" and ours with store.fsync = false (not a contender: durability's cost)" if size.unsynced else "")
+        + "; ratio: median of per-pair DeepSpeed/ours step times",
         extra={
             "ratio_spread": spread(ratios),
             "ms_per_step": ms,
             "bound_ratio": round(median(bound), 3),
             "bound_ratio_spread": spread(bound),
             "ours_over_compute": round(median(ours_over_compute), 3),
+            **_durability(seconds),
             "params": params,
             "state_bytes": state,
             "ours_ram_tier_bytes": ram_bytes,
@@ -319,7 +331,7 @@ def compare(name: str, size: Size) -> dict:
             "ours_freed_memory": stats["ours"]["freed_memory"],
             # Each system's own process (ours: the trainer, not its daemon), per step.
             "process_per_step": {
-                system: _per_step(usage[system], size.pairs * size.steps_per_block) for system in SYSTEMS
+                system: _per_step(usage[system], size.pairs * size.steps_per_block) for system in systems
             },  # fmt: skip
             "ours_daemon_per_step": stats["ours"]["daemon_per_step"],
             "ours_waits_ms_per_step": stats["ours"]["waits_ms_per_step"],
@@ -327,10 +339,10 @@ def compare(name: str, size: Size) -> dict:
             # and the flushes it saw per step (our commits' fdatasyncs; DeepSpeed's writes sync
             # nothing).
             "disk_busy_share": {
-                s: round(disk[s].busy_ms / 1000 / sum(seconds[s]) / size.steps_per_block, 3) for s in SYSTEMS
+                s: round(disk[s].busy_ms / 1000 / sum(seconds[s]) / size.steps_per_block, 3) for s in systems
             },  # fmt: skip
             "disk_flushes_per_step": {
-                s: round(disk[s].flushes / (size.pairs * size.steps_per_block), 2) for s in SYSTEMS
+                s: round(disk[s].flushes / (size.pairs * size.steps_per_block), 2) for s in systems
             },  # fmt: skip
             "ours_window": stats["ours"]["window"],
             "init_seconds": init_seconds,
@@ -339,6 +351,14 @@ def compare(name: str, size: Size) -> dict:
             "threads": THREADS,
         },
     )
+
+
+def _durability(seconds: dict[str, list[float]]) -> dict:
+    """Ours durable at every acknowledgement over ours with store.fsync = false, paired."""
+    if UNSYNCED not in seconds:
+        return {}
+    paired = [o / u for o, u in zip(seconds["ours"], seconds[UNSYNCED], strict=True)]
+    return {"durable_over_unsynced": round(median(paired), 3), "durable_over_unsynced_spread": spread(paired)}
 
 
 def _per_step(usage: collections.Counter, steps: int) -> dict:

@@ -1,6 +1,6 @@
 """One trainer of bench/zero_infinity.py in a process of its own, stepping on command:
 
-    python -m bench.zero_infinity_worker {ours,deepspeed,compute} --spec JSON --reply-fd N
+    python -m bench.zero_infinity_worker {ours,deepspeed,compute,ours_unsynced} --spec JSON --reply-fd N
 
 It builds its GPT (bench/zero_infinity.py's `RunSpec`: the same TinyGPT, initial values, batches,
 AdamW and thread count on both sides), answers {"ready": ...} on the reply descriptor, then
@@ -93,15 +93,22 @@ PROFILE_AFTER = 2  # steps: bench/zero_infinity.py's warm-up (Size.warmup)
 class Ours:
     """The streamed trainer on a local daemon with an NVMe tier."""
 
+    fsync = True  # the daemon's store.fsync
+
     def __init__(self, spec: dict) -> None:
         from bench.common import BenchDaemon
         from ps_offload import trainer
 
         self.nvme_dir = spec["nvme_dir"]
         self.ram_bytes = spec["ours"]["ram_bytes"]
+        config = []
+        if not self.fsync:
+            path = Path(self.nvme_dir).with_suffix(".toml")
+            path.write_text("[store]\nfsync = false\n")
+            config = ["--config", str(path)]
         self.daemon = BenchDaemon(
             "--nvme-dir", self.nvme_dir, "--ram-bytes", str(spec["ours"]["ram_bytes"]),
-            "--shard-bytes", str(spec["ours"]["shard_bytes"]),
+            "--shard-bytes", str(spec["ours"]["shard_bytes"]), *config,
         )  # fmt: skip
         gpt = GPTConfig(**spec["gpt"])
         with torch.device("meta"):
@@ -325,7 +332,15 @@ class ComputeOnly:
         pass
 
 
-SYSTEMS = {"ours": Ours, "deepspeed": DeepSpeed, "compute": ComputeOnly}
+class OursUnsynced(Ours):
+    """Not a contender: ours with the daemon's store.fsync = false, durable across its own
+    crash but not a power cut, as DeepSpeed's swapped state is not (it never syncs): what
+    durability at every acknowledgement costs ours here."""
+
+    fsync = False
+
+
+SYSTEMS = {"ours": Ours, "deepspeed": DeepSpeed, "compute": ComputeOnly, "ours_unsynced": OursUnsynced}
 
 
 def _usage_since(before) -> dict:
