@@ -388,8 +388,9 @@ class NvmeFiles:
             with self._header_lock:
                 self.bytes_written += sum(len(c.arena) for c in group if c.committed)
                 self.write_seconds += time.perf_counter() - started
-                self.commits += sum(c.committed for c in group)
-                self.commit_groups += 1
+                committed = sum(c.committed for c in group)
+                self.commits += committed
+                self.commit_groups += committed > 0  # a group that committed nothing is in no figure
 
     def _flushed(self, seconds: float) -> None:
         with self._header_lock:

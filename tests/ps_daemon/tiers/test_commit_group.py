@@ -123,11 +123,13 @@ def test_a_flush_that_fails_fails_every_commit_of_its_group_and_the_next_group_c
             raise OSError(5, "Input/output error (injected)")
         os.fdatasync(fd)
 
-    file.flushes = GroupSync(file.fd, flush=flaky_flush)
+    file.flushes = GroupSync(file.fd, flush=flaky_flush, on_flush=files._flushed)
     with pytest.raises(OSError, match="fdatasync failed"):
         commit(files, 0, 1)
     assert len(file.free) == 2 * SHARDS  # no header was written: its slot is free again
     commit(files, 0, 1)
+    # The failed group committed nothing and counts in no figure; its flush ran, and counts.
+    assert (files.commits, files.commit_groups, files.flushes) == (1, 1, 3)
     files.close()
     assert recovered(tmp_path) == {0: 1}
 
