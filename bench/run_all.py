@@ -381,14 +381,18 @@ def _commits_and_disk(r: dict) -> str:
     daemon = r["ours_daemon_per_step"]
     if "nvme_flushes" not in daemon:
         return ""  # a result from before the daemon counted its flushes
-    busy, waits = r["disk_busy_share"], r["ours_waits_ms_per_step"]
+    busy, flushes, waits = r["disk_busy_share"], r["disk_flushes_per_step"], r["ours_waits_ms_per_step"]
+    disk = (
+        f" (DeepSpeed's writes flush nothing: the disk saw {flushes['deepspeed']} flushes a step in its blocks, "
+        f"{flushes['ours']} in ours). The disk had I/O in flight {busy['ours']:.0%} of our steps' time and "
+        f"{busy['deepspeed']:.0%} of DeepSpeed's."
+        if busy is not None
+        else " (the bench's directory had no block device under it to read the disk's busy time from)."
+    )
     return (
         f" Commits per step: {daemon['nvme_commits']:.0f} in {daemon['nvme_commit_groups']:.0f} groups, "
-        f"{daemon['nvme_flushes']:.0f} flushes taking {daemon['nvme_flush_seconds']} s (DeepSpeed's writes flush "
-        f"nothing: the disk saw {r['disk_flushes_per_step']['deepspeed']} flushes a step in its blocks, "
-        f"{r['disk_flushes_per_step']['ours']} in ours). The disk had I/O in flight {busy['ours']:.0%} of our "
-        f"steps' time and {busy['deepspeed']:.0%} of DeepSpeed's. The trainer waited {waits['push_wait']} ms a step "
-        f"for pushes and {waits['pull_wait']} ms for pulls."
+        f"{daemon['nvme_flushes']:.0f} flushes taking {daemon['nvme_flush_seconds']} s{disk} The trainer waited "
+        f"{waits['push_wait']} ms a step for pushes and {waits['pull_wait']} ms for pulls."
     )
 
 

@@ -272,9 +272,10 @@ def compare(name: str, size: Size) -> dict:
             losses: dict[str, list[float]] = {system: [] for system in systems}
             usage: dict[str, collections.Counter] = {system: collections.Counter() for system in systems}
             disk = {system: DiskTicks(0, 0) for system in systems}  # the disk under tmp, in each one's blocks
+            on_disk = DiskTicks.of(tmp) is not None
             for pair in range(size.pairs):
                 for system in systems if pair % 2 == 0 else systems[::-1]:  # ABC CBA
-                    before = DiskTicks.of(tmp)
+                    before = DiskTicks.of(tmp) if on_disk else None
                     answer = workers[system].ask(f"steps {size.steps_per_block}")
                     if before is not None:
                         disk[system] += DiskTicks.of(tmp) - before
@@ -291,6 +292,14 @@ def compare(name: str, size: Size) -> dict:
     bound = [d / c for c, d in zip(seconds["compute"], seconds["deepspeed"], strict=True)]
     ours_over_compute = [o / c for c, o in zip(seconds["compute"], seconds["ours"], strict=True)]
     ms = {system: round(1000 * median(s), 1) for system, s in seconds.items()}
+    # The share of each one's time the disk under the bench had I/O in flight (io_ticks), and the
+    # flushes it saw per step (our commits' fdatasyncs; DeepSpeed's writes sync nothing); None
+    # where the bench's directory has no block device under it (tmpfs, overlay).
+    steps = size.pairs * size.steps_per_block
+    disk_busy = {s: round(disk[s].busy_ms / 1000 / sum(seconds[s]) / size.steps_per_block, 3) for s in systems}
+    disk_flushes = {s: round(disk[s].flushes / steps, 2) for s in systems}
+    if not on_disk:
+        disk_busy = disk_flushes = None
     first = {system: round(w[0], 5) for system, w in warm.items()}
     if max(first.values()) - min(first.values()) > 1e-3 * abs(first["ours"]):
         raise RuntimeError(f"{name}: the first step's losses differ ({first}): not the same model, values or batch")
@@ -335,15 +344,8 @@ def compare(name: str, size: Size) -> dict:
             },  # fmt: skip
             "ours_daemon_per_step": stats["ours"]["daemon_per_step"],
             "ours_waits_ms_per_step": stats["ours"]["waits_ms_per_step"],
-            # The share of each one's time the disk under the bench had I/O in flight (io_ticks),
-            # and the flushes it saw per step (our commits' fdatasyncs; DeepSpeed's writes sync
-            # nothing).
-            "disk_busy_share": {
-                s: round(disk[s].busy_ms / 1000 / sum(seconds[s]) / size.steps_per_block, 3) for s in systems
-            },  # fmt: skip
-            "disk_flushes_per_step": {
-                s: round(disk[s].flushes / (size.pairs * size.steps_per_block), 2) for s in systems
-            },  # fmt: skip
+            "disk_busy_share": disk_busy,
+            "disk_flushes_per_step": disk_flushes,
             "ours_window": stats["ours"]["window"],
             "init_seconds": init_seconds,
             "first_loss": first,
