@@ -402,7 +402,7 @@ def _added_cpu(r: dict) -> str:
     daemon, processes = r["ours_daemon_per_step"], r.get("process_per_step", {})
     if "cpu_seconds" not in daemon or "compute" not in processes:
         return ""
-    cpu = {k: (processes[k]["user_ms"] + processes[k]["system_ms"]) for k in ("ours", "compute")}
+    cpu = {k: _process_ms(processes, k) for k in ("ours", "compute")}
     added_cpu = cpu["ours"] - cpu["compute"] + 1000 * daemon["cpu_seconds"]
     added_time = r["ms_per_step"]["ours"] - r["ms_per_step"]["compute"]
     busy = cpu["compute"] / r["ms_per_step"]["compute"] / r["threads"]
@@ -420,13 +420,18 @@ def _cores_busy(r: dict) -> str:
     daemon, processes = r["ours_daemon_per_step"], r.get("process_per_step", {})
     if "cpu_seconds" not in daemon or "ours" not in processes:
         return ""  # a result from before the daemon's CPU was recorded
-    trainer = (processes["ours"]["user_ms"] + processes["ours"]["system_ms"]) / 1000
+    trainer = _process_ms(processes, "ours") / 1000
     cores = r["threads"] * r["ms_per_step"]["ours"] / 1000
     used = trainer + daemon["cpu_seconds"]
     return (
         f" CPU per step: the trainer {trainer:.2f} s and the daemon {daemon['cpu_seconds']:.2f} s, {used:.2f} of the "
         f"{cores:.2f} s its {r['threads']} cores give a step ({used / cores:.0%} busy)."
     )
+
+
+def _process_ms(processes: dict, system: str) -> float:
+    """A system's own process's CPU per step (user and system), from `process_per_step`."""
+    return processes[system]["user_ms"] + processes[system]["system_ms"]
 
 
 def _window_loads(daemon: dict) -> str:

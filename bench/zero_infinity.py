@@ -339,9 +339,7 @@ def compare(name: str, size: Size) -> dict:
             "ours_phase_ms": stats["ours"]["phase_ms"],
             "ours_freed_memory": stats["ours"]["freed_memory"],
             # Each system's own process (ours: the trainer, not its daemon), per step.
-            "process_per_step": {
-                system: _per_step(usage[system], size.pairs * size.steps_per_block) for system in systems
-            },  # fmt: skip
+            "process_per_step": {system: _per_step(usage[system], steps) for system in systems},  # fmt: skip
             "ours_daemon_per_step": stats["ours"]["daemon_per_step"],
             "ours_waits_ms_per_step": stats["ours"]["waits_ms_per_step"],
             "disk_busy_share": disk_busy,
