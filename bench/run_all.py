@@ -285,7 +285,10 @@ def _stream_overhead(r: dict) -> str:
             for name, n in requests.items()
             if name in ("unstreamed", "streamed")
         )
-        text += f" The daemon's requests (pulls and pushes): {each}."
+        text += f" The daemon's requests (pulls and pushes, one per shard): {each}."
+    if trips := r.get("round_trips_per_step"):
+        each = ", ".join(f"{name} {n}" for name, n in trips.items() if name in ("unstreamed", "streamed"))
+        text += f" The trainer's round trips to it a step (a batch of a daemon's shards is one): {each}."
     if "ratio_block_shards" in r:
         low, high = r["ratio_block_shards_spread"]["min"], r["ratio_block_shards_spread"]["max"]
         text += (

@@ -120,12 +120,18 @@ def main() -> dict:
         # steps (StreamedOptimizer.stats): for pulls, for pushes, for step()'s APPLY round
         waited: dict[str, dict[str, float]] = {}
 
+        trips: dict[str, int] = {}  # contender -> the round trips its local transport made over its timed steps
+
+        def round_trips(opt) -> int:  # a batch of a block's shards is one (LocalClient.round_trips)
+            return sum(getattr(t, "round_trips", 0) for t in opt.client.transports)
+
         def served(stats: ps_pb2.StatsResponse) -> int:
             return stats.pulls + stats.pushes_applied - stats.pulls_carried  # a carried pull rides on its push
 
         def steps(model, opt, name: str = "") -> float:
             daemon = daemon_of[name] if name else default_daemon
             served_before = served(daemon_stats(daemon.address)) if name else 0  # (before the CPU count)
+            trips_before = round_trips(opt)
             waits_before = dict(opt.stats) if name in contenders else {}
             before = ProcessCpu.of(), ProcessCpu.of(daemon.process.pid)
             started = time.perf_counter()
@@ -153,6 +159,7 @@ def main() -> dict:
                 cpu[name] = (trainer_total + trainer_cpu, daemon_total + daemon_cpu)
                 cpu_steps[name] = cpu_steps.get(name, 0) + len(batches)
                 requests[name] = requests.get(name, 0) + served(daemon_stats(daemon.address)) - served_before
+                trips[name] = trips.get(name, 0) + round_trips(opt) - trips_before
                 if waits_before:
                     waits_after, total = opt.stats, waited.setdefault(name, {})
                     for key, value in waits_before.items():
@@ -215,9 +222,12 @@ def main() -> dict:
                 }
                 for name, pair in cpu.items()
             },
-            # The daemon's requests (pulls and pushes, an APPLY counted as a push) per step, and
+            # The daemon's requests (pulls and pushes, one per shard, an APPLY counted as a push) per step, and
             # its CPU per request: a streamed step pulls each block twice and pushes it in parts.
             "daemon_requests_per_step": {name: round(n / cpu_steps[name], 1) for name, n in requests.items()},
+            # The trainer's round trips to the daemon per step (LocalClient.round_trips): a daemon's
+            # shards of a block, or a step's APPLYs, go as one batch.
+            "round_trips_per_step": {name: round(n / cpu_steps[name], 1) for name, n in trips.items()},
             "daemon_cpu_ms_per_request": {
                 name: round(1000 * cpu[name][1].seconds / max(1, requests[name]), 2) for name in requests
             },

@@ -686,10 +686,11 @@ class VerifyResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[VerifyPlan, _Mapping]] = ..., shard: _Optional[_Union[ShardVerdict, _Mapping]] = ...) -> None: ...
 
 class DataRequest(_message.Message):
-    __slots__ = ("pull", "push", "attach", "timeout_ms", "authorization", "local", "pull_into", "pull_dtype")
+    __slots__ = ("pull", "push", "attach", "batch", "timeout_ms", "authorization", "local", "pull_into", "pull_dtype")
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     ATTACH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
@@ -698,12 +699,19 @@ class DataRequest(_message.Message):
     pull: PullRequest
     push: PushHeader
     attach: LocalAttach
+    batch: DataBatch
     timeout_ms: int
     authorization: str
     local: LocalRef
     pull_into: LocalRef
     pull_dtype: DType
-    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., attach: _Optional[_Union[LocalAttach, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., authorization: _Optional[str] = ..., local: _Optional[_Union[LocalRef, _Mapping]] = ..., pull_into: _Optional[_Union[LocalRef, _Mapping]] = ..., pull_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., attach: _Optional[_Union[LocalAttach, _Mapping]] = ..., batch: _Optional[_Union[DataBatch, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., authorization: _Optional[str] = ..., local: _Optional[_Union[LocalRef, _Mapping]] = ..., pull_into: _Optional[_Union[LocalRef, _Mapping]] = ..., pull_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class DataBatch(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[DataRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[DataRequest, _Mapping]]] = ...) -> None: ...
 
 class LocalAttach(_message.Message):
     __slots__ = ("client", "window")
@@ -724,17 +732,19 @@ class LocalRef(_message.Message):
     def __init__(self, window: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class DataResponse(_message.Message):
-    __slots__ = ("code", "message", "shard", "push", "send_payload", "closing")
+    __slots__ = ("code", "message", "shard", "push", "send_payload", "closing", "answers")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     SEND_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     CLOSING_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     shard: ShardHeader
     push: PushResponse
     send_payload: bool
     closing: bool
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., shard: _Optional[_Union[ShardHeader, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., send_payload: _Optional[bool] = ..., closing: _Optional[bool] = ...) -> None: ...
+    answers: _containers.RepeatedCompositeFieldContainer[DataResponse]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., shard: _Optional[_Union[ShardHeader, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., send_payload: _Optional[bool] = ..., closing: _Optional[bool] = ..., answers: _Optional[_Iterable[_Union[DataResponse, _Mapping]]] = ...) -> None: ...

@@ -8,6 +8,8 @@ local transport for clients on this host: the same requests, the bytes through s
                     deadlines, the selector's waker
     requests        one request served by a worker: token, pull (or park), push
     local_server    LocalServer: the local transport (abstract Unix socket, peer uid checked, each
-                    connection's memfd slot mapped; pulls written and pushes read in place)
+                    connection's memfd slot mapped; pulls written and pushes read in place,
+                    alone or a batch of them in one round trip)
+    local_session   a local connection's session (socket, slot, client id), its refusals, its peer
     local_pool      LocalPool: the node's shared pool (server.local_pool_bytes): each client's windows
 """

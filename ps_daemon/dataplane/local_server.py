@@ -23,6 +23,12 @@ them: the bytes are in memory both ends map (ps_offload.proto.shared_memory).
   in a pull's dtype): the optimizer's pass writes it there as it steps (no second pass reading
   the master back), and the answer says so (PushResponse.pulled); the trainer then has no pull
   to make. A push applied before answers pulled = false, and the trainer pulls as usual.
+* A batch (DataBatch) carries pulls and pushes served here in order, each as if it came alone,
+  with one answer holding theirs. What a request costs apart from its bytes (a frame each way,
+  this thread's wake-up, the token check, the trainer's side of it) is most of what a local
+  pull of a MiB costs, both ends' CPU on the trainer's own cores: a trainer sends a block's
+  shards, or a step's APPLYs, as one batch. Its requests name places in windows (the slot
+  holds one request's bytes).
 
 Why reading and writing the client's memory in place is safe: a connection carries one
 request at a time, and a client whose request failed midway (its deadline passed, the
@@ -50,18 +56,17 @@ import grp
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import grpc
 import torch
 
 from ps_offload.daemon.config import ServerConfig
 from ps_offload.daemon.dataplane.local_pool import LocalPool
+from ps_offload.daemon.dataplane.local_session import PEERCRED, Refused, Session, close_fds, process_groups, refuse
 from ps_offload.daemon.dataplane.requests import DATA_METHODS
 from ps_offload.daemon.errors import InvalidArgument, PsError
 from ps_offload.daemon.rpc import conversions, data_path
@@ -71,21 +76,10 @@ from ps_offload.daemon.rpc.status import RateLimitedLog, from_status, status_of
 from ps_offload.daemon.store.pull_rounding import PULL_DTYPES
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.proto import ps_pb2
-from ps_offload.proto.frames import FrameError, send_message, split_frame
-from ps_offload.proto.shared_memory import SharedMapping
+from ps_offload.proto.frames import FrameError, send_message
 
 log = logging.getLogger(__name__)
 quiet_log = RateLimitedLog()  # refusals: a client retrying in a loop must not fill the log
-
-_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-class Refused(Exception):
-    """The connection may not stay: answered with `code` and the message, then closed."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class LocalServer:
@@ -189,7 +183,7 @@ class LocalServer:
             if self.stopping:
                 sock.close()
                 return
-            pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            pid, uid, gid = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
             if not self._admits(pid, uid, gid):
                 self.refused += 1
                 message = (
@@ -198,7 +192,7 @@ class LocalServer:
                     + f"; uid {uid} is neither (server.local_group names the trainers' group)"
                 )
                 quiet_log.info("LocalTransport", "PERMISSION_DENIED", f"refused process {pid}: {message}")
-                _refuse(sock, Refused(grpc.StatusCode.PERMISSION_DENIED, message))
+                refuse(sock, Refused(grpc.StatusCode.PERMISSION_DENIED, message))
                 continue
             with self._cond:
                 full = len(self._connections) >= self.max_connections
@@ -211,7 +205,7 @@ class LocalServer:
                     "(server.max_data_connections_per_client); use the data plane"
                 )
                 quiet_log.info("LocalTransport", "RESOURCE_EXHAUSTED", f"refused process {pid}: {message}")
-                _refuse(sock, Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, message))
+                refuse(sock, Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, message))
                 continue
             threading.Thread(target=self._connection, args=(sock, pid), name=f"local-{pid}", daemon=True).start()
 
@@ -222,10 +216,10 @@ class LocalServer:
             return True
         if self.group_id is None:
             return False
-        return gid == self.group_id or self.group_id in _process_groups(pid)
+        return gid == self.group_id or self.group_id in process_groups(pid)
 
     def _connection(self, sock: socket.socket, pid: int) -> None:
-        session, joined = _Session(sock, pid), False
+        session, joined = Session(sock, pid), False
         try:
             sock.settimeout(self.stall_seconds)  # a client that never sends its slot goes
             request, fds = session.receive()
@@ -237,7 +231,7 @@ class LocalServer:
             sock.settimeout(None)  # then it may idle between steps as long as it likes
             while not self.stopping:
                 request, fds = session.receive()
-                pushing = request.WhichOneof("kind") == "push"
+                pushing = _pushes(request)
                 with self._cond:
                     self._pushing += pushing
                 try:
@@ -250,7 +244,7 @@ class LocalServer:
                     return
         except Refused as exc:
             quiet_log.info("LocalTransport", exc.code.name, f"refused process {pid}: {exc}")
-            _refuse(sock, exc)
+            refuse(sock, exc)
         except (FrameError, OSError) as exc:
             if not self.stopping:
                 log.debug("local transport: process %d hung up: %s", pid, exc)
@@ -263,53 +257,73 @@ class LocalServer:
             if joined:
                 self.pool.leave(session.client)
 
-    def _serve(self, session: _Session, request: ps_pb2.DataRequest, fds: list[int]) -> bool:
-        """Answers one request; False when the connection cannot be trusted any more."""
-        kind, code, started = request.WhichOneof("kind"), grpc.StatusCode.OK, time.perf_counter()
-        sock = session.sock
-        try:
-            if kind == "attach":
+    def _serve(self, session: Session, request: ps_pb2.DataRequest, fds: list[int]) -> bool:
+        """Answers one request (a batch: each of its requests, in one answer); False when the
+        connection cannot be trusted any more."""
+        kind, sock = request.WhichOneof("kind"), session.sock
+        if kind == "attach" or fds:
+            try:
+                if kind != "attach":
+                    close_fds(fds)
+                    raise InvalidArgument(f"a {kind or 'DataRequest'} frame carries no descriptors; {len(fds)} came")
                 self._attach(session, request.attach, fds)
                 send_message(sock, ps_pb2.DataResponse())
-                return True
-            if fds:
-                _close_fds(fds)
-                raise InvalidArgument(f"a {kind or 'DataRequest'} frame carries no descriptors; {len(fds)} came")
+            except PsError as exc:
+                send_message(sock, ps_pb2.DataResponse(code=status_of(exc).value[0], message=str(exc)))
+            return True
+        seconds = request.timeout_ms / 1000 if request.timeout_ms else self.max_pull_wait
+        if kind != "batch":
+            answer, keep = self._answer(session, request, request.authorization, min(seconds, self.max_pull_wait))
+            send_message(sock, answer)
+            return keep
+        deadline, answers = time.monotonic() + seconds, []
+        for inner in request.batch.requests:  # in order, each as if it came alone
+            left = max(0.0, min(deadline - time.monotonic(), self.max_pull_wait))
+            answer, keep = self._answer(session, inner, request.authorization, left)
+            answers.append(answer)
+            if not keep:
+                break
+        send_message(sock, ps_pb2.DataResponse(answers=answers))
+        return keep
+
+    def _answer(
+        self, session: Session, request: ps_pb2.DataRequest, authorization: str, pull_wait: float
+    ) -> tuple[ps_pb2.DataResponse, bool]:
+        """A pull's or a push's answer (a status it failed with, in it), and whether the
+        connection may go on; `pull_wait`: how long a pull may wait for its version."""
+        kind, code, started = request.WhichOneof("kind"), grpc.StatusCode.OK, time.perf_counter()
+        try:
             if kind in DATA_METHODS and self.token is not None:
-                refusal = self.token.refusal(DATA_METHODS[kind], request.authorization or None)
+                refusal = self.token.refusal(DATA_METHODS[kind], authorization or None)
                 if refusal is not None:
                     raise from_status(*refusal)
             if kind == "pull":
-                send_message(sock, ps_pb2.DataResponse(shard=self._pull(session, request)))
-            elif kind == "push":
-                send_message(sock, ps_pb2.DataResponse(push=self._push(session, request)))
-            else:
-                raise InvalidArgument("a DataRequest must carry a pull, a push or an attach")
-            return True
+                return ps_pb2.DataResponse(shard=self._pull(session, request, pull_wait)), True
+            if kind == "push":
+                return ps_pb2.DataResponse(push=self._push(session, request)), True
+            raise InvalidArgument("a DataRequest must carry a pull, a push, a batch of them, or an attach")
         except PsError as exc:
             code = status_of(exc)
-            send_message(sock, ps_pb2.DataResponse(code=code.value[0], message=str(exc)))
-            return True
+            return ps_pb2.DataResponse(code=code.value[0], message=str(exc)), True
         except Exception as exc:  # noqa: BLE001 - answered, logged, connection closed
             code = grpc.StatusCode.INTERNAL
             log.exception("local transport request failed")
             message = f"internal error: {type(exc).__name__}: {exc}"
-            send_message(sock, ps_pb2.DataResponse(code=code.value[0], message=message))
-            return False
+            return ps_pb2.DataResponse(code=code.value[0], message=message), False
         finally:
             if self.observe is not None and kind in DATA_METHODS:
                 self.observe(f"Local/{kind.capitalize()}", code, time.perf_counter() - started)
 
-    def _attach(self, session: _Session, attach: ps_pb2.LocalAttach, fds: list[int]) -> None:
+    def _attach(self, session: Session, attach: ps_pb2.LocalAttach, fds: list[int]) -> None:
         if len(fds) != 1 or attach.client not in ("", session.client):
-            _close_fds(fds)
+            close_fds(fds)
             raise InvalidArgument(
                 f"an attach carries exactly one memfd ({len(fds)} came) and names this connection's client"
             )
         size = self.pool.attach(session.client, attach.window, fds[0])
         log.debug("local transport: process %d attached window %d (%d bytes)", session.pid, attach.window, size)
 
-    def _place(self, session: _Session, request: ps_pb2.DataRequest, nbytes: int, what: str) -> torch.Tensor:
+    def _place(self, session: Session, request: ps_pb2.DataRequest, nbytes: int, what: str) -> torch.Tensor:
         """Where a request's bytes lie or go (DataRequest.local): `nbytes` of them, checked."""
         ref = request.local
         if ref.window:
@@ -321,9 +335,8 @@ class LocalServer:
             )
         return session.slot.bytes[ref.offset : ref.offset + nbytes]
 
-    def _pull(self, session: _Session, request: ps_pb2.DataRequest) -> ps_pb2.ShardHeader:
+    def _pull(self, session: Session, request: ps_pb2.DataRequest, timeout: float) -> ps_pb2.ShardHeader:
         pull = conversions.pull_request(request.pull)
-        timeout = min(request.timeout_ms / 1000, self.max_pull_wait) if request.timeout_ms else self.max_pull_wait
         room = request.local.nbytes if request.local.window else session.slot.size - request.local.offset
         target = self._place(session, request, room, f"pull of shard {pull.shard_id}")
         into = RoundInto(target, self.staging)
@@ -337,7 +350,7 @@ class LocalServer:
                 target[: len(raw)].copy_(torch.frombuffer(raw, dtype=torch.uint8))  # under the read hold
         return header
 
-    def _push(self, session: _Session, request: ps_pb2.DataRequest) -> ps_pb2.PushResponse:
+    def _push(self, session: Session, request: ps_pb2.DataRequest) -> ps_pb2.PushResponse:
         header = request.push
         what = f"push to shard {header.shard_id}"
         if not request.HasField("local"):
@@ -377,7 +390,7 @@ class LocalServer:
             pull_into=pull_into if request.HasField("pull_into") else None,
         )  # fmt: skip
 
-    def _pull_target(self, session: _Session, request: ps_pb2.DataRequest, numel: int) -> torch.Tensor:
+    def _pull_target(self, session: Session, request: ps_pb2.DataRequest, numel: int) -> torch.Tensor:
         """Where a push asks its shard's new version to go (DataRequest.pull_into), checked
         before anything is read: a place in an attached window, exactly the shard's numel in a
         pull's dtype, aligned for it."""
@@ -396,53 +409,6 @@ class LocalServer:
                 f"{ref.window}"
             )
         return self.pool.view(session.client, ref.window, ref.offset, ref.nbytes, what).view(torch_dtype)
-
-
-class _Session:
-    """One connection: its socket, the bytes received and not yet parsed, its client's id
-    and its slot."""
-
-    def __init__(self, sock: socket.socket, pid: int) -> None:
-        self.sock = sock
-        self.pid = pid
-        self.inbox = bytearray()
-        self.client = ""
-        self.slot: SharedMapping | None = None
-
-    def receive(self) -> tuple[ps_pb2.DataRequest, list[int]]:
-        """The next request, and the descriptors that came with it."""
-        fds: list[int] = []
-        try:
-            while (body := split_frame(self.inbox)) is None:
-                data, got, _, _ = socket.recv_fds(self.sock, 1 << 16, 4)
-                fds += got
-                if not data:
-                    raise FrameError("hung up between requests" if not self.inbox else "hung up mid-frame")
-                self.inbox += data
-            return ps_pb2.DataRequest.FromString(body), fds
-        except Exception as exc:
-            _close_fds(fds)
-            if isinstance(exc, FrameError | OSError):
-                raise
-            raise FrameError(f"sent what is not a DataRequest: {exc}") from None
-
-    def open(self, first: ps_pb2.DataRequest, fds: list[int]) -> None:
-        """The first frame: an attach of window 0 (or an empty request) with the slot's memfd."""
-        kind = first.WhichOneof("kind")
-        if kind not in (None, "attach") or first.attach.window or len(fds) != 1 or len(first.attach.client) > 64:
-            _close_fds(fds)
-            raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the first frame on the local endpoint must attach window 0 (a client id of at most 64 "
-                f"characters) with exactly one fd, the client's memfd slot (SCM_RIGHTS); it carried {len(fds)}",
-            )
-        try:
-            self.slot = SharedMapping(fds[0])
-        except ValueError as exc:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the local slot: {exc}") from None
-        finally:
-            os.close(fds[0])
-        self.client = first.attach.client or f"connection-{uuid.uuid4().hex}"
 
 
 class RoundInto:
@@ -474,27 +440,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_start < b_start + b.numel() * b.element_size() and b_start < a_start + a.numel() * a.element_size()
 
 
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
-
-
-def _process_groups(pid: int) -> set[int]:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:  # gone already
-        return set()
-    for line in status.splitlines():
-        if line.startswith("Groups:"):
-            return {int(g) for g in line.split()[1:]}
-    return set()
-
-
-def _refuse(sock: socket.socket, refusal: Refused) -> None:
-    try:
-        sock.settimeout(1.0)
-        send_message(sock, ps_pb2.DataResponse(code=refusal.code.value[0], message=str(refusal)))
-    except OSError:
-        pass
-    finally:
-        sock.close()
+def _pushes(request: ps_pb2.DataRequest) -> bool:
+    """Whether `request` is a push or a batch with one (stop lets them finish)."""
+    kind = request.WhichOneof("kind")
+    return kind == "push" or (kind == "batch" and any(r.WhichOneof("kind") == "push" for r in request.batch.requests))

@@ -158,7 +158,9 @@ class RequestServer:
             return self._pull(conn, request, started, resumed)
         if kind == "push":
             return self._push(conn, request.push)
-        raise InvalidArgument("a DataRequest must carry a pull or a push")
+        raise InvalidArgument(
+            "a DataRequest on the data plane must carry a pull or a push (a batch is for the local transport only)"
+        )
 
     def _pull(
         self, conn: Stream, request: ps_pb2.DataRequest, started: float, resumed: PendingPull | None

@@ -67,17 +67,27 @@ class Acks:
     def __init__(self, opt: trainer.StreamedOptimizer) -> None:
         self.seen: dict[tuple[int, int, int, int], ps_pb2.PushResponse] = {}
         self.cond = threading.Condition()
-        push = opt.client.push
+        push, push_batch = opt.client.push, opt.client.push_batch
 
         def recorded(shard, sent, **carried):
             ack = push(shard, sent, **carried)
-            header = sent.header
-            with self.cond:
-                self.seen[header.kind, header.step, header.part, shard.shard_id] = ack
-                self.cond.notify_all()
+            self._seen([(shard, sent, ack)])
             return ack
 
+        def recorded_batch(shards, pushes):  # a daemon's pushes in one batch (the local transport)
+            acks = push_batch(shards, pushes)
+            self._seen([x for x in zip(shards, pushes, acks, strict=True) if isinstance(x[2], ps_pb2.PushResponse)])
+            return acks
+
         opt.client.push = recorded
+        opt.client.push_batch = recorded_batch
+
+    def _seen(self, answered: list) -> None:
+        with self.cond:
+            for shard, sent, ack in answered:
+                header = sent.header
+                self.seen[header.kind, header.step, header.part, shard.shard_id] = ack
+            self.cond.notify_all()
 
     def wait_parts(self, step: int, part: int, shards: int) -> None:
         """Until every shard's part `part` of `step` is acknowledged."""
@@ -175,27 +185,42 @@ class LostAnswer(grpc.RpcError):
 
 def _lose_answers(opt: trainer.StreamedOptimizer, chosen: set[tuple[int, int, int, int]]) -> list:
     """For each chosen push (kind, step, part, shard id), the first attempt reaches the daemon
-    and is applied, but the client is told it timed out; its own retry then sends the same
-    push again. Returns the (key, first answer, resent answer) of each, filled as they happen."""
+    and is applied, but the client is told it timed out (alone, or in its batch's answer); the
+    client then sends the same push again, alone. Returns the (key, first answer, resent
+    answer) of each, filled as they happen."""
     resent, pending = [], set(chosen)
+
+    def lost(sent, ack) -> bool:
+        header = sent.header
+        if header.check_only:  # the check before the APPLYs: not one of the chosen
+            return False
+        key = (header.kind, header.step, header.part, header.shard_id)
+        if key in pending:
+            pending.discard(key)
+            resent.append([key, ack])
+            return True
+        if key in chosen:
+            resent[[k for k, *_ in resent].index(key)].append(ack)
+        return False
+
     for transport in opt.client.transports:
-        push = transport.push
+        push, push_batch = transport.push, getattr(transport, "push_batch", None)
 
         def losing(sent, *, timeout, pull_into=None, _push=push):
             ack = _push(sent, timeout=timeout, pull_into=pull_into)
-            header = sent.header
-            if header.check_only:  # the check before the APPLYs: not one of the chosen
-                return ack
-            key = (header.kind, header.step, header.part, header.shard_id)
-            if key in pending:
-                pending.discard(key)
-                resent.append([key, ack])
+            if lost(sent, ack):
                 raise LostAnswer()
-            if key in chosen:
-                resent[[k for k, *_ in resent].index(key)].append(ack)
             return ack
 
+        def losing_batch(pushes, *, timeout, _push_batch=push_batch):
+            acks = _push_batch(pushes, timeout=timeout)
+            if acks is None:
+                return None
+            return [LostAnswer() if lost(sent, ack) else ack for sent, ack in zip(pushes, acks, strict=True)]
+
         transport.push = losing
+        if push_batch is not None:
+            transport.push_batch = losing_batch
     return resent
 
 

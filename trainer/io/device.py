@@ -314,6 +314,11 @@ class ShardMover:
         with self.buffers.spare(shard.numel) as host:
             yield None if host is None else PullTarget(byte_view(host), host, buffer[shard.offset : shard.end], self)
 
+    def in_place(self, buffer: torch.Tensor, shard: ShardSlice) -> memoryview | None:
+        """The bytes of `buffer`'s slice for `shard`, where pulls write and pushes read them in
+        place (a CPU buffer, not staged); None when staged."""
+        return None if self.staged else self._in_place_view(buffer[shard.offset : shard.end])
+
     def pull(self, buffer: torch.Tensor, shard: ShardSlice, after: object, fill: Callable[[memoryview], int]) -> int:
         """Lets `fill` write the shard's bytes (in the compute dtype) and puts them into
         `buffer`'s slice; returns what `fill` returned (the version pulled)."""

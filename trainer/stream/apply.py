@@ -68,20 +68,35 @@ class PartsApplier:
     def _round(
         self, step: int, groups: list, parts: int, multiplier: float | None, *, check_only: bool
     ) -> tuple[list[ShardSlice], list[BaseException]]:
-        """APPLY (or its check) on every shard; returns the shards that took it, and the failures."""
-        applies = [self.pool.submit(self._apply, s, step, groups, parts, multiplier, check_only) for s in self.shards]
+        """APPLY (or its check) on every shard, a daemon's shards in one batch; returns the
+        shards that took it, and the failures."""
+        batches = [[self.shards[i] for i in group] for group in self.client.batches(self.shards)]
+        applies = [self.pool.submit(self._apply, b, step, groups, parts, multiplier, check_only) for b in batches]
         wait(applies)
-        taken = [s for s, f in zip(self.shards, applies, strict=True) if not f.exception()]
-        return taken, [f.exception() for f in applies if f.exception() is not None]
+        answers = []
+        for batch, future in zip(batches, applies, strict=True):
+            error = future.exception()
+            answers += [error] * len(batch) if error is not None else future.result()
+        shards = [shard for batch in batches for shard in batch]
+        taken = [s for s, a in zip(shards, answers, strict=True) if not isinstance(a, BaseException)]
+        return taken, [a for a in answers if isinstance(a, BaseException)]
 
     def _apply(
-        self, shard: ShardSlice, step: int, groups: list, parts: int, multiplier: float | None, check_only: bool
-    ) -> ps_pb2.PushResponse:
-        push = Push.apply(
-            self.client.model, shard.shard_id, step=step, parts=parts, groups=groups, grad_multiplier=multiplier,
-            check_only=check_only,
-        )  # fmt: skip
-        return self.client.push(shard, push)
+        self, shards: list[ShardSlice], step: int, groups: list, parts: int, multiplier: float | None, check_only: bool
+    ) -> list[ps_pb2.PushResponse | BaseException]:
+        pushes = [
+            Push.apply(
+                self.client.model,
+                shard.shard_id,
+                step=step,
+                parts=parts,
+                groups=groups,
+                grad_multiplier=multiplier,
+                check_only=check_only,
+            )  # fmt: skip
+            for shard in shards
+        ]
+        return self.client.push_batch(shards, pushes)
 
     def lost(self, step: int, errors: list[BaseException], what: str) -> BaseException:
         """StepLost when a daemon refused for want of the step's parts; else the error itself."""

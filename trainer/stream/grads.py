@@ -123,7 +123,14 @@ class BlockGradients:
             self.reduce(buffer)
         after = self.mover.mark_compute()
         mine = [s for s in unit.shards if s.shard_id in self.io.pushes]
-        pushes = [self.pool.submit(self._push, unit, s, step, part, groups, buffer, after) for s in mine]
+        datas = [self.mover.in_place(buffer, unit.local(s)) for s in mine]
+        if any(data is None for data in datas):  # staged: a task (and a host buffer) per shard
+            pushes = [self.pool.submit(self._push, unit, s, step, part, groups, buffer, after) for s in mine]
+        else:  # in place: a daemon's shards in one batch
+            pushes = [
+                self.pool.submit(self._push_batch, [mine[i] for i in g], [datas[i] for i in g], step, part, groups)
+                for g in self.client.batches(mine)
+            ]
         self._pushed.add(unit.index)
         self._pushes.append((pushes, buffer))
         while len(self._pushes) > 1 and sum(b.numel() * b.element_size() for _, b in self._pushes) > self.window_bytes:
@@ -132,13 +139,27 @@ class BlockGradients:
     def _push(
         self, unit: StreamUnit, shard: ShardSlice, step: int, part: int, groups: list | None, buffer, after: object
     ) -> ps_pb2.PushResponse:
-        model, encoding = self.client.model, self.mover.gradient_encoding
         with self.mover.host_view(buffer, unit.local(shard), after) as data:
-            if groups is not None:  # applied on arrival, with these settings
-                push = Push.gradient(model, shard.shard_id, data, step=step, encoding=encoding, groups=groups)
-            else:
-                push = Push.gradient_part(model, shard.shard_id, data, step=step, part=part, encoding=encoding)
+            push = self._gradient(shard, data, step, part, groups)
             return self.io.counted(self.client.push(shard, push), len(data))
+
+    def _push_batch(
+        self, shards: list[ShardSlice], datas: list[memoryview], step: int, part: int, groups: list | None
+    ) -> None:
+        pushes = [self._gradient(shard, data, step, part, groups) for shard, data in zip(shards, datas, strict=True)]
+        acks = self.client.push_batch(shards, pushes)
+        for data, ack in zip(datas, acks, strict=True):
+            if not isinstance(ack, BaseException):
+                self.io.counted(ack, len(data))
+        failure = next((ack for ack in acks if isinstance(ack, BaseException)), None)
+        if failure is not None:
+            raise failure
+
+    def _gradient(self, shard: ShardSlice, data: memoryview, step: int, part: int, groups: list | None) -> Push:
+        model, encoding = self.client.model, self.mover.gradient_encoding
+        if groups is not None:  # applied on arrival, with these settings
+            return Push.gradient(model, shard.shard_id, data, step=step, encoding=encoding, groups=groups)
+        return Push.gradient_part(model, shard.shard_id, data, step=step, part=part, encoding=encoding)
 
     def unpushed(self) -> list[StreamUnit]:
         """The units whose gradient of this pass has not been pushed (the pass ends)."""

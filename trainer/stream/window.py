@@ -80,20 +80,39 @@ class BlockWindow:
     # -- pulls ---------------------------------------------------------------------------
 
     def submit_pulls(self, unit: StreamUnit, version: int) -> list[Future]:
+        """The unit's pulls, started: in place, a daemon's shards go as one batch (one task);
+        staged, each shard has a task (and a host buffer) of its own."""
         after = self.mover.mark_compute()
-        return [self.pool.submit(self._pull, unit, s, version, after) for s in unit.shards]
+        outs = [self.mover.in_place(unit.values, unit.local(s)) for s in unit.shards]
+        if any(out is None for out in outs):
+            return [self.pool.submit(self._pull, unit, s, version, after) for s in unit.shards]
+        return [
+            self.pool.submit(self._pull_batch, [unit.shards[i] for i in group], [outs[i] for i in group], version)
+            for group in self.client.batches(unit.shards)
+        ]
+
+    def _pull_batch(self, shards: list[ShardSlice], outs: list[memoryview], version: int) -> int:
+        got = self.client.pull_batch(shards, outs, min_version=version, dtype=self.mover.wire_dtype)
+        for shard, result in zip(shards, got, strict=True):
+            if isinstance(result, BaseException):
+                raise result
+            self._check_version(shard, result, version)
+        return version
 
     def _pull(self, unit: StreamUnit, shard: ShardSlice, version: int, after: object) -> int:
         got = self.mover.pull(
             unit.values, unit.local(shard), after,
             lambda into: self.client.pull(shard, min_version=version, out=into, dtype=self.mover.wire_dtype),
         )  # fmt: skip
+        self._check_version(shard, got, version)
+        return got
+
+    def _check_version(self, shard: ShardSlice, got: int, version: int) -> None:
         if got != version:
             raise RuntimeError(
                 f"shard {shard.shard_id} of {self.client.model!r} is at version {got}, this trainer at {version}: "
                 "another trainer is stepping the same model"
             )
-        return got
 
     def fetch(self, unit: StreamUnit, *, ahead: bool = False) -> list[Future]:
         """Starts pulling a unit unless it is here or on its way; returns its pulls."""

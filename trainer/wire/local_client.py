@@ -146,6 +146,7 @@ class LocalClient:
         self.bytes_copied = 0
         self.pulls_carried = 0  # pushes whose answer said the new version was written where asked (pull_into)
         self.connections_opened = 0  # over its life: a pool too small for its callers opens them again and again
+        self.round_trips = 0  # pulls, pushes and batches sent: a batch of a block's shards is one
         self._windows = windows or HostWindows()
         # Proven here, not assumed: a daemon on another host or namespace, or of another uid,
         # fails this connect, and the caller uses the data plane instead.
@@ -262,6 +263,7 @@ class LocalClient:
         if ref is not None:
             request.local.CopyFrom(ref)  # written there by the daemon
         with self._connection(timeout + 5.0, fence=ref is not None) as conn:
+            self._sent()
             send_message(conn.sock, request)
             header = _answer(conn.sock).shard
             try:
@@ -298,6 +300,7 @@ class LocalClient:
         with self._connection(timeout, fence=ref is not None or target is not None) as conn:
             if ref is None:
                 conn.slot.write(data)
+            self._sent()
             send_message(conn.sock, request)
             answer = _answer(conn.sock).push
         self._count(ref, len(data))
@@ -305,6 +308,75 @@ class LocalClient:
             with self._lock:
                 self.pulls_carried += 1
         return answer
+
+    def pull_batch(self, pulls: list[tuple[Pull, memoryview]], *, timeout: float) -> list[int | DataPlaneError] | None:
+        """Each pull written into its `out` in one round trip (a DataBatch): per pull, the
+        version received or the error its answer carried. None, with nothing sent, when an
+        `out` is not in a window this daemon has: the caller pulls one at a time."""
+        views = [memoryview(out).cast("B") for _, out in pulls]
+        refs = [self._ref(view) for view in views]
+        if any(ref is None for ref in refs):
+            return None
+        requests = [ps_pb2.DataRequest(pull=p.request, local=ref) for (p, _), ref in zip(pulls, refs, strict=True)]
+        results: list[int | DataPlaneError] = []
+        with self._connection(timeout + 5.0, fence=True) as conn:
+            answers = self._batch(conn, requests, timeout)
+            for (pull, _), view, answer in zip(pulls, views, answers, strict=True):
+                if answer.code:
+                    results.append(_error(answer))
+                    continue
+                try:
+                    check_pull_header(answer.shard, len(view), pull.dtype, f"shard {pull.shard_id}")
+                except PullStreamError as exc:
+                    raise FrameError(str(exc)) from None  # the plan is wrong: close the connection
+                results.append(answer.shard.version)
+        for ref, result in zip(refs, results, strict=True):
+            if not isinstance(result, DataPlaneError):
+                self._count(ref, ref.nbytes)
+        return results
+
+    def push_batch(self, pushes: list[Push], *, timeout: float) -> list[ps_pb2.PushResponse | DataPlaneError] | None:
+        """The pushes in one round trip (a DataBatch), applied in order: per push, the daemon's
+        acknowledgement or the error its answer carried. None, with nothing sent, when a
+        payload is not in a window this daemon has (an empty one, an APPLY's, needs none)."""
+        places = []
+        for push in pushes:
+            data = memoryview(push.data).cast("B")
+            ref = self._ref(data) if len(data) else ps_pb2.LocalRef(window=0, offset=0, nbytes=0)
+            if ref is None:
+                return None
+            places.append(ref)
+        requests = [ps_pb2.DataRequest(push=p.header, local=ref) for p, ref in zip(pushes, places, strict=True)]
+        with self._connection(timeout, fence=True) as conn:
+            answers = self._batch(conn, requests, timeout)
+        results: list[ps_pb2.PushResponse | DataPlaneError] = []
+        for ref, answer in zip(places, answers, strict=True):
+            if answer.code:
+                results.append(_error(answer))
+            else:
+                self._count(ref, ref.nbytes)
+                results.append(answer.push)
+        return results
+
+    def _batch(
+        self, conn: _Connection, requests: list[ps_pb2.DataRequest], timeout: float
+    ) -> list[ps_pb2.DataResponse]:
+        batch = ps_pb2.DataRequest(
+            batch=ps_pb2.DataBatch(requests=requests),
+            authorization=self._authorization,
+            timeout_ms=max(1, int(timeout * 1000)),
+        )
+        self._sent()
+        send_message(conn.sock, batch)
+        answers = _answer(conn.sock).answers
+        if len(answers) != len(requests):  # the daemon stopped at a fault of its own (INTERNAL), and closes
+            last = f": {answers[-1].message}" if answers else ""
+            raise FrameError(f"a batch of {len(requests)} requests was answered {len(answers)} times{last}")
+        return list(answers)
+
+    def _sent(self) -> None:
+        with self._lock:
+            self.round_trips += 1
 
     def _count(self, ref: ps_pb2.LocalRef | None, nbytes: int) -> None:
         with self._lock:
@@ -323,5 +395,9 @@ def _answer(sock: socket.socket) -> ps_pb2.DataResponse:
     """The daemon's answer; a status it answered with raises DataPlaneError (the connection stays usable)."""
     response = recv_message(sock, ps_pb2.DataResponse)
     if response.code:
-        raise DataPlaneError(STATUS_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message)
+        raise _error(response)
     return response
+
+
+def _error(response: ps_pb2.DataResponse) -> DataPlaneError:
+    return DataPlaneError(STATUS_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message)

@@ -212,15 +212,7 @@ class ShardedClient:
         holder of the shard; they answer alike, or the replicas have diverged (an error).
         `pull_into`: where the shard's new version should go too, asked of the first live
         holder only (the one a pull would read); the answer's `pulled` says it is there."""
-        header = push.header
-        if (header.model, header.shard_id) != (self.model, shard.shard_id):
-            raise ValueError(
-                f"a push for {header.model!r} shard {header.shard_id} sent as shard {shard.shard_id} of {self.model!r}"
-            )
-        # The holders left out, told to those that answer: their metrics show the shards a
-        # replica short (ps_offload.daemon.store.replica_reports); empty again once repaired.
-        del header.lost_holders[:]
-        header.lost_holders.extend(sorted(self.holders.lost))
+        self._check_push(shard, push)
         first = self.live_holders(shard)[0]
         answers = self._on_holders(
             shard,
@@ -242,6 +234,17 @@ class ShardedClient:
             answer.pulled = False
         return answer
 
+    def _check_push(self, shard: ShardSlice, push: Push) -> None:
+        header = push.header
+        if (header.model, header.shard_id) != (self.model, shard.shard_id):
+            raise ValueError(
+                f"a push for {header.model!r} shard {header.shard_id} sent as shard {shard.shard_id} of {self.model!r}"
+            )
+        # The holders left out, told to those that answer: their metrics show the shards a
+        # replica short (ps_offload.daemon.store.replica_reports); empty again once repaired.
+        del header.lost_holders[:]
+        header.lost_holders.extend(sorted(self.holders.lost))
+
     def pull(
         self,
         shard: ShardSlice,
@@ -262,6 +265,83 @@ class ShardedClient:
             PULL_RETRYABLE,
             every=False,
         )
+        return self._at_least(shard, version, min_version)
+
+    def batches(self, shards: list[ShardSlice]) -> list[list[int]]:
+        """`shards`' indices grouped as pull_batch and push_batch send them: those of one
+        unreplicated daemon whose transport takes batches together, every other shard alone."""
+        groups: dict[int, list[int]] = {}
+        alone = []
+        for i, shard in enumerate(shards):
+            index = shard.daemon_index
+            if len(shard.holders) == 1 and index not in self.holders.lost and _batches(self.transports[index]):
+                groups.setdefault(index, []).append(i)
+            else:
+                alone.append([i])
+        return [*groups.values(), *alone]
+
+    def pull_batch(
+        self, shards: list[ShardSlice], outs: list[memoryview], *, min_version: int, dtype: int = ps_pb2.FLOAT32
+    ) -> list[int | BaseException]:
+        """pull() of each shard's master values into its `out`; per shard, its version or what
+        its pull raised. A daemon's shards in one round trip where its transport takes batches
+        (`batches`); a shard the batch did not bring (an error in its answer, or the batch
+        failing) is pulled alone, with pull()'s retries."""
+        pulls = [Pull.of(self.model, s.shard_id, min_version=min_version, dtype=dtype) for s in shards]
+        timeout = self.config.rpc_timeout_seconds
+        got = self._batched(shards, lambda t, idx: t.pull_batch([(pulls[i], outs[i]) for i in idx], timeout=timeout))
+        results: list[int | BaseException] = []
+        for i, shard in enumerate(shards):
+            try:
+                if isinstance(got.get(i), int):
+                    results.append(self._at_least(shard, got[i], min_version))
+                else:
+                    results.append(self.pull(shard, min_version=min_version, out=outs[i], dtype=dtype))
+            except Exception as error:  # noqa: BLE001 - the caller's, per shard
+                results.append(error)
+        return results
+
+    def push_batch(self, shards: list[ShardSlice], pushes: list[Push]) -> list[ps_pb2.PushResponse | BaseException]:
+        """push() of each shard's push; per shard, the daemon's acknowledgement or what its push
+        raised. A daemon's shards in one round trip where its transport takes batches
+        (`batches`), applied in the given order; a push the batch did not carry through (an
+        error in its answer, or the batch failing) is sent alone, with push()'s retries (a push
+        is applied at most once per (shard, step), so a repeat is answered, not applied)."""
+        for shard, push in zip(shards, pushes, strict=True):
+            self._check_push(shard, push)
+        timeout = self.config.rpc_timeout_seconds
+        got = self._batched(shards, lambda t, idx: t.push_batch([pushes[i] for i in idx], timeout=timeout))
+        results: list[ps_pb2.PushResponse | BaseException] = []
+        for i, (shard, push) in enumerate(zip(shards, pushes, strict=True)):
+            if isinstance(got.get(i), ps_pb2.PushResponse):
+                results.append(got[i])
+                continue
+            try:
+                results.append(self.push(shard, push))
+            except Exception as error:  # noqa: BLE001 - the caller's, per shard
+                results.append(error)
+        return results
+
+    def _batched(self, shards: list[ShardSlice], send: Callable[[object, list[int]], list | None]) -> dict[int, object]:
+        """send(transport, indices) for each group of two or more of `batches`; shard index ->
+        what its answer brought (a result, or the error in it). A group whose batch failed as
+        a whole, or that its transport would not send (None), brings nothing."""
+        got: dict[int, object] = {}
+        for group in self.batches(shards):
+            if len(group) < 2:
+                continue
+            index = shards[group[0]].daemon_index
+            try:
+                answers = send(self.transports[index], group)
+            except grpc.RpcError as error:  # each is sent again alone, with the retries
+                log.info("a batch of %d to %s failed (%s); sending them one by one", len(group), self.daemons[index],
+                         error.code().name)  # fmt: skip
+                continue
+            if answers is not None:
+                got.update(zip(group, answers, strict=True))
+        return got
+
+    def _at_least(self, shard: ShardSlice, version: int, min_version: int) -> int:
         if version < min_version:  # a daemon's promise broken: never trained on silently
             raise RuntimeError(
                 f"a daemon answered the pull of shard {shard.shard_id} of model {self.model!r} at version {version}, "
@@ -360,6 +440,11 @@ class ShardedClient:
         self.holders.close()
         self._fanout.shutdown(wait=True)
         self.transports.close()
+
+
+def _batches(transport: object) -> bool:
+    """Whether a transport sends batches (the local one: ps_offload.trainer.wire.transport)."""
+    return hasattr(transport, "pull_batch") and hasattr(transport, "push_batch")
 
 
 def expected_plan(spec: ps_pb2.ModelSpec, shard_bytes: int) -> list[ShardSlice]:

@@ -7,6 +7,11 @@ and the local transport (ps_offload.trainer.wire.local_client.LocalClient: heade
 socket, the bytes through a shared-memory slot, for the node's own daemon). ShardedClient
 picks one per daemon and retries through any of them the same way; a new transport
 implements these three methods and nothing else (a push's `pull_into` it may ignore).
+
+A transport may also send batches, a daemon's pulls or pushes in one round trip: the local
+one does (`LocalClient.pull_batch` and `push_batch`, proto DataBatch). ShardedClient uses them
+where both are there (`ShardedClient.batches`), and sends alone whatever a batch did not
+carry through.
 """
 
 from __future__ import annotations

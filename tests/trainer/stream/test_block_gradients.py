@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -24,9 +23,13 @@ class GatedDaemon:
         self.gate = threading.Event()
         self.pushed: list[int] = []
 
-    def push(self, shard, push):
+    def batches(self, shards):
+        return [list(range(len(shards)))]
+
+    def push_batch(self, shards, pushes):
         assert self.gate.wait(timeout=60)
-        self.pushed.append(shard.shard_id)
+        self.pushed.extend(shard.shard_id for shard in shards)
+        return [None] * len(shards)
 
 
 class HostMover:
@@ -35,9 +38,8 @@ class HostMover:
     def mark_compute(self) -> None:
         return None
 
-    @contextlib.contextmanager
-    def host_view(self, buffer, shard, after):
-        yield memoryview(buffer[shard.offset : shard.end].numpy()).cast("B")
+    def in_place(self, buffer, shard):
+        return memoryview(buffer[shard.offset : shard.end].numpy()).cast("B")
 
 
 class Io:

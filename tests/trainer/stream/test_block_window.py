@@ -28,6 +28,9 @@ class ConcurrentWrites:
     def mark_compute(self) -> None:
         return None
 
+    def in_place(self, buffer, shard) -> None:
+        return None  # staged: a task per shard, each copying up
+
     def pull(self, buffer, shard, after, fill) -> int:
         version = fill(memoryview(b""))
         self.barrier.wait(timeout=30)
@@ -132,6 +135,9 @@ class GatedPulls:
 
     def mark_compute(self) -> None:
         return None
+
+    def in_place(self, buffer, shard) -> None:
+        return None  # staged: a task per shard, each copying up
 
     def pull(self, buffer, shard, after, fill) -> int:
         assert self.gate.wait(timeout=60)
