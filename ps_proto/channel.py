@@ -51,7 +51,10 @@ def keepalive_options(dead_peer_seconds: float) -> list[tuple[str, int]]:
 # comes to need what older daemons lack, and the oldest daemon protocol its trainer accepts.
 # 2: a data plane push's payload comes with its length, a local push always names its place
 # and length (issue 39: a payload longer than its header was applied); 1 and 2 cannot mix.
-PROTOCOL = 2
+# 3: the local transport takes batches (DataBatch); a trainer sends them only to a daemon of
+# 3 or later, and to one of 2 its requests one by one.
+PROTOCOL = 3
+BATCHES_PROTOCOL = 3
 MIN_DAEMON_PROTOCOL = 2
 
 # Trailing metadata of a RESOURCE_EXHAUSTED that only says "busy now" (too many calls from one

@@ -237,3 +237,24 @@ def test_a_batch_on_the_tcp_data_plane_is_refused_saying_it_is_local_only(daemon
     assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "a batch is for the local transport only" in answer.message
     client.close()
+
+
+def test_a_daemon_of_protocol_2_gets_its_requests_one_by_one(daemon, monkeypatch):
+    """A daemon from before batches (protocol 2) would refuse one: the trainer sends it none."""
+    client = _client(daemon.address, "batch-protocol-2")
+    local = _local(client)
+    assert local.takes_batches
+    answer = client.transports.clients[0].register(client.spec, 0, timeout=30)
+    answer.protocol = 2  # as an older daemon answers
+    client.transports.use_data_plane(0, answer, client.plan)
+    assert client.transports[0] is local and not local.takes_batches
+    assert client.batches(client.plan) == [[0], [1], [2]]
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a batch was sent to a daemon of protocol 2")
+
+    monkeypatch.setattr(LocalClient, "_batch", refused)
+    outs = _window(client)
+    assert client.pull_batch(client.plan, [byte_view(o) for o in outs], min_version=0) == [0, 0, 0]
+    assert [o[0].item() for o in outs] == [1.0, 2.0, 3.0]
+    client.close()

@@ -147,6 +147,9 @@ class LocalClient:
         self.pulls_carried = 0  # pushes whose answer said the new version was written where asked (pull_into)
         self.connections_opened = 0  # over its life: a pool too small for its callers opens them again and again
         self.round_trips = 0  # pulls, pushes and batches sent: a batch of a block's shards is one
+        # Whether the daemon takes batches (DataBatch: protocol 3), from its registration answer:
+        # ShardedClient sends an older one's requests one by one.
+        self.takes_batches = False
         self._windows = windows or HostWindows()
         # Proven here, not assumed: a daemon on another host or namespace, or of another uid,
         # fails this connect, and the caller uses the data plane instead.

@@ -443,8 +443,9 @@ class ShardedClient:
 
 
 def _batches(transport: object) -> bool:
-    """Whether a transport sends batches (the local one: ps_offload.trainer.wire.transport)."""
-    return hasattr(transport, "pull_batch") and hasattr(transport, "push_batch")
+    """Whether a transport sends batches (the local one, to a daemon that takes them:
+    ps_offload.trainer.wire.transport)."""
+    return bool(getattr(transport, "takes_batches", False))
 
 
 def expected_plan(spec: ps_pb2.ModelSpec, shard_bytes: int) -> list[ShardSlice]:

@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from ps_offload.proto import ps_pb2
+from ps_offload.proto.channel import BATCHES_PROTOCOL
 from ps_offload.proto.frames import split_host_port
 from ps_offload.proto.plan import ShardSlice
 from ps_offload.trainer.config import ClientConfig
@@ -64,9 +65,11 @@ class Transports:
             # The slot holds any push or pull of this daemon's largest shard.
             slot_bytes = slot_bytes_for(max((s.numel for s in plan if index in s.holders), default=1))
             if isinstance(current, LocalClient) and (current.endpoint, current.slot_bytes) == (endpoint, slot_bytes):
+                current.takes_batches = response.protocol >= BATCHES_PROTOCOL
                 return
             local = self._connect_local(index, endpoint, slot_bytes)
             if local is not None:
+                local.takes_batches = response.protocol >= BATCHES_PROTOCOL  # (an older daemon's: one by one)
                 self._carry(index, local)
                 return
         if isinstance(current, DataPlaneClient) and current.address[1] == data_port:

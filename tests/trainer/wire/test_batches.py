@@ -9,7 +9,9 @@ from ps_offload.trainer.wire.sharded_client import ShardedClient
 
 
 class Batching:
-    """A transport that takes batches (as the local one does)."""
+    """A transport that takes batches (as the local one does, to a daemon of protocol 3)."""
+
+    takes_batches = True
 
     def pull_batch(self, pulls, *, timeout):
         raise AssertionError("not sent")
