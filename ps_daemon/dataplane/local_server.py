@@ -276,7 +276,7 @@ class LocalServer:
             answer, keep = self._answer(session, request, request.authorization, min(seconds, self.max_pull_wait))
             send_message(sock, answer)
             return keep
-        deadline, answers = time.monotonic() + seconds, []
+        deadline, answers, keep = time.monotonic() + seconds, [], True
         for inner in request.batch.requests:  # in order, each as if it came alone
             left = max(0.0, min(deadline - time.monotonic(), self.max_pull_wait))
             answer, keep = self._answer(session, inner, request.authorization, left)

@@ -226,6 +226,18 @@ def test_a_batch_answers_what_it_cannot_carry_alone_and_serves_the_rest(daemon, 
     client.close()
 
 
+def test_an_empty_batch_is_answered_with_no_answers_and_the_connection_serves_on(daemon):
+    client = _client(daemon.address, "batch-empty")
+    local = _local(client)
+    with local._connection(30, fence=False) as conn:
+        send_message(conn.sock, ps_pb2.DataRequest(batch=ps_pb2.DataBatch()))
+        answer = recv_message(conn.sock, ps_pb2.DataResponse)
+        assert answer.code == 0 and len(answer.answers) == 0
+        send_message(conn.sock, ps_pb2.DataRequest(batch=ps_pb2.DataBatch()))  # the same connection, again
+        assert recv_message(conn.sock, ps_pb2.DataResponse).code == 0
+    client.close()
+
+
 def test_a_batch_on_the_tcp_data_plane_is_refused_saying_it_is_local_only(daemon):
     client = _client(daemon.address, "batch-tcp", transport="tcp")
     plane = client.transports[0]
