@@ -93,7 +93,7 @@ class PartsApplier:
                 groups=groups,
                 grad_multiplier=multiplier,
                 check_only=check_only,
-            )  # fmt: skip
+            )
             for shard in shards
         ]
         return self.client.push_batch(shards, pushes)
