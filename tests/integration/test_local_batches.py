@@ -119,6 +119,18 @@ def test_a_batch_of_pushes_steps_each_shard_as_pushes_one_by_one_do(daemon, monk
     client.close()
 
 
+def test_an_empty_batch_from_the_client_is_answered_with_nothing_and_the_connection_serves_on(daemon):
+    # The client adds a batch's requests in place: with none added, what it sends must still be
+    # a batch (not a request carrying nothing, which the daemon refuses).
+    client = _client(daemon.address, "batch-empty")
+    local = _local(client)
+    assert local.push_batch([], timeout=30) == []
+    assert local.pull_batch([], timeout=30) == []
+    outs = _window(client)
+    assert client.pull_batch(client.plan, [byte_view(o) for o in outs], min_version=0) == [0, 0, 0]
+    client.close()
+
+
 def test_an_error_in_a_batch_fails_only_its_own_request(daemon):
     client = _client(daemon.address, "batch-error")
     local = _local(client)
@@ -153,8 +165,8 @@ def test_a_batch_that_fails_as_a_whole_is_sent_again_shard_by_shard(daemon, monk
     outs = _window(client)
     failed = []
 
-    def broken(self, conn, requests, timeout):
-        failed.append(len(requests))
+    def broken(self, conn, batch):
+        failed.append(len(batch.batch.requests))
         raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, "the connection broke (injected)")
 
     monkeypatch.setattr(LocalClient, "_batch", broken)
@@ -214,7 +226,7 @@ def test_a_batch_answers_what_it_cannot_carry_alone_and_serves_the_rest(daemon, 
     outs = _window(client)
     local = _local(client)
     ref = local._ref(byte_view(outs[0]))
-    pull = ps_pb2.DataRequest(pull=Pull.of(client.model, 0, min_version=0).request, local=ref)
+    pull = ps_pb2.DataRequest(pull=Pull.of(client.model, 0, min_version=0).request, local=ref._asdict())
     with local._connection(30, fence=False) as conn:
         send_message(conn.sock, ps_pb2.DataRequest(batch=ps_pb2.DataBatch(requests=[inner, pull])))
         answer = recv_message(conn.sock, ps_pb2.DataResponse)

@@ -228,7 +228,9 @@ def test_a_bad_pull_into_is_invalid_argument_and_changes_nothing(daemon, pull_in
     local = _local(client)
     kinds = {"gradient": ps_pb2.GRADIENT, "parameters": ps_pb2.PARAMETERS}
     push = Push.unchecked(model, 0, byte_view(grad), step=0, kind=kinds[kind])
-    request = ps_pb2.DataRequest(push=push.header, local=local._ref(byte_view(grad)), pull_dtype=ps_pb2.FLOAT32)
+    request = ps_pb2.DataRequest(
+        push=push.header, local=local._ref(byte_view(grad))._asdict(), pull_dtype=ps_pb2.FLOAT32
+    )
     request.pull_into.CopyFrom(ps_pb2.LocalRef(**pull_into))
     with local._connection(30, fence=False) as conn:
         send_message(conn.sock, request)

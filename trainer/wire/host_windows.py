@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ps_offload.proto import ps_pb2
 from ps_offload.proto.shared_memory import sealed_memfd
-from ps_offload.trainer.wire.slot_region import SlotRegion
+from ps_offload.trainer.wire.slot_region import SlotRegion, WindowPlace
 
 Prepare = Callable[[torch.Tensor], bool]
 """Readies a window's tensor before it is offered to the daemons; False: do not use it."""
@@ -133,7 +132,7 @@ class HostWindows:
             self._maps[number] = mapped
         return number
 
-    def find(self, view: memoryview) -> ps_pb2.LocalRef | None:
+    def find(self, view: memoryview) -> WindowPlace | None:
         """Where `view` lies in a window (its window, offset and length), or None."""
         nbytes = len(view)
         if not nbytes:
@@ -146,5 +145,5 @@ class HostWindows:
                 return region.ref(start, nbytes)
         for window in self.windows:
             if window.address <= start and start + nbytes <= window.address + window.nbytes:
-                return ps_pb2.LocalRef(window=window.number, offset=start - window.address, nbytes=nbytes)
+                return WindowPlace(window.number, start - window.address, nbytes)
         return None

@@ -49,6 +49,7 @@ from ps_offload.proto.security import ClientSecurity
 from ps_offload.proto.shared_memory import SharedMapping, sealed_memfd
 from ps_offload.trainer.wire.dataplane_client import STATUS_CODES, DataPlaneError, pull_request
 from ps_offload.trainer.wire.host_windows import HostWindow, HostWindows
+from ps_offload.trainer.wire.slot_region import WindowPlace
 from ps_offload.trainer.wire.transport import PullInto
 
 log = logging.getLogger(__name__)
@@ -254,7 +255,7 @@ class LocalClient:
         else:
             self._closed(conn)
 
-    def _ref(self, view: memoryview) -> ps_pb2.LocalRef | None:
+    def _ref(self, view: memoryview) -> WindowPlace | None:
         ref = self._windows.find(view)
         return ref if ref is not None and ref.window in self._attached else None
 
@@ -264,7 +265,7 @@ class LocalClient:
         view = memoryview(out).cast("B")
         ref = self._ref(view)
         if ref is not None:
-            request.local.CopyFrom(ref)  # written there by the daemon
+            ref.into(request.local)  # written there by the daemon
         with self._connection(timeout + 5.0, fence=ref is not None) as conn:
             self._sent()
             send_message(conn.sock, request)
@@ -294,10 +295,11 @@ class LocalClient:
             )
         # Where the payload lies and its length as sent: the daemon refuses a header that says
         # another (its slot holds whatever was there before past the bytes written).
-        place = ref if ref is not None else ps_pb2.LocalRef(window=0, offset=0, nbytes=len(data))
-        request = ps_pb2.DataRequest(push=push.header, authorization=self._authorization, local=place)
+        place = ref if ref is not None else WindowPlace(0, 0, len(data))
+        request = ps_pb2.DataRequest(push=push.header, authorization=self._authorization)
+        place.into(request.local)
         if target is not None:
-            request.pull_into.CopyFrom(target)
+            target.into(request.pull_into)
             request.pull_dtype = pull_into.dtype
         # Fenced when the daemon may read or write our memory past a failure (_connection).
         with self._connection(timeout, fence=ref is not None or target is not None) as conn:
@@ -320,10 +322,14 @@ class LocalClient:
         refs = [self._ref(view) for view in views]
         if any(ref is None for ref in refs):
             return None
-        requests = [ps_pb2.DataRequest(pull=p.request, local=ref) for (p, _), ref in zip(pulls, refs, strict=True)]
+        batch = self._new_batch(timeout)
+        for (pull, _), ref in zip(pulls, refs, strict=True):
+            request = batch.batch.requests.add()
+            request.pull.CopyFrom(pull.request)
+            ref.into(request.local)
         results: list[int | DataPlaneError] = []
         with self._connection(timeout + 5.0, fence=True) as conn:
-            answers = self._batch(conn, requests, timeout)
+            answers = self._batch(conn, batch)
             for (pull, _), view, answer in zip(pulls, views, answers, strict=True):
                 if answer.code:
                     results.append(_error(answer))
@@ -345,13 +351,17 @@ class LocalClient:
         places = []
         for push in pushes:
             data = memoryview(push.data).cast("B")
-            ref = self._ref(data) if len(data) else ps_pb2.LocalRef(window=0, offset=0, nbytes=0)
+            ref = self._ref(data) if len(data) else WindowPlace(0, 0, 0)
             if ref is None:
                 return None
             places.append(ref)
-        requests = [ps_pb2.DataRequest(push=p.header, local=ref) for p, ref in zip(pushes, places, strict=True)]
+        batch = self._new_batch(timeout)
+        for push, ref in zip(pushes, places, strict=True):
+            request = batch.batch.requests.add()
+            request.push.CopyFrom(push.header)
+            ref.into(request.local)
         with self._connection(timeout, fence=True) as conn:
-            answers = self._batch(conn, requests, timeout)
+            answers = self._batch(conn, batch)
         results: list[ps_pb2.PushResponse | DataPlaneError] = []
         for ref, answer in zip(places, answers, strict=True):
             if answer.code:
@@ -361,27 +371,31 @@ class LocalClient:
                 results.append(answer.push)
         return results
 
-    def _batch(
-        self, conn: _Connection, requests: list[ps_pb2.DataRequest], timeout: float
-    ) -> list[ps_pb2.DataResponse]:
-        batch = ps_pb2.DataRequest(
-            batch=ps_pb2.DataBatch(requests=requests),
-            authorization=self._authorization,
-            timeout_ms=max(1, int(timeout * 1000)),
-        )
+    def _new_batch(self, timeout: float) -> ps_pb2.DataRequest:
+        # Its requests are added in place (`batch.requests.add()`), not built apart and copied
+        # in: each protobuf message built on its own is an arena of its own, and protobuf's
+        # Python runtime calls malloc_trim(0) every 10,000 arena frees, handing this process's
+        # whole free heap back to the kernel to be faulted in again (docs/benchmarks.md,
+        # stream_overhead).
+        batch = ps_pb2.DataRequest(authorization=self._authorization, timeout_ms=max(1, int(timeout * 1000)))
+        batch.batch.SetInParent()  # a batch even with no requests in it
+        return batch
+
+    def _batch(self, conn: _Connection, batch: ps_pb2.DataRequest) -> list[ps_pb2.DataResponse]:
+        sent = len(batch.batch.requests)
         self._sent()
         send_message(conn.sock, batch)
         answers = _answer(conn.sock).answers
-        if len(answers) != len(requests):  # the daemon stopped at a fault of its own (INTERNAL), and closes
+        if len(answers) != sent:  # the daemon stopped at a fault of its own (INTERNAL), and closes
             last = f": {answers[-1].message}" if answers else ""
-            raise FrameError(f"a batch of {len(requests)} requests was answered {len(answers)} times{last}")
+            raise FrameError(f"a batch of {sent} requests was answered {len(answers)} times{last}")
         return list(answers)
 
     def _sent(self) -> None:
         with self._lock:
             self.round_trips += 1
 
-    def _count(self, ref: ps_pb2.LocalRef | None, nbytes: int) -> None:
+    def _count(self, ref: WindowPlace | None, nbytes: int) -> None:
         with self._lock:
             if ref is None:
                 self.bytes_copied += nbytes

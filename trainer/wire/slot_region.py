@@ -26,6 +26,7 @@ import ctypes.util
 import mmap
 import sys
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +42,19 @@ _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE, _MAP_POPU
     0x4000,
     0x8000,
 )
+
+
+class WindowPlace(NamedTuple):
+    """Where bytes lie in the node's windows: a LocalRef's fields as a plain tuple, written
+    into a request's own `local` field (`into`) rather than built as a message apart, which
+    would be a protobuf arena of its own per shard (trainer/wire/local_client.py `_new_batch`)."""
+
+    window: int
+    offset: int
+    nbytes: int
+
+    def into(self, ref: ps_pb2.LocalRef) -> None:
+        ref.window, ref.offset, ref.nbytes = self.window, self.offset, self.nbytes
 
 
 def _libc():
@@ -122,7 +136,7 @@ class SlotRegion:
             self._map(offset, nbytes, -1, 0)
             self._free.append(held[0])
 
-    def ref(self, address: int, nbytes: int) -> ps_pb2.LocalRef | None:
+    def ref(self, address: int, nbytes: int) -> WindowPlace | None:
         """Where `nbytes` at `address` lie in the window, if within one block mapped to a slot."""
         if not (self.address <= address and address + nbytes <= self.address + self.nbytes):
             return None
@@ -131,7 +145,7 @@ class SlotRegion:
             for offset, (slot, span) in self._mapped.items():
                 if offset <= at and at + nbytes <= offset + span:
                     where = slot * self.slot_bytes + at - offset
-                    return ps_pb2.LocalRef(window=self.number, offset=where, nbytes=nbytes)
+                    return WindowPlace(self.number, where, nbytes)
         return None
 
     def _span(self, tensor: torch.Tensor) -> tuple[int, int]:
