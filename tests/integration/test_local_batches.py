@@ -122,7 +122,7 @@ def test_a_batch_of_pushes_steps_each_shard_as_pushes_one_by_one_do(daemon, monk
 def test_an_empty_batch_from_the_client_is_answered_with_nothing_and_the_connection_serves_on(daemon):
     # The client adds a batch's requests in place: with none added, what it sends must still be
     # a batch (not a request carrying nothing, which the daemon refuses).
-    client = _client(daemon.address, "batch-empty")
+    client = _client(daemon.address, "batch-empty-client")
     local = _local(client)
     assert local.push_batch([], timeout=30) == []
     assert local.pull_batch([], timeout=30) == []
