@@ -102,7 +102,14 @@ class Daemon:
         observe = self.metrics.observe_rpc if self.metrics else None
         pool = LocalPool.at_start(config.server.local_pool_bytes)  # refused here when the host lacks it
         local = dict(
-            store=self.store, staging=staging, limits=config.server, pool=pool, token=self.token, observe=observe
+            store=self.store,
+            staging=staging,
+            limits=config.server,
+            pool=pool,
+            token=self.token,
+            observe=observe,
+            # A batch's pushes side by side commit together; without NVMe there is nothing to group.
+            pushes_at_once=config.store.nvme_spare_slots if config.store.nvme_dir else 1,
         )
         self.local = LocalServer.bind(**local) if self.data_plane else None
         self.health = health.HealthServicer()

@@ -28,7 +28,8 @@ them: the bytes are in memory both ends map (ps_offload.proto.shared_memory).
   this thread's wake-up, the token check, the trainer's side of it) is most of what a local
   pull of a MiB costs, both ends' CPU on the trainer's own cores: a trainer sends a block's
   shards, or a step's APPLYs, as one batch. Its requests name places in windows (the slot
-  holds one request's bytes).
+  holds one request's bytes). With NVMe, a run of pushes to different shards is served side by
+  side so that their commits share groups (ps_offload.daemon.dataplane.batch_runs).
 
 Why reading and writing the client's memory in place is safe: a connection carries one
 request at a time, and a client whose request failed midway (its deadline passed, the
@@ -65,6 +66,7 @@ import grpc
 import torch
 
 from ps_offload.daemon.config import ServerConfig
+from ps_offload.daemon.dataplane.batch_runs import BatchRuns
 from ps_offload.daemon.dataplane.local_pool import LocalPool
 from ps_offload.daemon.dataplane.local_session import PEERCRED, Refused, Session, close_fds, process_groups, refuse
 from ps_offload.daemon.dataplane.requests import DATA_METHODS
@@ -92,11 +94,13 @@ class LocalServer:
         pool: LocalPool,
         token: TokenCheck | None = None,
         observe: Callable[[str, grpc.StatusCode, float], None] | None = None,
+        pushes_at_once: int = 1,
     ) -> None:
         """limits: the [server] keys it follows (max_pull_wait_seconds,
         max_data_connections_per_client, data_stall_seconds for the first frame); token: the
         [auth] rule; pool: the node's shared memory (server.local_pool_bytes);
-        observe(method, code, seconds): told about every request (metrics)."""
+        observe(method, code, seconds): told about every request (metrics); pushes_at_once: how
+        many of a batch's pushes are served side by side (ps_offload.daemon.dataplane.batch_runs)."""
         self.endpoint = f"ps-offload-{uuid.uuid4().hex}"  # per start: a restarted daemon is a new name
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind("\0" + self.endpoint)
@@ -110,6 +114,7 @@ class LocalServer:
         self.group_id = grp.getgrnam(self.group).gr_gid if self.group else None  # (checked at load)
         self.token = token
         self.observe = observe
+        self.pushes_at_once = pushes_at_once
         self.refused = 0  # connections refused since the start
         self.stopping = False
         self._connections: set[socket.socket] = set()
@@ -219,7 +224,7 @@ class LocalServer:
         return gid == self.group_id or self.group_id in process_groups(pid)
 
     def _connection(self, sock: socket.socket, pid: int) -> None:
-        session, joined = Session(sock, pid), False
+        session, joined = Session(sock, pid, BatchRuns(self.pushes_at_once)), False
         try:
             sock.settimeout(self.stall_seconds)  # a client that never sends its slot goes
             request, fds = session.receive()
@@ -252,6 +257,7 @@ class LocalServer:
             with self._cond:
                 self._connections.discard(sock)
             sock.close()  # out of every request: the client may use its memory again
+            session.batch_runs.close()
             if session.slot is not None:
                 session.slot.close()
             if joined:
@@ -276,13 +282,14 @@ class LocalServer:
             answer, keep = self._answer(session, request, request.authorization, min(seconds, self.max_pull_wait))
             send_message(sock, answer)
             return keep
-        deadline, answers, keep = time.monotonic() + seconds, [], True
-        for inner in request.batch.requests:  # in order, each as if it came alone
+        deadline = time.monotonic() + seconds
+
+        def answer(inner: ps_pb2.DataRequest) -> tuple[ps_pb2.DataResponse, bool]:
             left = max(0.0, min(deadline - time.monotonic(), self.max_pull_wait))
-            answer, keep = self._answer(session, inner, request.authorization, left)
-            answers.append(answer)
-            if not keep:
-                break
+            return self._answer(session, inner, request.authorization, left)
+
+        # Each as if it came alone; a run of pushes side by side (ps_offload.daemon.dataplane.batch_runs).
+        answers, keep = session.batch_runs.serve(request.batch.requests, answer)
         send_message(sock, ps_pb2.DataResponse(answers=answers))
         return keep
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 
+from ps_offload.daemon.dataplane.batch_runs import BatchRuns
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import FrameError, send_message, split_frame
 from ps_offload.proto.shared_memory import SharedMapping
@@ -31,9 +32,10 @@ class Session:
     """One connection: its socket, the bytes received and not yet parsed, its client's id
     and its slot."""
 
-    def __init__(self, sock: socket.socket, pid: int) -> None:
+    def __init__(self, sock: socket.socket, pid: int, batch_runs: BatchRuns) -> None:
         self.sock = sock
         self.pid = pid
+        self.batch_runs = batch_runs  # how its batches are served
         self.inbox = bytearray()
         self.client = ""
         self.slot: SharedMapping | None = None

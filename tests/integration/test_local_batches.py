@@ -12,6 +12,7 @@ import grpc
 import pytest
 import torch
 
+from ps_admin.client import stats
 from ps_offload import trainer
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import recv_message, send_message
@@ -28,11 +29,15 @@ from tests.helpers.specs import local_spec
 NUMEL = 1024  # local_spec's shards: 3 of NUMEL fp32
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+@pytest.fixture(scope="module", params=["ram", "nvme"])
+def daemon(request, tmp_path_factory):
+    """RAM only a batch is served in order; with NVMe its runs of pushes side by side
+    (ps_offload.daemon.dataplane.batch_runs): each test holds for both."""
     from ps_offload.daemon.local import LocalDaemon
 
-    daemon = LocalDaemon(tmp_path_factory.mktemp("batches"))
+    directory = tmp_path_factory.mktemp("batches")
+    nvme = ["--nvme-dir", str(directory / "nvme")] if request.param == "nvme" else []
+    daemon = LocalDaemon(directory / "daemon", *nvme)
     try:
         yield daemon
     finally:
@@ -116,6 +121,32 @@ def test_a_batch_of_pushes_steps_each_shard_as_pushes_one_by_one_do(daemon, monk
         again = client.push_batch(client.plan, pushes)  # the same (shard, step): answered, not applied
         assert [(a.applied, a.version) for a in again] == [(False, 1)] * 3
     assert _state(daemon.address, "pushes-batched") == _state(daemon.address, "pushes-alone")
+    client.close()
+
+
+def test_a_shard_pushed_twice_in_a_batch_is_stepped_in_the_batchs_order(daemon):
+    """Pushes 0, 1, 2 of step 0, then 0 and 1 of step 1: with NVMe the first three are served
+    side by side and the last two after them (a shard already in the run ends it), so the state
+    is what pushing them one by one, in order, makes; with NVMe each is committed."""
+    grads = [torch.linspace(-1, 1, NUMEL) * (i + 1) for i in range(5)]
+    order = [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1)]  # (shard, step)
+    alone = _client(daemon.address, "twice-alone")
+    for (shard, step), grad in zip(order, grads, strict=True):
+        assert alone.push(alone.plan[shard], Push.gradient(alone.model, shard, byte_view(grad), step=step)).applied
+    alone.close()
+    client = _client(daemon.address, "twice-batched")
+    places = _window(client) + _window(client)[:2]
+    for place, grad in zip(places, grads, strict=True):
+        place.copy_(grad)
+    committed = stats(daemon.address, 30).nvme_commits
+    pushes = [
+        Push.gradient(client.model, shard, byte_view(place), step=step)
+        for (shard, step), place in zip(order, places, strict=True)
+    ]
+    acks = _local(client).push_batch(pushes, timeout=30)
+    assert [(a.applied, a.version) for a in acks] == [(True, 1)] * 3 + [(True, 2)] * 2
+    assert _state(daemon.address, "twice-batched") == _state(daemon.address, "twice-alone")
+    assert stats(daemon.address, 30).nvme_commits - committed == (5 if "--nvme-dir" in daemon.process.args else 0)
     client.close()
 
 

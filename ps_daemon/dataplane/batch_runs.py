@@ -1,0 +1,87 @@
+"""A local batch's pushes served side by side, so that their commits share a group.
+
+Why. A streamed trainer sends a step's APPLYs to a daemon as one batch (and, with
+micro_batches=1, a block's GRADIENTs). Served one after another, each push's new version was
+made durable before the next push began: every shard its own commit group, two fdatasyncs a
+shard (56 commits, 56 groups, 112 flushes a step for a 56-shard model). Served side by side,
+each push's optimizer step still runs alone (the fused kernels take one lock) but its commit
+queues behind the group being written (ps_offload.daemon.tiers.commit_group), so the step's
+shards go to disk in a few groups of many, each with two flushes: the deeper the disk's
+flush, the larger the groups.
+
+Which requests. A run is consecutive pushes to different shards: they commute, so serving them
+at once answers what serving them in order would. A pull, or a second push to a shard already
+in the run, ends it and is served after the run is answered, as the batch orders it. At most
+`width` pushes of a run are in flight (the daemon's spare slots per model file: more could not
+commit in one group anyway), the next starting as one is answered, so a batch pins at most
+that many shards in the RAM tier at once. Width 1 (a daemon without NVMe: nothing to group)
+serves the batch in order on the connection's thread, as before.
+
+Every push of a run is answered, and the connection's thread returns only when all of them
+have: the client's memory is read in place (ps_offload.daemon.dataplane.local_server), so no
+request may outlive the batch that named it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from ps_offload.proto import ps_pb2
+
+Answer = Callable[[ps_pb2.DataRequest], tuple[ps_pb2.DataResponse, bool]]
+
+
+def runs(requests: Sequence[ps_pb2.DataRequest]) -> list[range]:
+    """`requests`' indices in runs, in order: consecutive pushes to different shards; any
+    other request alone."""
+    out: list[range] = []
+    start, shards = 0, set()
+    for index, request in enumerate(requests):
+        key = (request.push.model, request.push.shard_id) if request.WhichOneof("kind") == "push" else None
+        if key is None or key in shards:
+            if index > start:
+                out.append(range(start, index))
+            start, shards = index, set()
+            if key is None:
+                out.append(range(index, index + 1))
+                start = index + 1
+                continue
+        shards.add(key)
+    if len(requests) > start:
+        out.append(range(start, len(requests)))
+    return out
+
+
+class BatchRuns:
+    """One connection's server of batches; `close()` when the connection ends."""
+
+    def __init__(self, width: int) -> None:
+        self.width = max(1, width)
+        self._pool: ThreadPoolExecutor | None = None  # made at the first run of two
+
+    def serve(self, requests: Sequence[ps_pb2.DataRequest], answer: Answer) -> tuple[list[ps_pb2.DataResponse], bool]:
+        """Each request's answer, in order, and whether the connection may go on. A request
+        answered with "the connection cannot be trusted" (keep False) ends the batch after its
+        run: the answers stop there."""
+        answers: list[ps_pb2.DataResponse] = []
+        for run in runs(requests):
+            if len(run) == 1 or self.width == 1:
+                for index in run:
+                    response, keep = answer(requests[index])
+                    answers.append(response)
+                    if not keep:
+                        return answers, False
+                continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.width, thread_name_prefix="local-batch-push")
+            futures = [self._pool.submit(answer, requests[i]) for i in run]
+            results = [future.result() for future in futures]  # answer() answers errors: none raise
+            answers += [response for response, _ in results]
+            if not all(keep for _, keep in results):
+                return answers, False
+        return answers, True
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
