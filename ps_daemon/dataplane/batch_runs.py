@@ -11,11 +11,16 @@ flush, the larger the groups.
 
 Which requests. A run is consecutive pushes to different shards: they commute, so serving them
 at once answers what serving them in order would. A pull, or a second push to a shard already
-in the run, ends it and is served after the run is answered, as the batch orders it. At most
-`width` pushes of a run are in flight (the daemon's spare slots per model file: more could not
-commit in one group anyway), the next starting as one is answered, so a batch pins at most
-that many shards in the RAM tier at once. Width 1 (a daemon without NVMe: nothing to group)
-serves the batch in order on the connection's thread, as before.
+in the run, ends it and is served after the run is answered, as the batch orders it.
+
+How many at once. Each push side by side holds its shard's arena in the RAM tier until its
+group is durable, and the tier's residency window (ps_offload.daemon.store.residency_window)
+keeps room for one update in flight. So a run goes side by side only as far as
+`updates_at_once` allows: up to the daemon's spare slots per model file (more could not commit
+in one group anyway) where the tier holds the model's arenas whole with room to spare, else
+one at a time. The next push starts as one is answered. One at a time (and always on a daemon
+without NVMe, which has nothing to group) the batch is served in order on the connection's
+thread, as before.
 
 Every push of a run is answered, and the connection's thread returns only when all of them
 have: the client's memory is read in place (ps_offload.daemon.dataplane.local_server), so no
@@ -25,7 +30,7 @@ request may outlive the batch that named it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from ps_offload.proto import ps_pb2
 
@@ -56,9 +61,12 @@ def runs(requests: Sequence[ps_pb2.DataRequest]) -> list[range]:
 class BatchRuns:
     """One connection's server of batches; `close()` when the connection ends."""
 
-    def __init__(self, width: int) -> None:
-        self.width = max(1, width)
-        self._pool: ThreadPoolExecutor | None = None  # made at the first run of two
+    def __init__(self, most: int, at_once: Callable[[str], int] = lambda model: 1) -> None:
+        """`most`: pushes side by side at most (the spare slots; 1: in order always);
+        `at_once(model)`: how many of a model's may be (ShardStore.updates_at_once)."""
+        self.most = max(1, most)
+        self.at_once = at_once
+        self._pool: ThreadPoolExecutor | None = None  # made at the first run served side by side
 
     def serve(self, requests: Sequence[ps_pb2.DataRequest], answer: Answer) -> tuple[list[ps_pb2.DataResponse], bool]:
         """Each request's answer, in order, and whether the connection may go on. A request
@@ -66,21 +74,39 @@ class BatchRuns:
         run: the answers stop there."""
         answers: list[ps_pb2.DataResponse] = []
         for run in runs(requests):
-            if len(run) == 1 or self.width == 1:
+            width = self._width([requests[i] for i in run])
+            if width == 1:
                 for index in run:
                     response, keep = answer(requests[index])
                     answers.append(response)
                     if not keep:
                         return answers, False
                 continue
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.width, thread_name_prefix="local-batch-push")
-            futures = [self._pool.submit(answer, requests[i]) for i in run]
-            results = [future.result() for future in futures]  # answer() answers errors: none raise
+            results = self._side_by_side([requests[i] for i in run], answer, width)
             answers += [response for response, _ in results]
             if not all(keep for _, keep in results):
                 return answers, False
         return answers, True
+
+    def _width(self, run: list[ps_pb2.DataRequest]) -> int:
+        if len(run) == 1 or self.most == 1:
+            return 1
+        return min(self.most, len(run), *(self.at_once(m) for m in {r.push.model for r in run}))
+
+    def _side_by_side(
+        self, run: list[ps_pb2.DataRequest], answer: Answer, width: int
+    ) -> list[tuple[ps_pb2.DataResponse, bool]]:
+        """The run's answers, at most `width` of its pushes in flight, the next starting as one
+        is answered."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.most, thread_name_prefix="local-batch-push")
+        futures: list[Future] = []
+        for request in run:
+            running = [f for f in futures if not f.done()]
+            if len(running) >= width:
+                wait(running, return_when=FIRST_COMPLETED)
+            futures.append(self._pool.submit(answer, request))
+        return [future.result() for future in futures]  # answer() answers errors: none raise
 
     def close(self) -> None:
         if self._pool is not None:

@@ -100,7 +100,8 @@ class LocalServer:
         max_data_connections_per_client, data_stall_seconds for the first frame); token: the
         [auth] rule; pool: the node's shared memory (server.local_pool_bytes);
         observe(method, code, seconds): told about every request (metrics); pushes_at_once: how
-        many of a batch's pushes are served side by side (ps_offload.daemon.dataplane.batch_runs)."""
+        many of a batch's pushes are served side by side at most
+        (ps_offload.daemon.dataplane.batch_runs; the store says how many of a model's may be)."""
         self.endpoint = f"ps-offload-{uuid.uuid4().hex}"  # per start: a restarted daemon is a new name
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind("\0" + self.endpoint)
@@ -214,6 +215,9 @@ class LocalServer:
                 continue
             threading.Thread(target=self._connection, args=(sock, pid), name=f"local-{pid}", daemon=True).start()
 
+    def _updates_at_once(self, model: str) -> int:
+        return self.store.updates_at_once(model, self.pushes_at_once)
+
     def _admits(self, pid: int, uid: int, gid: int) -> bool:
         """The daemon's own uid, or a process in server.local_group: its group or one of its
         supplementary groups, as the kernel holds them for it now (/proc/PID/status)."""
@@ -224,7 +228,7 @@ class LocalServer:
         return gid == self.group_id or self.group_id in process_groups(pid)
 
     def _connection(self, sock: socket.socket, pid: int) -> None:
-        session, joined = Session(sock, pid, BatchRuns(self.pushes_at_once)), False
+        session, joined = Session(sock, pid, BatchRuns(self.pushes_at_once, self._updates_at_once)), False
         try:
             sock.settimeout(self.stall_seconds)  # a client that never sends its slot goes
             request, fds = session.receive()

@@ -58,6 +58,22 @@ def plan_window(budget: int, arenas: list[int], *, depth: int, models: int) -> W
     return WindowPlan(window, max(held, 1))  # the shard updated next is always held
 
 
+def updates_at_once(budget: int, arenas: list[int], *, depth: int, models: int, most: int) -> int:
+    """How many of a model's updates may hold their arenas in RAM at once (a local batch's
+    pushes side by side, ps_offload.daemon.dataplane.batch_runs, each pinned until its commit
+    group is durable), at most `most`, without the room the window plans on: one (the update in
+    flight the window keeps room for) unless the model's share of the tier holds all of its
+    arenas, the prefetch's and the extra updates'. On a tier smaller than its models the window
+    keeps its plan (side by side there, zero_infinity_small read 16% more a step, for fewer
+    flushes on a disk whose flushes cost it little: docs/benchmarks.md), and a connection's
+    batch commits one shard at a time, as before."""
+    if not arenas or most <= 1:
+        return 1
+    largest = max(arenas)
+    spare = budget // max(models, 1) - sum(arenas) - (depth + 1) * largest
+    return max(1, min(most, 1 + spare // largest))
+
+
 def _window_bytes(budget: int, largest_arena: int, *, depth: int, models: int) -> int:
     return max((budget - (depth + 1) * largest_arena) // max(models, 1), 0)
 
@@ -81,6 +97,11 @@ class ResidencyWindow:
     def plan(self, model: str) -> WindowPlan:
         arenas = [s.arena_bytes for s in self._shards_of(model).values()]
         return plan_window(self.budget, arenas, depth=self.prefetcher.depth, models=self._models())
+
+    def updates_at_once(self, model: str, most: int) -> int:
+        """updates_at_once() for `model` on this tier (1 for a model not registered here)."""
+        arenas = [s.arena_bytes for s in self._shards_of(model).values()]
+        return updates_at_once(self.budget, arenas, depth=self.prefetcher.depth, models=self._models(), most=most)
 
     def holds(self, shard: Shard) -> list[Shard] | None:
         """The shards still to be updated, in the learned order, when the window holds `shard`

@@ -241,6 +241,11 @@ class ShardStore:
 
     # -- tiers ----------------------------------------------------------------------------
 
+    def updates_at_once(self, model: str, most: int) -> int:
+        """How many of `model`'s updates may be in flight at once without taking the RAM tier's
+        room from the residency window (ps_offload.daemon.store.residency_window); 1 without NVMe."""
+        return self.window.updates_at_once(model, most) if self.files.at_rest else 1
+
     def _using(self, shard: Shard, *, pull: bool = False) -> contextlib.AbstractContextManager[None]:
         """Pins the shard in RAM for the block (loading it if it was on NVMe; TierFull, a
         ResourceExhausted, when the tier has no room for it in time). `pull`: a read, after

@@ -45,7 +45,7 @@ def test_a_run_of_pushes_is_in_flight_at_once_and_answered_in_order():
         time.sleep(0.01 * (4 - request.push.shard_id))  # the first finishes last
         return _answered(request), True
 
-    served = BatchRuns(width=4)
+    served = BatchRuns(4, lambda model: 4)
     try:
         answers, keep = served.serve([_push(i) for i in range(4)], answer)
     finally:
@@ -53,24 +53,27 @@ def test_a_run_of_pushes_is_in_flight_at_once_and_answered_in_order():
     assert keep and [a.message for a in answers] == [f"push {i}" for i in range(4)]
 
 
-def test_no_more_than_width_pushes_are_in_flight_and_the_rest_start_as_they_end():
+def test_no_more_pushes_are_in_flight_than_the_model_may_have_and_the_rest_start_as_they_end():
     lock, now, most = threading.Lock(), [0], [0]
+    first_three = threading.Barrier(3, timeout=30)  # they start together, or the barrier breaks
 
     def answer(request):
         with lock:
             now[0] += 1
             most[0] = max(most[0], now[0])
-        time.sleep(0.02)
+        if request.push.shard_id < 3:
+            first_three.wait()
+        time.sleep(0.005)
         with lock:
             now[0] -= 1
         return _answered(request), True
 
-    served = BatchRuns(width=3)
+    served = BatchRuns(8, lambda model: 3)
     try:
         answers, keep = served.serve([_push(i) for i in range(10)], answer)
     finally:
         served.close()
-    assert keep and len(answers) == 10 and most[0] <= 3
+    assert keep and [a.message for a in answers] == [f"push {i}" for i in range(10)] and most[0] == 3
 
 
 def test_a_pull_after_pushes_is_served_once_they_are_all_answered():
@@ -85,7 +88,7 @@ def test_a_pull_after_pushes_is_served_once_they_are_all_answered():
             events.append(("end", kind, getattr(request, kind).shard_id))
         return _answered(request), True
 
-    served = BatchRuns(width=8)
+    served = BatchRuns(8, lambda model: 8)
     try:
         answers, _ = served.serve([_push(0), _push(1), _pull(0), _push(0), _push(0)], answer)
     finally:
@@ -105,7 +108,7 @@ def test_an_answer_that_distrusts_the_connection_ends_the_batch_after_its_run(wi
         seen.append(request.WhichOneof("kind"))
         return _answered(request), request.WhichOneof("kind") != "push" or request.push.shard_id != 1
 
-    served = BatchRuns(width=width)
+    served = BatchRuns(8, lambda model: width)
     try:
         answers, keep = served.serve([_push(0), _push(1), _push(2), _pull(0), _push(3)], answer)
     finally:
@@ -115,7 +118,8 @@ def test_an_answer_that_distrusts_the_connection_ends_the_batch_after_its_run(wi
     assert [a.message for a in answers] == (["push 0", "push 1"] if width == 1 else ["push 0", "push 1", "push 2"])
 
 
-def test_width_one_serves_every_request_on_the_callers_thread_in_order():
+@pytest.mark.parametrize("most, at_once", [(1, 8), (8, 1)], ids=["without-nvme", "a-tier-smaller-than-the-model"])
+def test_one_at_a_time_serves_every_request_on_the_callers_thread_in_order(most, at_once):
     threads, order = set(), []
 
     def answer(request):
@@ -123,7 +127,7 @@ def test_width_one_serves_every_request_on_the_callers_thread_in_order():
         order.append(request.push.shard_id)
         return _answered(request), True
 
-    served = BatchRuns(width=1)
+    served = BatchRuns(most, lambda model: at_once)
     answers, keep = served.serve([_push(i) for i in range(5)], answer)
     served.close()
     assert keep and threads == {threading.get_ident()} and order == list(range(5)) and len(answers) == 5

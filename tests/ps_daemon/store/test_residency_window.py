@@ -13,7 +13,7 @@ from ps_offload.daemon.composition import open_store
 from ps_offload.daemon.store import tier_admin
 from ps_offload.daemon.store.pull import PullRequest
 from ps_offload.daemon.store.push import PushRequest
-from ps_offload.daemon.store.residency_window import WindowPlan, plan_window
+from ps_offload.daemon.store.residency_window import WindowPlan, plan_window, updates_at_once
 from ps_offload.daemon.store.shard import arena_nbytes
 from ps_offload.daemon.store.shard_store import ShardStore
 from ps_offload.daemon.tiers.nvme import PAGE, DirectIO, NvmeFiles
@@ -154,3 +154,15 @@ def test_the_window_plan_counts_what_the_tier_keeps_besides_it():
     # The shard updated next is held in the room kept for the update in flight.
     assert plan_window(3 * arena, [arena] * 20, depth=2, models=1) == WindowPlan(0, 1)
     assert plan_window(10 * arena, [], depth=2, models=1).shards == 0
+
+
+def test_updates_side_by_side_take_only_room_the_window_does_not_plan_on():
+    arena = 100
+    # A tier smaller than the model: one update in flight, the one the window keeps room for.
+    assert updates_at_once(10 * arena, [arena] * 20, depth=2, models=1, most=8) == 1
+    # The model whole (4), the prefetch (2) and the update in flight (1) take 7 of 10: 3 more.
+    assert updates_at_once(10 * arena, [arena] * 4, depth=2, models=1, most=8) == 4
+    assert updates_at_once(10 * arena, [arena] * 4, depth=2, models=1, most=2) == 2  # the spare slots
+    assert updates_at_once(10 * arena, [arena] * 4, depth=2, models=2, most=8) == 1  # a half each
+    assert updates_at_once(10 * arena, [arena] * 4, depth=2, models=1, most=1) == 1  # no NVMe
+    assert updates_at_once(10 * arena, [], depth=2, models=1, most=8) == 1  # not registered here
