@@ -33,6 +33,7 @@ from bench import (
     push_in_backward,
     replication_overhead,
     staleness_convergence,
+    stream_commits,
     stream_overhead,
     train_step_overhead,
     train_step_overhead_bf16,
@@ -173,6 +174,22 @@ def _nvme_train_step(r: dict) -> str:
     return (
         f"Step time with prefetch {r['step_ms_nvme_prefetch']} ms, without {r['step_ms_nvme_no_prefetch']} ms, "
         f"all in RAM {r['step_ms_all_in_ram']} ms (medians over the rounds)."
+    )
+
+
+def _stream_commits(r: dict) -> str:
+    over, per = r["over_unsynced"], r["per_step"]
+
+    def asked(key: str) -> str:
+        p = per[key]
+        return f"{p['nvme_commits']:g} commits in {p['nvme_commit_groups']:g} groups, {p['nvme_flushes']:g} flushes"
+
+    return (
+        f"Over the unsynced daemon's step: side by side {over['durable_apply_at_step']['ratio']} (micro_batches=0), "
+        f"{over['durable_apply_on_push']['ratio']} (micro_batches=1); one commit at a time "
+        f"{over['in_order_apply_at_step']['ratio']} and {over['in_order_apply_on_push']['ratio']}. Per step, "
+        f"micro_batches=0 side by side: {asked('durable_apply_at_step')}; one at a time: "
+        f"{asked('in_order_apply_at_step')} ({r['shards']} shards)."
     )
 
 
@@ -646,6 +663,7 @@ DETAILS: dict[str, Callable[[dict], str]] = {
     "ps_overhead_pp_dp": _ps_overhead,
     "compress_cpu": _compress_cpu,
     "stream_overhead": _stream_overhead,
+    "stream_commits": _stream_commits,
     "zero_infinity_small": _zero_infinity,
     "zero_infinity_large": _zero_infinity,
     "zero_infinity_largest": _zero_infinity,
@@ -716,6 +734,7 @@ def main() -> None:
     # DeepSpeed ZeRO-Infinity against the streamed trainer, both from NVMe; records nothing without
     # DeepSpeed. (Its --largest probe is not run here: it takes long.)
     _timed("zero_infinity", zero_infinity.main, seconds)
+    _timed("stream_commits", stream_commits.main, seconds)  # a streamed step's commits, synced and not
     if shutil.which("fio"):
         _timed("nvme_io", nvme_io.main, seconds)
         _timed("nvme_train_step", nvme_train_step.main, seconds)

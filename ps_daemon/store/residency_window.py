@@ -64,9 +64,9 @@ def updates_at_once(budget: int, arenas: list[int], *, depth: int, models: int, 
     group is durable), at most `most`, without the room the window plans on: one (the update in
     flight the window keeps room for) unless the model's share of the tier holds all of its
     arenas, the prefetch's and the extra updates'. On a tier smaller than its models the window
-    keeps its plan (side by side there, zero_infinity_small read 16% more a step, for fewer
-    flushes on a disk whose flushes cost it little: docs/benchmarks.md), and a connection's
-    batch commits one shard at a time, as before."""
+    keeps its plan, and a connection's batch commits one shard at a time, as before: side by
+    side at a tier of a quarter of the state, zero_infinity_small read 16% more a step (more
+    of the window evicted) to save half its flushes, and ran slower (2026-12-07, by hand)."""
     if not arenas or most <= 1:
         return 1
     largest = max(arenas)
