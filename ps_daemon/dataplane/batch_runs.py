@@ -9,9 +9,10 @@ queues behind the group being written (ps_offload.daemon.tiers.commit_group), so
 shards go to disk in a few groups of many, each with two flushes: the deeper the disk's
 flush, the larger the groups.
 
-Which requests. A run is consecutive pushes to different shards: they commute, so serving them
-at once answers what serving them in order would. A pull, or a second push to a shard already
-in the run, ends it and is served after the run is answered, as the batch orders it.
+Which requests. A run is consecutive pushes that commit (not a GRADIENT_PART, which only adds
+to a sum in RAM, nor an APPLY's check) to different shards: they commute, so serving them at
+once answers what serving them in order would. Any other request, or a second push to a shard
+already in the run, ends it and is served after the run is answered, as the batch orders it.
 
 How many at once. Each push side by side holds its shard's arena in the RAM tier until its
 group is durable, and the tier's residency window (ps_offload.daemon.store.residency_window)
@@ -37,13 +38,22 @@ from ps_offload.proto import ps_pb2
 Answer = Callable[[ps_pb2.DataRequest], tuple[ps_pb2.DataResponse, bool]]
 
 
+# The pushes that commit a new version: a GRADIENT_PART only adds to a sum in RAM, and an
+# APPLY's check changes nothing, so side by side they would only contend for the cores.
+COMMITTING = frozenset({ps_pb2.GRADIENT, ps_pb2.APPLY, ps_pb2.MOMENTUM, ps_pb2.PARAMETERS, ps_pb2.STATE})
+
+
+def _commits(request: ps_pb2.DataRequest) -> bool:
+    return request.WhichOneof("kind") == "push" and request.push.kind in COMMITTING and not request.push.check_only
+
+
 def runs(requests: Sequence[ps_pb2.DataRequest]) -> list[range]:
-    """`requests`' indices in runs, in order: consecutive pushes to different shards; any
-    other request alone."""
+    """`requests`' indices in runs, in order: consecutive pushes that commit, to different
+    shards; any other request alone."""
     out: list[range] = []
     start, shards = 0, set()
     for index, request in enumerate(requests):
-        key = (request.push.model, request.push.shard_id) if request.WhichOneof("kind") == "push" else None
+        key = (request.push.model, request.push.shard_id) if _commits(request) else None
         if key is None or key in shards:
             if index > start:
                 out.append(range(start, index))

@@ -14,8 +14,8 @@ from ps_offload.daemon.dataplane.batch_runs import BatchRuns, runs
 from ps_offload.proto import ps_pb2
 
 
-def _push(shard: int, model: str = "m") -> ps_pb2.DataRequest:
-    return ps_pb2.DataRequest(push=ps_pb2.PushHeader(model=model, shard_id=shard))
+def _push(shard: int, model: str = "m", kind: int = ps_pb2.GRADIENT, **fields) -> ps_pb2.DataRequest:
+    return ps_pb2.DataRequest(push=ps_pb2.PushHeader(model=model, shard_id=shard, kind=kind, **fields))
 
 
 def _pull(shard: int) -> ps_pb2.DataRequest:
@@ -33,6 +33,9 @@ def test_runs_are_consecutive_pushes_to_different_shards_and_anything_else_is_al
     assert runs(batch) == [range(0, 3), range(3, 4), range(4, 5), range(5, 7)]
     assert runs([]) == []
     assert runs([_pull(0), _pull(0)]) == [range(0, 1), range(1, 2)]
+    # Pushes that commit nothing (a part, an APPLY's check) are served alone, in order.
+    part, check = _push(1, kind=ps_pb2.GRADIENT_PART), _push(2, kind=ps_pb2.APPLY, check_only=True)
+    assert runs([_push(0), part, check, _push(3, kind=ps_pb2.APPLY)]) == [range(i, i + 1) for i in range(4)]
 
 
 def test_a_run_of_pushes_is_in_flight_at_once_and_answered_in_order():
