@@ -260,8 +260,8 @@ class LocalServer:
         finally:
             with self._cond:
                 self._connections.discard(sock)
+            session.batch_runs.close()  # none of its pushes still reads the client's memory
             sock.close()  # out of every request: the client may use its memory again
-            session.batch_runs.close()
             if session.slot is not None:
                 session.slot.close()
             if joined:
