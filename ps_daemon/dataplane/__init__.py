@@ -10,6 +10,8 @@ local transport for clients on this host: the same requests, the bytes through s
     local_server    LocalServer: the local transport (abstract Unix socket, peer uid checked, each
                     connection's memfd slot mapped; pulls written and pushes read in place,
                     alone or a batch of them in one round trip)
+    batch_runs      how a local batch is served: runs of committing pushes to different shards
+                    side by side (as the RAM tier allows), so their commits share groups
     local_session   a local connection's session (socket, slot, client id), its refusals, its peer
     local_pool      LocalPool: the node's shared pool (server.local_pool_bytes): each client's windows
 """

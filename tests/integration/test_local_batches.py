@@ -12,8 +12,8 @@ import grpc
 import pytest
 import torch
 
-from ps_admin.client import stats
 from ps_offload import trainer
+from ps_offload.admin.client import stats
 from ps_offload.proto import ps_pb2
 from ps_offload.proto.frames import recv_message, send_message
 from ps_offload.proto.pull import Pull
