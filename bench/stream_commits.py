@@ -26,18 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from bench.common import REPO, BenchDaemon, daemon_stats, median, quick, record, spread
+from bench.stream_overhead import BATCH, CONFIG, LR, SHARD_BYTES, reference_and_batches, streamed_model
 from ps_offload import trainer
-from ps_offload.trainer.debug_models import GPTConfig, TinyGPT
 
-CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=quick(8, 2), n_head=4, n_embd=quick(256, 64))
-BATCH = 8
 STEPS_PER_ROUND = quick(5, 2)
 ROUNDS = quick(8, 2)
-SHARD_BYTES = 1 << 20
-LR = 1e-3
 DAEMONS = {
     "durable": "",
     "in_order": "[store]\nnvme_spare_slots = 1\n",
@@ -47,19 +41,7 @@ COUNTERS = ("nvme_commits", "nvme_commit_groups", "nvme_flushes", "nvme_flush_se
 
 
 def _streamed(initial: dict, name: str, address: str, micro_batches: int):
-    with torch.device("meta"):
-        model = TinyGPT(CONFIG)
-    names = {id(m): n for n, m in model.named_modules()}
-
-    def init(module):
-        prefix = names[id(module)]
-        with torch.no_grad():
-            for key, t in module.named_parameters(recurse=False):
-                t.copy_(initial[f"{prefix}.{key}" if prefix else key])
-
-    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
-    stream = trainer.Streaming(blocks=list(model.blocks), init=init, device="cpu", window_bytes=2 * block_bytes,
-                               micro_batches=micro_batches)  # fmt: skip
+    model, stream = streamed_model(initial, {"micro_batches": micro_batches})
     opt = trainer.offload(
         model, daemons=[address], optimizer=trainer.AdamW(lr=LR),
         config=trainer.OffloadConfig(model_name=name, shard_bytes=SHARD_BYTES), stream=stream,
@@ -68,13 +50,7 @@ def _streamed(initial: dict, name: str, address: str, micro_batches: int):
 
 
 def main() -> dict:
-    torch.manual_seed(0)
-    reference = TinyGPT(CONFIG)
-    initial = {k: v.clone() for k, v in reference.state_dict().items()}
-    g = torch.Generator().manual_seed(1)
-    batches = [
-        (torch.randint(CONFIG.vocab_size, (BATCH, CONFIG.block_size), generator=g),) * 2 for _ in range(STEPS_PER_ROUND)
-    ]
+    reference, initial, batches = reference_and_batches(STEPS_PER_ROUND)
     with contextlib.ExitStack() as stack:
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ps-bench-commits-", dir=REPO)))
         daemons = {}

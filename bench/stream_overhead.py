@@ -47,7 +47,9 @@ def _no_decay(name, p):
     return p.dim() < 2
 
 
-def _streamed_model(initial: dict, stream_kwargs: dict):
+def streamed_model(initial: dict, stream_kwargs: dict):
+    """CONFIG's GPT on the meta device, streamed a window of two blocks at a time, each module
+    initialised from `initial` (a state_dict); returns (model, Streaming)."""
     with torch.device("meta"):
         model = TinyGPT(CONFIG)
     names = {id(m): n for n, m in model.named_modules()}
@@ -64,14 +66,18 @@ def _streamed_model(initial: dict, stream_kwargs: dict):
     return model, stream
 
 
-def main() -> dict:
+def reference_and_batches(steps: int) -> tuple[TinyGPT, dict, list]:
+    """CONFIG's GPT as seeded, its initial state_dict, and `steps` batches of (tokens, targets)."""
     torch.manual_seed(0)
     reference = TinyGPT(CONFIG)
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     g = torch.Generator().manual_seed(1)
-    batches = [
-        (torch.randint(CONFIG.vocab_size, (BATCH, CONFIG.block_size), generator=g),) * 2 for _ in range(STEPS_PER_ROUND)
-    ]
+    batches = [(torch.randint(CONFIG.vocab_size, (BATCH, CONFIG.block_size), generator=g),) * 2 for _ in range(steps)]
+    return reference, initial, batches
+
+
+def main() -> dict:
+    reference, initial, batches = reference_and_batches(STEPS_PER_ROUND)
     contenders = {
         "streamed": {"prefetch": True},
         "streamed_no_prefetch": {"prefetch": False},
@@ -105,7 +111,7 @@ def main() -> dict:
             config = trainer.OffloadConfig(model_name=name, shard_bytes=shard_bytes(name))
             runs[name] = (whole, trainer.offload(whole, config=config, **common(name)))
         for name, kwargs in contenders.items():
-            model, stream = _streamed_model(initial, kwargs)
+            model, stream = streamed_model(initial, kwargs)
             config = trainer.OffloadConfig(model_name=name, shard_bytes=shard_bytes(name))
             runs[name] = (model, trainer.offload(model, config=config, stream=stream, **common(name)))
 
