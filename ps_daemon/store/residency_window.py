@@ -70,7 +70,7 @@ def updates_at_once(budget: int, arenas: list[int], *, depth: int, models: int, 
     if not arenas or most <= 1:
         return 1
     largest = max(arenas)
-    spare = budget // max(models, 1) - sum(arenas) - (depth + 1) * largest
+    spare = _window_bytes(budget, largest, depth=depth, models=models) - sum(arenas)  # beyond the model whole
     return max(1, min(most, 1 + spare // largest))
 
 
