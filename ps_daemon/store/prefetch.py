@@ -1,5 +1,5 @@
-"""What the RAM tier loads ahead: shards a trainer hinted, and the shards that followed the
-one just pushed in the previous step's push order (learned, per model). The same learned order
+"""What the RAM tier loads ahead: shards a trainer hinted, and the shards not pushed yet this
+step, in the previous step's push order (learned, per model). The same learned order
 says, for a pull, which shards are updated before the pulled one (`updates_before`), which the
 residency window reads (ps_offload.daemon.store.residency_window).
 
@@ -32,8 +32,13 @@ class Prefetcher:
         return self.tier.prefetch(shards, after_upcoming=True)
 
     def pushed(self, shard: Shard, step: int, shards_of_model: Callable[[], dict[int, Shard]]) -> None:
-        """Records that `shard` is being pushed for `step`; queues what came after it last
-        step. `shards_of_model`: the model's shards on this daemon, by id."""
+        """Records that `shard` is being pushed for `step`; makes the tier's order of upcoming
+        use this shard, then the model's shards not pushed yet this step in last step's order,
+        and queues the first `depth` of them not in RAM. Not what followed this shard last
+        step: pushes that run at once arrive in a slightly different order each step, and that
+        re-read shards already pushed and dropped from the order some not pushed yet (evicted
+        first, then read again at their push). `shards_of_model`: the model's shards on this
+        daemon, by id."""
         if not self.depth:
             return
         with self._lock:
@@ -44,7 +49,8 @@ class Prefetcher:
             self._orders[shard.model] = (step, previous, current)
             if shard.slice.shard_id not in previous:
                 return
-            upcoming = previous[previous.index(shard.slice.shard_id) + 1 :]
+            done = set(current)
+            upcoming = [shard.slice.shard_id] + [i for i in dict.fromkeys(previous) if i not in done]
         shards = shards_of_model()
         self.tier.prefetch([shards[i] for i in upcoming if i in shards], limit=self.depth)
 

@@ -14,10 +14,12 @@ push order) says which shards of the model are updated before the pulled one. If
 and its own fit in the *window*, the pull loads the shard whole (a tier miss, counted in
 `window_loads`), and the tier keeps it: the order of upcoming use is set to that learned order,
 so it is evicted only after the shards needed later (ps_offload.daemon.tiers.ram's victim rule).
-Else the master region alone is read, as before. The shard updated next (a backward's pull
-that prefetch did not reach) is always loaded whole, in the room kept for the update in flight,
-and so is one whose predecessors are all in RAM already (a backward pulls a block's shards
-together): a backward pull reads its shard once, for the pull and the update both.
+Else the master region alone is read, as before. The shards the next `depth` + 1 updates take
+(a backward's pull that prefetch did not reach; pushes come in an order a little different
+from last step's, so not only the very next) are always loaded whole, in the room kept for the
+update in flight and the prefetch, and so is one whose predecessors are all in RAM already (a
+backward pulls a block's shards together): a backward pull reads its shard once, for the pull
+and the update both.
 
 The window: the RAM tier's budget less room for the prefetch of `depth` shards ahead and one
 update in flight (`depth + 1` of the model's largest arenas), shared evenly among the models
@@ -114,13 +116,18 @@ class ResidencyWindow:
         shards = self._shards_of(shard.model)
         if any(i not in shards for i in remaining):
             return None  # dropped or re-registered meanwhile
-        # The shard updated next always fits: its room is the update in flight's. So does one
-        # whose every predecessor is in RAM already (a backward pulling a block's shards
-        # together): nothing is loaded before its update, so it is evicted only for shards
-        # needed sooner.
+        # The shards the next `depth` + 1 updates take always fit, in the room kept for the
+        # update in flight and the prefetch, which would read them whole before their updates
+        # anyway (pushes come in an order a little different from last step's: the one pulled
+        # need not be the very next). So does one whose every predecessor is in RAM already (a
+        # backward pulling a block's shards together): nothing is loaded before its update, so
+        # it is evicted only for shards needed sooner.
+        depth, models = self.prefetcher.depth, max(self._models(), 1)
         needed = sum(shards[i].arena_bytes for i in before)
+        if len(before) <= depth and needed + shard.arena_bytes <= self.budget // models:
+            return [shards[i] for i in remaining]
         largest = max(s.arena_bytes for s in shards.values())
-        window = _window_bytes(self.budget, largest, depth=self.prefetcher.depth, models=self._models())
+        window = _window_bytes(self.budget, largest, depth=depth, models=models)
         if needed + shard.arena_bytes > window:
             if not all(shards[i].resident or shards[i].loading for i in before):
                 return None

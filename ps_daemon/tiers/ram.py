@@ -15,7 +15,9 @@ step's small shards keep the disk as deep in reads as one large shard does. That
 order also chooses what to evict: first the least recently used shard that is not upcoming
 (already pushed this step), then the upcoming shard needed last; a prefetch never evicts a
 shard needed before the one it loads, nor one an earlier prefetch brought in that nobody
-has used yet. A push (`use`) takes a shard out of the order; a pull does not, since the order
+has used yet. A load that finds no room waits at the head of the queue until an update or a
+pull ends (`waiting_for_room`); a queued shard used meanwhile (no longer upcoming) is dropped
+from the queue. A push (`use`) takes a shard out of the order; a pull does not, since the order
 is of pushes (the previous step's push order) and a shard pulled in backward is pushed next:
 evicting it between the two would load it twice. A trainer's hint adds its shards after
 those already upcoming; the learned order replaces the whole order at each push. Hits and
@@ -81,6 +83,7 @@ class RamTier:
         self._queue: deque = deque()
         self.read_ahead_bytes = read_ahead_bytes
         self._loads, self._loading_bytes = 0, 0  # prefetch loads in flight, and their arenas' bytes
+        self.waiting_for_room: object | None = None  # the queued shard the loader waits to find room for
         self._loaders = ThreadPoolExecutor(max_workers=MAX_PREFETCH_LOADS, thread_name_prefix="prefetch-load")
         self._prefetcher = threading.Thread(target=self._prefetch_loop, name="prefetch", daemon=True)
         self._stopping = False
@@ -301,14 +304,20 @@ class RamTier:
                 if self._stopping:
                     return
                 shard = self._queue.popleft()
-                if shard.resident or shard.loading or shard.corrupt or shard.dropped:
-                    continue
+                at = self._upcoming.get(shard.model, {}).get(shard)
+                if at is None or shard.resident or shard.loading or shard.corrupt or shard.dropped:
+                    continue  # (no longer upcoming: used since it was queued)
                 # Never evict what an earlier prefetch brought in and nobody used yet, nor
                 # what is needed before this shard.
-                at = self._upcoming.get(shard.model, {}).get(shard)
                 buffer = self._take_room(shard.arena_bytes, evict_protected=False, before=at)
                 if buffer is None:
-                    self._queue.clear()  # no room: the rest would be too late anyway
+                    # No room now: every other arena is pinned or needed sooner. An update
+                    # ending gives some back; until something changes, this load waits at
+                    # the head of the queue (the ones behind it are needed later still).
+                    self._queue.appendleft(shard)
+                    self.waiting_for_room = shard
+                    self.cond.wait()
+                    self.waiting_for_room = None
                     continue
                 shard.loading = True
                 shard.pins += 1

@@ -3,6 +3,7 @@ order of upcoming use."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -53,11 +54,22 @@ def _resident(tier: RamTier) -> set[int]:
 
 
 def _settle(tier: RamTier) -> None:
+    """Until the loader is idle: nothing queued, or the first queued load waiting for room."""
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         with tier.cond:
-            if not tier._queue and tier._loads == 0:
+            if (not tier._queue or tier.waiting_for_room is not None) and tier._loads == 0:
                 return
+        time.sleep(0.01)
+    raise AssertionError("the prefetch loader did not settle in 5 s")
+
+
+def _until(what) -> None:
+    """Until `what()` holds (the loader runs on its own thread; it wakes some time after the
+    change that lets it go on)."""
+    deadline = time.monotonic() + 5
+    while not what():
+        assert time.monotonic() < deadline, "not in 5 s"
         time.sleep(0.01)
 
 
@@ -93,6 +105,42 @@ def test_prefetch_never_evicts_a_shard_needed_before_the_one_it_loads():
     _settle(tier)
     assert _resident(tier) == {1, 2}  # 3 and 0 would have to evict 1 or 2
     assert tier.stats.prefetched == 0
+    tier.close()
+
+
+def test_a_prefetch_without_room_waits_for_an_update_to_end():
+    """Every arena is pinned by an update: the load waits at the head of the queue, and starts
+    when one ends (it used to be dropped, and its shard then read at its pull and again whole
+    at its update)."""
+    tier = _tier(2)
+    updating, other, nxt, after = (FakeShard(i) for i in range(4))
+    with contextlib.ExitStack() as updates:
+        for shard in (updating, other):
+            updates.enter_context(tier.use(shard))
+        assert tier.prefetch([nxt, after]) == 2
+        _until(lambda: tier.waiting_for_room is nxt)
+        assert tier.stats.prefetched == 0
+    _until(lambda: tier.stats.prefetched == 2)  # both updates ended: room for both loads
+    assert _resident(tier) == {2, 3} and tier.stats.misses == 2
+    tier.close()
+
+
+def test_a_queued_shard_used_meanwhile_is_not_loaded_again():
+    tier = _tier(3)
+    updating, other, needed, late = (FakeShard(i) for i in range(4))
+    tier.prefetch([needed, late])
+    _settle(tier)
+    assert _resident(tier) == {2, 3}
+    tier.evict(late)
+    with tier.use(updating), tier.use(other):  # no room for `late` now
+        tier.prefetch([needed, late])
+        _until(lambda: tier.waiting_for_room is late)
+        _touch(tier, late)  # its push came first: loaded on demand, and no longer upcoming
+        tier.evict(late)
+    _until(lambda: not tier._queue)
+    _settle(tier)
+    assert 3 not in _resident(tier)
+    assert tier.stats.prefetched == 2 and tier.stats.misses == 3  # updating, other, late once
     tier.close()
 
 
