@@ -15,10 +15,13 @@ step's small shards keep the disk as deep in reads as one large shard does. That
 order also chooses what to evict: first the least recently used shard that is not upcoming
 (already pushed this step), then the upcoming shard needed last; a prefetch never evicts a
 shard needed before the one it loads, nor one an earlier prefetch brought in that nobody
-has used yet. A load that finds no room waits at the head of the queue until an update or a
-pull ends (`waiting_for_room`); a queued shard used meanwhile (no longer upcoming) is dropped
-from the queue. A push (`use`) takes a shard out of the order; a pull does not, since the order
-is of pushes (the previous step's push order) and a shard pulled in backward is pushed next:
+has used yet. Queued loads start with the one needed soonest (not the first queued: a
+trainer's hint for its next block, queued after the learned order's loads further ahead, is
+needed before them). A load that finds no
+room waits until an update or a pull ends (`waiting_for_room`); a queued shard used meanwhile
+(no longer upcoming) is dropped from the queue. A push (`use`) takes a shard out of the
+order; a pull does not, since the order is of pushes (the previous step's push order) and a
+shard pulled in backward is pushed next:
 evicting it between the two would load it twice. A trainer's hint adds its shards after
 those already upcoming; the learned order replaces the whole order at each push. Hits and
 misses are counted at `use`.
@@ -303,7 +306,7 @@ class RamTier:
                     self.cond.wait()
                 if self._stopping:
                     return
-                shard = self._queue.popleft()
+                shard = self._soonest_queued_locked()
                 at = self._upcoming.get(shard.model, {}).get(shard)
                 if at is None or shard.resident or shard.loading or shard.corrupt or shard.dropped:
                     continue  # (no longer upcoming: used since it was queued)
@@ -314,7 +317,7 @@ class RamTier:
                     # No room now: every other arena is pinned or needed sooner. An update
                     # ending gives some back; until something changes, this load waits at
                     # the head of the queue (the ones behind it are needed later still).
-                    self._queue.appendleft(shard)
+                    self._queue.appendleft(shard)  # (still the soonest)
                     self.waiting_for_room = shard
                     self.cond.wait()
                     self.waiting_for_room = None
@@ -323,6 +326,13 @@ class RamTier:
                 shard.pins += 1
                 self._loads, self._loading_bytes = self._loads + 1, self._loading_bytes + shard.arena_bytes
             self._loaders.submit(self._prefetch_one, shard, buffer)
+
+    def _soonest_queued_locked(self):
+        """Under cond: takes the queued shard needed soonest out of the queue (the first in its
+        model's order of upcoming use; one no longer upcoming first, to be dropped)."""
+        shard = min(self._queue, key=lambda s: self._upcoming.get(s.model, {}).get(s, -1))
+        self._queue.remove(shard)
+        return shard
 
     def _room_to_load_locked(self) -> bool:
         """Under cond: whether another prefetch load may start (one always may)."""

@@ -125,6 +125,24 @@ def test_a_prefetch_without_room_waits_for_an_update_to_end():
     tier.close()
 
 
+def test_the_loader_takes_the_queued_shard_needed_soonest():
+    """Queued loads wait for room in the order of use, not of their queueing: with room for one,
+    the one needed first is read (first in, first out read a late one, which the next demand
+    load then evicted and read again; zero_infinity_small read 6% more a step)."""
+    tier = _tier(3)
+    a, b, c, *upcoming = (FakeShard(i) for i in range(7))
+    tier.prefetch(upcoming, limit=0)  # the order only
+    with tier.use(a), tier.use(c):
+        with tier.use(b):  # no room
+            tier.prefetch([upcoming[3]], after_upcoming=True)
+            tier.prefetch([upcoming[1]], after_upcoming=True)
+            _until(lambda: tier.waiting_for_room is upcoming[1])
+        _until(lambda: tier.stats.prefetched == 1)  # b done: room for one
+        assert _resident(tier) == {0, 2, 4}
+        _until(lambda: tier.waiting_for_room is upcoming[3])  # the other waits on
+    tier.close()
+
+
 def test_a_queued_shard_used_meanwhile_is_not_loaded_again():
     tier = _tier(3)
     updating, other, needed, late = (FakeShard(i) for i in range(4))
