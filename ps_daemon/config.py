@@ -163,8 +163,8 @@ class StoreConfig:
     io_block_bytes: int = 8 << 20
     """Size of one O_DIRECT read or write; rounded up to 4 KiB."""
     prefetch_depth: int = 2
-    """With an NVMe tier: as each push arrives, read ahead this many shards that came next
-    in the previous step's order (0: only the trainers' Prefetch hints)."""
+    """With an NVMe tier: as each push arrives, read ahead this many of the shards not pushed
+    yet this step, in the previous step's order (0: only the trainers' Prefetch hints)."""
     allow_nonfinite_pushes: bool = False
     """Apply a gradient or momentum push whose values hold a NaN or an infinity (an element, a
     TOPK value, a ONEBIT block scale), as torch would in process. Off: it is refused with

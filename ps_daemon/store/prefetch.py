@@ -18,8 +18,8 @@ from ps_offload.daemon.tiers.tier import ResidencyTier
 
 class Prefetcher:
     def __init__(self, tier: ResidencyTier, *, depth: int) -> None:
-        """depth: how many of the shards that came next last step to load as each push
-        arrives (0: learn nothing)."""
+        """depth: how many of the shards not pushed yet this step (in last step's order) to
+        load as each push arrives (0: learn nothing)."""
         self.tier = tier
         self.depth = depth
         # Per model: (the step being pushed, the previous step's push order, this step's so far).

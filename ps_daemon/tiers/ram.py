@@ -17,11 +17,10 @@ order also chooses what to evict: first the least recently used shard that is no
 shard needed before the one it loads, nor one an earlier prefetch brought in that nobody
 has used yet. Queued loads start with the one needed soonest (not the first queued: a
 trainer's hint for its next block, queued after the learned order's loads further ahead, is
-needed before them). A load that finds no
-room waits until an update or a pull ends (`waiting_for_room`); a queued shard used meanwhile
-(no longer upcoming) is dropped from the queue. A push (`use`) takes a shard out of the
-order; a pull does not, since the order is of pushes (the previous step's push order) and a
-shard pulled in backward is pushed next:
+needed before them). A load that finds no room waits until an update or a pull ends
+(`waiting_for_room`); a queued shard used meanwhile (no longer upcoming) is dropped from the
+queue. A push (`use`) takes a shard out of the order; a pull does not, since the order is of
+pushes (the previous step's push order) and a shard pulled in backward is pushed next:
 evicting it between the two would load it twice. A trainer's hint adds its shards after
 those already upcoming; the learned order replaces the whole order at each push. Hits and
 misses are counted at `use`.
