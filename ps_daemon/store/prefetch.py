@@ -49,8 +49,7 @@ class Prefetcher:
             self._orders[shard.model] = (step, previous, current)
             if shard.slice.shard_id not in previous:
                 return
-            done = set(current)
-            upcoming = [shard.slice.shard_id] + [i for i in dict.fromkeys(previous) if i not in done]
+            upcoming = [shard.slice.shard_id, *_not_pushed_yet(previous, current)]
         shards = shards_of_model()
         self.tier.prefetch([shards[i] for i in upcoming if i in shards], limit=self.depth)
 
@@ -64,8 +63,7 @@ class Prefetcher:
         with self._lock:
             learned_step, previous, current = self._orders.get(shard.model, (None, [], []))
             if learned_step == step:
-                done = set(current)
-                remaining = [i for i in dict.fromkeys(previous) if i not in done]
+                remaining = _not_pushed_yet(previous, current)
             elif learned_step == step - 1:
                 remaining = list(dict.fromkeys(current))
             else:
@@ -74,3 +72,10 @@ class Prefetcher:
         if shard_id not in remaining:
             return None
         return remaining, remaining[: remaining.index(shard_id)]
+
+
+def _not_pushed_yet(previous: list[int], current: list[int]) -> list[int]:
+    """The shards of last step's push order (`previous`) not pushed yet this step (`current`),
+    in that order, each once."""
+    done = set(current)
+    return [i for i in dict.fromkeys(previous) if i not in done]
